@@ -1,0 +1,74 @@
+"""Every use of torch internals or version-dependent names lives here.
+
+torch 2.13 renames ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to ``*_single`` (the
+old names warn); torch 2.11 has only the old names. GradScaler's per-optimizer bookkeeping
+(``_per_optimizer_states``, ``OptState``) and autograd's end-of-backward callback queue are
+private. tests/test_compat.py checks each of these on the torch version it runs on.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "reduce_scatter",
+    "all_gather",
+    "queue_backward_callback",
+    "OptState",
+    "scaler_optimizer_state",
+    "amp_update_scale_",
+    "is_dense_non_overlapping",
+]
+
+_reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool):
+    """SUM-reduce ``input`` (world * output.numel()) and keep this rank's slice in ``output``."""
+    return _reduce_scatter_fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: bool):
+    """Gather every rank's ``input`` into ``output`` (``input`` may alias its own slice)."""
+    return _all_gather_fn(output, input, group=group, async_op=async_op)
+
+
+def queue_backward_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished (as DDP does)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+from torch.amp.grad_scaler import OptState  # noqa: E402  (private enum, re-exported on purpose)
+
+
+def scaler_optimizer_state(scaler: Any, optimizer: Any) -> dict:
+    """GradScaler's bookkeeping dict for ``optimizer``: {"stage": OptState, "found_inf_per_device": {...}}."""
+    return scaler._per_optimizer_states[id(optimizer)]
+
+
+def scaler_scale(scaler: Any) -> Optional[torch.Tensor]:
+    """The scaler's scale tensor without a host sync (None before the first ``scale()``)."""
+    return scaler._scale
+
+
+def amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
+    """torch's fused scale update (the exact arithmetic of ``GradScaler.update``)."""
+    return torch._amp_update_scale_(
+        scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval
+    )
+
+
+def is_dense_non_overlapping(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``t.numel()`` consecutive storage elements (any dim order)."""
+    if t.numel() <= 1:
+        return True
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

@@ -1,0 +1,104 @@
+"""The one dispatcher between the reference math (``reference.py``) and the fused kernels in
+csrc/ (C++ for CPU tensors, CUDA for GPU tensors), both implementing the contract written at the
+top of ``reference.py``.
+
+``SHARDAMP_KERNELS=native`` forces the compiled kernels (a failed build raises),
+``SHARDAMP_KERNELS=reference`` forces the reference; unset, native kernels are used where they
+build, and a failed build warns once and falls back to the reference.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+from torch import Tensor
+
+from . import reference
+from .layout import SegmentTable
+
+_ENV = "SHARDAMP_KERNELS"
+_native_cache: Dict[str, Any] = {}
+_warned = set()
+
+
+def requested_backend() -> str:
+    value = os.environ.get(_ENV, "auto").strip().lower() or "auto"
+    if value not in ("auto", "native", "reference"):
+        raise ValueError(f"{_ENV}={value!r}: expected 'native', 'reference' or unset")
+    return value
+
+
+def _native(device: torch.device) -> Optional[Any]:
+    """The compiled extension for ``device``'s type, or None to use the reference."""
+    mode = requested_backend()
+    if mode == "reference":
+        return None
+    kind = device.type
+    if kind not in _native_cache:
+        try:
+            from ._build import load_extension
+
+            _native_cache[kind] = load_extension(cuda=(kind == "cuda"))
+        except Exception as exc:  # a compiler or toolchain problem
+            if mode == "native":
+                raise RuntimeError(f"{_ENV}=native but the {kind} kernels could not be built: {exc}") from exc
+            _native_cache[kind] = None
+            if kind not in _warned:
+                _warned.add(kind)
+                warnings.warn(
+                    f"shardamp: the fused {kind} kernels could not be built ({exc}); using the "
+                    f"slower pure-PyTorch reference. Set {_ENV}=reference to silence this.",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+    return _native_cache[kind]
+
+
+def backend(device: torch.device) -> str:
+    """'native' or 'reference': what runs for tensors on ``device``."""
+    return "reference" if _native(device) is None else "native"
+
+
+def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
+    """Accumulate ``sum|g|^p`` (or max) and the non-finite flag of ``grad`` into ``out``."""
+    ext = _native(grad.device)
+    if ext is None:
+        reference.grad_stats(grad, out, norm_type)
+    else:
+        ext.grad_stats(grad, out, float(norm_type))
+
+
+def adam_step(
+    grad: Tensor,
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    model_out: Optional[Tensor],
+    segments: SegmentTable,
+    hparams: Tensor,
+    steps: Tensor,
+    touched: Tensor,
+    grad_coef: Tensor,
+    found_inf: Tensor,
+    adam_w_mode: bool,
+    bias_correction: bool,
+) -> None:
+    """One fused Adam/AdamW update of a shard (contract: ``reference.py``)."""
+    if not segments.segments:
+        return
+    ext = _native(grad.device)
+    if ext is None:
+        host = segments.extra.get("host")
+        if host is None:
+            host = segments.extra["host"] = segments.table.cpu()
+        reference.adam_step(
+            grad, master, exp_avg, exp_avg_sq, model_out, host, hparams, steps, touched,
+            grad_coef, found_inf, adam_w_mode, bias_correction,
+        )
+    else:
+        ext.adam_step(
+            grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
+            touched, grad_coef, found_inf, adam_w_mode, bias_correction,
+        )

@@ -1,0 +1,144 @@
+"""Who owns which slice: params laid out in flat buckets, each bucket split into one contiguous
+shard per rank.
+
+Pure bookkeeping (no tensors are allocated here). A param occupies ``numel`` consecutive bucket
+elements in its own MEMORY order (what ``as_strided(buffer, shape, stride, offset)`` addresses),
+so a channels_last weight is stored exactly as it lies in memory and never needs ``.view(-1)``.
+Every param starts at a multiple of ``ALIGN`` elements and every shard is a multiple of
+``ALIGN`` long, so vectorised kernels see aligned segment starts; the padding is never updated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+from ._compat import is_dense_non_overlapping
+
+ALIGN = 16  # elements; 64 bytes of fp32, the widest vector the kernels load
+
+
+@dataclass
+class ParamSlot:
+    """Where one param lives: bucket, offset in the bucket, and its memory layout."""
+
+    index: int  # position of the param in param_groups order
+    group: int  # param group index
+    bucket: int
+    offset: int  # first element in the bucket
+    numel: int
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    requires_grad: bool
+
+
+@dataclass
+class Segment:
+    """The part of one param that falls in one rank's shard."""
+
+    start: int  # first element in the shard
+    length: int
+    param_index: int
+    group: int
+    param_offset: int  # first element within the param (memory order)
+
+
+@dataclass
+class SegmentTable:
+    """The segments of one shard, host-side (for the reference and state dicts) and as an int64
+    ``[S, 4]`` tensor of ``(start, length, param_index, group)`` that kernels read. ``extra``
+    caches tables a kernel derives from it (e.g. a block-to-chunk map), keyed by the kernel."""
+
+    segments: List[Segment]
+    table: torch.Tensor
+    extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, segments: List[Segment], device: torch.device) -> "SegmentTable":
+        rows = [[s.start, s.length, s.param_index, s.group] for s in segments]
+        table = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4).to(device)
+        return cls(segments, table)
+
+
+@dataclass
+class Bucket:
+    """One flat buffer's worth of params of a single dtype and device."""
+
+    index: int
+    dtype: torch.dtype
+    device: torch.device
+    slots: List[ParamSlot]
+    numel: int = 0  # padded: world_size * shard_numel
+    shard_numel: int = 0
+    shard_start: int = 0  # this rank's shard: [shard_start, shard_start + shard_numel)
+    segments: SegmentTable | None = None
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+def build_layout(
+    params: Sequence[Tuple[torch.Tensor, int]],
+    bucket_cap_mb: float,
+    world_size: int,
+    rank: int,
+) -> List[Bucket]:
+    """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets.
+
+    Buckets are filled in REVERSE param order, the order in which backward usually produces
+    grads, so bucket 0 fills first; a bucket holds one dtype and device and at most
+    ``bucket_cap_mb`` of that dtype (a larger param gets a bucket of its own). The result is
+    identical on every rank, which is what makes the fixed collective order possible.
+    """
+    cap_bytes = max(int(bucket_cap_mb * 2**20), 1)
+    open_buckets: Dict[Tuple[torch.dtype, torch.device], Bucket] = {}
+    open_bytes: Dict[Tuple[torch.dtype, torch.device], int] = {}
+    buckets: List[Bucket] = []
+    for index in reversed(range(len(params))):
+        p, group = params[index]
+        if not is_dense_non_overlapping(p):
+            raise ValueError(
+                f"params: parameter {index} (shape {tuple(p.shape)}, stride {p.stride()}) is not "
+                "dense and non-overlapping; make it contiguous (or channels_last) before building "
+                "the optimizer"
+            )
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        bucket = open_buckets.get(key)
+        if bucket is not None and bucket.slots and open_bytes[key] + nbytes > cap_bytes:
+            bucket = None
+        if bucket is None:
+            bucket = Bucket(index=len(buckets), dtype=p.dtype, device=p.device, slots=[])
+            buckets.append(bucket)
+            open_buckets[key] = bucket
+            open_bytes[key] = 0
+        offset = _round_up(sum(s_end(s) for s in bucket.slots[-1:]), ALIGN)
+        bucket.slots.append(
+            ParamSlot(index, group, bucket.index, offset, p.numel(), tuple(p.shape), tuple(p.stride()), p.requires_grad)
+        )
+        open_bytes[key] += nbytes
+    for bucket in buckets:
+        used = _round_up(s_end(bucket.slots[-1]), ALIGN)
+        bucket.shard_numel = _round_up(max(used, 1), ALIGN * world_size) // world_size
+        bucket.numel = bucket.shard_numel * world_size
+        bucket.shard_start = rank * bucket.shard_numel
+        bucket.segments = SegmentTable.build(shard_segments(bucket, rank), bucket.device)
+    return buckets
+
+
+def s_end(slot: ParamSlot) -> int:
+    return slot.offset + slot.numel
+
+
+def shard_segments(bucket: Bucket, rank: int) -> List[Segment]:
+    """The segments of ``rank``'s shard of ``bucket``, in shard order."""
+    lo = rank * bucket.shard_numel
+    hi = lo + bucket.shard_numel
+    out = []
+    for slot in bucket.slots:
+        a, b = max(slot.offset, lo), min(s_end(slot), hi)
+        if a < b:
+            out.append(Segment(a - lo, b - a, slot.index, slot.group, a - slot.offset))
+    return out

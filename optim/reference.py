@@ -1,0 +1,106 @@
+"""The math, as plain functions over flat tensors: the specification the fused kernels in csrc/
+are tested against, and the fallback where no compiler is available.
+
+Written for clarity, not speed. Nothing here reads a device value on the host: skipping an
+update (found-inf, or a param no rank touched) is a ``torch.where`` on device tensors, so these
+functions are as free of host syncs as the kernels.
+
+Shared contract (``kernels.py`` dispatches to either implementation):
+
+``grad_stats(grad, out, norm_type)``
+    ``grad``: flat shard, fp32 / bf16 / fp16. ``out``: fp32 ``[2]`` on the same device,
+    ACCUMULATED into: ``out[0] += sum(|g|**p)`` for finite ``p`` (``out[0] = max(out[0],
+    max|g|)`` for ``p = inf``), computed in fp32 from the raw values; ``out[1] = max(out[1],
+    1.0 if any element of grad is inf or NaN else 0.0)``. An empty ``grad`` leaves ``out``
+    unchanged.
+
+``adam_step(grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched,
+grad_coef, found_inf, adam_w_mode, bias_correction)``
+    Over every segment ``(start, length, param_index, group)`` of ``segments`` (int64 ``[S, 4]``;
+    elements outside all segments are padding and are not touched), with
+    ``lr, beta1, beta2, eps, wd = hparams[group]`` (fp64 ``[G, 5]``), ``step = steps[param_index]``
+    (fp32, already counting this step) and ``g = grad * grad_coef`` (fp32):
+
+    * if ``found_inf != 0`` or ``touched[param_index] == 0``: nothing is written;
+    * Adam (``adam_w_mode=False``): ``g += wd * p``; AdamW: ``p *= 1 - lr * wd``;
+    * ``m = lerp(m, g, 1 - beta1)``; ``v = v * beta2 + (1 - beta2) * g * g``;
+    * with ``bias_correction``: ``bc1 = 1 - beta1**step``, ``bc2 = 1 - beta2**step``, else 1;
+    * ``p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)``;
+    * ``master``, ``exp_avg``, ``exp_avg_sq`` (state dtype) are updated in place and, when
+      ``model_out`` is given, ``model_out[i] = p`` rounded to its dtype (round to nearest even).
+
+    Scalars (bias corrections, ``lr / bc1``, ``1 - lr * wd``) are formed in fp64 as torch.optim
+    forms them from Python floats; the element-wise math is fp32.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
+    if grad.numel() == 0:
+        return
+    g = grad.float()
+    nonfinite = (~torch.isfinite(g)).any().float()
+    if math.isinf(norm_type):
+        out[0] = torch.maximum(out[0], g.abs().max())
+    elif norm_type == 2.0:
+        out[0] += torch.dot(g, g)
+    elif norm_type == 1.0:
+        out[0] += g.abs().sum()
+    else:
+        out[0] += g.abs().pow(norm_type).sum()
+    out[1] = torch.maximum(out[1], nonfinite)
+
+
+def adam_step(
+    grad: Tensor,
+    master: Tensor,
+    exp_avg: Tensor,
+    exp_avg_sq: Tensor,
+    model_out: Optional[Tensor],
+    segments: Tensor,
+    hparams: Tensor,
+    steps: Tensor,
+    touched: Tensor,
+    grad_coef: Tensor,
+    found_inf: Tensor,
+    adam_w_mode: bool,
+    bias_correction: bool,
+) -> None:
+    coef = grad_coef.float()
+    skip_all = found_inf != 0
+    for start, length, param_index, group in segments.tolist():
+        sl = slice(start, start + length)
+        lr, beta1, beta2, eps, wd = hparams[group].unbind()
+        step = steps[param_index].double()
+        skip = skip_all | (touched[param_index] == 0)
+
+        g = grad[sl].float() * coef
+        p = master[sl].float()
+        m = exp_avg[sl].float()
+        v = exp_avg_sq[sl].float()
+        if adam_w_mode:
+            p = p * (1 - lr * wd).float()
+        else:
+            g = g + wd.float() * p
+        m = torch.lerp(m, g, (1 - beta1).float())
+        v = v * beta2.float() + (1 - beta2).float() * g * g
+        if bias_correction:
+            bc1 = 1 - beta1**step
+            bc2_sqrt = (1 - beta2**step).sqrt()
+        else:
+            bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=hparams.device)
+        step_size = (lr / bc1).float()
+        denom = v.sqrt() / bc2_sqrt.float() + eps.float()
+        p = p - step_size * (m / denom)
+
+        master[sl] = torch.where(skip, master[sl], p.to(master.dtype))
+        exp_avg[sl] = torch.where(skip, exp_avg[sl], m.to(exp_avg.dtype))
+        exp_avg_sq[sl] = torch.where(skip, exp_avg_sq[sl], v.to(exp_avg_sq.dtype))
+        if model_out is not None:
+            model_out[sl] = torch.where(skip, model_out[sl], p.to(model_out.dtype))
