@@ -1,5 +1,82 @@
-"""Just-in-time build of the csrc/ kernels (placeholder until the kernels land)."""
+"""Just-in-time build of the fused kernels in csrc/ through ``torch.utils.cpp_extension.load``.
+
+Built with ninja on first use and cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``
+if set); torch's loader holds a file lock while it builds, so concurrent processes (pytest-xdist
+workers, ranks of one job) build once and the others wait and load the result. Two modules:
+``shardamp_kernels_cpu`` (C++ only, builds without CUDA) and ``shardamp_kernels_cuda`` (the same C++
+plus the CUDA kernels, serving CPU and CUDA tensors alike).
+"""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+from typing import Any, Dict, List
+
+_loaded: Dict[bool, Any] = {}
+
+# Hopper machine code plus compute_90 PTX, which the driver JIT-compiles on any newer GPU.
+# Older GPUs can be added with TORCH_CUDA_ARCH_LIST-style overrides via SHARDAMP_CUDA_ARCH.
+_DEFAULT_GENCODE = ["-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_90,code=compute_90"]
+
+
+def source_dir() -> Path:
+    """csrc/: from the installed package, or next to optim/ in a source tree."""
+    try:
+        from shardamp.csrc import SOURCE_DIR
+
+        path = Path(SOURCE_DIR)
+    except ImportError:
+        path = Path(__file__).resolve().parent.parent / "csrc"
+    if not (path / "binding.cpp").is_file():
+        raise RuntimeError(f"shardamp kernel sources not found in {path}")
+    return path
+
+
+def _cuda_gencode() -> List[str]:
+    archs = os.environ.get("SHARDAMP_CUDA_ARCH", "").replace(",", ";").split(";")
+    archs = [a.strip().replace(".", "") for a in archs if a.strip()]
+    if not archs:
+        return list(_DEFAULT_GENCODE)
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    return flags + [f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
+
+
+def _x86_64() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 def load_extension(cuda: bool):
-    raise RuntimeError("the native kernels are not part of this build yet")
+    """The compiled module (``grad_stats``, ``adam_step``, ``build_chunks``) for CPU tensors,
+    or for CUDA and CPU tensors when ``cuda`` is true. Raises if the toolchain is missing."""
+    if cuda in _loaded:
+        return _loaded[cuda]
+    from torch.utils.cpp_extension import load
+
+    src = source_dir()
+    sources = [src / "binding.cpp", src / "cpu" / "fused_adam_cpu.cpp"]
+    # -O3 and nothing CPU-specific: the module may run on another x86 machine than the one
+    # that built it. A second copy of the CPU kernels is compiled for AVX2+FMA through a target
+    # pragma and picked at run time only where the CPU has them.
+    cflags = ["-O3"]
+    if _x86_64():
+        sources.append(src / "cpu" / "fused_adam_cpu_avx2.cpp")
+        cflags.append("-DSHARDAMP_WITH_AVX2")
+    kwargs: Dict[str, Any] = {}
+    if cuda:
+        sources += sorted((src / "cuda").glob("*.cu"))
+        cflags.append("-DSHARDAMP_WITH_CUDA")
+        # Plain -O3, no --use_fast_math: sqrt and division must stay IEEE-rounded so the kernels
+        # agree with the reference to fp32 round-off.
+        kwargs["extra_cuda_cflags"] = ["-O3", "-lineinfo", *_cuda_gencode()]
+    module = load(
+        name="shardamp_kernels_cuda" if cuda else "shardamp_kernels_cpu",
+        sources=[str(s) for s in sources],
+        extra_cflags=cflags,
+        extra_include_paths=[str(src)],
+        with_cuda=cuda,
+        verbose=os.environ.get("SHARDAMP_BUILD_VERBOSE", "") not in ("", "0"),
+        **kwargs,
+    )
+    _loaded[cuda] = module
+    return module

@@ -89,7 +89,10 @@ def adam_step(
     if not segments.segments:
         return
     ext = _native(grad.device)
-    if ext is None:
+    # The kernels keep master params and moments in fp32; any other state dtype takes the
+    # reference path (correct, just not fused).
+    fp32_state = master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+    if ext is None or not fp32_state:
         host = segments.extra.get("host")
         if host is None:
             host = segments.extra["host"] = segments.table.cpu()
@@ -101,4 +104,17 @@ def adam_step(
         ext.adam_step(
             grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
             touched, grad_coef, found_inf, adam_w_mode, bias_correction,
+            _chunk_table(ext, segments, grad, steps, hparams),
         )
+
+
+def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor) -> Tensor:
+    """The kernels' block-to-chunk map of ``segments``, built on the host (and validated) at
+    first use, which copies the table to the host once; cached on the table, so later steps
+    issue no copy and no sync."""
+    key = f"native_chunks_{ext.CHUNK}_{grad.device}"
+    chunks = segments.extra.get(key)
+    if chunks is None:
+        chunks = ext.build_chunks(segments.table, grad.numel(), steps.numel(), hparams.shape[0])
+        chunks = segments.extra[key] = chunks.to(grad.device)
+    return chunks

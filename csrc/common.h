@@ -1,0 +1,115 @@
+// Shared by the CPU (.cpp) and CUDA (.cu) kernels: the per-segment scalars and the per-element
+// Adam update, written once so both devices do the same arithmetic in the same order as
+// optim/reference.py (scalars in fp64 as torch.optim forms them from Python floats, then fp32).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SHARDAMP_HD __host__ __device__ __forceinline__
+#else
+#define SHARDAMP_HD inline
+#endif
+
+namespace shardamp {
+
+// Elements per unit of work of adam_step: a CUDA block or a parallel_for task. A chunk never
+// crosses a segment, so each one has a single set of hyperparameters.
+constexpr int64_t kChunk = 16384;
+
+// A chunk-table row is (start, segment << 32 | length); length <= kChunk fits 32 bits.
+SHARDAMP_HD int64_t chunk_segment(int64_t packed) { return packed >> 32; }
+SHARDAMP_HD int64_t chunk_length(int64_t packed) { return packed & 0xffffffffLL; }
+
+// Dtype of a scalar tensor read on the device (found_inf, grad_coef, steps, touched): the
+// optimizer may keep these as fp32, fp64, bool/uint8 or integers, so kernels take a tag instead
+// of being instantiated for each.
+enum ScalarCode : int { kF32 = 0, kF64 = 1, kU8 = 2, kI32 = 3, kI64 = 4 };
+
+SHARDAMP_HD double load_scalar(const void* p, int code, int64_t i) {
+  switch (code) {
+    case kF32: return static_cast<const float*>(p)[i];
+    case kF64: return static_cast<const double*>(p)[i];
+    case kU8: return static_cast<const uint8_t*>(p)[i];
+    case kI32: return static_cast<const int32_t*>(p)[i];
+    default: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+  }
+}
+
+inline int scalar_code(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return kF32;
+    case at::kDouble: return kF64;
+    case at::kBool:
+    case at::kByte: return kU8;
+    case at::kInt: return kI32;
+    case at::kLong: return kI64;
+    default: TORCH_CHECK(false, "shardamp kernels: unsupported scalar tensor dtype ", t.scalar_type());
+  }
+}
+
+// Host read of a CPU scalar tensor (only the CPU kernels use this).
+inline double read_scalar(const at::Tensor& t, int64_t i) {
+  return load_scalar(t.data_ptr(), scalar_code(t), i);
+}
+
+// NaN-propagating max, as torch.maximum.
+SHARDAMP_HD float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
+
+struct SegmentScalars {
+  float coef;             // grad_coef
+  float decay;            // 1 - lr * wd        (AdamW)
+  float wd;               // wd                 (Adam, L2)
+  float w1;               // 1 - beta1, the lerp weight
+  float beta2;
+  float one_minus_beta2;
+  float bc2_sqrt;         // sqrt(1 - beta2^step), or 1
+  float eps;
+  float step_size;        // lr / (1 - beta1^step), or lr
+};
+
+// hp: one row (lr, beta1, beta2, eps, wd) of the fp64 hparams table.
+SHARDAMP_HD SegmentScalars segment_scalars(const double* hp, double step, double coef, bool bias_correction) {
+  const double lr = hp[0], beta1 = hp[1], beta2 = hp[2], eps = hp[3], wd = hp[4];
+  const double bc1 = bias_correction ? 1.0 - pow(beta1, step) : 1.0;
+  const double bc2_sqrt = bias_correction ? sqrt(1.0 - pow(beta2, step)) : 1.0;
+  SegmentScalars s;
+  s.coef = static_cast<float>(coef);
+  s.decay = static_cast<float>(1.0 - lr * wd);
+  s.wd = static_cast<float>(wd);
+  s.w1 = static_cast<float>(1.0 - beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  s.bc2_sqrt = static_cast<float>(bc2_sqrt);
+  s.eps = static_cast<float>(eps);
+  s.step_size = static_cast<float>(lr / bc1);
+  return s;
+}
+
+// One element of the update. The expression order mirrors reference.py (torch.lerp's two
+// formulas included) so that results agree to fp32 round-off.
+SHARDAMP_HD void adam_scalar(float g, float& p, float& m, float& v, const SegmentScalars& s, bool adam_w) {
+  g = g * s.coef;
+  if (adam_w) {
+    p = p * s.decay;
+  } else {
+    g = g + s.wd * p;
+  }
+  m = s.w1 < 0.5f ? m + s.w1 * (g - m) : g - (g - m) * (1.0f - s.w1);
+  v = v * s.beta2 + s.one_minus_beta2 * g * g;
+  p = p - s.step_size * (m / (sqrtf(v) / s.bc2_sqrt + s.eps));
+}
+
+// The validated arguments of adam_step, as the binding hands them to either device.
+struct AdamArgs {
+  at::Tensor grad, master, exp_avg, exp_avg_sq;
+  c10::optional<at::Tensor> model_out;
+  at::Tensor segments, hparams, steps, touched, grad_coef, found_inf;
+  bool adam_w_mode;
+  bool bias_correction;
+};
+
+}  // namespace shardamp

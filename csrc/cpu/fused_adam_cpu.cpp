@@ -1,0 +1,262 @@
+// CPU versions of the two kernels whose contract is written at the top of optim/reference.py:
+// grad_stats (sum |g|^p or max|g|, plus a non-finite flag, in one read pass) and adam_step
+// (one fused pass over the segments of a shard).
+//
+// Both split their work into fixed-size chunks and hand chunks to at::parallel_for. The chunk
+// size, not the thread count, decides the summation order of grad_stats, so its result is the
+// same bit for bit on 1 or N threads.
+//
+// This translation unit is compiled once per CPU capability (see cpu_dispatch.cpp): the symbols
+// live in a namespace named after SHARDAMP_CPU_CAPABILITY so the builds do not collide.
+
+#ifndef SHARDAMP_CPU_CAPABILITY
+#define SHARDAMP_CPU_CAPABILITY generic
+#endif
+
+#include "../common.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <tuple>
+#include <vector>
+
+namespace shardamp {
+namespace cpu {
+namespace SHARDAMP_CPU_CAPABILITY {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+constexpr int64_t kW = fVec::size();  // floats per vector register
+constexpr int64_t kV = 2 * kW;        // elements per step: one bf16/fp16 vector widens to two fp32
+
+// Loads/stores kV consecutive elements of T as two fp32 vectors. bf16/fp16 go through at::vec's
+// conversions, which round to nearest even on the way back, as Tensor.to() does.
+template <typename T>
+inline void load2(const T* p, fVec& a, fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = fVec::loadu(p);
+    b = fVec::loadu(p + kW);
+  } else {
+    std::tie(a, b) = at::vec::convert_to_float<T>(Vectorized<T>::loadu(p));
+  }
+}
+
+template <typename T>
+inline void store2(T* p, const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + kW);
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// grad_stats
+
+constexpr int64_t kStatsChunk = 1 << 16;
+
+// Finite p: accumulate |g|^p; kMax: NaN-propagating max of |g| (torch.maximum semantics).
+enum class Norm { kTwo, kOne, kGeneric, kMax };
+
+template <Norm N>
+inline fVec stat_combine(const fVec& acc, const fVec& x, const fVec& p) {
+  if constexpr (N == Norm::kTwo) return acc + x * x;
+  if constexpr (N == Norm::kOne) return acc + x.abs();
+  if constexpr (N == Norm::kGeneric) return acc + x.abs().pow(p);
+  return at::vec::maximum(acc, x.abs());  // propagates NaN
+}
+
+template <Norm N>
+inline float stat_combine(float acc, float x, float p) {
+  if constexpr (N == Norm::kTwo) return acc + x * x;
+  if constexpr (N == Norm::kOne) return acc + std::fabs(x);
+  if constexpr (N == Norm::kGeneric) return acc + std::pow(std::fabs(x), p);
+  return nan_max(acc, std::fabs(x));
+}
+
+// A type of this namespace, so that std::vector<Partial> is instantiated once per CPU build.
+struct Partial {
+  float acc, bad;
+};
+
+template <typename T, Norm N>
+void stats_impl(const T* g, int64_t n, float p, float* out) {
+  const int64_t nchunks = (n + kStatsChunk - 1) / kStatsChunk;
+  std::vector<Partial> part(nchunks);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    const fVec vp(p);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = c * kStatsChunk, hi = std::min(n, lo + kStatsChunk);
+      // Two accumulators per lane keep two independent dependency chains in flight. `bad`
+      // sums x - x, which is 0 for finite x and NaN for inf/NaN, and stays NaN once it is.
+      fVec a0(0.f), a1(0.f), b0(0.f), b1(0.f);
+      int64_t i = lo;
+      for (; i + kV <= hi; i += kV) {
+        fVec x0, x1;
+        load2(g + i, x0, x1);
+        a0 = stat_combine<N>(a0, x0, vp);
+        a1 = stat_combine<N>(a1, x1, vp);
+        b0 = b0 + (x0 - x0);
+        b1 = b1 + (x1 - x1);
+      }
+      float s = 0.f, f = 0.f;
+      alignas(64) float la[kW], lb[kW];
+      if constexpr (N == Norm::kMax) {
+        at::vec::maximum(a0, a1).store(la);
+      } else {
+        (a0 + a1).store(la);
+      }
+      (b0 + b1).store(lb);
+      for (int64_t k = 0; k < kW; ++k) {
+        s = N == Norm::kMax ? nan_max(s, la[k]) : s + la[k];
+        f += lb[k];
+      }
+      for (; i < hi; ++i) {
+        const float x = static_cast<float>(g[i]);
+        s = stat_combine<N>(s, x, p);
+        f += x - x;
+      }
+      part[c] = Partial{s, f};
+    }
+  });
+  float s = N == Norm::kMax ? out[0] : 0.f, f = 0.f;
+  for (int64_t c = 0; c < nchunks; ++c) {
+    s = N == Norm::kMax ? nan_max(s, part[c].acc) : s + part[c].acc;
+    f += part[c].bad;
+  }
+  out[0] = N == Norm::kMax ? s : out[0] + s;
+  if (f != 0.f) out[1] = std::fmax(out[1], 1.f);  // NaN != 0 too
+}
+
+template <typename T>
+void stats_dispatch_norm(const T* g, int64_t n, double norm_type, float* out) {
+  if (std::isinf(norm_type)) return stats_impl<T, Norm::kMax>(g, n, 0.f, out);
+  if (norm_type == 2.0) return stats_impl<T, Norm::kTwo>(g, n, 2.f, out);
+  if (norm_type == 1.0) return stats_impl<T, Norm::kOne>(g, n, 1.f, out);
+  stats_impl<T, Norm::kGeneric>(g, n, static_cast<float>(norm_type), out);
+}
+
+void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
+  const int64_t n = grad.numel();
+  if (n == 0) return;
+  float* o = out.data_ptr<float>();
+  switch (grad.scalar_type()) {
+    case at::kFloat: return stats_dispatch_norm(grad.data_ptr<float>(), n, norm_type, o);
+    case at::kBFloat16: return stats_dispatch_norm(grad.data_ptr<at::BFloat16>(), n, norm_type, o);
+    case at::kHalf: return stats_dispatch_norm(grad.data_ptr<at::Half>(), n, norm_type, o);
+    default: TORCH_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// adam_step
+
+struct Step {
+  int64_t start, len;
+  bool skip;
+  SegmentScalars sc;
+};
+
+template <typename G, typename O>
+inline void adam_chunk(const G* gp, float* pp, float* mp, float* vp, O* op, int64_t lo, int64_t hi,
+                       const SegmentScalars& s, bool adam_w) {
+  const fVec coef(s.coef), decay(s.decay), wd(s.wd), w1(s.w1), b2(s.beta2), omb2(s.one_minus_beta2),
+      bc2(s.bc2_sqrt), eps(s.eps), lr(s.step_size), one(1.f);
+  // torch.lerp switches formula at weight 0.5; the weight is per segment, so the branch is too.
+  const bool lerp_lo = s.w1 < 0.5f;
+  auto update = [&](fVec& g, fVec& p, fVec& m, fVec& v) {
+    g = g * coef;
+    if (adam_w) p = p * decay; else g = g + wd * p;
+    m = lerp_lo ? m + w1 * (g - m) : g - (g - m) * (one - w1);
+    v = v * b2 + omb2 * g * g;
+    p = p - lr * (m / (v.sqrt() / bc2 + eps));
+  };
+  int64_t i = lo;
+  for (; i + kV <= hi; i += kV) {
+    fVec g0, g1, p0, p1, m0, m1, v0, v1;
+    load2(gp + i, g0, g1);
+    load2(pp + i, p0, p1);
+    load2(mp + i, m0, m1);
+    load2(vp + i, v0, v1);
+    update(g0, p0, m0, v0);
+    update(g1, p1, m1, v1);
+    store2(pp + i, p0, p1);
+    store2(mp + i, m0, m1);
+    store2(vp + i, v0, v1);
+    if constexpr (!std::is_void_v<O>) store2(op + i, p0, p1);
+  }
+  for (; i < hi; ++i) {
+    float p = pp[i], m = mp[i], v = vp[i];
+    adam_scalar(static_cast<float>(gp[i]), p, m, v, s, adam_w);
+    pp[i] = p;
+    mp[i] = m;
+    vp[i] = v;
+    if constexpr (!std::is_void_v<O>) op[i] = static_cast<O>(p);
+  }
+}
+
+template <typename G, typename O>
+void adam_impl(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* chunks, int64_t nchunks) {
+  const G* g = a.grad.data_ptr<G>();
+  float* p = a.master.data_ptr<float>();
+  float* m = a.exp_avg.data_ptr<float>();
+  float* v = a.exp_avg_sq.data_ptr<float>();
+  O* o = nullptr;
+  if constexpr (!std::is_void_v<O>) o = a.model_out->data_ptr<O>();
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t start = chunks[2 * c], packed = chunks[2 * c + 1];
+      const Step& s = segs[chunk_segment(packed)];
+      if (s.skip) continue;
+      adam_chunk<G, O>(g, p, m, v, o, start, start + chunk_length(packed), s.sc, a.adam_w_mode);
+    }
+  });
+}
+
+template <typename G>
+void adam_dispatch_out(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* chunks, int64_t n) {
+  if (!a.model_out) return adam_impl<G, void>(a, segs, chunks, n);
+  switch (a.model_out->scalar_type()) {
+    case at::kFloat: return adam_impl<G, float>(a, segs, chunks, n);
+    case at::kBFloat16: return adam_impl<G, at::BFloat16>(a, segs, chunks, n);
+    case at::kHalf: return adam_impl<G, at::Half>(a, segs, chunks, n);
+    default: TORCH_CHECK(false, "adam_step: unsupported model_out dtype ", a.model_out->scalar_type());
+  }
+}
+
+void adam_step(const AdamArgs& a, const at::Tensor& chunk_table) {
+  // On the CPU the "device scalars" are host memory: reading them here is free, and lets whole
+  // segments (or the whole step) be skipped without touching their data.
+  if (read_scalar(a.found_inf, 0) != 0.0) return;
+  const at::Tensor seg_table = a.segments.contiguous();
+  const int64_t* st = seg_table.data_ptr<int64_t>();
+  const int64_t nseg = seg_table.size(0);
+  const double grad_coef = read_scalar(a.grad_coef, 0);
+  const at::Tensor hp = a.hparams.contiguous();
+  std::vector<Step> segs(nseg);
+  for (int64_t i = 0; i < nseg; ++i) {
+    const int64_t pi = st[4 * i + 2], grp = st[4 * i + 3];
+    segs[i].start = st[4 * i];
+    segs[i].len = st[4 * i + 1];
+    segs[i].skip = read_scalar(a.touched, pi) == 0.0;
+    segs[i].sc = segment_scalars(hp.data_ptr<double>() + 5 * grp, read_scalar(a.steps, pi), grad_coef,
+                                 a.bias_correction);
+  }
+  const at::Tensor chunks = chunk_table.contiguous();
+  const int64_t* c = chunks.data_ptr<int64_t>();
+  const int64_t n = chunks.size(0);
+  switch (a.grad.scalar_type()) {
+    case at::kFloat: return adam_dispatch_out<float>(a, segs, c, n);
+    case at::kBFloat16: return adam_dispatch_out<at::BFloat16>(a, segs, c, n);
+    case at::kHalf: return adam_dispatch_out<at::Half>(a, segs, c, n);
+    default: TORCH_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
+  }
+}
+
+}  // namespace SHARDAMP_CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace shardamp

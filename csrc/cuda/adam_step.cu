@@ -1,0 +1,178 @@
+// adam_step on CUDA: one launch per shard, one pass, no temporaries (contract:
+// optim/reference.py). Each block owns one row of a host-built chunk table (a <= kChunk slice
+// of one segment), so per-group hyperparameters and per-param steps cost one scalar set-up per
+// block, done by thread 0 and broadcast through shared memory. found_inf, grad_coef, steps and
+// touched are read on the device: no host sync, CUDA-graph capturable.
+//
+// Bytes per element (fp32 master/moments): grad read, p/m/v read + written, model_out written.
+// Loads are 16 bytes wide and kUnroll of them per array are issued before any math so that
+// each thread keeps ~4*kUnroll independent requests in flight.
+
+#include "../common.h"
+#include "vec.cuh"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace shardamp {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVec = 8;     // elements per vector step
+constexpr int kUnroll = 2;  // vector steps per thread per iteration
+static_assert(kChunk % (kThreads * kVec) == 0, "a chunk is a whole number of block-wide steps");
+
+struct Params {
+  const void* grad;
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  void* model_out;
+  const int64_t* chunks;
+  const int64_t* segments;
+  const double* hparams;
+  const void* steps;
+  const void* touched;
+  const void* grad_coef;
+  const void* found_inf;
+  int steps_code, touched_code, coef_code, found_code;
+  bool adam_w, bias_correction, vec_ok;
+};
+
+template <typename G, typename O>
+__global__ void __launch_bounds__(kThreads) adam_kernel(const Params P) {
+  __shared__ SegmentScalars shared_sc;
+  __shared__ int64_t shared_range[2];
+  __shared__ bool shared_skip;
+  if (threadIdx.x == 0) {
+    const int64_t start = P.chunks[2 * blockIdx.x], packed = P.chunks[2 * blockIdx.x + 1];
+    const int64_t seg = chunk_segment(packed);
+    const int64_t param = P.segments[4 * seg + 2], group = P.segments[4 * seg + 3];
+    const bool skip = load_scalar(P.found_inf, P.found_code, 0) != 0.0 ||
+                      load_scalar(P.touched, P.touched_code, param) == 0.0;
+    shared_skip = skip;
+    shared_range[0] = start;
+    shared_range[1] = start + chunk_length(packed);
+    if (!skip) {
+      shared_sc = segment_scalars(P.hparams + 5 * group, load_scalar(P.steps, P.steps_code, param),
+                                  load_scalar(P.grad_coef, P.coef_code, 0), P.bias_correction);
+    }
+  }
+  __syncthreads();
+  if (shared_skip) return;
+  const SegmentScalars s = shared_sc;
+  const int64_t lo = shared_range[0], hi = shared_range[1];
+  const bool adam_w = P.adam_w;
+
+  const G* __restrict__ g = static_cast<const G*>(P.grad);
+  float* __restrict__ p = P.master;
+  float* __restrict__ m = P.exp_avg;
+  float* __restrict__ v = P.exp_avg_sq;
+  O* __restrict__ o = static_cast<O*>(P.model_out);
+
+  // Vector body [vlo, vhi): starts on a multiple of kVec elements, so 16-byte aligned in every
+  // array given aligned bases (checked on the host; otherwise all scalar). Head and tail of an
+  // unaligned or odd-length segment go through the scalar path below.
+  int64_t vlo = hi, vhi = hi;
+  if (P.vec_ok) {
+    const int64_t up = (lo + kVec - 1) / kVec * kVec;
+    vlo = up < hi ? up : hi;
+    vhi = vlo + (hi - vlo) / kVec * kVec;
+  }
+  constexpr int64_t kStep = int64_t(kThreads) * kVec;
+  for (int64_t base = vlo + threadIdx.x * kVec; base < vhi; base += kUnroll * kStep) {
+    float rg[kUnroll][kVec], rp[kUnroll][kVec], rm[kUnroll][kVec], rv[kUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kStep;
+      if (i < vhi) {
+        load8(g + i, rg[u]);
+        load8(p + i, rp[u]);
+        load8(m + i, rm[u]);
+        load8(v + i, rv[u]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + u * kStep;
+      if (i < vhi) {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) adam_scalar(rg[u][k], rp[u][k], rm[u][k], rv[u][k], s, adam_w);
+        store8(p + i, rp[u]);
+        store8(m + i, rm[u]);
+        store8(v + i, rv[u]);
+        if constexpr (!std::is_void_v<O>) store8(o + i, rp[u]);
+      }
+    }
+  }
+  auto scalar = [&](int64_t i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    adam_scalar(to_float(g[i]), pi, mi, vi, s, adam_w);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if constexpr (!std::is_void_v<O>) o[i] = from_float<O>(pi);
+  };
+  for (int64_t i = lo + threadIdx.x; i < vlo; i += kThreads) scalar(i);
+  for (int64_t i = vhi + threadIdx.x; i < hi; i += kThreads) scalar(i);
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+template <typename G, typename O>
+void launch(const Params& P, int64_t nchunks) {
+  adam_kernel<G, O><<<static_cast<unsigned int>(nchunks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(P);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename G>
+void dispatch_out(const Params& P, const c10::optional<at::Tensor>& out, int64_t nchunks) {
+  if (!out) return launch<G, void>(P, nchunks);
+  switch (out->scalar_type()) {
+    case at::kFloat: return launch<G, float>(P, nchunks);
+    case at::kBFloat16: return launch<G, __nv_bfloat16>(P, nchunks);
+    case at::kHalf: return launch<G, __half>(P, nchunks);
+    default: TORCH_CHECK(false, "adam_step: unsupported model_out dtype ", out->scalar_type());
+  }
+}
+
+}  // namespace
+
+void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
+  const int64_t nchunks = chunks.size(0);
+  if (nchunks == 0) return;
+  TORCH_CHECK(nchunks < (int64_t(1) << 31), "adam_step: too many chunks for one launch");
+  const c10::cuda::CUDAGuard guard(a.grad.device());
+  Params P;
+  P.grad = a.grad.data_ptr();
+  P.master = a.master.data_ptr<float>();
+  P.exp_avg = a.exp_avg.data_ptr<float>();
+  P.exp_avg_sq = a.exp_avg_sq.data_ptr<float>();
+  P.model_out = a.model_out ? a.model_out->data_ptr() : nullptr;
+  P.chunks = chunks.data_ptr<int64_t>();
+  P.segments = a.segments.data_ptr<int64_t>();
+  P.hparams = a.hparams.data_ptr<double>();
+  P.steps = a.steps.data_ptr();
+  P.touched = a.touched.data_ptr();
+  P.grad_coef = a.grad_coef.data_ptr();
+  P.found_inf = a.found_inf.data_ptr();
+  P.steps_code = scalar_code(a.steps);
+  P.touched_code = scalar_code(a.touched);
+  P.coef_code = scalar_code(a.grad_coef);
+  P.found_code = scalar_code(a.found_inf);
+  P.adam_w = a.adam_w_mode;
+  P.bias_correction = a.bias_correction;
+  P.vec_ok = aligned16(P.grad) && aligned16(P.master) && aligned16(P.exp_avg) && aligned16(P.exp_avg_sq) &&
+             (P.model_out == nullptr || aligned16(P.model_out));
+  switch (a.grad.scalar_type()) {
+    case at::kFloat: return dispatch_out<float>(P, a.model_out, nchunks);
+    case at::kBFloat16: return dispatch_out<__nv_bfloat16>(P, a.model_out, nchunks);
+    case at::kHalf: return dispatch_out<__half>(P, a.model_out, nchunks);
+    default: TORCH_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
+  }
+}
+
+}  // namespace cuda
+}  // namespace shardamp

@@ -1,0 +1,197 @@
+// grad_stats on CUDA: one read pass over a flat grad shard accumulating sum |g|^p (or max |g|)
+// and a non-finite flag into out[2] (contract: optim/reference.py).
+//
+// Deterministic by construction: each block reduces its grid-stride slice in a fixed order,
+// writes one partial, and the last block to finish (ticket counter) folds the partials in index
+// order and resets the counter, so the next call (or a CUDA-graph replay) finds it at zero. The
+// partials live in a scratch buffer allocated once per (device, stream) and cached.
+
+#include "../common.h"
+#include "vec.cuh"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+namespace shardamp {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kMaxBlocks = 1024;  // partials per call; also the folding loop's trip count bound
+constexpr int kUnroll = 4;        // independent 16-byte loads in flight per thread
+
+enum class Norm { kTwo, kOne, kGeneric, kMax };
+
+template <Norm N>
+__device__ __forceinline__ float combine(float acc, float x, float p) {
+  if constexpr (N == Norm::kTwo) return fmaf(x, x, acc);
+  if constexpr (N == Norm::kOne) return acc + fabsf(x);
+  if constexpr (N == Norm::kGeneric) return acc + powf(fabsf(x), p);
+  return nan_max(acc, fabsf(x));
+}
+
+template <Norm N>
+__device__ __forceinline__ float merge(float a, float b) {
+  return N == Norm::kMax ? nan_max(a, b) : a + b;
+}
+
+// Fixed-order block reduction of (acc, bad); the result is valid in thread 0.
+template <Norm N>
+__device__ __forceinline__ float2 block_reduce(float acc, float bad) {
+  __shared__ float2 warp_part[kThreads / 32];
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    acc = merge<N>(acc, __shfl_down_sync(0xffffffffu, acc, off));
+    bad += __shfl_down_sync(0xffffffffu, bad, off);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_part[warp] = make_float2(acc, bad);
+  __syncthreads();
+  float2 r = make_float2(0.f, 0.f);
+  if (threadIdx.x == 0) {
+    r = warp_part[0];
+    for (int w = 1; w < kThreads / 32; ++w) {
+      r.x = merge<N>(r.x, warp_part[w].x);
+      r.y += warp_part[w].y;
+    }
+  }
+  __syncthreads();  // warp_part is reused by a second call in the last block
+  return r;
+}
+
+template <typename T, Norm N>
+__global__ void __launch_bounds__(kThreads)
+stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* __restrict__ partials,
+             unsigned int* __restrict__ counter, float* __restrict__ out) {
+  constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
+  using Lane = float[V];
+  float acc = 0.f;
+  // x - x is 0 for finite x and NaN for inf/NaN; the running sum stays NaN once it is.
+  float bad = 0.f;
+  auto take = [&](float x) {
+    acc = combine<N>(acc, x, p);
+    bad += x - x;
+  };
+
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t nvec = vec_ok ? n / V : 0;
+  const uint4* gv = reinterpret_cast<const uint4*>(g);
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < nvec; i += kUnroll * stride) {
+    uint4 r[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) r[u] = __ldcs(gv + i + u * stride);  // streamed: read once
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      Lane f;
+      unpack(r[u], g, f);
+#pragma unroll
+      for (int k = 0; k < V; ++k) take(f[k]);
+    }
+  }
+  for (; i < nvec; i += stride) {
+    Lane f;
+    unpack(__ldcs(gv + i), g, f);
+#pragma unroll
+    for (int k = 0; k < V; ++k) take(f[k]);
+  }
+  for (int64_t j = nvec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < n; j += stride) {
+    take(to_float(g[j]));
+  }
+
+  const float2 part = block_reduce<N>(acc, bad);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x] = part;
+    __threadfence();  // publish the partial before taking a ticket
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float a = 0.f, b = 0.f;
+  for (int k = threadIdx.x; k < static_cast<int>(gridDim.x); k += kThreads) {
+    const float2 q = __ldcg(partials + k);  // L2: other blocks' writes, not a stale L1 line
+    a = merge<N>(a, q.x);
+    b += q.y;
+  }
+  const float2 total = block_reduce<N>(a, b);
+  if (threadIdx.x == 0) {
+    out[0] = N == Norm::kMax ? nan_max(out[0], total.x) : out[0] + total.x;
+    if (total.y != 0.f) out[1] = fmaxf(out[1], 1.f);  // NaN != 0 as well
+    *counter = 0u;
+  }
+}
+
+// One scratch buffer per (device, stream): kMaxBlocks float2 partials, then the ticket counter.
+// Keyed by stream so that stats computed concurrently on two streams never share a counter.
+at::Tensor scratch_for(const at::Tensor& like, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto key = std::make_pair(static_cast<int>(like.get_device()), stream);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  at::Tensor buf = at::zeros({2 * kMaxBlocks + 1}, like.options().dtype(at::kFloat));
+  cache.emplace(key, buf);
+  return buf;
+}
+
+int multiprocessors(int device) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+  cache.emplace(device, n);
+  return n;
+}
+
+template <typename T, Norm N>
+void launch(const at::Tensor& grad, at::Tensor& out, float p) {
+  const int64_t n = grad.numel();
+  const T* g = reinterpret_cast<const T*>(grad.data_ptr());
+  const bool vec_ok = reinterpret_cast<uintptr_t>(g) % 16 == 0;
+  constexpr int V = 16 / sizeof(T);
+  const int sms = multiprocessors(grad.get_device());
+  const int64_t want = (n / V + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, int64_t(4) * sms, kMaxBlocks})));
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor buf = scratch_for(grad, stream);
+  float* base = buf.data_ptr<float>();
+  stats_kernel<T, N><<<blocks, kThreads, 0, stream>>>(
+      g, n, p, vec_ok, reinterpret_cast<float2*>(base), reinterpret_cast<unsigned int*>(base + 2 * kMaxBlocks),
+      out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void dispatch_norm(const at::Tensor& grad, at::Tensor& out, double norm_type) {
+  if (std::isinf(norm_type)) return launch<T, Norm::kMax>(grad, out, 0.f);
+  if (norm_type == 2.0) return launch<T, Norm::kTwo>(grad, out, 2.f);
+  if (norm_type == 1.0) return launch<T, Norm::kOne>(grad, out, 1.f);
+  launch<T, Norm::kGeneric>(grad, out, static_cast<float>(norm_type));
+}
+
+}  // namespace
+
+void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
+  if (grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  switch (grad.scalar_type()) {
+    case at::kFloat: return dispatch_norm<float>(grad, out, norm_type);
+    case at::kBFloat16: return dispatch_norm<__nv_bfloat16>(grad, out, norm_type);
+    case at::kHalf: return dispatch_norm<__half>(grad, out, norm_type);
+    default: TORCH_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
+}  // namespace cuda
+}  // namespace shardamp

@@ -1,0 +1,85 @@
+// 16-byte global loads/stores of 8 elements, widened to / narrowed from fp32 in registers.
+// Callers guarantee 16-byte alignment for 2-byte types and 32-byte alignment (two float4) for
+// fp32: every base pointer is 16-byte aligned and vector work starts at multiples of 8 elements.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace shardamp {
+namespace cuda {
+
+template <typename T>
+__device__ __forceinline__ float to_float(T x);
+template <>
+__device__ __forceinline__ float to_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <>
+__device__ __forceinline__ float to_float<__half>(__half x) { return __half2float(x); }
+
+// Round to nearest even, as Tensor.to(dtype) does.
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ void unpack(const uint4& r, const float*, float (&f)[4]) {
+  f[0] = __uint_as_float(r.x);
+  f[1] = __uint_as_float(r.y);
+  f[2] = __uint_as_float(r.z);
+  f[3] = __uint_as_float(r.w);
+}
+
+template <typename H>  // __nv_bfloat16 or __half
+__device__ __forceinline__ void unpack(const uint4& r, const H*, float (&f)[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const unsigned short lo = static_cast<unsigned short>(w[k] & 0xffffu);
+    const unsigned short hi = static_cast<unsigned short>(w[k] >> 16);
+    if constexpr (std::is_same_v<H, __nv_bfloat16>) {
+      f[2 * k] = __uint_as_float(static_cast<uint32_t>(lo) << 16);  // bf16 -> fp32 is exact
+      f[2 * k + 1] = __uint_as_float(static_cast<uint32_t>(hi) << 16);
+    } else {
+      f[2 * k] = __half2float(__ushort_as_half(lo));
+      f[2 * k + 1] = __half2float(__ushort_as_half(hi));
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void load8(const T* __restrict__ p, float (&f)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w;
+    f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  } else {
+    unpack(*reinterpret_cast<const uint4*>(p), p, f);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void store8(T* __restrict__ p, const float (&f)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(f[0], f[1], f[2], f[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(f[4], f[5], f[6], f[7]);
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const T lo = from_float<T>(f[2 * k]), hi = from_float<T>(f[2 * k + 1]);
+      w[k] = static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&lo)) |
+             (static_cast<uint32_t>(*reinterpret_cast<const unsigned short*>(&hi)) << 16);
+    }
+    *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+}  // namespace cuda
+}  // namespace shardamp

@@ -1,0 +1,255 @@
+"""The compiled kernels (csrc/) against the reference (optim/reference.py), called directly so the
+result does not depend on SHARDAMP_KERNELS. CPU cases always run; CUDA cases need a GPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardamp.optim import kernels, reference
+from shardamp.optim._build import load_extension
+from shardamp.optim.layout import Segment, SegmentTable
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
+GRAD_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+OUT_DTYPES = [None, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="session")
+def exts():
+    """Built once per session (and cached on disk by torch across sessions)."""
+    return {}
+
+
+def _ext_for(exts, device):
+    if device not in exts:
+        exts[device] = load_extension(cuda=(device == "cuda"))
+    return exts[device]
+
+
+# (start, length, param_index, group): unaligned starts, odd lengths, padding between segments,
+# a segment longer than one chunk (16384), and params 2 (untouched) and 4 (never present).
+SEGMENTS = [(0, 37, 0, 0), (48, 16400, 1, 1), (16453, 5, 2, 0), (16464, 1000, 3, 1), (17470, 40000, 5, 0)]
+NUMEL = 57480
+
+
+def _shard(device, grad_dtype, out_dtype, seed=0, numel=NUMEL, offset=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=g) * scale
+
+    def flat(t, dtype):
+        # ``offset`` puts the data off 16-byte alignment to reach the scalar-only path.
+        buf = torch.empty(numel + offset, dtype=dtype, device=device)
+        view = buf[offset:]
+        view.copy_(t)
+        return view
+
+    state = {
+        "grad": flat(rand(numel, scale=3.0), grad_dtype),
+        "master": flat(rand(numel), torch.float32),
+        "exp_avg": flat(rand(numel, scale=0.1), torch.float32),
+        "exp_avg_sq": flat(rand(numel).abs() * 0.01, torch.float32),
+    }
+    # Poison: elements the step must not write are NaN, so a stray write shows up as a diff.
+    state["model_out"] = None if out_dtype is None else flat(torch.full((numel,), float("nan")), out_dtype)
+    hparams = torch.tensor(
+        [[1e-3, 0.9, 0.999, 1e-8, 0.01], [3e-2, 0.5, 0.95, 1e-6, 0.1]], dtype=torch.float64, device=device
+    )
+    steps = torch.tensor([1, 7, 3, 1000, 2, 5], dtype=torch.float32, device=device)
+    touched = torch.tensor([1, 1, 0, 1, 1, 1], dtype=torch.float32, device=device)
+    table = torch.tensor(SEGMENTS, dtype=torch.int64, device=device)
+    return state, table, hparams, steps, touched
+
+
+def _clone(state):
+    return {k: None if v is None else v.clone() for k, v in state.items()}
+
+
+def _run(fn, state, table, hparams, steps, touched, coef, found_inf, adam_w, bias, **kw):
+    fn(state["grad"], state["master"], state["exp_avg"], state["exp_avg_sq"], state["model_out"], table, hparams,
+       steps, touched, coef, found_inf, adam_w, bias, **kw)
+
+
+def _assert_state_close(native, ref):
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(native[key].cpu(), ref[key].cpu(), rtol=1e-5, atol=1e-6, equal_nan=True, msg=key)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("adam_w,bias", [(True, True), (False, True), (True, False)])
+def test_adam_step_matches_reference(exts, device, grad_dtype, out_dtype, adam_w, bias):
+    ext = _ext_for(exts, device)
+    state, table, hparams, steps, touched = _shard(device, grad_dtype, out_dtype, seed=hash((adam_w, bias)) % 100)
+    coef = torch.tensor(0.37, device=device)
+    found_inf = torch.zeros((), device=device)
+    before = _clone(state)
+    ref = _clone(state)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, adam_w, bias)
+    _run(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, adam_w, bias)
+    _assert_state_close(state, ref)
+    # The untouched param's segment and the padding are left exactly as they were.
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        start, length = SEGMENTS[2][:2]
+        assert torch.equal(state[key][start:start + length], before[key][start:start + length])
+        assert torch.equal(state[key][37:48], before[key][37:48])
+        assert not torch.equal(state[key][48:60], before[key][48:60])
+    if out_dtype is not None:
+        written = torch.zeros(NUMEL, dtype=torch.bool)
+        for start, length, param, _ in SEGMENTS:
+            if touched[param]:
+                written[start:start + length] = True
+        out = state["model_out"].cpu()
+        # Rounded from the kernel's own fp32 master, to nearest even: exactly what .to() gives.
+        assert torch.equal(out[written], state["master"].cpu()[written].to(out_dtype))
+        assert out[~written].float().isnan().all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_step_fp32_model_out_and_unaligned(exts, device):
+    """model_out in fp32, and every array one element off 16-byte alignment (scalar path)."""
+    ext = _ext_for(exts, device)
+    state, table, hparams, steps, touched = _shard(device, torch.float32, torch.float32, seed=3, offset=1)
+    assert state["grad"].data_ptr() % 16 != 0
+    coef, found_inf = torch.tensor(1.0, device=device), torch.zeros((), device=device)
+    ref = _clone(state)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    _run(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, True, True)
+    _assert_state_close(state, ref)
+    start, length = SEGMENTS[1][:2]
+    assert torch.equal(state["model_out"][start:start + length], state["master"][start:start + length])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+def test_adam_step_found_inf_writes_nothing(exts, device, grad_dtype):
+    ext = _ext_for(exts, device)
+    state, table, hparams, steps, touched = _shard(device, grad_dtype, torch.bfloat16, seed=5)
+    state["grad"][100] = float("inf")
+    state["grad"][200] = float("nan")
+    before = _clone(state)
+    _run(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device=device),
+         torch.ones((), device=device), True, True)
+    for key, value in state.items():
+        assert torch.equal(value.view(torch.uint8), before[key].view(torch.uint8)), key  # bitwise, NaNs too
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_step_empty_and_cached_chunks(exts, device):
+    ext = _ext_for(exts, device)
+    state, table, hparams, steps, touched = _shard(device, torch.float32, None, numel=0)
+    empty = torch.zeros((0, 4), dtype=torch.int64, device=device)
+    coef, found_inf = torch.ones((), device=device), torch.zeros((), device=device)
+    _run(ext.adam_step, state, empty, hparams, steps, touched, coef, found_inf, True, True)
+
+    state, table, hparams, steps, touched = _shard(device, torch.float32, None, seed=9)
+    chunks = ext.build_chunks(table, NUMEL, steps.numel(), hparams.shape[0]).to(device)
+    assert chunks.shape[0] == sum(math.ceil(s[1] / ext.CHUNK) for s in SEGMENTS)
+    ref = _clone(state)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    _run(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, True, True, chunks=chunks)
+    _assert_state_close(state, ref)
+    with pytest.raises(RuntimeError, match="outside the shard"):
+        ext.build_chunks(table, SEGMENTS[-1][0] + SEGMENTS[-1][1] - 1, steps.numel(), hparams.shape[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_step_rejects_non_fp32_state(exts, device):
+    ext = _ext_for(exts, device)
+    state, table, hparams, steps, touched = _shard(device, torch.bfloat16, None)
+    state["master"] = state["master"].bfloat16()
+    with pytest.raises(RuntimeError, match="fp32 only"):
+        _run(ext.adam_step, state, table, hparams, steps, touched, torch.ones((), device=device),
+             torch.zeros((), device=device), True, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, math.inf])
+def test_grad_stats_matches_reference(exts, device, grad_dtype, norm_type):
+    ext = _ext_for(exts, device)
+    g = torch.Generator().manual_seed(int(norm_type) if math.isfinite(norm_type) else 11)
+    for n in (1, 7, 1000, 70001):  # shorter than a vector, a tail, and several blocks' worth
+        grad = (torch.randn(n, generator=g) * 2).to(grad_dtype).to(device)
+        prior = torch.tensor([0.25, 0.0], device=device)  # accumulated into, not overwritten
+        ref, out = prior.clone(), prior.clone()
+        reference.grad_stats(grad, ref, norm_type)
+        ext.grad_stats(grad, out, norm_type)
+        torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=2e-5, atol=0)
+        again = prior.clone()
+        ext.grad_stats(grad, again, norm_type)
+        assert torch.equal(again, out)  # deterministic: same bits every call
+    odd = torch.randn(1001, generator=g).to(grad_dtype).to(device)[1:]  # unaligned data pointer
+    ref, out = torch.zeros(2, device=device), torch.zeros(2, device=device)
+    reference.grad_stats(odd, ref, norm_type)
+    ext.grad_stats(odd, out, norm_type)
+    torch.testing.assert_close(out.cpu(), ref.cpu(), rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_grad_stats_flags_non_finite(exts, device, grad_dtype, bad, norm_type):
+    ext = _ext_for(exts, device)
+    grad = torch.randn(5000).to(grad_dtype).to(device)
+    grad[4321] = bad
+    ref, out = torch.zeros(2, device=device), torch.zeros(2, device=device)
+    reference.grad_stats(grad, ref, norm_type)
+    ext.grad_stats(grad, out, norm_type)
+    assert out[1].item() == 1.0
+    torch.testing.assert_close(out.cpu(), ref.cpu(), equal_nan=True)
+    empty = torch.empty(0, dtype=grad_dtype, device=device)
+    ext.grad_stats(empty, out, norm_type)  # an empty shard changes nothing
+    torch.testing.assert_close(out.cpu(), ref.cpu(), equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatcher_uses_native_with_cached_chunks(exts, device, monkeypatch):
+    """kernels.adam_step on a SegmentTable builds the chunk map once and reuses it."""
+    _ext_for(exts, device)
+    monkeypatch.setenv("SHARDAMP_KERNELS", "native")
+    assert kernels.backend(torch.device(device)) == "native"
+    state, table, hparams, steps, touched = _shard(device, torch.bfloat16, torch.bfloat16, seed=13)
+    segs = SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in SEGMENTS], table)
+    coef, found_inf = torch.tensor(0.5, device=device), torch.zeros((), device=device)
+    ref = _clone(state)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    _run(kernels.adam_step, state, segs, hparams, steps, touched, coef, found_inf, True, True)
+    (cached,) = [v for k, v in segs.extra.items() if k.startswith("native_chunks")]
+    _run(kernels.adam_step, _clone(ref), segs, hparams, steps, touched, coef, found_inf, True, True)
+    assert [v for k, v in segs.extra.items() if k.startswith("native_chunks")][0] is cached
+    _assert_state_close(state, ref)
+    stats = torch.zeros(2, device=device)
+    kernels.grad_stats(state["grad"], stats, 2.0)
+    torch.testing.assert_close(stats[0].cpu(), state["grad"].float().pow(2).sum().cpu(), rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
+def test_cuda_graph_capture(exts):
+    """Stats + step replayed from a CUDA graph: no host sync, no allocation in the native path."""
+    ext = _ext_for(exts, "cuda")
+    state, table, hparams, steps, touched = _shard("cuda", torch.bfloat16, torch.bfloat16, seed=17)
+    chunks = ext.build_chunks(table, NUMEL, steps.numel(), hparams.shape[0]).cuda()
+    coef, found_inf = torch.tensor(0.5, device="cuda"), torch.zeros((), device="cuda")
+    stats = torch.zeros(2, device="cuda")
+    ref = _clone(state)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (scratch buffers) on the capturing stream
+        ext.grad_stats(state["grad"], torch.zeros(2, device="cuda"), 2.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        ext.grad_stats(state["grad"], stats, 2.0)
+        _run(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, True, True, chunks=chunks)
+    graph.replay()
+    torch.cuda.synchronize()
+    reference.grad_stats(ref["grad"], ref_stats := torch.zeros(2, device="cuda"), 2.0)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    torch.testing.assert_close(stats, ref_stats, rtol=1e-5, atol=0)
+    _assert_state_close(state, ref)
