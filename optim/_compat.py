@@ -72,3 +72,28 @@ def is_dense_non_overlapping(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
+    """In-place all-reduce (synchronous on the host, asynchronous on CUDA streams)."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def broadcast_from_group_rank0(tensor: torch.Tensor, group: Any) -> None:
+    """Broadcast ``tensor`` from the group's rank 0 (converted to its global rank)."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(tensor, src=src, group=group)
+
+
+def refresh_scaler_states(scaler: Any) -> None:
+    """What ``GradScaler.update`` does last: forget every optimizer's stage and found-infs."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def scaler_maybe_opt_step(scaler: Any, optimizer: Any, state: dict, *args: Any, **kwargs: Any) -> Any:
+    """torch's skip-or-step for optimizers without in-kernel skipping (one ``.item()``)."""
+    return scaler._maybe_opt_step(optimizer, state, *args, **kwargs)

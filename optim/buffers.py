@@ -1,0 +1,114 @@
+"""The flat tensors behind each bucket, and the model params as views into them.
+
+Per bucket, on every rank:
+  * ``params``: the whole bucket in the model dtype; every model param is an ``as_strided``
+    view of it with the param's own strides, so the all-gather writes the model in place;
+  * ``sync``: the whole bucket in ``param_sync_dtype``, only when that differs from the model
+    dtype (the one case that needs a cast pass after the all-gather);
+  * ``grad_shard``: this rank's reduced grads (``grad_sync_dtype``);
+  * ``master``, ``exp_avg``, ``exp_avg_sq``: this rank's shard in the state dtype. When the model
+    dtype equals the state dtype, ``master`` IS this rank's slice of ``params``: no copy exists.
+The full-size grad buffer a bucket fills during backward is managed by ``grad_sync.py``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .layout import Bucket, ParamSlot
+
+
+def param_view(buffer: Tensor, slot: ParamSlot) -> Tensor:
+    """``slot``'s param inside a flat bucket buffer, in the param's own memory layout."""
+    return buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+
+
+@dataclass
+class BucketBuffers:
+    params: Tensor
+    sync: Optional[Tensor]
+    grad_shard: Tensor
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    shard: slice
+
+    def model_out(self, world_size: int) -> Optional[Tensor]:
+        """Where the step writes the model-dtype copy of the updated master shard, if anywhere."""
+        if self.sync is not None:
+            return self.sync[self.shard]
+        if self.master.data_ptr() == self.params[self.shard].data_ptr():
+            return None
+        return self.params[self.shard]
+
+
+def allocate(
+    bucket: Bucket,
+    params: Sequence[torch.nn.Parameter],
+    world_size: int,
+    state_dtype: torch.dtype,
+    grad_sync_dtype: torch.dtype,
+    param_sync_dtype: torch.dtype,
+) -> BucketBuffers:
+    """Allocate ``bucket``'s buffers and turn its params into views of the param buffer.
+
+    ``params`` is indexed by ``ParamSlot.index``. The params' current values are copied in;
+    the caller broadcasts the buffer so every rank starts from the same weights.
+    """
+    dev = bucket.device
+    flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=dev)
+    for slot in bucket.slots:
+        p = params[slot.index]
+        view = param_view(flat, slot)
+        view.copy_(p.detach())
+        p.data = view
+    shard = slice(bucket.shard_start, bucket.shard_start + bucket.shard_numel)
+    sync = None
+    if param_sync_dtype != bucket.dtype and world_size > 1:
+        sync = torch.zeros(bucket.numel, dtype=param_sync_dtype, device=dev)
+    n = bucket.shard_numel
+    return BucketBuffers(
+        params=flat,
+        sync=sync,
+        grad_shard=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
+        master=flat[shard] if state_dtype == bucket.dtype else torch.empty(0),  # filled by init_master
+        exp_avg=torch.zeros(n, dtype=state_dtype, device=dev),
+        exp_avg_sq=torch.zeros(n, dtype=state_dtype, device=dev),
+        shard=shard,
+    )
+
+
+def init_master(buffers: BucketBuffers, state_dtype: torch.dtype) -> None:
+    """(Re)create the master shard from the (broadcast) model params."""
+    local = buffers.params[buffers.shard]
+    if state_dtype == buffers.params.dtype:
+        buffers.master = local
+    else:
+        buffers.master = local.to(state_dtype)
+    if buffers.sync is not None:
+        buffers.sync.copy_(buffers.params)
+
+
+def check_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: Sequence[Tensor]) -> None:
+    """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``)."""
+    for bucket, buf in zip(buckets, buffers):
+        base = buf.params.data_ptr()
+        esize = buf.params.element_size()
+        for slot in bucket.slots:
+            p = params[slot.index]
+            if (
+                p.data_ptr() != base + slot.offset * esize
+                or p.dtype != bucket.dtype
+                or tuple(p.shape) != slot.shape
+                or tuple(p.stride()) != slot.stride
+            ):
+                raise RuntimeError(
+                    f"DistributedFusedAdam: parameter {slot.index} (shape {tuple(p.shape)}, dtype "
+                    f"{p.dtype}) no longer lives in the optimizer's flat buffer, so updates would be "
+                    "lost. Something replaced its storage (module.to(dtype/device), p.data = ..., "
+                    "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
+                    "optimizer, and load weights with load_state_dict(assign=False)."
+                )

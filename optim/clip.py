@@ -1,0 +1,77 @@
+"""``clip_grad_norm_``: a drop-in for ``torch.nn.utils.clip_grad_norm_`` that also clips the
+params a DistributedFusedAdam manages (whose ``.grad`` is None: their grads live in its shards).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Union
+
+import torch
+from torch import Tensor
+
+from .distributed_fused_adam import DistributedFusedAdam
+
+
+def _owner(p: Tensor):
+    ref = getattr(p, "_shardamp_optimizer", None)
+    opt = ref() if ref is not None else None
+    if opt is not None and getattr(p, "_shardamp_owner", None) is opt._grad_sync.owner_token:
+        return opt
+    return None
+
+
+def clip_grad_norm_(
+    parameters: Union[Tensor, Iterable[Tensor]],
+    max_norm: float,
+    norm_type: float = 2.0,
+) -> Tensor:
+    """Clip the grads of ``parameters`` to a global norm of ``max_norm``; return that norm.
+
+    Params managed by a :class:`DistributedFusedAdam` are clipped through it (the coefficient is
+    applied inside its next step; see ``DistributedFusedAdam.clip_grad_norm``) and must be passed
+    together with every other param of that optimizer: a subset raises, since the global norm of
+    a subset cannot be clipped without clipping the rest. All other params are clipped in place
+    exactly as torch does. The returned norm covers both kinds (``(sum n_i^p)^(1/p)``, or the
+    max for ``inf``); for a DistributedFusedAdam it is its global, unscaled norm.
+    """
+    if isinstance(parameters, Tensor):
+        parameters = [parameters]
+    params = list(parameters)
+    norm_type = DistributedFusedAdam._check_norm_type(norm_type)
+    max_norm = float(max_norm)
+    owned: Dict[int, DistributedFusedAdam] = {}
+    seen: Dict[int, set] = {}
+    plain: List[Tensor] = []
+    for p in params:
+        opt = _owner(p)
+        if opt is None:
+            if p.grad is not None:
+                plain.append(p)
+        else:
+            owned[id(opt)] = opt
+            seen.setdefault(id(opt), set()).add(id(p))
+    norms: List[Tensor] = []
+    for key, opt in owned.items():
+        missing = len(opt._params) - len(seen[key])
+        if missing:
+            raise ValueError(
+                f"clip_grad_norm_: parameters includes {len(seen[key])} of the {len(opt._params)} params "
+                f"of a DistributedFusedAdam ({missing} missing). Its global norm covers all of them: "
+                "pass them all (e.g. model.parameters()) or call opt.clip_grad_norm(max_norm)."
+            )
+        norms.append(opt.grad_norm(norm_type))
+    device = norms[0].device if norms else (plain[0].grad.device if plain else torch.device("cpu"))
+    if plain:
+        grads = [p.grad for p in plain]
+        norms.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=None).to(device))
+    if not norms:
+        return torch.tensor(0.0)
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    for opt in owned.values():
+        opt._clips.append((max_norm, total))
+    if plain:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, no sync
+        for p in plain:
+            p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
+    return total

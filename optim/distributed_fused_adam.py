@@ -1,0 +1,449 @@
+"""DistributedFusedAdam: ZeRO-2 Adam/AdamW whose unscale, clip and step agree with unsharded torch.
+
+This class keeps the state and the protocol; who owns which slice lives in ``layout.py``, the
+buffers in ``buffers.py``, the communication in ``grad_sync.py`` / ``param_sync.py``, the one
+all-reduce in ``grad_stats.py`` and the math in ``reference.py`` / csrc (through ``kernels.py``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _compat, grad_stats, kernels
+from .buffers import BucketBuffers, allocate, check_views, init_master
+from .grad_stats import GradStats, TouchedPatterns
+from .grad_sync import GradSync
+from .layout import Bucket, build_layout
+from .param_sync import ParamSync
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
+    if not isinstance(lr, Tensor) and not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a tensor)")
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{where}betas={betas!r}: expected a pair of floats in [0, 1)")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"{where}eps={eps!r}: expected a finite float >= 0")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"{where}weight_decay={weight_decay!r}: expected a finite float >= 0")
+
+
+class DistributedFusedAdam(torch.optim.Optimizer):
+    """ZeRO-2 sharded Adam/AdamW with fused, scaler-aware unscale, clip and step.
+
+    Every rank keeps the fp32 master params, ``exp_avg`` and ``exp_avg_sq`` of one contiguous
+    shard of every bucket. Grads are reduce-scattered during backward (post-accumulate-grad
+    hooks, fixed bucket order), ``param.grad`` is left ``None``, and ``step`` updates the local
+    shard with one fused kernel per bucket, then all-gathers the params in place. Training
+    matches unsharded ``torch.optim.AdamW`` (``adam_w_mode=True``) or ``Adam`` (``False``) fed the
+    union of all ranks' batches.
+
+    Args mirror torch.optim.AdamW, plus: ``max_grad_norm`` (clip every step, in-kernel),
+    ``process_group`` (the group the state is sharded over; default WORLD, or no communication
+    at all when torch.distributed is not initialised), ``average_grad_sync`` (average or sum grads
+    over the group), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
+    (collective dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
+    (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
+    (leave the all-gather in flight after ``step``; each module waits for its own params in a
+    forward pre-hook; call ``param_sync()`` before reading params elsewhere) and ``capturable``
+    (lr may be a device tensor, no host syncs: the iteration can be captured in a CUDA graph).
+
+    The model must be on its final device and dtype before the optimizer is built: its params
+    become views into the optimizer's flat buffers, and replacing their storage afterwards is
+    detected at the next ``step``.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float | Tensor = 1e-3,
+        betas: Tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adam_w_mode: bool = True,
+        bias_correction: bool = True,
+        max_grad_norm: Optional[float] = None,
+        process_group: Optional[Any] = None,
+        average_grad_sync: bool = True,
+        dtype: torch.dtype = torch.float32,
+        grad_sync_dtype: Optional[torch.dtype] = None,
+        param_sync_dtype: Optional[torch.dtype] = None,
+        bucket_cap_mb: float = 100.0,
+        overlap_grad_sync: bool = True,
+        overlap_param_sync: bool = False,
+        capturable: bool = False,
+    ) -> None:
+        _check_hparams(lr, betas, eps, weight_decay, "")
+        for name, value in (
+            ("adam_w_mode", adam_w_mode),
+            ("bias_correction", bias_correction),
+            ("average_grad_sync", average_grad_sync),
+            ("overlap_grad_sync", overlap_grad_sync),
+            ("overlap_param_sync", overlap_param_sync),
+            ("capturable", capturable),
+        ):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name}={value!r}: expected True or False")
+        if max_grad_norm is not None and not (
+            isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0 and math.isfinite(max_grad_norm)
+        ):
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected None or a finite float > 0")
+        if dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"dtype={dtype!r}: the master-param/state dtype must be torch.float32 or torch.float64")
+        for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+            if value is not None and value not in _FLOAT_DTYPES + (torch.float64,):
+                raise ValueError(f"{name}={value!r}: expected None or one of float32, bfloat16, float16, float64")
+        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: expected a finite number of megabytes > 0")
+
+        self._initialized = False
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+        self.adam_w_mode = adam_w_mode
+        self.bias_correction = bias_correction
+        self.max_grad_norm = max_grad_norm
+        self.average_grad_sync = average_grad_sync
+        self.dtype = dtype
+        self.capturable = capturable
+        self.overlap_grad_sync = overlap_grad_sync
+        self.overlap_param_sync = overlap_param_sync
+        self.bucket_cap_mb = float(bucket_cap_mb)
+
+        self.process_group, self.world_size, self.rank = self._resolve_group(process_group)
+        self._params: List[torch.nn.Parameter] = []
+        indexed: List[Tuple[torch.nn.Parameter, int]] = []
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                self._params.append(p)
+                indexed.append((p, g))
+                p._shardamp_optimizer = weakref.ref(self)  # lets clip_grad_norm_ find us
+        devices = {p.device for p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"params: all parameters must be on one device, got {sorted(map(str, devices))}")
+        self._device = devices.pop()
+        if self._device.type == "meta":
+            raise ValueError("params: parameters are on the meta device; materialise the model first")
+        for i, p in enumerate(self._params):
+            if not p.is_floating_point() or p.dtype not in _FLOAT_DTYPES + (torch.float64,):
+                raise ValueError(f"params: parameter {i} has dtype {p.dtype}; expected a floating-point dtype")
+        self.grad_sync_dtype = grad_sync_dtype
+        self.param_sync_dtype = param_sync_dtype
+
+        self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)
+        self._buffers: List[BucketBuffers] = []
+        for bucket in self._buckets:
+            gdt = grad_sync_dtype or bucket.dtype
+            pdt = param_sync_dtype or bucket.dtype
+            self._buffers.append(allocate(bucket, self._params, self.world_size, dtype, gdt, pdt))
+        if self.world_size > 1:
+            for buf in self._buffers:  # every rank starts from rank 0's weights, as DDP does
+                _compat.broadcast_from_group_rank0(buf.params, self.process_group)
+        for buf in self._buffers:
+            init_master(buf, dtype)
+        self._grad_sync = GradSync(
+            self._buckets, self._buffers, self._params, self.process_group, self.world_size,
+            overlap_grad_sync,
+            keep_buffers=capturable, on_grad=self._on_new_grad,
+        )
+        self._param_sync = ParamSync(
+            self._buckets, self._buffers, self._params, self.process_group, self.world_size, overlap_param_sync
+        )
+        n = len(self._params)
+        self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
+        self._hparams = torch.zeros(len(self.param_groups), 5, dtype=torch.float64, device=self._device)
+        self._hparams_host: Optional[List[Tuple]] = None
+        self._touched_patterns = TouchedPatterns(self._device)
+        self._warned_unscaled_by_torch = False
+        self._reset_round()
+        self._last_norms: Dict[float, Tensor] = {}
+        self._initialized = True
+
+    # ------------------------------------------------------------------ setup helpers
+    @staticmethod
+    def _resolve_group(process_group: Optional[Any]) -> Tuple[Optional[Any], int, int]:
+        if process_group is None:
+            if dist.is_available() and dist.is_initialized():
+                return None, dist.get_world_size(), dist.get_rank()
+            return None, 1, 0
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("process_group was given but torch.distributed is not initialised")
+        rank = dist.get_rank(process_group)
+        if rank < 0:
+            raise ValueError("process_group: this rank is not a member of the given group")
+        return process_group, dist.get_world_size(process_group), rank
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if getattr(self, "_initialized", False):
+            raise RuntimeError(
+                "DistributedFusedAdam.add_param_group: the flat-buffer layout is fixed at "
+                "construction; pass every param group to the constructor"
+            )
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+                       f"param_groups[{len(self.param_groups) - 1}]: ")
+        for p in group["params"]:
+            if not isinstance(p, torch.nn.Parameter):
+                raise ValueError("params: DistributedFusedAdam needs torch.nn.Parameter leaves (got a plain tensor)")
+
+    # ------------------------------------------------------------------ per-step state
+    def _reset_round(self) -> None:
+        self._stats: Optional[GradStats] = None
+        self._raw_norms: Dict[float, Tensor] = {}
+        self._norms: Dict[float, Tensor] = {}
+        self._inv_scale: Optional[Tensor] = None
+        self._clips: List[Tuple[float, Tensor]] = []
+
+    def _on_new_grad(self) -> None:
+        if self._stats is not None or self._inv_scale is not None or self._last_norms:
+            self._reset_round()
+            self._last_norms = {}
+
+    @property
+    def _avg_factor(self) -> float:
+        return 1.0 / self.world_size if self.average_grad_sync else 1.0
+
+    # ------------------------------------------------------------------ communication
+    def grad_sync(self) -> None:
+        """Finish reducing the grads: launch the buckets not yet launched, wait for all."""
+        self._grad_sync.sync()
+
+    def param_sync(self) -> None:
+        """Wait for the params' all-gather (only ever pending with ``overlap_param_sync``)."""
+        self._param_sync.wait()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """As DDP's ``no_sync``: backward inside accumulates grads locally; the first backward
+        outside reduces everything accumulated."""
+        with self._grad_sync.no_sync():
+            yield
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
+        updates (weight decay, momentum) every param that had a grad, as torch does."""
+        self._grad_sync.zero(set_to_none)
+        self._reset_round()
+        self._last_norms = {}
+
+    # ------------------------------------------------------------------ stats, unscale, clip
+    def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
+        """Extension point: all-reduce this rank's partial grad stats in place.
+
+        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}]`` and ``op``
+        is SUM (finite norm types) or MAX (``inf``). The default reduces over the optimizer's
+        process group. A subclass whose params are also split over another group (tensor or
+        pipeline model parallelism) calls ``super()`` and then reduces ``stats[:2]`` over that
+        group with the same ``op``, so the norm and found-inf cover the whole model.
+        """
+        if self.world_size > 1:
+            _compat.all_reduce(stats, op, self.process_group)
+
+    def _ensure_stats(self, norm_type: float) -> GradStats:
+        if self._stats is None:
+            self.grad_sync()
+            pattern = self._touched_patterns.get(self._grad_sync.local_touched)
+            buf = torch.empty(grad_stats.HEADER + len(self._params), dtype=torch.float32, device=self._device)
+            grad_stats.local_stats([b.grad_shard for b in self._buffers], pattern, norm_type, buf)
+            self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
+            self._stats = grad_stats.finish(buf, norm_type)
+            self._raw_norms[norm_type] = self._stats.raw_norm
+        elif norm_type not in self._raw_norms:
+            # a second norm type in one step costs a second (tiny) all-reduce
+            buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=self._device)
+            for b in self._buffers:
+                kernels.grad_stats(b.grad_shard, buf, norm_type)
+            self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
+            self._raw_norms[norm_type] = grad_stats.finish(buf, norm_type).raw_norm
+        return self._stats
+
+    def grad_norm(self, norm_type: float = 2.0) -> Tensor:
+        """The global norm of all grads, as ``torch.nn.utils.clip_grad_norm_`` would return it.
+
+        Averaged over the group as the grads are, and unscaled as far as the scale is known:
+        after ``unscale_grads`` (ShardedGradScaler.unscale_) it is the true norm; called before
+        it while the loss is scaled, it is the scaled norm and the SAME tensor is divided by the
+        scale in place when unscaling happens (at the latest inside ``step``). Cached until the
+        next backward; after ``step`` it returns the norm that step used. 0-d float32 tensor on
+        the params' device; never reads a value on the host.
+        """
+        norm_type = self._check_norm_type(norm_type)
+        if self._stats is None and norm_type in self._last_norms:
+            return self._last_norms[norm_type]
+        self._ensure_stats(norm_type)
+        norm = self._norms.get(norm_type)
+        if norm is None:
+            norm = self._raw_norms[norm_type] * self._avg_factor
+            if self._inv_scale is not None:
+                norm = norm * self._inv_scale
+            self._norms[norm_type] = norm
+        return norm
+
+    @staticmethod
+    def _check_norm_type(norm_type: Any) -> float:
+        try:
+            p = float(norm_type)
+        except (TypeError, ValueError):
+            raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf") from None
+        if not p > 0:
+            raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf")
+        return p
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip all grads to a global norm of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
+
+        Returns the norm before clipping (see :meth:`grad_norm` for its scale). No pass over
+        the grads happens here: the coefficient ``min(1, max_norm / (norm + 1e-6))`` is resolved
+        on the device at ``step``, with the true scale, and applied inside the step kernel. A
+        non-finite norm skips the step instead of producing NaN params.
+        """
+        if isinstance(max_norm, Tensor):
+            max_norm = float(max_norm)
+        if not (isinstance(max_norm, (int, float)) and max_norm >= 0 and not math.isnan(max_norm)):
+            raise ValueError(f"max_norm={max_norm!r}: expected a float >= 0")
+        norm = self.grad_norm(norm_type)
+        self._clips.append((float(max_norm), norm))
+        return norm
+
+    def unscale_grads(self, inv_scale: Tensor, grad_scaler: Optional[Any] = None) -> Tensor:
+        """Record ``inv_scale`` (0-d tensor) for this step and return the GLOBAL found-inf.
+
+        Used by ``ShardedGradScaler.unscale_``. Nothing is rewritten: ``inv_scale`` becomes part
+        of the device scalar the step kernel multiplies the grads by. The result is a 0-d
+        float32 tensor on ``inv_scale``'s device holding exactly 0.0 or 1.0, agreed by every rank
+        (inf/NaN in any grad, or a non-finite norm). ``grad_scaler`` is passed through for
+        subclasses.
+        """
+        if not isinstance(inv_scale, Tensor) or inv_scale.numel() != 1:
+            raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
+        if self._inv_scale is not None:
+            raise RuntimeError("unscale_grads() has already been called since the last step()")
+        inv = inv_scale.detach().reshape(()).to(device=self._device, dtype=torch.float32)
+        stats = self._ensure_stats(self._first_norm_type())
+        for norm in self._norms.values():
+            norm.mul_(inv)  # norms handed out before unscaling become the true norms
+        self._inv_scale = inv
+        return stats.found_inf.to(inv_scale.device)
+
+    def _first_norm_type(self) -> float:
+        return next(iter(self._raw_norms), 2.0)
+
+    # ------------------------------------------------------------------ the step
+    def _refresh_hparams(self) -> None:
+        host = []
+        for i, group in enumerate(self.param_groups):
+            _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ")
+            lr = group["lr"]
+            lr_key = ("tensor", id(lr)) if isinstance(lr, Tensor) else float(lr)
+            host.append((lr_key, float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+                         float(group["weight_decay"])))
+        if host != self._hparams_host:
+            rows = [[0.0 if isinstance(h[0], tuple) else h[0], *h[1:]] for h in host]
+            table = torch.tensor(rows, dtype=torch.float64)
+            if self._device.type == "cuda":
+                table = table.pin_memory()
+            self._hparams.copy_(table, non_blocking=True)
+            self._hparams_host = host
+        for i, group in enumerate(self.param_groups):
+            if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
+                self._hparams[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
+
+    def _take_torch_scaler(self, scaler: Any) -> None:
+        """Loop A/F: ``torch.amp.GradScaler.step`` handed itself over (``grad_scaler=``)."""
+        state = _compat.scaler_optimizer_state(scaler, self)
+        if self._inv_scale is None:
+            if state["stage"] is _compat.OptState.UNSCALED and not self._warned_unscaled_by_torch:
+                self._warned_unscaled_by_torch = True
+                warnings.warn(
+                    "torch.amp.GradScaler.unscale_ found no gradients to unscale: DistributedFusedAdam "
+                    "keeps only reduce-scattered shards and leaves param.grad None, so torch's "
+                    "clip_grad_norm_ clipped nothing. The step unscales correctly but is NOT clipped. "
+                    "To clip, use shardamp.scaler.ShardedGradScaler with opt.clip_grad_norm() or "
+                    "shardamp.optim.clip_grad_norm_(), or pass max_grad_norm= to the optimizer.",
+                    UserWarning,
+                    stacklevel=4,
+                )
+            scale = _compat.scaler_scale(scaler)
+            self.unscale_grads(scale.double().reciprocal().float(), grad_scaler=scaler)
+        found_inf = self._stats.found_inf
+        scale_device = _compat.scaler_scale(scaler).device
+        state["found_inf_per_device"] = {scale_device: found_inf.to(scale_device)}
+
+    def _grad_coef(self) -> Tensor:
+        coef = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
+        if self._inv_scale is not None:
+            coef = coef * self._inv_scale
+        clip = None
+        for max_norm, norm in self._clips:  # clipping twice clips the already-clipped grads
+            c = grad_stats.clip_coef(max_norm, norm if clip is None else norm * clip)
+            clip = c if clip is None else clip * c
+        return coef if clip is None else coef * clip
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler: Optional[Any] = None) -> Any:
+        """Update the params from the reduced grads; skip on the device if any grad (or the
+        norm) is not finite. With ``grad_scaler`` (torch.amp.GradScaler's hand-over), unscale by
+        its scale and record the global found-inf in it so ``update()`` agrees on every rank."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._param_sync.wait()
+        check_views(self._buckets, self._buffers, self._params)
+        if not self._grad_sync.grad_since_zero:
+            raise RuntimeError(
+                "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "
+                "this rank since the last zero_grad(). Either backward() did not run, or the model's "
+                "parameters were replaced (load_state_dict(assign=True), deepcopy, re-created modules) "
+                "and the optimizer no longer sees them: build the optimizer over the model's current "
+                "parameters."
+            )
+        self._refresh_hparams()
+        if grad_scaler is not None:
+            self._take_torch_scaler(grad_scaler)
+        stats = self._ensure_stats(self._first_norm_type())
+        if self.max_grad_norm is not None:
+            self._clips.append((self.max_grad_norm, self.grad_norm(2.0)))
+        coef = self._grad_coef()
+        found_inf = stats.found_inf
+        self._steps.add_(stats.touched * (1.0 - found_inf))
+        for bucket, buf in zip(self._buckets, self._buffers):
+            kernels.adam_step(
+                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(self.world_size),
+                bucket.segments, self._hparams, self._steps, stats.touched, coef, found_inf,
+                self.adam_w_mode, self.bias_correction,
+            )
+        self._param_sync.launch()
+        self._last_norms = dict(self._norms)
+        self._reset_round()
+        self._grad_sync.step_done()
+        return loss
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        lines.append(
+            f"  world_size={self.world_size}, rank={self.rank}, buckets={len(self._buckets)}, "
+            f"adam_w_mode={self.adam_w_mode}, max_grad_norm={self.max_grad_norm}, dtype={self.dtype}, "
+            f"capturable={self.capturable}, kernels={kernels.backend(self._device)}"
+        )
+        for i, group in enumerate(self.param_groups):
+            keys = ", ".join(f"{k}={group[k]}" for k in sorted(group) if k != "params")
+            lines.append(f"  group {i}: {len(group['params'])} params, {keys}")
+        lines.append(")")
+        return "\n".join(lines)

@@ -1,0 +1,83 @@
+"""The one small all-reduce per step, and the scalars derived from it.
+
+Each rank fills a float32 tensor ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}]``: the
+partial norm of its grad shards (``sum |g|^p``, or ``max |g|`` for ``p = inf``) and its
+non-finite flag in one pass per shard, plus which params got a grad on this rank. ONE
+all-reduce (SUM for finite ``p``; MAX for ``inf``, where a max of 0/1 flags is still the "any")
+gives the global norm, the global found-inf and the set of params touched on some rank.
+Everything stays on the device.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import kernels
+
+HEADER = 2  # norm partial, non-finite flag
+
+
+@dataclass
+class GradStats:
+    """Global stats of the landed (still scaled, still summed) grads of one step."""
+
+    norm_type: float
+    raw_norm: Tensor  # norm of the grad shards as stored: before averaging and unscaling
+    found_inf: Tensor  # 0-d float32, exactly 0.0 or 1.0, agreed by every rank
+    touched: Tensor  # float32 [P], 1.0 where some rank produced a grad for the param
+    norms: dict = field(default_factory=dict)  # norm_type -> true norm tensors handed out
+
+
+def reduce_op(norm_type: float):
+    return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
+
+
+def local_stats(shards: Sequence[Tensor], touched_pattern: Tensor, norm_type: float, out: Tensor) -> None:
+    """Fill ``out`` (``HEADER + P`` floats) with this rank's partial stats."""
+    out[:HEADER].zero_()
+    for g in shards:
+        kernels.grad_stats(g, out[:HEADER], norm_type)
+    out[HEADER:].copy_(touched_pattern)
+
+
+def finish(stats: Tensor, norm_type: float) -> GradStats:
+    """Turn the all-reduced ``stats`` into a :class:`GradStats`."""
+    partial = stats[0]
+    raw = partial if math.isinf(norm_type) else partial.pow(1.0 / norm_type)
+    found_inf = ((stats[1] > 0) | ~torch.isfinite(partial)).float()
+    touched = (stats[HEADER:] > 0).float()
+    return GradStats(norm_type, raw, found_inf, touched)
+
+
+def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, but never NaN: 0-d float32 in [0, 1]."""
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    return torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+class TouchedPatterns:
+    """Device copies of the host-side "got a grad" masks, cached so that a training loop whose
+    pattern repeats copies nothing to the device after its first step (no sync, capturable)."""
+
+    def __init__(self, device: torch.device, capacity: int = 8) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.cache: "OrderedDict[bytes, Tensor]" = OrderedDict()
+
+    def get(self, mask: List[bool]) -> Tensor:
+        key = bytes(mask)
+        t = self.cache.get(key)
+        if t is None:
+            t = torch.tensor(mask, dtype=torch.float32).to(self.device)
+            self.cache[key] = t
+            if len(self.cache) > self.capacity:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
+        return t

@@ -1,0 +1,231 @@
+"""Backward-time gradient plumbing: grads into bucket buffers, buckets reduce-scattered in a
+fixed order.
+
+A post-accumulate-grad hook copies each param's grad into its bucket's full-size buffer and sets
+``param.grad = None``. Buckets are reduce-scattered in index order on every rank: a bucket whose
+params have all produced their grad is launched as soon as every bucket before it has been, so
+the collectives overlap the rest of backward, and the buckets left over (params that got no grad
+on this rank) are flushed by an end-of-backward callback. Every rank therefore issues the same
+collectives in the same order whatever its unused params. The reduced shard lands in
+``BucketBuffers.grad_shard``; a second reduction before the next ``zero_grad`` accumulates into it,
+as ``param.grad`` accumulates in torch.
+
+With world size 1 the full-size buffer IS the shard and a "reduction" is a no-op.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Callable, Iterator, List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import _compat
+from .buffers import BucketBuffers, param_view
+from .layout import Bucket, ParamSlot
+
+
+class GradSync:
+    def __init__(
+        self,
+        buckets: List[Bucket],
+        buffers: List[BucketBuffers],
+        params: Sequence[torch.nn.Parameter],
+        process_group,
+        world_size: int,
+        overlap: bool,
+        keep_buffers: bool,
+        on_grad: Callable[[], None],
+    ) -> None:
+        self.buckets = buckets
+        self.buffers = buffers
+        self.group = process_group
+        self.world_size = world_size
+        self.overlap = overlap
+        self.keep_buffers = keep_buffers or world_size == 1
+        self.on_grad = on_grad  # the optimizer drops its per-step caches when new grads arrive
+        self.n_params = len(params)
+
+        self.slots: dict[int, ParamSlot] = {}
+        for bucket in buckets:
+            for slot in bucket.slots:
+                self.slots[slot.index] = slot
+        # backward readiness: params still to fire in the current backward, per bucket
+        self.expected = [sum(s.requires_grad for s in b.slots) for b in buckets]
+        self.fired = [0] * len(buckets)
+        self.next_launch = 0  # buckets [0, next_launch) have been launched in the current round
+        self.enabled = True  # False inside no_sync()
+        self.callback_queued = False
+        self.rounds_since_step = 0
+        self.grad_since_zero = False
+        # host-side truth of "this param got a grad on this rank since zero_grad"
+        self.local_touched = [False] * self.n_params
+        # grads in a bucket buffer not reduced yet (accumulate vs overwrite)
+        self.in_buffer = [False] * self.n_params
+        self.shard_valid = [False] * len(buckets)
+        self.full: List[Optional[Tensor]] = [None] * len(buckets)
+        if world_size == 1:
+            for i, buf in enumerate(buffers):
+                self.full[i] = buf.grad_shard  # the shard is the whole bucket
+        elif keep_buffers:
+            for i, b in enumerate(buckets):
+                self.full[i] = self._new_full(i)
+        self.dirty = [False] * len(buckets)  # full buffer holds stale grads: zero before use
+        self.pending: List[tuple] = []  # (bucket index, work, input, output, accumulate)
+        # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
+        self.owner_token = object()
+        for p in params:
+            p._shardamp_owner = self.owner_token
+        ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
+
+        def hook(param: torch.nn.Parameter) -> None:
+            me = ref()
+            if me is not None:
+                me._hook(param)
+
+        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        self.index_of = {id(p): i for i, p in enumerate(params)}
+
+    # ---------------------------------------------------------------- backward
+    def _hook(self, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
+        if getattr(param, "_shardamp_owner", None) is not self.owner_token:
+            return  # a newer optimizer took this param over; its own hook handles the grad
+        index = self.index_of[id(param)]
+        slot = self.slots[index]
+        param.grad = None
+        self.on_grad()
+        self.grad_since_zero = True
+        self.add_grad(slot, grad)
+        if not self.enabled:
+            return
+        if not self.callback_queued:
+            self.callback_queued = True
+            _compat.queue_backward_callback(self._end_of_backward)
+        self.fired[slot.bucket] += 1
+        if self.overlap:
+            self._launch_ready()
+
+    def add_grad(self, slot: ParamSlot, grad: Tensor) -> None:
+        b = slot.bucket
+        full = self.full[b]
+        if full is None:
+            full = self.full[b] = self._new_full(b)
+        elif self.dirty[b]:
+            full.zero_()
+        self.dirty[b] = False
+        view = param_view(full, slot)
+        # world 1: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
+        if self.in_buffer[slot.index] or (self.world_size == 1 and self.shard_valid[b]):
+            view.add_(grad)
+        else:
+            view.copy_(grad)
+        self.in_buffer[slot.index] = True
+        self.local_touched[slot.index] = True
+
+    def _new_full(self, b: int) -> Tensor:
+        bucket = self.buckets[b]
+        return torch.zeros(bucket.numel, dtype=self.buffers[b].grad_shard.dtype, device=bucket.device)
+
+    def _launch_ready(self) -> None:
+        while self.next_launch < len(self.buckets) and self.fired[self.next_launch] >= self.expected[self.next_launch]:
+            self._launch(self.next_launch)
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        if self.overlap:
+            self._finish_round()
+        self.fired = [0] * len(self.buckets)
+
+    def _finish_round(self) -> None:
+        while self.next_launch < len(self.buckets):
+            self._launch(self.next_launch)
+        self.next_launch = 0
+        self.fired = [0] * len(self.buckets)
+        self.rounds_since_step += 1
+
+    def _launch(self, b: int) -> None:
+        """Reduce-scatter bucket ``b`` (every rank calls this for every bucket, in order)."""
+        self.next_launch = b + 1
+        bucket = self.buckets[b]
+        for s in bucket.slots:
+            self.in_buffer[s.index] = False
+        full = self.full[b]
+        if full is None:  # no grad here on this rank: contribute zeros
+            full = self._new_full(b)
+        elif self.dirty[b]:
+            full.zero_()
+            self.dirty[b] = False
+        if self.world_size == 1:
+            self.shard_valid[b] = True
+            return
+        accumulate = self.shard_valid[b]
+        out = torch.empty_like(self.buffers[b].grad_shard) if accumulate else self.buffers[b].grad_shard
+        work = _compat.reduce_scatter(out, full, self.group, async_op=True)
+        self.pending.append((b, work, full, out, accumulate))
+        if self.keep_buffers:
+            self.dirty[b] = True  # holds this round's grads until the next round overwrites them
+        else:
+            self.full[b] = None  # freed once the reduction has been waited for
+        self.shard_valid[b] = True
+
+    # ---------------------------------------------------------------- explicit sync
+    def sync(self) -> None:
+        """Finish the gradient reduction: launch what is left, then wait for every bucket.
+
+        A step always consumes at least one complete round, so a rank whose backward touched
+        none of the params still joins the collectives the other ranks issued.
+        """
+        if self.next_launch > 0 or self.rounds_since_step == 0 or any(self.in_buffer):
+            self._finish_round()
+        self.wait()
+
+    def wait(self) -> None:
+        for b, work, _full, out, accumulate in self.pending:
+            work.wait()
+            if accumulate:
+                self.buffers[b].grad_shard.add_(out)
+        self.pending.clear()
+
+    def step_done(self) -> None:
+        self.rounds_since_step = 0
+
+    def zero(self, set_to_none: bool) -> None:
+        """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
+        self.wait()
+        self.next_launch = 0
+        self.fired = [0] * len(self.buckets)
+        self.in_buffer = [False] * self.n_params
+        if set_to_none:
+            self.local_touched = [False] * self.n_params
+            self.shard_valid = [False] * len(self.buckets)
+            self.grad_since_zero = False
+        else:
+            for buf in self.buffers:
+                buf.grad_shard.zero_()
+        if self.keep_buffers:
+            # world 1: the buffer is the shard; zeroed lazily before the next write
+            self.dirty = [set_to_none or self.world_size > 1] * len(self.buckets)
+        else:
+            self.full = [None] * len(self.buckets)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
+
+    def __del__(self) -> None:
+        self.remove_hooks()
+
+    def remove_hooks(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []

@@ -1,0 +1,90 @@
+"""After the step: every rank's updated shard is all-gathered into the flat param buffers, which
+the model params are views of, so the model is updated in place.
+
+With ``overlap=False`` the all-gathers are waited for at once. With ``overlap=True`` they stay in
+flight and a global module forward pre-hook waits, before a module runs, for the buckets holding
+that module's own params; ``wait()`` (``opt.param_sync()``) waits for all of them. A param read
+outside any module's forward must be preceded by ``param_sync()``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Sequence
+
+import torch
+
+from . import _compat
+from .buffers import BucketBuffers
+from .layout import Bucket
+
+
+class ParamSync:
+    def __init__(
+        self,
+        buckets: List[Bucket],
+        buffers: List[BucketBuffers],
+        params: Sequence[torch.nn.Parameter],
+        process_group,
+        world_size: int,
+        overlap: bool,
+    ) -> None:
+        self.buckets = buckets
+        self.buffers = buffers
+        self.group = process_group
+        self.world_size = world_size
+        self.overlap = overlap
+        self.pending: Dict[int, object] = {}
+        self.bucket_of = {id(params[s.index]): b.index for b in buckets for s in b.slots}
+        self.hook_handle = None
+        if overlap and world_size > 1:
+            ref = weakref.ref(self)  # the global hook must not keep the optimizer alive
+
+            def pre_forward(module, inputs):
+                me = ref()
+                if me is not None:
+                    me._pre_forward(module, inputs)
+
+            self.hook_handle = torch.nn.modules.module.register_module_forward_pre_hook(pre_forward)
+
+    def __del__(self) -> None:
+        self.remove_hooks()
+
+    def launch(self) -> None:
+        """All-gather every bucket's updated shard (in bucket order, identical on every rank)."""
+        if self.world_size == 1:
+            return
+        for i, buf in enumerate(self.buffers):
+            full = buf.sync if buf.sync is not None else buf.params
+            work = _compat.all_gather(full, full[buf.shard], self.group, async_op=True)
+            self.pending[i] = work
+        if not self.overlap:
+            self.wait()
+
+    def _finish(self, i: int) -> None:
+        work = self.pending.pop(i)
+        work.wait()
+        buf = self.buffers[i]
+        if buf.sync is not None:
+            # the cast pass; this rank's own slice is left alone: it may be the fp32 master
+            lo, hi = buf.shard.start, buf.shard.stop
+            buf.params[:lo].copy_(buf.sync[:lo])
+            buf.params[hi:].copy_(buf.sync[hi:])
+            if buf.master.data_ptr() != buf.params[buf.shard].data_ptr():
+                buf.params[buf.shard].copy_(buf.master)
+
+    def wait(self) -> None:
+        for i in sorted(self.pending):
+            self._finish(i)
+
+    def _pre_forward(self, module: torch.nn.Module, _inputs) -> None:
+        if not self.pending:
+            return
+        for p in module.parameters(recurse=False):
+            i = self.bucket_of.get(id(p))
+            if i is not None and i in self.pending:
+                self._finish(i)
+
+    def remove_hooks(self) -> None:
+        if self.hook_handle is not None:
+            self.hook_handle.remove()
+            self.hook_handle = None

@@ -1,0 +1,207 @@
+"""Train the same model sharded (DistributedFusedAdam, one batch per rank) and unsharded
+(torch.optim.AdamW/Adam on one process, fed the union of all ranks' batches) and return both
+sets of params, for the tests to compare with ``assert_close``.
+
+Every rank builds the reference too (it is tiny), so results from any rank can be checked.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from shardamp.optim import DistributedFusedAdam
+
+RTOL, ATOL = 1e-5, 1e-6
+
+
+class MLP(nn.Module):
+    """Four linear layers; ``skip`` names layers to leave out of this forward (unused params)."""
+
+    def __init__(self, dim: int = 12, hidden: int = 20, out: int = 5) -> None:
+        super().__init__()
+        self.a = nn.Linear(dim, hidden)
+        self.b = nn.Linear(hidden, hidden)
+        self.c = nn.Linear(hidden, hidden, bias=False)
+        self.head = nn.Linear(hidden, out)
+
+    def forward(self, x: torch.Tensor, skip: Sequence[str] = ()) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if "b" not in skip:
+            h = torch.tanh(self.b(h))
+        if "c" not in skip:
+            h = h + torch.tanh(self.c(h))
+        return self.head(h)
+
+
+class ConvNet(nn.Module):
+    """A small conv net; ``channels_last`` puts its 4-D weights in NHWC memory order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 3, padding=1)
+        self.conv2 = nn.Conv2d(6, 5, 3, padding=1)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, skip: Sequence[str] = ()) -> torch.Tensor:
+        h = F.relu(self.conv1(x))
+        h = F.relu(self.conv2(h))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def batches(step: int, world: int, kind: str = "mlp", per_rank: int = 3) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's batch for ``step`` (identical on every process)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(world):
+        if kind == "conv":
+            x = torch.randn(per_rank, 3, 6, 6, generator=g)
+            y = torch.randn(per_rank, 3, generator=g)
+        else:
+            x = torch.randn(per_rank, 12, generator=g)
+            y = torch.randn(per_rank, 5, generator=g)
+        out.append((x, y))
+    return out
+
+
+def two_groups(model: nn.Module) -> List[Dict[str, Any]]:
+    first = [p for n, p in model.named_parameters() if n.startswith(("a.", "conv1."))]
+    rest = [p for n, p in model.named_parameters() if not n.startswith(("a.", "conv1."))]
+    return [
+        {"params": first, "lr": 2e-2, "weight_decay": 0.1},
+        {"params": rest, "lr": 5e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)},
+    ]
+
+
+def train(
+    rank: int,
+    world: int,
+    *,
+    steps: int = 6,
+    kind: str = "mlp",
+    opt_kwargs: Optional[Dict[str, Any]] = None,
+    groups: bool = True,
+    skip: Callable[[int, int], Sequence[str]] = lambda step, r: (),
+    micro_batches: int = 1,
+    lr_schedule: Optional[Callable[[int], float]] = None,
+    param_dtype: torch.dtype = torch.float32,
+    channels_last: bool = False,
+    sum_grads: bool = False,
+) -> Dict[str, Any]:
+    """Run both trainings; return {"ours": [...], "ref": [...]} (fp32 CPU tensors, by param)."""
+    opt_kwargs = dict(opt_kwargs or {})
+    adam_w = opt_kwargs.get("adam_w_mode", True)
+    torch.manual_seed(0)
+    model = ConvNet() if kind == "conv" else MLP()
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)  # fp32 reference, before the optimizer rebinds params
+    with torch.no_grad():  # a low-precision model's fp32 master starts from its rounded weights
+        for p in ref.parameters():
+            p.copy_(p.to(param_dtype).float())
+    model = model.to(param_dtype)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    params = two_groups(model) if groups else model.parameters()
+    ref_params = two_groups(ref) if groups else ref.parameters()
+    defaults = {k: v for k, v in opt_kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
+    opt = DistributedFusedAdam(params, **opt_kwargs)
+    ref_cls = torch.optim.AdamW if adam_w else torch.optim.Adam
+    ref_defaults = dict(defaults)
+    if not adam_w and "weight_decay" not in ref_defaults:
+        ref_defaults["weight_decay"] = 0.0
+    ropt = ref_cls(ref_params, **ref_defaults)
+    if channels_last:
+        for p in model.parameters():
+            if p.dim() == 4:
+                assert p.is_contiguous(memory_format=torch.channels_last), "layout lost"
+    loss_fn = nn.MSELoss()
+    denom = 1.0 if sum_grads else float(world)
+    for step in range(steps):
+        if lr_schedule is not None:
+            for o in (opt, ropt):
+                for i, g in enumerate(o.param_groups):
+                    g["lr"] = lr_schedule(step) * (1 + i)
+        data = [batches(step * micro_batches + m, world, kind) for m in range(micro_batches)]
+        # reference first (the bf16 reference reads the sharded model's weights before its step):
+        # one process, the union of all ranks' batches, grads averaged like ours
+        for m in range(micro_batches):
+            total = 0.0
+            for r in range(world):
+                x, y = data[m][r]
+                if param_dtype != torch.float32:
+                    # fed the same low-precision grads: run a low-precision copy, take its grads
+                    total = None
+                    break
+                total = total + loss_fn(ref(x, skip=skip(step, r)), y)
+            if total is None:
+                _bf16_reference_grads(ref, model, data[m], skip, step, world, loss_fn, param_dtype, denom)
+            else:
+                (total / denom).backward()
+        for m in range(micro_batches):
+            x, y = data[m][rank]
+            last = m == micro_batches - 1
+            ctx = opt.no_sync() if not last else _nullcontext()
+            with ctx:
+                out = model(x.to(param_dtype), skip=skip(step, rank))
+                loss_fn(out.float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        ropt.step()
+        ropt.zero_grad()
+    opt.param_sync()  # params are read outside any forward: wait for a pending all-gather
+    ours = [p.detach().float().clone() for p in model.parameters()]
+    if param_dtype != torch.float32:
+        ours = _masters(opt)
+    return {
+        "ours": ours,
+        "ref": [p.detach().float().clone() for p in ref.parameters()],
+        "model_dtype": [p.dtype for p in model.parameters()],
+        "model": [p.detach().clone() for p in model.parameters()],
+        "channels_last": [p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4],
+    }
+
+
+def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
+    """The fp32 master params, all-gathered (world-size independent), by param."""
+    import torch.distributed as dist
+
+    from shardamp.optim.buffers import param_view
+
+    out = [None] * len(opt._params)
+    for bucket, buf in zip(opt._buckets, opt._buffers):
+        full = torch.empty(bucket.numel, dtype=buf.master.dtype)
+        if opt.world_size > 1:
+            dist.all_gather_into_tensor(full, buf.master.contiguous(), group=opt.process_group)
+        else:
+            full.copy_(buf.master)
+        for slot in bucket.slots:
+            out[slot.index] = param_view(full, slot).clone()
+    return out
+
+
+def _bf16_reference_grads(ref, model, data, skip, step, world, loss_fn, dtype, denom) -> None:
+    """Give the fp32 reference the grads that a low-precision copy of the CURRENT sharded model
+    produces on each rank's batch (what the sharded run reduced), summed in fp32."""
+    grads = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in range(world):
+        shadow = type(model)().to(dtype)
+        shadow.load_state_dict(model.state_dict())
+        x, y = data[r]
+        loss_fn(shadow(x.to(dtype), skip=skip(step, r)).float(), y).backward()
+        for g, p in zip(grads, shadow.parameters()):
+            if p.grad is not None:
+                g += p.grad.float()
+    for p, g in zip(ref.parameters(), grads):
+        p.grad = g / denom
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False

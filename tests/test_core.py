@@ -1,0 +1,41 @@
+"""DistributedFusedAdam vs unsharded torch.optim.AdamW/Adam at world sizes 1-4 (gloo, CPU)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import cases_core
+from dist_helper import run_cases, run_distributed
+from parity import ATOL, RTOL
+
+WORLDS = [1, 2, 3, 4]
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_distributed(run_cases, world, "cases_core", cases_core.CASES)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", cases_core.CASES)
+def test_parity_with_torch_adamw(world: int, case: str) -> None:
+    per_rank = _results(world)
+    for rank, results in enumerate(per_rank):
+        assert case in results, f"rank {rank}: an earlier case failed: {results}"
+        status, value = results[case]
+        assert status == "ok", f"rank {rank}: {value}"
+        assert len(value["ours"]) == len(value["ref"])
+        for i, (ours, ref) in enumerate(zip(value["ours"], value["ref"])):
+            torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"param {i}: {m}")
+        for p, dtype in zip(value["model"], value["model_dtype"]):
+            assert p.dtype == dtype
+        if value["model_dtype"][0] != torch.float32:  # low-precision model == rounded master
+            for p, master in zip(value["model"], value["ours"]):
+                torch.testing.assert_close(p, master.to(p.dtype), rtol=0, atol=0)
+        assert all(value["channels_last"]) or case != "case_channels_last"
+    # every rank ends with the same model
+    for other in per_rank[1:]:
+        for a, b in zip(per_rank[0][case][1]["model"], other[case][1]["model"]):
+            assert torch.equal(a, b)
