@@ -1,0 +1,112 @@
+"""The AMP training loops of DESIGN.md ("The loops that must all train exactly like unsharded
+torch.optim.AdamW"), run sharded and against the unsharded torch reference.
+
+``run_loop(rank, world, loop)`` trains the MLP of parity.py for a few steps with loop A..G,
+injecting an inf into ONE rank's batch at ``INF_STEP``, and returns per step the params, the
+scale and the returned norm for both runs.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.nn as nn
+
+import shardamp.optim as so
+from parity import MLP, batches, two_groups
+from shardamp.optim import DistributedFusedAdam
+from shardamp.scaler import ShardedGradScaler
+
+INF_STEP = 2
+STEPS = 7
+MAX_NORM = 0.2
+SCALER_KW = dict(init_scale=2.0**12, growth_interval=2)
+
+
+class NeMoStyleAdam(DistributedFusedAdam):
+    """Loop E: a subclass that opts out of in-step scaling, as NeMo does with Apex's optimizer."""
+
+    _step_supports_amp_scaling = False
+
+
+def _poison(x: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
+    if step == INF_STEP and rank == world - 1:
+        x = x.clone()
+        x[0, 0] = float("inf")
+    return x
+
+
+def run_loop(rank: int, world: int, loop: str, **opt_kwargs: Any) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model, ref = MLP(), None
+    ref = copy.deepcopy(model)
+    clip_in_ctor = loop in ("D", "D0")
+    cls = NeMoStyleAdam if loop == "E" else DistributedFusedAdam
+    kwargs = dict(bucket_cap_mb=0.0004, **opt_kwargs)
+    if clip_in_ctor:
+        kwargs["max_grad_norm"] = MAX_NORM
+    opt = cls(two_groups(model), **kwargs)
+    ropt = torch.optim.AdamW(two_groups(ref))
+    use_torch_scaler = loop in ("A", "F")
+    no_scaler = loop == "D0"
+    scaler = None
+    if not no_scaler:
+        scaler = (torch.amp.GradScaler if use_torch_scaler else ShardedGradScaler)("cpu", **SCALER_KW)
+    rscaler = None if no_scaler else torch.amp.GradScaler("cpu", **SCALER_KW)
+    ref_clips = loop in ("B", "C", "D", "D0", "E", "G")
+    loss_fn = nn.MSELoss()
+    out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "scale", "ref_scale", "norm", "ref_norm", "skipped")}
+    caught: List[str] = []
+    for step in range(STEPS):
+        data = batches(step, world)
+        # ---- reference: one process, all ranks' batches, torch's own AMP loop
+        total = sum(loss_fn(ref(_poison(x, step, r, world)), y) for r, (x, y) in enumerate(data)) / world
+        (rscaler.scale(total) if rscaler else total).backward()
+        if rscaler:
+            rscaler.unscale_(ropt)
+        rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM) if ref_clips else None
+        if rscaler:
+            rscaler.step(ropt)
+            rscaler.update()
+        elif torch.isfinite(rnorm):
+            ropt.step()
+        ropt.zero_grad()
+        # ---- ours
+        x, y = data[rank]
+        loss = loss_fn(model(_poison(x, step, rank, world)), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        norm: Optional[torch.Tensor] = None
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            if loop in ("B", "E"):
+                scaler.unscale_(opt)
+                norm = opt.clip_grad_norm(MAX_NORM)
+            elif loop == "C":
+                scaler.unscale_(opt)
+                norm = so.clip_grad_norm_(model.parameters(), MAX_NORM)
+            elif loop == "F":
+                scaler.unscale_(opt)  # torch's: finds no grads
+                torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+                assert float(torch_norm) == 0.0, "torch's clip_grad_norm_ saw grads it should not"
+            elif loop == "G":
+                norm = opt.clip_grad_norm(MAX_NORM)  # before unscaling: resolved at step
+            if scaler:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            if loop in ("D", "D0"):
+                norm = opt.grad_norm()
+        caught += [f"{x.category.__name__}: {x.message}" for x in w]
+        opt.zero_grad()
+        out["ours"].append([p.detach().clone() for p in model.parameters()])
+        out["ref"].append([p.detach().clone() for p in ref.parameters()])
+        out["scale"].append(scaler.get_scale() if scaler else None)
+        out["ref_scale"].append(rscaler.get_scale() if rscaler else None)
+        out["norm"].append(None if norm is None else float(norm))
+        out["ref_norm"].append(None if rnorm is None else float(rnorm))
+        out["skipped"].append(bool(scaler.last_step_skipped) if isinstance(scaler, ShardedGradScaler) else None)
+    out["warnings"] = caught
+    return out

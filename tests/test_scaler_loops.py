@@ -1,0 +1,78 @@
+"""Loops A-G of DESIGN.md at world 2 and 3 with an inf on one rank, against torch.amp.GradScaler
++ unsharded torch.optim.AdamW + torch.nn.utils.clip_grad_norm_."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import cases_scaler
+from amp_loops import INF_STEP, MAX_NORM
+from dist_helper import run_cases, run_distributed
+from parity import ATOL, RTOL
+
+WORLDS = [2, 3]
+LOOPS = [c for c in cases_scaler.CASES if c.startswith("case_loop_")]
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_distributed(run_cases, world, "cases_scaler", cases_scaler.CASES)
+
+
+def _case(world: int, case: str):
+    per_rank = _results(world)
+    values = []
+    for rank, results in enumerate(per_rank):
+        assert case in results, f"rank {rank}: an earlier case failed: {results}"
+        status, value = results[case]
+        assert status == "ok", f"rank {rank}: {value}"
+        values.append(value)
+    return values
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", LOOPS)
+def test_loop_matches_torch(world: int, case: str) -> None:
+    loop = case[len("case_loop_"):]
+    values = _case(world, case)
+    v0 = values[0]
+    clipped = False
+    for step in range(len(v0["ours"])):
+        for i, (ours, ref) in enumerate(zip(v0["ours"][step], v0["ref"][step])):
+            torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} param {i}: {m}")
+            assert torch.isfinite(ours).all()
+        if v0["ref_scale"][step] is not None:
+            assert v0["scale"][step] == v0["ref_scale"][step], f"step {step}: scale differs from torch's"
+        ref_norm, norm = v0["ref_norm"][step], v0["norm"][step]
+        if loop in ("B", "C", "D", "D0", "E", "G") and math.isfinite(ref_norm):
+            assert norm is not None and math.isclose(norm, ref_norm, rel_tol=1e-4), (step, norm, ref_norm)
+            clipped |= ref_norm > MAX_NORM
+        if v0["skipped"][step] is not None:
+            assert v0["skipped"][step] == (step == INF_STEP)
+    if loop in ("B", "C", "D", "D0", "E", "G"):
+        assert clipped, "the clip never engaged: the test would not catch a missing clip"
+    # the skipped step really was skipped: params did not move
+    if loop != "D0":
+        for a, b in zip(v0["ours"][INF_STEP - 1], v0["ours"][INF_STEP]):
+            assert torch.equal(a, b)
+    # every rank: same params, same scale
+    for other in values[1:]:
+        assert other["scale"] == v0["scale"]
+        for s in range(len(v0["ours"])):
+            for a, b in zip(v0["ours"][s], other["ours"][s]):
+                assert torch.equal(a, b)
+    warned = [w for w in v0["warnings"] if "clipped nothing" in w]
+    assert len(warned) == (1 if loop == "F" else 0), v0["warnings"]
+    if loop not in ("A", "F"):  # torch.amp.GradScaler hands itself over with a FutureWarning of its own
+        assert not any("FutureWarning" in w for w in v0["warnings"]), v0["warnings"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_all_reduce_per_step(world: int) -> None:
+    for value in _case(world, "case_one_all_reduce"):
+        for calls in value["counts"]:
+            assert len(calls) == 1, calls
+            assert calls[0] == 2 + value["n_params"]
