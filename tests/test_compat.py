@@ -1,0 +1,61 @@
+"""Every torch internal shardamp relies on (optim/_compat.py) exists and behaves on this torch."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dist_helper import run_distributed
+from shardamp.optim import _compat
+
+
+def _collectives(rank: int, world: int):
+    out = torch.zeros(2)
+    _compat.reduce_scatter(out, torch.arange(2.0 * world) + rank, None, async_op=True).wait()
+    full = torch.zeros(2 * world)
+    full[2 * rank: 2 * rank + 2] = rank + 1
+    _compat.all_gather(full, full[2 * rank: 2 * rank + 2], None, async_op=False)
+    t = torch.tensor([float(rank)])
+    _compat.all_reduce(t, dist.ReduceOp.MAX, None)
+    b = torch.tensor([float(rank + 5)])
+    _compat.broadcast_from_group_rank0(b, None)
+    return out, full, t, b
+
+
+def test_collectives_through_compat() -> None:
+    world = 2
+    for rank, (out, full, t, b) in enumerate(run_distributed(_collectives, world)):
+        expected = world * (torch.arange(2.0 * world) + (world - 1) / 2)
+        torch.testing.assert_close(out, expected[2 * rank: 2 * rank + 2])
+        assert full.tolist() == [1.0, 1.0, 2.0, 2.0]
+        assert t.item() == world - 1
+        assert b.item() == 5.0
+
+
+def test_grad_scaler_internals() -> None:
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+    state = _compat.scaler_optimizer_state(scaler, opt)
+    assert state["stage"] is _compat.OptState.READY and state["found_inf_per_device"] == {}
+    scaler.scale(torch.ones(()))
+    assert _compat.scaler_scale(scaler).item() == 2.0**16
+    scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
+    _compat.amp_update_scale_(scale, tracker, torch.ones(()), 2.0, 0.5, 10)
+    assert scale.item() == 4.0
+    _compat.refresh_scaler_states(scaler)
+    assert _compat.scaler_optimizer_state(scaler, opt)["stage"] is _compat.OptState.READY
+
+
+def test_backward_callback_runs_after_backward() -> None:
+    seen = []
+    p = torch.nn.Parameter(torch.ones(3))
+    p.register_post_accumulate_grad_hook(lambda _: _compat.queue_backward_callback(lambda: seen.append("end")))
+    (p * 2).sum().backward()
+    assert seen == ["end"]
+
+
+def test_dense_layout_check() -> None:
+    assert _compat.is_dense_non_overlapping(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+    assert _compat.is_dense_non_overlapping(torch.zeros(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d))
+    assert _compat.is_dense_non_overlapping(torch.zeros(4, 5).t())
+    assert not _compat.is_dense_non_overlapping(torch.zeros(4, 6)[:, ::2])
+    assert not _compat.is_dense_non_overlapping(torch.zeros(4, 1).expand(4, 3))

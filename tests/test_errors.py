@@ -1,0 +1,161 @@
+"""Bad input raises a clear error naming the argument; broken param views are caught."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
+from shardamp.scaler import ShardedGradScaler
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(betas=(0.9, 1.0)), "betas"),
+        (dict(betas=(0.9,)), "betas"),
+        (dict(eps=-1e-8), "eps"),
+        (dict(weight_decay=-0.1), "weight_decay"),
+        (dict(max_grad_norm=0.0), "max_grad_norm"),
+        (dict(max_grad_norm=float("inf")), "max_grad_norm"),
+        (dict(dtype=torch.bfloat16), "dtype"),
+        (dict(grad_sync_dtype=torch.int32), "grad_sync_dtype"),
+        (dict(param_sync_dtype="bf16"), "param_sync_dtype"),
+        (dict(bucket_cap_mb=0), "bucket_cap_mb"),
+        (dict(adam_w_mode=1), "adam_w_mode"),
+        (dict(capturable="yes"), "capturable"),
+        (dict(overlap_grad_sync=None), "overlap_grad_sync"),
+    ],
+)
+def test_bad_constructor_arguments_name_the_argument(kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        DistributedFusedAdam(_model().parameters(), **kwargs)
+
+
+def test_bad_params() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        DistributedFusedAdam([])
+    with pytest.raises(ValueError, match="params"):
+        DistributedFusedAdam([torch.zeros(3, requires_grad=True)])
+    with pytest.raises(ValueError, match="param_groups\\[1\\]: lr"):
+        m = _model()
+        DistributedFusedAdam([{"params": m[0].parameters()}, {"params": m[2].parameters(), "lr": -1}])
+    p = nn.Parameter(torch.zeros(4, 4).t())  # fine: dense, just transposed
+    DistributedFusedAdam([p])
+    q = nn.Parameter(torch.zeros(4, 8)[:, ::2])  # not dense
+    with pytest.raises(ValueError, match="dense"):
+        DistributedFusedAdam([q])
+
+
+def test_process_group_without_init() -> None:
+    with pytest.raises(ValueError, match="process_group"):
+        DistributedFusedAdam(_model().parameters(), process_group=object())
+
+
+def test_add_param_group_after_construction() -> None:
+    opt = DistributedFusedAdam(_model().parameters())
+    with pytest.raises(RuntimeError, match="add_param_group"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_bad_hyperparameter_edit_is_caught_at_step() -> None:
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    opt.param_groups[0]["betas"] = (0.9, 1.5)
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: betas"):
+        opt.step()
+
+
+def test_bad_norm_arguments() -> None:
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match="norm_type"):
+        opt.grad_norm(0)
+    with pytest.raises(ValueError, match="norm_type"):
+        opt.clip_grad_norm(1.0, norm_type="two")
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm(-1.0)
+    with pytest.raises(ValueError, match="inv_scale"):
+        opt.unscale_grads(2.0)
+
+
+def test_module_to_dtype_breaks_the_view() -> None:
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    m.to(torch.float64)
+    m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
+        opt.step()
+
+
+def test_param_data_assignment_breaks_the_view() -> None:
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    m[0].weight.data = m[0].weight.data.clone()
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="no longer lives"):
+        opt.step()
+
+
+def test_load_state_dict_assign_is_caught() -> None:
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    m.load_state_dict(copy.deepcopy(m.state_dict()), assign=True)
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="no parameter of this optimizer received a gradient"):
+        opt.step()
+
+
+def test_load_state_dict_in_place_keeps_training() -> None:
+    """load_state_dict(assign=False) copies INTO the views: the optimizer sees the new weights."""
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters(), lr=0.1)
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)
+    m.load_state_dict(other.state_dict())
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    for p, q in zip(m.parameters(), other.parameters()):
+        assert not torch.equal(p, q)  # updated from the loaded weights...
+        torch.testing.assert_close(p, q, atol=0.11, rtol=0)  # ...by about lr
+
+
+def test_clip_grad_norm_subset_raises() -> None:
+    m = _model()
+    DistributedFusedAdam(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(ValueError, match="pass them all"):
+        clip_grad_norm_(m[0].parameters(), 1.0)
+
+
+def test_scaler_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="hysteresis"):
+        ShardedGradScaler("cpu", hysteresis=0)
+    with pytest.raises(ValueError, match="backoff_factor"):
+        ShardedGradScaler("cpu", backoff_factor=1.5)
+    with pytest.raises(ValueError, match="growth_factor"):
+        ShardedGradScaler("cpu", growth_factor=0.5)
+    with pytest.raises(ValueError, match="growth_interval"):
+        ShardedGradScaler("cpu", growth_interval=0)
+
+
+def test_unscale_grads_twice_raises() -> None:
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    opt.unscale_grads(torch.tensor(0.5))
+    with pytest.raises(RuntimeError, match="already been called"):
+        opt.unscale_grads(torch.tensor(0.5))
