@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import _compat, grad_stats, kernels
+from . import state_dict as _state_dict
 from .buffers import BucketBuffers, allocate, check_views, init_master
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
@@ -434,6 +435,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._reset_round()
         self._grad_sync.step_done()
         return loss
+
+    # ------------------------------------------------------------------ state dicts (optim/state_dict.py)
+    def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
+        """World-size independent state dict in torch.optim.AdamW's layout (a collective: every
+        rank calls it). ``rank0_only=True``: only the group's rank 0 gets it, the others get
+        ``None``; ``cpu_offload=False`` keeps the tensors on the params' device. See
+        ``shardamp.optim.state_dict`` for the format."""
+        return _state_dict.gather_state_dict(self, rank0_only=rank0_only, cpu_offload=cpu_offload)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a full state dict (ours or torch.optim.AdamW/Adam's) into this rank's shard, at
+        any world size and bucket layout; validates everything before writing anything."""
+        _state_dict.load_state_dict(self, state_dict)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

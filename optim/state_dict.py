@@ -1,0 +1,368 @@
+"""World-size independent state dicts in ``torch.optim.AdamW``'s own layout.
+
+``gather_state_dict`` all-gathers (or gathers on rank 0) every bucket's sharded state and cuts
+it into per-param tensors; ``load_state_dict`` cuts a full per-param state dict into this rank's
+shard of the CURRENT layout, so any world size, bucket size or bucket order loads.
+
+The layout is torch's, key for key::
+
+    {"state": {index: {"step": 0-d float32 tensor, "exp_avg": T, "exp_avg_sq": T,
+                       "master_param": T  # only where the model dtype differs from the state dtype
+                       }},                 # no entry for a param never updated, as torch
+     "param_groups": [{lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable,
+                       differentiable, fused, decoupled_weight_decay, <user keys>, params}],
+     "shardamp": {adam_w_mode, bias_correction, max_grad_norm, dtype}}
+
+``T`` is shaped like its param, in the param's memory format (channels_last stays
+channels_last), in the optimizer's state dtype. torch's ``Optimizer.load_state_dict`` ignores the
+extra top-level ``"shardamp"`` key and the extra ``master_param`` state entry.
+
+The helpers below the two entry points (groups, validation, the shard writer) are shared with
+``checkpoint.py`` so both formats validate and write exactly alike.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _compat
+from .buffers import param_view
+from .layout import ParamSlot
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq")
+MASTER_KEY = "master_param"
+EXTRA_KEY = "shardamp"
+# torch.optim.Adam(W)'s group keys that shardamp does not keep per group, with the values that
+# describe what shardamp does (capturable / decoupled_weight_decay are filled in from the optimizer)
+TORCH_ONLY_DEFAULTS: Dict[str, Any] = dict(
+    amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+    decoupled_weight_decay=True,
+)
+_HPARAM_ORDER = ("lr", "betas", "eps", "weight_decay")
+_warned = weakref.WeakSet()  # optimizers already warned about what torch cannot load
+
+
+# ====================================================================== entry points
+def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
+    """``opt.state_dict()``: a collective, every rank of ``opt.process_group`` must call it.
+
+    Returns the full state dict on every rank, or with ``rank0_only=True`` on the group's rank 0
+    only (the others return ``None`` and never hold more than one bucket's gather buffer). With
+    ``cpu_offload=True`` (default) the tensors are on the CPU, otherwise on the params' device.
+    """
+    opt.param_sync()  # a pending all-gather may still be writing an aliased master shard
+    _warn_what_torch_drops(opt)
+    steps = opt._steps.detach().to("cpu", copy=True)
+    out_device = torch.device("cpu") if cpu_offload else opt._device
+    receives = not rank0_only or opt.rank == 0
+    state: Dict[int, Dict[str, Tensor]] = {}
+    for bucket, buf in zip(opt._buckets, opt._buffers):
+        live = [s for s in bucket.slots if steps[s.index] > 0]
+        if not live:  # steps are identical on every rank, so every rank skips the same buckets
+            continue
+        keys = list(STATE_KEYS) + ([MASTER_KEY] if has_master(opt, bucket.dtype) else [])
+        local = torch.stack([buf.exp_avg, buf.exp_avg_sq] + ([buf.master] if MASTER_KEY in keys else []))
+        full = _gather(opt, local, rank0_only)  # [world, keys, shard_numel] or None
+        if full is None:
+            continue
+        per_key = {k: full[:, j, :].reshape(-1) for j, k in enumerate(keys)}
+        for slot in live:
+            entry: Dict[str, Tensor] = {"step": steps[slot.index].clone()}
+            for k in keys:
+                view = param_view(per_key[k], slot)  # param's shape AND strides
+                entry[k] = view.to(out_device, copy=True) if view.device != out_device else view.clone()
+            state[slot.index] = entry
+    if not receives:
+        return None
+    return {
+        "state": {i: state[i] for i in sorted(state)},
+        "param_groups": torch_param_groups(opt),
+        EXTRA_KEY: extras(opt),
+    }
+
+
+def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
+    """``opt.load_state_dict(sd)``: load a full state dict (ours, or torch.optim.AdamW / Adam's
+    over the same params) into this rank's shard. Not a collective: every rank passes the same
+    full dict. Everything is validated before anything is written; a mismatch raises
+    ``ValueError`` naming it and leaves the optimizer untouched.
+
+    Master params come from ``master_param`` entries when present, otherwise from the model's
+    current params (so load the model's weights first). Params without a state entry restart
+    from step 0 with zero moments, as in torch.
+    """
+    if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups' (an optimizer state dict)")
+    saved_groups = state_dict["param_groups"]
+    plan = plan_hparams(opt, saved_groups, state_dict.get(EXTRA_KEY))
+    index_of: Dict[Any, int] = {}
+    for group in saved_groups:
+        for saved_id in group["params"]:
+            index_of[saved_id] = len(index_of)
+    slots = slots_by_index(opt)
+    raw_state = state_dict["state"]
+    if not isinstance(raw_state, Mapping):
+        raise ValueError("load_state_dict: 'state' must be a dict keyed by param index")
+    entries: Dict[int, Dict[str, Any]] = {}
+    for key, entry in raw_state.items():
+        if key not in index_of:
+            raise ValueError(f"load_state_dict: state entry {key!r} belongs to no param listed in param_groups")
+        entries[index_of[key]] = _checked_entry(entry, slots[index_of[key]], index_of[key])
+    steps = torch.zeros(len(slots), dtype=torch.float32)
+    for i, entry in entries.items():
+        steps[i] = entry["step"]
+
+    def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
+        entry = entries.get(index)
+        if entry is None or key not in entry:
+            return None
+        return memory_flat(entry[key], slots[index])[lo:hi]
+
+    write_state(opt, source, steps)
+    apply_hparams(opt, plan)
+
+
+# ====================================================================== shared helpers
+def has_master(opt: Any, model_dtype: torch.dtype) -> bool:
+    """A separate master copy exists (and is saved) where the model dtype is not the state dtype."""
+    return model_dtype != opt.dtype
+
+
+def slots_by_index(opt: Any) -> List[ParamSlot]:
+    slots: List[Optional[ParamSlot]] = [None] * len(opt._params)
+    for bucket in opt._buckets:
+        for slot in bucket.slots:
+            slots[slot.index] = slot
+    return slots  # type: ignore[return-value]
+
+
+def memory_flat(t: Tensor, slot: ParamSlot) -> Tensor:
+    """``t`` (shaped like ``slot``'s param, any strides) as 1-D, in the param's MEMORY order."""
+    t = t.detach()
+    if tuple(t.stride()) != slot.stride or not _compat.is_dense_non_overlapping(t):
+        same = torch.empty_strided(slot.shape, slot.stride, dtype=t.dtype, device=t.device)
+        same.copy_(t)
+        t = same
+    return t.as_strided((slot.numel,), (1,), t.storage_offset())
+
+
+def torch_param_groups(opt: Any) -> List[Dict[str, Any]]:
+    """``param_groups`` as torch.optim.AdamW writes them: every hyperparameter under torch's keys
+    (in torch's order), then any user keys, then ``params`` as indices in param_groups order."""
+    groups, start = [], 0
+    torch_only = dict(TORCH_ONLY_DEFAULTS, capturable=opt.capturable, decoupled_weight_decay=opt.adam_w_mode)
+    for group in opt.param_groups:
+        out: Dict[str, Any] = {}
+        for k in _HPARAM_ORDER:
+            out[k] = group[k]
+        out.update(torch_only)
+        for k, v in group.items():
+            if k not in out and k != "params":
+                out[k] = v
+        out["lr"] = out["lr"].clone() if isinstance(out["lr"], Tensor) else out["lr"]
+        out["betas"] = tuple(out["betas"])
+        n = len(group["params"])
+        out["params"] = list(range(start, start + n))
+        start += n
+        groups.append(out)
+    return groups
+
+
+def extras(opt: Any) -> Dict[str, Any]:
+    """What torch's layout has no key for, so a shardamp -> shardamp round trip is exact."""
+    return dict(
+        adam_w_mode=opt.adam_w_mode, bias_correction=opt.bias_correction,
+        max_grad_norm=opt.max_grad_norm, dtype=str(opt.dtype).replace("torch.", ""),
+    )
+
+
+@dataclass
+class HparamPlan:
+    """Validated hyperparameters, ready to be applied (after the state has been written)."""
+
+    groups: List[Dict[str, Any]]
+    options: Dict[str, Any] = field(default_factory=dict)  # optimizer attributes to set
+
+
+def plan_hparams(opt: Any, saved_groups: Any, saved_extras: Optional[Mapping[str, Any]]) -> HparamPlan:
+    """Check group count and sizes and every hyperparameter; raise ``ValueError`` naming the
+    mismatch. Nothing is modified."""
+    from .distributed_fused_adam import _check_hparams  # late: that module imports this one
+
+    if not isinstance(saved_groups, (list, tuple)):
+        raise ValueError("load_state_dict: 'param_groups' must be a list of dicts")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(
+            f"load_state_dict: the state dict has {len(saved_groups)} param groups, the optimizer has "
+            f"{len(opt.param_groups)}"
+        )
+    total_saved = sum(len(g.get("params", ())) for g in saved_groups)
+    if total_saved != len(opt._params):
+        raise ValueError(
+            f"load_state_dict: the state dict covers {total_saved} params, the optimizer has {len(opt._params)}"
+        )
+    new_groups, decoupled = [], set()
+    for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        where = f"load_state_dict: param_groups[{g}]"
+        if not isinstance(saved, Mapping) or "params" not in saved:
+            raise ValueError(f"{where}: expected a dict with 'params'")
+        if len(saved["params"]) != len(group["params"]):
+            raise ValueError(
+                f"{where} has {len(saved['params'])} params, the optimizer's group {g} has {len(group['params'])}"
+            )
+        missing = [k for k in _HPARAM_ORDER if k not in saved]
+        if missing:
+            raise ValueError(f"{where}: missing hyperparameter(s) {missing}")
+        for k in ("amsgrad", "maximize", "differentiable"):
+            if saved.get(k):
+                raise ValueError(f"{where}: {k}=True is not supported by DistributedFusedAdam")
+        if "decoupled_weight_decay" in saved:
+            decoupled.add(bool(saved["decoupled_weight_decay"]))
+        new = {k: v for k, v in saved.items() if k not in TORCH_ONLY_DEFAULTS and k != "params"}
+        new["betas"] = tuple(new["betas"]) if isinstance(new["betas"], (list, tuple)) else new["betas"]
+        if isinstance(new["lr"], Tensor):
+            new["lr"] = new["lr"].detach().to(opt._device, copy=True)
+        _check_hparams(new["lr"], new["betas"], new["eps"], new["weight_decay"], f"{where}: ")
+        new_groups.append(new)
+    if len(decoupled) > 1:
+        raise ValueError(
+            "load_state_dict: the param groups disagree on decoupled_weight_decay; DistributedFusedAdam "
+            "applies one weight-decay mode (adam_w_mode) to every group"
+        )
+    options: Dict[str, Any] = {}
+    if decoupled:
+        options["adam_w_mode"] = decoupled.pop()
+    if saved_extras is not None:
+        if not isinstance(saved_extras, Mapping):
+            raise ValueError(f"load_state_dict: '{EXTRA_KEY}' must be a dict")
+        for k in ("adam_w_mode", "bias_correction"):
+            if k in saved_extras:
+                if not isinstance(saved_extras[k], bool):
+                    raise ValueError(f"load_state_dict: {EXTRA_KEY}.{k}={saved_extras[k]!r}: expected a bool")
+                options[k] = saved_extras[k]
+        if "max_grad_norm" in saved_extras:
+            m = saved_extras["max_grad_norm"]
+            if m is not None and not (isinstance(m, (int, float)) and m > 0 and math.isfinite(m)):
+                raise ValueError(f"load_state_dict: {EXTRA_KEY}.max_grad_norm={m!r}: expected None or a float > 0")
+            options["max_grad_norm"] = m
+    if options.get("adam_w_mode", opt.adam_w_mode) != opt.adam_w_mode and saved_extras is None:
+        warnings.warn(
+            f"load_state_dict: the state dict sets decoupled_weight_decay={options['adam_w_mode']}; the "
+            f"optimizer switches to adam_w_mode={options['adam_w_mode']}, as torch.optim would",
+            UserWarning, stacklevel=4,
+        )
+    return HparamPlan(new_groups, options)
+
+
+def apply_hparams(opt: Any, plan: HparamPlan) -> None:
+    """Replace every group's hyperparameters in place (the group dicts keep their identity, so
+    LR schedulers holding them keep working) and set the optimizer-wide options."""
+    for group, new in zip(opt.param_groups, plan.groups):
+        params = group["params"]
+        group.clear()
+        group.update(new)
+        group["params"] = params
+    for k, v in plan.options.items():
+        setattr(opt, k, v)
+    opt._hparams_host = None  # re-upload the hyperparameter table at the next step
+
+
+def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor]], steps: Tensor) -> None:
+    """Fill this rank's shard of every bucket from ``source(param_index, key, lo, hi)``, which
+    returns elements ``[lo, hi)`` of that param's state ``key`` in memory order, or None: zeros
+    for the moments, the model's current weights for the master. Call only after validation."""
+    opt.param_sync()
+    for bucket, buf in zip(opt._buckets, opt._buffers):
+        separate = buf.master.data_ptr() != buf.params[buf.shard].data_ptr()
+        local_params = buf.params[buf.shard]
+        for seg in bucket.segments.segments:
+            dst = slice(seg.start, seg.start + seg.length)
+            lo, hi = seg.param_offset, seg.param_offset + seg.length
+            for key, target in (("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)):
+                src = source(seg.param_index, key, lo, hi)
+                if src is None:
+                    target[dst].zero_()
+                else:
+                    target[dst].copy_(src)
+            if separate:  # an aliased master IS the model param: it was loaded with the model
+                src = source(seg.param_index, MASTER_KEY, lo, hi)
+                buf.master[dst].copy_(local_params[dst] if src is None else src)
+    opt._steps.copy_(steps.to(opt._steps.device, opt._steps.dtype))
+
+
+# ====================================================================== internals
+def _gather(opt: Any, local: Tensor, rank0_only: bool) -> Optional[Tensor]:
+    """Every rank's ``local`` ([k, n]) stacked to [world, k, n]; on rank 0 only if asked."""
+    world, (k, n) = opt.world_size, local.shape
+    if world == 1:
+        return local.unsqueeze(0)
+    flat = local.reshape(-1)
+    if not rank0_only:
+        out = torch.empty(world * k * n, dtype=local.dtype, device=local.device)
+        _compat.all_gather(out, flat, opt.process_group, async_op=False)
+        return out.view(world, k, n)
+    group = opt.process_group
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    pieces = [torch.empty_like(flat) for _ in range(world)] if opt.rank == 0 else None
+    dist.gather(flat, gather_list=pieces, dst=dst, group=group)
+    return torch.stack(pieces).view(world, k, n) if pieces is not None else None
+
+
+def _checked_entry(entry: Any, slot: ParamSlot, index: int) -> Dict[str, Any]:
+    where = f"load_state_dict: state[{index}] (param {index}, shape {slot.shape})"
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"{where}: expected a dict")
+    if "max_exp_avg_sq" in entry:
+        raise ValueError(f"{where}: has 'max_exp_avg_sq' (amsgrad), which DistributedFusedAdam does not support")
+    for k in ("step",) + STATE_KEYS:
+        if k not in entry:
+            raise ValueError(f"{where}: missing '{k}'")
+    step = entry["step"]
+    if isinstance(step, Tensor):
+        if step.numel() != 1:
+            raise ValueError(f"{where}: 'step' must hold one number, got shape {tuple(step.shape)}")
+        step = float(step.detach().reshape(()).to("cpu"))
+    if not (isinstance(step, (int, float)) and math.isfinite(step) and step >= 0):
+        raise ValueError(f"{where}: step={step!r}: expected a finite number >= 0")
+    out: Dict[str, Any] = {"step": float(step)}
+    for k in STATE_KEYS + (MASTER_KEY,):
+        if k not in entry:
+            continue
+        t = entry[k]
+        if not isinstance(t, Tensor) or not t.is_floating_point():
+            raise ValueError(f"{where}: '{k}' must be a floating-point tensor")
+        if tuple(t.shape) != slot.shape:
+            raise ValueError(f"{where}: '{k}' has shape {tuple(t.shape)}, the param has shape {slot.shape}")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: '{k}' holds non-finite values")
+        out[k] = t
+    return out
+
+
+def _warn_what_torch_drops(opt: Any) -> None:
+    if opt in _warned:
+        return
+    lost = []
+    if any(has_master(opt, b.dtype) for b in opt._buckets):
+        lost.append(
+            f"the {opt.dtype} master weights of the lower-precision params (torch keeps only the "
+            "model params; 'master_param' is ignored and the moments are cast to the param dtype)"
+        )
+    if not opt.bias_correction:
+        lost.append("bias_correction=False (torch.optim always bias-corrects)")
+    if opt.max_grad_norm is not None:
+        lost.append(f"max_grad_norm={opt.max_grad_norm} (torch.optim does not clip)")
+    if lost:
+        _warned.add(opt)
+        warnings.warn(
+            "DistributedFusedAdam.state_dict(): loading this state dict into torch.optim.AdamW/Adam "
+            "cannot carry over " + "; ".join(lost) + ". Loading it back into DistributedFusedAdam is exact.",
+            UserWarning, stacklevel=3,
+        )
