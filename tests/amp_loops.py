@@ -7,6 +7,7 @@ scale and the returned norm for both runs.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from typing import Any, Dict, List, Optional
@@ -31,6 +32,19 @@ class NeMoStyleAdam(DistributedFusedAdam):
     _step_supports_amp_scaling = False
 
 
+@contextlib.contextmanager
+def _sync_debug(enabled: bool):
+    if not enabled:
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _poison(x: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
     if step == INF_STEP and rank == world - 1:
         x = x.clone()
@@ -38,9 +52,12 @@ def _poison(x: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
     return x
 
 
-def run_loop(rank: int, world: int, loop: str, **opt_kwargs: Any) -> Dict[str, Any]:
+def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: bool = False,
+             **opt_kwargs: Any) -> Dict[str, Any]:
+    """``sync_check``: on CUDA, run unscale_/clip/step/update after the first step under
+    ``torch.cuda.set_sync_debug_mode("error")``, so any host sync there raises."""
     torch.manual_seed(0)
-    model, ref = MLP(), None
+    model = MLP().to(device)
     ref = copy.deepcopy(model)
     clip_in_ctor = loop in ("D", "D0")
     cls = NeMoStyleAdam if loop == "E" else DistributedFusedAdam
@@ -53,14 +70,14 @@ def run_loop(rank: int, world: int, loop: str, **opt_kwargs: Any) -> Dict[str, A
     no_scaler = loop == "D0"
     scaler = None
     if not no_scaler:
-        scaler = (torch.amp.GradScaler if use_torch_scaler else ShardedGradScaler)("cpu", **SCALER_KW)
-    rscaler = None if no_scaler else torch.amp.GradScaler("cpu", **SCALER_KW)
+        scaler = (torch.amp.GradScaler if use_torch_scaler else ShardedGradScaler)(device, **SCALER_KW)
+    rscaler = None if no_scaler else torch.amp.GradScaler(device, **SCALER_KW)
     ref_clips = loop in ("B", "C", "D", "D0", "E", "G")
     loss_fn = nn.MSELoss()
     out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "scale", "ref_scale", "norm", "ref_norm", "skipped")}
     caught: List[str] = []
     for step in range(STEPS):
-        data = batches(step, world)
+        data = batches(step, world, device=device)
         # ---- reference: one process, all ranks' batches, torch's own AMP loop
         total = sum(loss_fn(ref(_poison(x, step, r, world)), y) for r, (x, y) in enumerate(data)) / world
         (rscaler.scale(total) if rscaler else total).backward()
@@ -78,7 +95,8 @@ def run_loop(rank: int, world: int, loop: str, **opt_kwargs: Any) -> Dict[str, A
         loss = loss_fn(model(_poison(x, step, rank, world)), y)
         (scaler.scale(loss) if scaler else loss).backward()
         norm: Optional[torch.Tensor] = None
-        with warnings.catch_warnings(record=True) as w:
+        guard = sync_check and step > 0 and device == "cuda"
+        with warnings.catch_warnings(record=True) as w, _sync_debug(guard):
             warnings.simplefilter("always")
             if loop in ("B", "E"):
                 scaler.unscale_(opt)
@@ -101,8 +119,8 @@ def run_loop(rank: int, world: int, loop: str, **opt_kwargs: Any) -> Dict[str, A
                 norm = opt.grad_norm()
         caught += [f"{x.category.__name__}: {x.message}" for x in w]
         opt.zero_grad()
-        out["ours"].append([p.detach().clone() for p in model.parameters()])
-        out["ref"].append([p.detach().clone() for p in ref.parameters()])
+        out["ours"].append([p.detach().cpu().clone() for p in model.parameters()])
+        out["ref"].append([p.detach().cpu().clone() for p in ref.parameters()])
         out["scale"].append(scaler.get_scale() if scaler else None)
         out["ref_scale"].append(rscaler.get_scale() if rscaler else None)
         out["norm"].append(None if norm is None else float(norm))

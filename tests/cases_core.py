@@ -8,58 +8,58 @@ from parity import train
 TINY = 0.0004  # MB: about 100 fp32 elements, so params straddle buckets and shards
 
 
-def case_basic(rank, world):
-    return train(rank, world)
+def case_basic(rank, world, **kw):
+    return train(rank, world, **kw)
 
 
-def case_one_group_big_bucket(rank, world):
-    return train(rank, world, groups=False, opt_kwargs=dict(lr=1e-2, weight_decay=0.02, bucket_cap_mb=1000.0))
+def case_one_group_big_bucket(rank, world, **kw):
+    return train(rank, world, **kw, groups=False, opt_kwargs=dict(lr=1e-2, weight_decay=0.02, bucket_cap_mb=1000.0))
 
 
-def case_tiny_buckets(rank, world):
-    return train(rank, world, opt_kwargs=dict(bucket_cap_mb=TINY))
+def case_tiny_buckets(rank, world, **kw):
+    return train(rank, world, **kw, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
-def case_adam_l2(rank, world):
-    return train(rank, world, opt_kwargs=dict(adam_w_mode=False, weight_decay=0.05, bucket_cap_mb=TINY))
+def case_adam_l2(rank, world, **kw):
+    return train(rank, world, **kw, opt_kwargs=dict(adam_w_mode=False, weight_decay=0.05, bucket_cap_mb=TINY))
 
 
-def case_lr_schedule(rank, world):
-    return train(rank, world, lr_schedule=lambda step: 1e-2 / (1 + step))
+def case_lr_schedule(rank, world, **kw):
+    return train(rank, world, **kw, lr_schedule=lambda step: 1e-2 / (1 + step))
 
 
-def case_no_sync(rank, world):
-    return train(rank, world, micro_batches=3, opt_kwargs=dict(bucket_cap_mb=TINY))
+def case_no_sync(rank, world, **kw):
+    return train(rank, world, **kw, micro_batches=3, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
-def case_unused_everywhere(rank, world):
-    return train(rank, world, skip=lambda step, r: ("b",) if step in (1, 2) else ())
+def case_unused_everywhere(rank, world, **kw):
+    return train(rank, world, **kw, skip=lambda step, r: ("b",) if step in (1, 2) else ())
 
 
-def case_unused_per_rank(rank, world):
+def case_unused_per_rank(rank, world, **kw):
     # rank 0 never uses b; other ranks alternate: different buckets fill on different ranks
     def skip(step, r):
         if r == 0:
             return ("b",)
         return ("c",) if (step + r) % 2 else ()
 
-    return train(rank, world, skip=skip, opt_kwargs=dict(bucket_cap_mb=TINY))
+    return train(rank, world, **kw, skip=skip, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
-def case_channels_last(rank, world):
-    return train(rank, world, kind="conv", channels_last=True, opt_kwargs=dict(bucket_cap_mb=TINY))
+def case_channels_last(rank, world, **kw):
+    return train(rank, world, **kw, kind="conv", channels_last=True, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
-def case_bf16_params(rank, world):
-    return train(rank, world, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
+def case_bf16_params(rank, world, **kw):
+    return train(rank, world, **kw, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
 
 
-def case_sum_grads(rank, world):
-    return train(rank, world, sum_grads=True, opt_kwargs=dict(average_grad_sync=False, lr=1e-3))
+def case_sum_grads(rank, world, **kw):
+    return train(rank, world, **kw, sum_grads=True, opt_kwargs=dict(average_grad_sync=False, lr=1e-3))
 
 
-def case_no_overlap(rank, world):
-    return train(rank, world, opt_kwargs=dict(overlap_grad_sync=False, overlap_param_sync=True, bucket_cap_mb=TINY))
+def case_no_overlap(rank, world, **kw):
+    return train(rank, world, **kw, opt_kwargs=dict(overlap_grad_sync=False, overlap_param_sync=True, bucket_cap_mb=TINY))
 
 
 CASES = [name for name in dir() if name.startswith("case_")]

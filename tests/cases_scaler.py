@@ -9,39 +9,39 @@ from shardamp.optim import DistributedFusedAdam, _compat
 from shardamp.scaler import ShardedGradScaler
 
 
-def case_loop_A(rank, world):
-    return run_loop(rank, world, "A")
+def case_loop_A(rank, world, **kw):
+    return run_loop(rank, world, "A", **kw)
 
 
-def case_loop_B(rank, world):
-    return run_loop(rank, world, "B")
+def case_loop_B(rank, world, **kw):
+    return run_loop(rank, world, "B", **kw)
 
 
-def case_loop_C(rank, world):
-    return run_loop(rank, world, "C")
+def case_loop_C(rank, world, **kw):
+    return run_loop(rank, world, "C", **kw)
 
 
-def case_loop_D(rank, world):
-    return run_loop(rank, world, "D")
+def case_loop_D(rank, world, **kw):
+    return run_loop(rank, world, "D", **kw)
 
 
-def case_loop_D_no_scaler(rank, world):
-    return run_loop(rank, world, "D0")
+def case_loop_D_no_scaler(rank, world, **kw):
+    return run_loop(rank, world, "D0", **kw)
 
 
-def case_loop_E(rank, world):
-    return run_loop(rank, world, "E")
+def case_loop_E(rank, world, **kw):
+    return run_loop(rank, world, "E", **kw)
 
 
-def case_loop_F(rank, world):
-    return run_loop(rank, world, "F")
+def case_loop_F(rank, world, **kw):
+    return run_loop(rank, world, "F", **kw)
 
 
-def case_loop_G(rank, world):
-    return run_loop(rank, world, "G")
+def case_loop_G(rank, world, **kw):
+    return run_loop(rank, world, "G", **kw)
 
 
-def case_one_all_reduce(rank, world):
+def case_one_all_reduce(rank, world, **kw):
     """unscale_ + clip_grad_norm + step issue exactly one all-reduce (norm + found-inf + touched)."""
     torch.manual_seed(0)
     model = MLP()

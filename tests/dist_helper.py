@@ -19,10 +19,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001  (shipped back to the test, which re-raises)
@@ -35,7 +37,9 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
         pass
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 600.0) -> List[Any]:
+def run_distributed(
+    fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, backend: str = "gloo"
+) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
     A rank that raised makes this raise with that rank's traceback; ranks that hang (mismatched
@@ -44,7 +48,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
-            _worker, args=(world_size, init_file, tmp, fn, args), nprocs=world_size, join=False,
+            _worker, args=(world_size, init_file, tmp, fn, args, backend), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
@@ -70,16 +74,16 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
         return results
 
 
-def run_cases(rank: int, world_size: int, module: str, names: List[str]) -> Dict[str, Any]:
-    """Run each named case ``module.name(rank, world_size)``; a failure is recorded, not raised,
-    so one broken case does not hide the others. Every rank runs the cases in the same order."""
+def run_cases(rank: int, world_size: int, module: str, names: List[str], kwargs: Dict[str, Any] | None = None) -> Dict[str, Any]:
+    """Run each named case ``module.name(rank, world_size, **kwargs)``; a failure is recorded,
+    not raised, so the test names it. Every rank runs the cases in the same order."""
     import importlib
 
     mod = importlib.import_module(module)
     out: Dict[str, Any] = {}
     for name in names:
         try:
-            out[name] = ("ok", getattr(mod, name)(rank, world_size))
+            out[name] = ("ok", getattr(mod, name)(rank, world_size, **(kwargs or {})))
         except BaseException:  # noqa: BLE001
             out[name] = ("error", traceback.format_exc())
             break  # a case that failed half-way may leave the ranks' collectives out of step

@@ -52,7 +52,9 @@ class ConvNet(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
-def batches(step: int, world: int, kind: str = "mlp", per_rank: int = 3) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+def batches(
+    step: int, world: int, kind: str = "mlp", per_rank: int = 3, device: str = "cpu"
+) -> List[Tuple[torch.Tensor, torch.Tensor]]:
     """Every rank's batch for ``step`` (identical on every process)."""
     g = torch.Generator().manual_seed(1000 + step)
     out = []
@@ -63,7 +65,7 @@ def batches(step: int, world: int, kind: str = "mlp", per_rank: int = 3) -> List
         else:
             x = torch.randn(per_rank, 12, generator=g)
             y = torch.randn(per_rank, 5, generator=g)
-        out.append((x, y))
+        out.append((x.to(device), y.to(device)))
     return out
 
 
@@ -90,6 +92,7 @@ def train(
     param_dtype: torch.dtype = torch.float32,
     channels_last: bool = False,
     sum_grads: bool = False,
+    device: str = "cpu",
 ) -> Dict[str, Any]:
     """Run both trainings; return {"ours": [...], "ref": [...]} (fp32 CPU tensors, by param)."""
     opt_kwargs = dict(opt_kwargs or {})
@@ -98,6 +101,7 @@ def train(
     model = ConvNet() if kind == "conv" else MLP()
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    model = model.to(device)
     ref = copy.deepcopy(model)  # fp32 reference, before the optimizer rebinds params
     with torch.no_grad():  # a low-precision model's fp32 master starts from its rounded weights
         for p in ref.parameters():
@@ -125,7 +129,7 @@ def train(
             for o in (opt, ropt):
                 for i, g in enumerate(o.param_groups):
                     g["lr"] = lr_schedule(step) * (1 + i)
-        data = [batches(step * micro_batches + m, world, kind) for m in range(micro_batches)]
+        data = [batches(step * micro_batches + m, world, kind, device=device) for m in range(micro_batches)]
         # reference first (the bf16 reference reads the sharded model's weights before its step):
         # one process, the union of all ranks' batches, grads averaged like ours
         for m in range(micro_batches):
@@ -153,14 +157,14 @@ def train(
         ropt.step()
         ropt.zero_grad()
     opt.param_sync()  # params are read outside any forward: wait for a pending all-gather
-    ours = [p.detach().float().clone() for p in model.parameters()]
+    ours = [p.detach().float().cpu().clone() for p in model.parameters()]
     if param_dtype != torch.float32:
-        ours = _masters(opt)
+        ours = [t.cpu() for t in _masters(opt)]
     return {
         "ours": ours,
-        "ref": [p.detach().float().clone() for p in ref.parameters()],
+        "ref": [p.detach().float().cpu().clone() for p in ref.parameters()],
         "model_dtype": [p.dtype for p in model.parameters()],
-        "model": [p.detach().clone() for p in model.parameters()],
+        "model": [p.detach().cpu().clone() for p in model.parameters()],
         "channels_last": [p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4],
     }
 
@@ -173,7 +177,7 @@ def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
 
     out = [None] * len(opt._params)
     for bucket, buf in zip(opt._buckets, opt._buffers):
-        full = torch.empty(bucket.numel, dtype=buf.master.dtype)
+        full = torch.empty(bucket.numel, dtype=buf.master.dtype, device=buf.master.device)
         if opt.world_size > 1:
             dist.all_gather_into_tensor(full, buf.master.contiguous(), group=opt.process_group)
         else:
@@ -188,7 +192,7 @@ def _bf16_reference_grads(ref, model, data, skip, step, world, loss_fn, dtype, d
     produces on each rank's batch (what the sharded run reduced), summed in fp32."""
     grads = [torch.zeros_like(p) for p in ref.parameters()]
     for r in range(world):
-        shadow = type(model)().to(dtype)
+        shadow = type(model)().to(device=model.head.weight.device, dtype=dtype)
         shadow.load_state_dict(model.state_dict())
         x, y = data[r]
         loss_fn(shadow(x.to(dtype), skip=skip(step, r)).float(), y).backward()

@@ -21,7 +21,11 @@ def _results(world: int):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", cases_core.CASES)
 def test_parity_with_torch_adamw(world: int, case: str) -> None:
-    per_rank = _results(world)
+    check_parity_case(_results(world), case)
+
+
+def check_parity_case(per_rank, case: str) -> None:
+    """Every rank: params equal the unsharded reference's; every rank ends with the same model."""
     for rank, results in enumerate(per_rank):
         assert case in results, f"rank {rank}: an earlier case failed: {results}"
         status, value = results[case]

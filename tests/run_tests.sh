@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install shardamp with its test dependencies and run the whole suite on this machine's CPUs.
+# This is the README's test command and exactly what CI runs (.ci/run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --quiet torch==2.13.0            # first, so nothing pulls another build
+python -m pip install --quiet -e ".[test]"
+# Build the C++ kernels once, before pytest-xdist starts its workers.
+python -c "import torch; from shardamp.optim import kernels; print('shardamp kernels on cpu:', kernels.backend(torch.device('cpu')))"
+# -n 2: one worker per core; loadgroup keeps each spawned process group's cases on one worker.
+# pytest exits 5 when it collected no test: set -e turns that into a failure too.
+python -m pytest -n 2 --dist loadgroup -q "$@" tests

@@ -1,0 +1,55 @@
+"""The parity tests and the AMP loops on a GPU: NCCL at world 1, CUDA tensors, native CUDA
+kernels, and no host sync in unscale_/clip/step/update (loops A, B, C, D, G). Skipped without a
+GPU; run on a GPU machine with ``python -m pytest -q tests/test_cuda.py``."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import cases_core
+import cases_scaler
+from dist_helper import run_cases, run_distributed
+from test_core import check_parity_case
+from test_scaler_loops import check_loop_case
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SYNC_FREE = {"A", "B", "C", "D", "D0", "G"}  # E's skip is torch's own .item(); F calls float()
+
+
+def _cases(rank, world):
+    torch.backends.cudnn.allow_tf32 = False  # the reference and ours must run the same convs
+    torch.backends.cuda.matmul.allow_tf32 = False
+    out = run_cases(rank, world, "cases_core", cases_core.CASES, {"device": "cuda"})
+    for name in cases_scaler.CASES:
+        if not name.startswith("case_loop_"):
+            continue
+        loop = name[len("case_loop_"):].replace("_no_scaler", "0")
+        kw = {"device": "cuda", "sync_check": loop in SYNC_FREE}
+        out.update(run_cases(rank, world, "cases_scaler", [name], kw))
+    from shardamp.optim import kernels
+
+    out["backend"] = ("ok", kernels.backend(torch.device("cuda")))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    return run_distributed(_cases, 1, backend="nccl")
+
+
+def test_native_cuda_kernels_are_used() -> None:
+    status, backend = _results()[0]["backend"]
+    assert backend == "native"
+
+
+@pytest.mark.parametrize("case", cases_core.CASES)
+def test_core_parity_cuda(case: str) -> None:
+    check_parity_case(_results(), case)
+
+
+@pytest.mark.parametrize("case", [c for c in cases_scaler.CASES if c.startswith("case_loop_")])
+def test_amp_loops_cuda(case: str) -> None:
+    check_loop_case(_results(), case)
