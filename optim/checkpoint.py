@@ -63,7 +63,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                 # a copy: DCP must not serialise the whole shard behind a view
                 piece = src[seg.start : seg.start + seg.length].to("cpu", copy=True)
                 state[f"state/{seg.param_index}/{key}/{seg.param_offset}"] = piece
-    dcp.save(state, checkpoint_id=os.fspath(path), process_group=_group(opt))
+    dcp.save(state, checkpoint_id=os.fspath(path), process_group=_group(opt), no_dist=_no_dist())
 
 
 def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None:
@@ -78,7 +78,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
             raise ValueError(f"load_sharded: {path} is not a shardamp checkpoint (no '{key}')")
     head = {META_KEY: torch.empty(sizes[META_KEY], dtype=torch.uint8),
             STEPS_KEY: torch.empty(sizes[STEPS_KEY], dtype=torch.float32)}
-    dcp.load(head, checkpoint_id=path, process_group=_group(opt))
+    dcp.load(head, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
     meta = json.loads(bytes(head[META_KEY].tolist()).decode())
     steps = head[STEPS_KEY]
     slots = sd_mod.slots_by_index(opt)
@@ -119,7 +119,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     _agree_or_raise(opt, problem)
 
     # ---- read (into temporaries: a failure here leaves the optimizer untouched), then write
-    dcp.load(needed, checkpoint_id=path, process_group=_group(opt))
+    dcp.load(needed, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
     scaler_state = meta.get("scaler")
 
     def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
@@ -139,10 +139,13 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
 
 
 # ====================================================================== internals
+def _no_dist() -> bool:
+    """A single process without torch.distributed: say so (DCP would warn and assume it)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
 def _group(opt: Any) -> Optional[Any]:
-    if opt.world_size == 1 and not (dist.is_available() and dist.is_initialized()):
-        return None
-    return opt.process_group
+    return None if _no_dist() else opt.process_group
 
 
 def _index(path: str) -> Tuple[Dict[Tuple[int, str], List[Tuple[str, int, int]]], Dict[str, torch.dtype], Dict[str, Tuple[int, ...]]]:
