@@ -50,6 +50,10 @@ def case_channels_last(rank, world, **kw):
     return train(rank, world, **kw, kind="conv", channels_last=True, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
+def case_channels_last_3d(rank, world, **kw):
+    return train(rank, world, **kw, kind="conv3d", channels_last=True, opt_kwargs=dict(bucket_cap_mb=TINY))
+
+
 def case_bf16_params(rank, world, **kw):
     return train(rank, world, **kw, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
 

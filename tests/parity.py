@@ -52,6 +52,18 @@ class ConvNet(nn.Module):
         return self.head(h.mean(dim=(2, 3)))
 
 
+class Conv3dNet(nn.Module):
+    """A small 3-D conv net for channels_last_3d (NDHWC) weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv3d(2, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, skip: Sequence[str] = ()) -> torch.Tensor:
+        return self.head(F.relu(self.conv1(x)).mean(dim=(2, 3, 4)))
+
+
 def batches(
     step: int, world: int, kind: str = "mlp", per_rank: int = 3, device: str = "cpu"
 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -61,6 +73,9 @@ def batches(
     for _ in range(world):
         if kind == "conv":
             x = torch.randn(per_rank, 3, 6, 6, generator=g)
+            y = torch.randn(per_rank, 3, generator=g)
+        elif kind == "conv3d":
+            x = torch.randn(per_rank, 2, 4, 4, 4, generator=g)
             y = torch.randn(per_rank, 3, generator=g)
         else:
             x = torch.randn(per_rank, 12, generator=g)
@@ -98,17 +113,16 @@ def train(
     opt_kwargs = dict(opt_kwargs or {})
     adam_w = opt_kwargs.get("adam_w_mode", True)
     torch.manual_seed(0)
-    model = ConvNet() if kind == "conv" else MLP()
+    model = {"conv": ConvNet, "conv3d": Conv3dNet}.get(kind, MLP)()
+    fmt = torch.channels_last_3d if kind == "conv3d" else torch.channels_last
     if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+        model = _to_format(model, fmt)
     model = model.to(device)
     ref = copy.deepcopy(model)  # fp32 reference, before the optimizer rebinds params
     with torch.no_grad():  # a low-precision model's fp32 master starts from its rounded weights
         for p in ref.parameters():
             p.copy_(p.to(param_dtype).float())
     model = model.to(param_dtype)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
     params = two_groups(model) if groups else model.parameters()
     ref_params = two_groups(ref) if groups else ref.parameters()
     defaults = {k: v for k, v in opt_kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
@@ -120,8 +134,8 @@ def train(
     ropt = ref_cls(ref_params, **ref_defaults)
     if channels_last:
         for p in model.parameters():
-            if p.dim() == 4:
-                assert p.is_contiguous(memory_format=torch.channels_last), "layout lost"
+            if p.dim() in (4, 5):
+                assert p.is_contiguous(memory_format=fmt) and not p.is_contiguous(), "layout lost"
     loss_fn = nn.MSELoss()
     denom = 1.0 if sum_grads else float(world)
     for step in range(steps):
@@ -165,8 +179,20 @@ def train(
         "ref": [p.detach().float().cpu().clone() for p in ref.parameters()],
         "model_dtype": [p.dtype for p in model.parameters()],
         "model": [p.detach().cpu().clone() for p in model.parameters()],
-        "channels_last": [p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters() if p.dim() == 4],
+        "channels_last": [
+            p.is_contiguous(memory_format=torch.channels_last if p.dim() == 4 else torch.channels_last_3d)
+            for p in model.parameters() if p.dim() in (4, 5)
+        ],
     }
+
+
+def _to_format(model: nn.Module, fmt: torch.memory_format) -> nn.Module:
+    """``module.to(memory_format=...)`` for 4-D and 5-D weights alike (torch's only handles 4-D)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() in (4, 5):
+                p.data = p.data.contiguous(memory_format=fmt)
+    return model
 
 
 def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
