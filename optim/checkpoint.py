@@ -19,9 +19,11 @@ objects with ``torch.load(weights_only=False)``.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from typing import Any, Dict, List, Optional, Tuple, Union
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,8 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                 # a copy: DCP must not serialise the whole shard behind a view
                 piece = src[seg.start : seg.start + seg.length].to("cpu", copy=True)
                 state[f"state/{seg.param_index}/{key}/{seg.param_offset}"] = piece
-    dcp.save(state, checkpoint_id=os.fspath(path), process_group=_group(opt), no_dist=_no_dist())
+    with _single_process_quiet():
+        dcp.save(state, checkpoint_id=os.fspath(path), process_group=_group(opt), no_dist=_no_dist())
 
 
 def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None:
@@ -78,7 +81,8 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
             raise ValueError(f"load_sharded: {path} is not a shardamp checkpoint (no '{key}')")
     head = {META_KEY: torch.empty(sizes[META_KEY], dtype=torch.uint8),
             STEPS_KEY: torch.empty(sizes[STEPS_KEY], dtype=torch.float32)}
-    dcp.load(head, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
+    with _single_process_quiet():
+        dcp.load(head, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
     meta = json.loads(bytes(head[META_KEY].tolist()).decode())
     steps = head[STEPS_KEY]
     slots = sd_mod.slots_by_index(opt)
@@ -119,7 +123,8 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     _agree_or_raise(opt, problem)
 
     # ---- read (into temporaries: a failure here leaves the optimizer untouched), then write
-    dcp.load(needed, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
+    with _single_process_quiet():
+        dcp.load(needed, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
     scaler_state = meta.get("scaler")
 
     def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
@@ -139,6 +144,15 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
 
 
 # ====================================================================== internals
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it 'assumes' a single process even when told so (no_dist=True)."""
+    with warnings.catch_warnings():
+        if _no_dist():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def _no_dist() -> bool:
     """A single process without torch.distributed: say so (DCP would warn and assume it)."""
     return not (dist.is_available() and dist.is_initialized())
