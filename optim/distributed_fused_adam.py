@@ -261,7 +261,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self.grad_sync()
             pattern = self._touched_patterns.get(self._grad_sync.local_touched)
             buf = torch.empty(grad_stats.HEADER + len(self._params), dtype=torch.float32, device=self._device)
-            grad_stats.local_stats([b.grad_shard for b in self._buffers], pattern, norm_type, buf)
+            if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
+                grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
+            buf[grad_stats.HEADER:].copy_(pattern)
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
             self._stats = grad_stats.finish(buf, norm_type)
             self._raw_norms[norm_type] = self._stats.raw_norm

@@ -38,12 +38,11 @@ def reduce_op(norm_type: float):
     return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
 
-def local_stats(shards: Sequence[Tensor], touched_pattern: Tensor, norm_type: float, out: Tensor) -> None:
-    """Fill ``out`` (``HEADER + P`` floats) with this rank's partial stats."""
+def local_stats(shards: Sequence[Tensor], norm_type: float, out: Tensor) -> None:
+    """Fill ``out[:HEADER]`` with this rank's partial norm and non-finite flag."""
     out[:HEADER].zero_()
     for g in shards:
         kernels.grad_stats(g, out[:HEADER], norm_type)
-    out[HEADER:].copy_(touched_pattern)
 
 
 def finish(stats: Tensor, norm_type: float) -> GradStats:

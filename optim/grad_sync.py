@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compat
+from . import _compat, kernels
 from .buffers import BucketBuffers, param_view
 from .layout import Bucket, ParamSlot
 
@@ -73,6 +73,13 @@ class GradSync:
                 self.full[i] = self._new_full(i)
         self.dirty = [False] * len(buckets)  # full buffer holds stale grads: zero before use
         self.pending: List[tuple] = []  # (bucket index, work, input, output, accumulate)
+        # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
+        # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
+        # backward only the one small all-reduce remains (grad_stats.py sums the partials).
+        device = buckets[0].device if buckets else torch.device("cpu")
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.partials = torch.zeros(len(buckets), 2, dtype=torch.float32, device=device)
+        self.partial_valid = [False] * len(buckets)
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
         for p in params:
@@ -119,6 +126,7 @@ class GradSync:
         elif self.dirty[b]:
             full.zero_()
         self.dirty[b] = False
+        self.partial_valid[b] = False
         view = param_view(full, slot)
         # world 1: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         if self.in_buffer[slot.index] or (self.world_size == 1 and self.shard_valid[b]):
@@ -163,16 +171,46 @@ class GradSync:
             self.dirty[b] = False
         if self.world_size == 1:
             self.shard_valid[b] = True
+            if self.side is not None:
+                self._land_on_side_stream(b, None, None, False)
             return
         accumulate = self.shard_valid[b]
         out = torch.empty_like(self.buffers[b].grad_shard) if accumulate else self.buffers[b].grad_shard
         work = _compat.reduce_scatter(out, full, self.group, async_op=True)
-        self.pending.append((b, work, full, out, accumulate))
+        landed = self.side is not None
+        if landed:
+            self._land_on_side_stream(b, work, out, accumulate)
+        self.pending.append((b, work, full, out, accumulate, landed))
         if self.keep_buffers:
             self.dirty[b] = True  # holds this round's grads until the next round overwrites them
         else:
             self.full[b] = None  # freed once the reduction has been waited for
         self.shard_valid[b] = True
+
+    def _land_on_side_stream(self, b: int, work, out: Optional[Tensor], accumulate: bool) -> None:
+        """Queue, on the side stream: wait for bucket ``b``'s reduction, accumulate it, and
+        compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
+        self.side.wait_stream(torch.cuda.current_stream())
+        shard = self.buffers[b].grad_shard
+        with torch.cuda.stream(self.side):
+            if work is not None:
+                work.wait()
+            if accumulate:
+                shard.add_(out)
+            self.partials[b].zero_()
+            kernels.grad_stats(shard, self.partials[b], 2.0)
+        self.partial_valid[b] = True
+        if work is None:
+            self.pending.append((b, None, None, None, False, True))
+
+    def landed_stats(self, out: Tensor) -> bool:
+        """Write the summed 2-norm partials of all buckets into ``out[:2]`` if every bucket's
+        partial is current (then return True); the caller computes them itself otherwise."""
+        if self.side is None or not all(self.partial_valid):
+            return False
+        out[0] = self.partials[:, 0].sum()
+        out[1] = self.partials[:, 1].amax()
+        return True
 
     # ---------------------------------------------------------------- explicit sync
     def sync(self) -> None:
@@ -186,10 +224,16 @@ class GradSync:
         self.wait()
 
     def wait(self) -> None:
-        for b, work, _full, out, accumulate in self.pending:
+        for b, work, _full, out, accumulate, landed in self.pending:
+            if landed:
+                continue  # queued on the side stream already
             work.wait()
             if accumulate:
                 self.buffers[b].grad_shard.add_(out)
+        if self.side is not None and self.pending:
+            # join: the compute stream resumes after every landing; only then may the
+            # buffers the side stream read be freed (they are dropped with ``pending``)
+            torch.cuda.current_stream().wait_stream(self.side)
         self.pending.clear()
 
     def step_done(self) -> None:
@@ -201,6 +245,7 @@ class GradSync:
         self.next_launch = 0
         self.fired = [0] * len(self.buckets)
         self.in_buffer = [False] * self.n_params
+        self.partial_valid = [False] * len(self.buckets)
         if set_to_none:
             self.local_touched = [False] * self.n_params
             self.shard_valid = [False] * len(self.buckets)
