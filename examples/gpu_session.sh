@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Everything the GPU machine checks, in one call: build, the CUDA tests (kernels, NCCL world-1
+# parity and AMP loops without host syncs, CUDA graphs), the step benchmark and the overlap
+# profile. Logs and JSON go to $OUT (default out/gpu).
+set -uo pipefail
+OUT="${OUT:-out/gpu}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/shardamp_ext}" MAX_JOBS="${MAX_JOBS:-16}"
+status=0
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u;
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/env.log"
+python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || { echo "install failed"; cat "$OUT/install.log"; exit 1; }
+python3 -c 'import torch; from shardamp.optim import kernels; print("cuda kernels:", kernels.backend(torch.device("cuda")))' 2>&1 | tail -5 | tee -a "$OUT/env.log"
+timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py tests/test_cuda_graph.py 2>&1 | tail -40 | tee "$OUT/tests.log" || status=1
+timeout 240 python3 examples/bench_step.py --device cuda --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
+timeout 120 python3 examples/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
+exit $status
