@@ -54,6 +54,11 @@ def case_channels_last_3d(rank, world, **kw):
     return train(rank, world, **kw, kind="conv3d", channels_last=True, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
+def case_tied_weight_overlap_param_sync(rank, world, **kw):
+    # the tied weight is read by a second module whose forward pre-hook must wait for it
+    return train(rank, world, **kw, kind="tied", opt_kwargs=dict(overlap_param_sync=True, bucket_cap_mb=TINY))
+
+
 def case_bf16_params(rank, world, **kw):
     return train(rank, world, **kw, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
 

@@ -64,6 +64,23 @@ class Conv3dNet(nn.Module):
         return self.head(F.relu(self.conv1(x)).mean(dim=(2, 3, 4)))
 
 
+class TiedNet(nn.Module):
+    """A weight tied into a second module (as GPT ties its embedding and output head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 12, bias=False)
+        self.b = nn.Linear(12, 12)
+        self.dec = nn.Linear(12, 12, bias=False)
+        self.dec.weight = self.a.weight
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, x: torch.Tensor, skip: Sequence[str] = ()) -> torch.Tensor:
+        h = torch.tanh(self.dec(x))  # the tied weight is first read by the module that borrowed it
+        h = torch.tanh(self.b(h))
+        return self.head(torch.tanh(self.a(h)))
+
+
 def batches(
     step: int, world: int, kind: str = "mlp", per_rank: int = 3, device: str = "cpu"
 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -113,7 +130,7 @@ def train(
     opt_kwargs = dict(opt_kwargs or {})
     adam_w = opt_kwargs.get("adam_w_mode", True)
     torch.manual_seed(0)
-    model = {"conv": ConvNet, "conv3d": Conv3dNet}.get(kind, MLP)()
+    model = {"conv": ConvNet, "conv3d": Conv3dNet, "tied": TiedNet}.get(kind, MLP)()
     fmt = torch.channels_last_3d if kind == "conv3d" else torch.channels_last
     if channels_last:
         model = _to_format(model, fmt)
