@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
+from . import _compat
 from . import state_dict as sd_mod
 
 FORMAT = "shardamp.dcp/1"
@@ -196,7 +197,7 @@ def _agree_or_raise(opt: Any, problem: str) -> None:
     collective the others skipped."""
     flag = torch.tensor([1.0 if problem else 0.0], device=opt._device)
     if opt.world_size > 1:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group)
+        _compat.all_reduce(flag, dist.ReduceOp.MAX, opt.process_group)
     if flag.item() > 0:
         raise ValueError(f"load_sharded: incomplete checkpoint: {problem or 'another rank is missing state'}")
 
