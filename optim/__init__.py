@@ -1,5 +1,7 @@
-"""shardamp.optim: ZeRO-2 sharded fused Adam/AdamW and a sharding-aware clip_grad_norm_."""
+"""shardamp.optim: ZeRO-2 sharded fused Adam/AdamW, a sharding-aware clip_grad_norm_, and
+sharded checkpoints through torch.distributed.checkpoint."""
+from .checkpoint import load_sharded, save_sharded
 from .clip import clip_grad_norm_
 from .distributed_fused_adam import DistributedFusedAdam
 
-__all__ = ["DistributedFusedAdam", "clip_grad_norm_"]
+__all__ = ["DistributedFusedAdam", "clip_grad_norm_", "save_sharded", "load_sharded"]
