@@ -100,7 +100,7 @@ def memory_lines(
         f"DistributedFusedAdam {per(worst)} ({mb(worst)})"
     )
     if torch_bytes is not None:
-        line += f" vs torch.optim.AdamW {per(torch_bytes)} ({mb(torch_bytes)}): {torch_bytes / worst:.2f}x less"
+        line += f" vs torch.optim.AdamW {per(torch_bytes)} ({mb(torch_bytes)}), ratio {torch_bytes / worst:.2f}x"
     lines = [
         line,
         "  measured after the last step, before zero_grad: optimizer-owned tensors + grads, "

@@ -73,6 +73,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show defaults, except for flags whose default is resolved later (None)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -82,8 +89,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         description=__doc__.split("\n\n")[0],
         epilog="Without torchrun the script spawns its own ranks (gloo on CPU, NCCL on CUDA) with a file:// "
         "rendezvous in a temp dir. Under torchrun (or any launcher setting RANK/WORLD_SIZE) it joins that "
-        "group instead; with --device cuda each rank uses GPU LOCAL_RANK.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "group instead; with --device cuda each rank uses GPU LOCAL_RANK. Exit code 1 if the fp32 parity "
+        "check fails or the ranks end with different parameters, 2 for bad flags.",
+        formatter_class=_HelpFormatter,
     )
     run = p.add_argument_group("run")
     run.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where each rank trains")
@@ -236,7 +244,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
                 "loss": f"{window.item() / world:.3f}",
                 "gnorm": f"{norm.item():.3f}",
                 "scale": f"{scaler.get_scale():g}",
-                "step": f"{1e3 * (now - t_log) / n:.0f}ms",
+                "ms/step": f"{1e3 * (now - t_log) / n:.0f}",
             })
             t_log = now
     progress.close()
