@@ -5,22 +5,11 @@
 
 #include "common.h"
 
-#include <cstdlib>
-#include <string>
-
 namespace shardamp {
 
 namespace cpu {
-#define SHARDAMP_DECLARE_CPU(NS)                                                  \
-  namespace NS {                                                                  \
-  void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);     \
-  void adam_step(const AdamArgs& args, const at::Tensor& chunks);                 \
-  }
-SHARDAMP_DECLARE_CPU(generic)
-#if defined(SHARDAMP_WITH_AVX2)
-SHARDAMP_DECLARE_CPU(avx2)
-#endif
-#undef SHARDAMP_DECLARE_CPU
+void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
+void adam_step(const AdamArgs& args, const at::Tensor& chunks);
 }  // namespace cpu
 
 #if defined(SHARDAMP_WITH_CUDA)
@@ -32,32 +21,22 @@ void adam_step(const AdamArgs& args, const at::Tensor& chunks);
 
 namespace {
 
-// The CPU kernels are compiled for baseline x86-64 and, where the compiler can, again for
-// AVX2+FMA; which one runs is decided once, from what this CPU supports.
-bool use_avx2() {
-#if defined(SHARDAMP_WITH_AVX2)
-  // SHARDAMP_CPU_CAPABILITY=generic forces the baseline build (to test it on an AVX2 machine).
-  static const bool ok = [] {
-    const char* env = std::getenv("SHARDAMP_CPU_CAPABILITY");
-    if (env != nullptr && std::string(env) == "generic") return false;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-  }();
-  return ok;
+#define SHARDAMP_STR2(x) #x
+#define SHARDAMP_STR(x) SHARDAMP_STR2(x)
+#if defined(CPU_CAPABILITY)
+const char* cpu_capability() { return SHARDAMP_STR(CPU_CAPABILITY); }
 #else
-  return false;
+const char* cpu_capability() { return "DEFAULT"; }
 #endif
-}
-
-const char* cpu_capability() { return use_avx2() ? "avx2" : "generic"; }
 
 void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device() == ref.device(), "adam_step: ", name, " is on ", t.device(), ", grad on ", ref.device());
+  SHARDAMP_CHECK(t.device() == ref.device(), "adam_step: ", name, " is on ", t.device(), ", grad on ", ref.device());
 }
 
 void check_flat(const at::Tensor& ref, const at::Tensor& t, const char* name) {
   check_same_device(ref, t, name);
-  TORCH_CHECK(t.is_contiguous(), "adam_step: ", name, " must be contiguous");
-  TORCH_CHECK(t.numel() == ref.numel(), "adam_step: ", name, " has ", t.numel(), " elements, grad ", ref.numel());
+  SHARDAMP_CHECK(t.is_contiguous(), "adam_step: ", name, " must be contiguous");
+  SHARDAMP_CHECK(t.numel() == ref.numel(), "adam_step: ", name, " has ", t.numel(), " elements, grad ", ref.numel());
 }
 
 bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
@@ -67,20 +46,20 @@ bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloa
 // only a table's first use pays the device-to-host copy). Also the place where the table is
 // checked against the shard it indexes.
 at::Tensor build_chunks(const at::Tensor& segments, int64_t numel, int64_t num_params, int64_t num_groups) {
-  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4,
+  SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4,
               "segments must be an int64 [S, 4] tensor, got ", segments.scalar_type(), " ", segments.sizes());
   const at::Tensor t = segments.to(at::kCPU).contiguous();
   const int64_t* s = t.data_ptr<int64_t>();
   const int64_t nseg = t.size(0);
-  TORCH_CHECK(nseg < (int64_t(1) << 31), "too many segments");
+  SHARDAMP_CHECK(nseg < (int64_t(1) << 31), "too many segments");
   int64_t total = 0;
   for (int64_t i = 0; i < nseg; ++i) {
     const int64_t start = s[4 * i], len = s[4 * i + 1], param = s[4 * i + 2], group = s[4 * i + 3];
-    TORCH_CHECK(start >= 0 && len >= 0 && start + len <= numel, "segment ", i, " [", start, ", ", start + len,
+    SHARDAMP_CHECK(start >= 0 && len >= 0 && start + len <= numel, "segment ", i, " [", start, ", ", start + len,
                 ") lies outside the shard of ", numel, " elements");
-    TORCH_CHECK(param >= 0 && param < num_params, "segment ", i, ": param_index ", param, " out of range [0, ",
+    SHARDAMP_CHECK(param >= 0 && param < num_params, "segment ", i, ": param_index ", param, " out of range [0, ",
                 num_params, ")");
-    TORCH_CHECK(group >= 0 && group < num_groups, "segment ", i, ": group ", group, " out of range [0, ",
+    SHARDAMP_CHECK(group >= 0 && group < num_groups, "segment ", i, ": group ", group, " out of range [0, ",
                 num_groups, ")");
     total += (len + kChunk - 1) / kChunk;
   }
@@ -97,26 +76,23 @@ at::Tensor build_chunks(const at::Tensor& segments, int64_t numel, int64_t num_p
 }
 
 void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
-  TORCH_CHECK(is_float_type(grad.scalar_type()), "grad_stats: grad must be fp32/bf16/fp16, got ",
+  SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "grad_stats: grad must be fp32/bf16/fp16, got ",
               grad.scalar_type());
-  TORCH_CHECK(grad.is_contiguous(), "grad_stats: grad must be contiguous");
-  TORCH_CHECK(out.scalar_type() == at::kFloat && out.numel() == 2 && out.is_contiguous(),
+  SHARDAMP_CHECK(grad.is_contiguous(), "grad_stats: grad must be contiguous");
+  SHARDAMP_CHECK(out.scalar_type() == at::kFloat && out.numel() == 2 && out.is_contiguous(),
               "grad_stats: out must be a contiguous fp32 tensor of 2 elements");
-  TORCH_CHECK(out.device() == grad.device(), "grad_stats: out is on ", out.device(), ", grad on ", grad.device());
-  TORCH_CHECK(!std::isnan(norm_type), "grad_stats: norm_type is NaN");
+  SHARDAMP_CHECK(out.device() == grad.device(), "grad_stats: out is on ", out.device(), ", grad on ", grad.device());
+  SHARDAMP_CHECK(!std::isnan(norm_type), "grad_stats: norm_type is NaN");
   if (grad.numel() == 0) return;
   if (grad.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)
     return cuda::grad_stats(grad, out, norm_type);
 #else
-    TORCH_CHECK(false, "grad_stats: this build of the shardamp kernels has no CUDA support");
+    SHARDAMP_CHECK(false, "grad_stats: this build of the shardamp kernels has no CUDA support");
 #endif
   }
-  TORCH_CHECK(grad.is_cpu(), "grad_stats: unsupported device ", grad.device());
-#if defined(SHARDAMP_WITH_AVX2)
-  if (use_avx2()) return cpu::avx2::grad_stats(grad, out, norm_type);
-#endif
-  cpu::generic::grad_stats(grad, out, norm_type);
+  SHARDAMP_CHECK(grad.is_cpu(), "grad_stats: unsupported device ", grad.device());
+  cpu::grad_stats(grad, out, norm_type);
 }
 
 void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
@@ -124,9 +100,9 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
                bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks) {
-  TORCH_CHECK(is_float_type(grad.scalar_type()), "adam_step: grad must be fp32/bf16/fp16, got ", grad.scalar_type());
-  TORCH_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
-  TORCH_CHECK(master.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
+  SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "adam_step: grad must be fp32/bf16/fp16, got ", grad.scalar_type());
+  SHARDAMP_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
+  SHARDAMP_CHECK(master.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
                   exp_avg_sq.scalar_type() == at::kFloat,
               "adam_step: the native kernels keep master params and moments in fp32 only (got ",
               master.scalar_type(), "/", exp_avg.scalar_type(), "/", exp_avg_sq.scalar_type(),
@@ -135,33 +111,33 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   check_flat(grad, exp_avg, "exp_avg");
   check_flat(grad, exp_avg_sq, "exp_avg_sq");
   if (model_out) {
-    TORCH_CHECK(is_float_type(model_out->scalar_type()), "adam_step: model_out must be fp32/bf16/fp16, got ",
+    SHARDAMP_CHECK(is_float_type(model_out->scalar_type()), "adam_step: model_out must be fp32/bf16/fp16, got ",
                 model_out->scalar_type());
     check_flat(grad, *model_out, "model_out");
   }
-  TORCH_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
+  SHARDAMP_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
                   hparams.is_contiguous(),
               "adam_step: hparams must be a contiguous fp64 [G, 5] tensor");
-  TORCH_CHECK(segments.is_contiguous(), "adam_step: segments must be contiguous");
+  SHARDAMP_CHECK(segments.is_contiguous(), "adam_step: segments must be contiguous");
   check_same_device(grad, segments, "segments");
   check_same_device(grad, hparams, "hparams");
   auto check_scalars = [&](const at::Tensor& t, const char* name) {
     check_same_device(grad, t, name);
-    TORCH_CHECK(t.is_contiguous(), "adam_step: ", name, " must be contiguous");
+    SHARDAMP_CHECK(t.is_contiguous(), "adam_step: ", name, " must be contiguous");
     (void)scalar_code(t);  // rejects unsupported dtypes before any kernel runs
   };
   check_scalars(steps, "steps");
   check_scalars(touched, "touched");
   check_scalars(grad_coef, "grad_coef");
   check_scalars(found_inf, "found_inf");
-  TORCH_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, "adam_step: grad_coef and found_inf must hold one element");
-  TORCH_CHECK(touched.numel() == steps.numel(), "adam_step: touched and steps must have one entry per param");
+  SHARDAMP_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, "adam_step: grad_coef and found_inf must hold one element");
+  SHARDAMP_CHECK(touched.numel() == steps.numel(), "adam_step: touched and steps must have one entry per param");
 
   AdamArgs args{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched, grad_coef,
                 found_inf, adam_w_mode, bias_correction};
   // Without a cached table, build one now: correct, but it copies the segments to the host.
   at::Tensor table = chunks ? *chunks : build_chunks(segments, grad.numel(), steps.numel(), hparams.size(0));
-  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 2 && table.is_contiguous(),
+  SHARDAMP_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 2 && table.is_contiguous(),
               "adam_step: chunks must be a contiguous int64 [C, 2] tensor from build_chunks");
   if (grad.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)
@@ -169,15 +145,12 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
     check_same_device(grad, table, "chunks");
     return cuda::adam_step(args, table);
 #else
-    TORCH_CHECK(false, "adam_step: this build of the shardamp kernels has no CUDA support");
+    SHARDAMP_CHECK(false, "adam_step: this build of the shardamp kernels has no CUDA support");
 #endif
   }
-  TORCH_CHECK(grad.is_cpu(), "adam_step: unsupported device ", grad.device());
-  TORCH_CHECK(table.is_cpu(), "adam_step: chunks for CPU tensors must be on the CPU");
-#if defined(SHARDAMP_WITH_AVX2)
-  if (use_avx2()) return cpu::avx2::adam_step(args, table);
-#endif
-  cpu::generic::adam_step(args, table);
+  SHARDAMP_CHECK(grad.is_cpu(), "adam_step: unsupported device ", grad.device());
+  SHARDAMP_CHECK(table.is_cpu(), "adam_step: chunks for CPU tensors must be on the CPU");
+  cpu::adam_step(args, table);
 }
 
 }  // namespace

@@ -7,12 +7,21 @@
 
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 
 #if defined(__CUDACC__)
 #define SHARDAMP_HD __host__ __device__ __forceinline__
 #else
 #define SHARDAMP_HD inline
 #endif
+
+// Argument errors are thrown as std::runtime_error (Python RuntimeError), not c10::Error: on
+// torch 2.11 + g++ 13.3 a c10::Error thrown from a JIT-built extension was seen to crash the
+// interpreter (segfault) instead of raising, while std exceptions translate cleanly.
+#define SHARDAMP_CHECK(cond, ...)                                          \
+  do {                                                                     \
+    if (!(cond)) throw std::runtime_error(c10::str(__VA_ARGS__));          \
+  } while (0)
 
 namespace shardamp {
 
@@ -47,7 +56,7 @@ inline int scalar_code(const at::Tensor& t) {
     case at::kByte: return kU8;
     case at::kInt: return kI32;
     case at::kLong: return kI64;
-    default: TORCH_CHECK(false, "shardamp kernels: unsupported scalar tensor dtype ", t.scalar_type());
+    default: SHARDAMP_CHECK(false, "shardamp kernels: unsupported scalar tensor dtype ", t.scalar_type());
   }
 }
 

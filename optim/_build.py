@@ -4,7 +4,8 @@ Built with ninja on first use and cached in torch's extension directory (``TORCH
 if set); torch's loader holds a file lock while it builds, so concurrent processes (pytest-xdist
 workers, ranks of one job) build once and the others wait and load the result. Two modules:
 ``shardamp_kernels_cpu`` (C++ only, builds without CUDA) and ``shardamp_kernels_cuda`` (the same C++
-plus the CUDA kernels, serving CPU and CUDA tensors alike).
+plus the CUDA kernels, serving CPU and CUDA tensors alike), each with an ``_avx2`` suffix when
+built for AVX2+FMA.
 """
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ def _x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
+def _use_avx2() -> bool:
+    """Whether to build the CPU kernels for AVX2+FMA: x86-64 CPUs that torch itself runs at
+    AVX2 or above, unless SHARDAMP_CPU_CAPABILITY=generic asks for the baseline build."""
+    if not _x86_64() or os.environ.get("SHARDAMP_CPU_CAPABILITY", "").lower() == "generic":
+        return False
+    try:
+        import torch
+
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    except (AttributeError, RuntimeError):
+        return False
+
+
 def load_extension(cuda: bool):
     """The compiled module (``grad_stats``, ``adam_step``, ``build_chunks``) for CPU tensors,
     or for CUDA and CPU tensors when ``cuda`` is true. Raises if the toolchain is missing."""
@@ -55,13 +69,14 @@ def load_extension(cuda: bool):
 
     src = source_dir()
     sources = [src / "binding.cpp", src / "cpu" / "fused_adam_cpu.cpp"]
-    # -O3 and nothing CPU-specific: the module may run on another x86 machine than the one
-    # that built it. A second copy of the CPU kernels is compiled for AVX2+FMA through a target
-    # pragma and picked at run time only where the CPU has them.
+    # -O3 and nothing machine-specific. The one exception is AVX2+FMA (at::vec's 256-bit
+    # Vectorized), and only when this CPU has it: the module is then built under its own name,
+    # so a shared extension cache never hands an AVX2 build to a CPU without AVX2.
     cflags = ["-O3"]
-    if _x86_64():
-        sources.append(src / "cpu" / "fused_adam_cpu_avx2.cpp")
-        cflags.append("-DSHARDAMP_WITH_AVX2")
+    suffix = ""
+    if _use_avx2():
+        cflags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
+        suffix = "_avx2"
     kwargs: Dict[str, Any] = {}
     if cuda:
         sources += sorted((src / "cuda").glob("*.cu"))
@@ -70,7 +85,7 @@ def load_extension(cuda: bool):
         # agree with the reference to fp32 round-off.
         kwargs["extra_cuda_cflags"] = ["-O3", "-lineinfo", *_cuda_gencode()]
     module = load(
-        name="shardamp_kernels_cuda" if cuda else "shardamp_kernels_cpu",
+        name=("shardamp_kernels_cuda" if cuda else "shardamp_kernels_cpu") + suffix,
         sources=[str(s) for s in sources],
         extra_cflags=cflags,
         extra_include_paths=[str(src)],

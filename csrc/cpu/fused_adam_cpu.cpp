@@ -6,12 +6,8 @@
 // size, not the thread count, decides the summation order of grad_stats, so its result is the
 // same bit for bit on 1 or N threads.
 //
-// This translation unit is compiled once per CPU capability (see cpu_dispatch.cpp): the symbols
-// live in a namespace named after SHARDAMP_CPU_CAPABILITY so the builds do not collide.
-
-#ifndef SHARDAMP_CPU_CAPABILITY
-#define SHARDAMP_CPU_CAPABILITY generic
-#endif
+// optim/_build.py compiles this file for baseline x86-64, or with -mavx2 -mfma and at::vec's
+// CPU_CAPABILITY_AVX2 (256-bit Vectorized) into a separately named module where the CPU has them.
 
 #include "../common.h"
 
@@ -25,7 +21,6 @@
 
 namespace shardamp {
 namespace cpu {
-namespace SHARDAMP_CPU_CAPABILITY {
 
 using at::vec::Vectorized;
 using fVec = Vectorized<float>;
@@ -148,7 +143,7 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
     case at::kFloat: return stats_dispatch_norm(grad.data_ptr<float>(), n, norm_type, o);
     case at::kBFloat16: return stats_dispatch_norm(grad.data_ptr<at::BFloat16>(), n, norm_type, o);
     case at::kHalf: return stats_dispatch_norm(grad.data_ptr<at::Half>(), n, norm_type, o);
-    default: TORCH_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
+    default: SHARDAMP_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
   }
 }
 
@@ -224,7 +219,7 @@ void adam_dispatch_out(const AdamArgs& a, const std::vector<Step>& segs, const i
     case at::kFloat: return adam_impl<G, float>(a, segs, chunks, n);
     case at::kBFloat16: return adam_impl<G, at::BFloat16>(a, segs, chunks, n);
     case at::kHalf: return adam_impl<G, at::Half>(a, segs, chunks, n);
-    default: TORCH_CHECK(false, "adam_step: unsupported model_out dtype ", a.model_out->scalar_type());
+    default: SHARDAMP_CHECK(false, "adam_step: unsupported model_out dtype ", a.model_out->scalar_type());
   }
 }
 
@@ -253,10 +248,9 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunk_table) {
     case at::kFloat: return adam_dispatch_out<float>(a, segs, c, n);
     case at::kBFloat16: return adam_dispatch_out<at::BFloat16>(a, segs, c, n);
     case at::kHalf: return adam_dispatch_out<at::Half>(a, segs, c, n);
-    default: TORCH_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
+    default: SHARDAMP_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
   }
 }
 
-}  // namespace SHARDAMP_CPU_CAPABILITY
 }  // namespace cpu
 }  // namespace shardamp

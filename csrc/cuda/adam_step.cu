@@ -19,9 +19,15 @@ namespace shardamp {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kVec = 8;     // elements per vector step
-constexpr int kUnroll = 2;  // vector steps per thread per iteration
+#ifndef SHARDAMP_ADAM_THREADS
+#define SHARDAMP_ADAM_THREADS 256
+#endif
+#ifndef SHARDAMP_ADAM_UNROLL
+#define SHARDAMP_ADAM_UNROLL 2
+#endif
+constexpr int kThreads = SHARDAMP_ADAM_THREADS;
+constexpr int kVec = 8;                        // elements per vector step
+constexpr int kUnroll = SHARDAMP_ADAM_UNROLL;  // vector steps per thread per iteration
 static_assert(kChunk % (kThreads * kVec) == 0, "a chunk is a whole number of block-wide steps");
 
 struct Params {
@@ -134,7 +140,7 @@ void dispatch_out(const Params& P, const c10::optional<at::Tensor>& out, int64_t
     case at::kFloat: return launch<G, float>(P, nchunks);
     case at::kBFloat16: return launch<G, __nv_bfloat16>(P, nchunks);
     case at::kHalf: return launch<G, __half>(P, nchunks);
-    default: TORCH_CHECK(false, "adam_step: unsupported model_out dtype ", out->scalar_type());
+    default: SHARDAMP_CHECK(false, "adam_step: unsupported model_out dtype ", out->scalar_type());
   }
 }
 
@@ -143,7 +149,7 @@ void dispatch_out(const Params& P, const c10::optional<at::Tensor>& out, int64_t
 void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
   const int64_t nchunks = chunks.size(0);
   if (nchunks == 0) return;
-  TORCH_CHECK(nchunks < (int64_t(1) << 31), "adam_step: too many chunks for one launch");
+  SHARDAMP_CHECK(nchunks < (int64_t(1) << 31), "adam_step: too many chunks for one launch");
   const c10::cuda::CUDAGuard guard(a.grad.device());
   Params P;
   P.grad = a.grad.data_ptr();
@@ -170,7 +176,7 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
     case at::kFloat: return dispatch_out<float>(P, a.model_out, nchunks);
     case at::kBFloat16: return dispatch_out<__nv_bfloat16>(P, a.model_out, nchunks);
     case at::kHalf: return dispatch_out<__half>(P, a.model_out, nchunks);
-    default: TORCH_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
+    default: SHARDAMP_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
   }
 }
 

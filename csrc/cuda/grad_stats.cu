@@ -189,7 +189,7 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
     case at::kFloat: return dispatch_norm<float>(grad, out, norm_type);
     case at::kBFloat16: return dispatch_norm<__nv_bfloat16>(grad, out, norm_type);
     case at::kHalf: return dispatch_norm<__half>(grad, out, norm_type);
-    default: TORCH_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
+    default: SHARDAMP_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
   }
 }
 

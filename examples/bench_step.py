@@ -1,0 +1,309 @@
+"""Benchmark: the optimizer step from "grads landed" to "params updated", stats included.
+
+In one run, side by side, over 64 params (256M elements on a GPU, 16M on a CPU):
+
+  shardamp   DistributedFusedAdam at world 1 (a 1-rank process group), timed after grad_sync():
+             fp32: ShardedGradScaler.unscale_ + opt.clip_grad_norm + scaler.step + scaler.update
+             bf16: opt.clip_grad_norm + opt.step (no scaler)
+  torch      what users run instead, on unsharded params:
+             fp32: GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused=True) step + update
+             bf16: clip_grad_norm_ + AdamW(fused=True) on bf16 params
+  kernels    grad_stats + adam_step on raw flat tensors through shardamp.optim.kernels
+  roofline   ideal bytes (fp32: 4 stats + 28 step = 32 B/elem; bf16 grads/params with fp32
+             master/moments: 2 + 2 + 24 + 2 = 30 B/elem) over the device-to-device copy
+             bandwidth measured in the same run (bytes read + written)
+
+Variants are interleaved and each reports the median of --iters timings (CUDA events on a GPU,
+perf_counter on a CPU at --threads threads). Prints a table; writes bench_step.json and, with
+matplotlib, bench_step.png to --out.
+
+    python examples/bench_step.py --device cuda --out out/
+    python examples/bench_step.py --device cpu --out out/
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+NUM_PARAMS = 64
+BYTES_PER_ELEM = {"fp32": 32, "bf16": 30}
+MAX_NORM = 1.0
+
+
+def _sizes(total: int) -> List[int]:
+    """64 params of uneven sizes (not multiples of 16) summing to ``total``."""
+    weights = [1 + (i * 37) % 11 for i in range(NUM_PARAMS)]
+    sizes = [max(1, total * w // sum(weights) - (i % 5)) for i, w in enumerate(weights)]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def time(self, prep: Callable[[], None], body: Callable[[], None]) -> float:
+        """Milliseconds of ``body``, after ``prep`` has fully finished (not timed)."""
+        prep()
+        self.sync()
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            body()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t0 = time.perf_counter()
+        body()
+        return (time.perf_counter() - t0) * 1e3
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, iters: int) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read + written."""
+    nbytes = (2 << 30) if device.type == "cuda" else (256 << 20)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    times = [timer.time(lambda: None, lambda: dst.copy_(src)) for _ in range(iters)]
+    return 2 * nbytes / (statistics.median(times) / 1e3)
+
+
+# ------------------------------------------------------------------------------ variants
+def make_grads(sizes: List[int], dtype: torch.dtype, device: torch.device, seed: int) -> List[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [(torch.randn(n, generator=g) * 1e-2).to(device=device, dtype=dtype) for n in sizes]
+
+
+def torch_variant(kind: str, sizes: List[int], device: torch.device):
+    """torch's own sequence over unsharded params; grads are restored before each timing."""
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(n, device=device).to(dtype)) for n in sizes]
+    saved = make_grads(sizes, dtype, device, seed=1)
+    for p, g in zip(params, saved):
+        p.grad = g.clone()
+    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, fused=True)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0**16) if kind == "fp32" else None
+    grads = [p.grad for p in params]
+
+    if scaler is not None:
+        scaler.scale(torch.ones((), device=device))  # creates the scale tensor, as a forward would
+
+    def prep():
+        torch._foreach_copy_(grads, saved)
+        if scaler is not None:
+            torch._foreach_mul_(grads, scaler.get_scale())  # grads as a scaled backward leaves them
+
+    def body():
+        if scaler is not None:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+    return prep, body
+
+
+def shardamp_variant(kind: str, sizes: List[int], device: torch.device):
+    """DistributedFusedAdam through its public API; each prep runs a backward whose grads
+    are reduce-scattered (world 1) into the optimizer, then grad_sync()."""
+    from shardamp.optim import DistributedFusedAdam
+    from shardamp.scaler import ShardedGradScaler
+
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    params = [torch.nn.Parameter(torch.randn(n, device=device).to(dtype)) for n in sizes]
+    weights = make_grads(sizes, dtype, device, seed=1)  # d(sum(p * w))/dp = w
+    opt = DistributedFusedAdam(params, lr=1e-3, weight_decay=0.01, bucket_cap_mb=256.0)
+    scaler = ShardedGradScaler(device.type, init_scale=2.0**16) if kind == "fp32" else None
+
+    def prep():
+        opt.zero_grad()
+        loss = sum((p * w).sum() for p, w in zip(params, weights))
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        opt.grad_sync()
+
+    def body():
+        if scaler is not None:
+            scaler.unscale_(opt)
+        opt.clip_grad_norm(MAX_NORM)
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+
+    return prep, body
+
+
+def kernels_variant(kind: str, sizes: List[int], device: torch.device):
+    """grad_stats + adam_step on raw flat tensors (no optimizer bookkeeping): the kernels'
+    own cost, the number the roofline is about."""
+    from shardamp.optim import kernels
+    from shardamp.optim.layout import ALIGN, Segment, SegmentTable
+
+    gdtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    segs, start = [], 0
+    for i, n in enumerate(sizes):
+        segs.append(Segment(start, n, i, 0, 0))
+        start = (start + n + ALIGN - 1) // ALIGN * ALIGN
+    numel = start
+    table = SegmentTable.build(segs, device)
+    grad = torch.randn(numel, device=device).mul_(1e-2).to(gdtype)
+    master = torch.randn(numel, device=device)
+    m, v = torch.zeros_like(master), torch.zeros_like(master)
+    model_out = torch.empty(numel, device=device, dtype=torch.bfloat16) if kind == "bf16" else None
+    hparams = torch.tensor([[1e-3, 0.9, 0.999, 1e-8, 0.01]], dtype=torch.float64, device=device)
+    steps = torch.ones(len(sizes), device=device)
+    touched = torch.ones(len(sizes), device=device)
+    coef, found_inf = torch.tensor(0.5, device=device), torch.zeros((), device=device)
+    stats = torch.zeros(2, device=device)
+
+    def body():
+        stats.zero_()
+        kernels.grad_stats(grad, stats, 2.0)
+        kernels.adam_step(grad, master, m, v, model_out, table, hparams, steps, touched, coef, found_inf,
+                          True, True)
+
+    body()  # builds the chunk table (one host copy) outside the timings
+    return (lambda: None), body, kernels.backend(device)
+
+
+# ------------------------------------------------------------------------------ main
+def init_world_one(device: torch.device, tmp: str) -> None:
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{tmp}/pg", rank=0, world_size=1)
+
+
+def run(args) -> Dict:
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    total = args.numel or (256 << 20 if device.type == "cuda" else 16 << 20)
+    sizes = _sizes(total)
+    timer = Timer(device)
+    bw = copy_bandwidth(device, timer, args.iters)
+
+    variants: Dict[str, tuple] = {}
+    errors: Dict[str, str] = {}
+    tmp = tempfile.mkdtemp(prefix="bench_step_")
+    for kind in ("fp32", "bf16"):
+        variants[f"torch {kind}"] = torch_variant(kind, sizes, device)
+        try:
+            init_world_one(device, tmp)
+            variants[f"shardamp {kind}"] = shardamp_variant(kind, sizes, device)
+        except Exception as exc:  # report, keep the other rows
+            errors[f"shardamp {kind}"] = f"{type(exc).__name__}: {exc}"
+        prep, body, backend = kernels_variant(kind, sizes, device)
+        variants[f"kernels {kind} ({backend})"] = (prep, body)
+
+    times: Dict[str, List[float]] = {name: [] for name in variants}
+    for name, (prep, body) in list(variants.items()):  # warm-up: builds, caches, first-step state
+        try:
+            for _ in range(args.warmup):
+                timer.time(prep, body)
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            del variants[name], times[name]
+    for _ in range(args.iters):  # interleaved, so drift (clocks, heat) hits every variant alike
+        for name, (prep, body) in variants.items():
+            times[name].append(timer.time(prep, body))
+
+    # The kernels' throughput with launches queued back to back (no host gap before each call):
+    # the per-iteration timings above also pay the launch latency of an idle GPU.
+    back_to_back = {}
+    for name, (prep, body) in variants.items():
+        if name.startswith("kernels"):
+            reps = 10
+            back_to_back[name] = timer.time(prep, lambda: [body() for _ in range(reps)]) / reps
+
+    rows = []
+    for name, ts in times.items():
+        kind = "fp32" if "fp32" in name else "bf16"
+        ideal_ms = BYTES_PER_ELEM[kind] * total / bw * 1e3
+        rows.append(dict(name=name, kind=kind, median_ms=statistics.median(ts), min_ms=min(ts),
+                         roofline_ms=ideal_ms, fraction_of_roofline=ideal_ms / statistics.median(ts)))
+    for kind in ("fp32", "bf16"):
+        rows.append(dict(name=f"roofline {kind}", kind=kind, median_ms=BYTES_PER_ELEM[kind] * total / bw * 1e3,
+                         min_ms=None, roofline_ms=BYTES_PER_ELEM[kind] * total / bw * 1e3, fraction_of_roofline=1.0))
+    return dict(device=str(device), device_name=_device_name(device), numel=total, num_params=NUM_PARAMS,
+                threads=args.threads if device.type == "cpu" else None, iters=args.iters,
+                copy_bandwidth_GBps=bw / 1e9, torch=torch.__version__, rows=rows, errors=errors,
+                kernels_back_to_back_ms=back_to_back)
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return os.uname().machine
+
+
+def report(result: Dict, out: Path) -> None:
+    print(f"\n{result['device_name']}: {result['numel'] / 2**20:.0f}M elements in {result['num_params']} params, "
+          f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s, median of {result['iters']}")
+    print(f"{'variant':<26}{'median ms':>11}{'min ms':>10}{'vs torch':>10}{'of roofline':>13}")
+    medians = {r["name"]: r["median_ms"] for r in result["rows"]}
+    for r in result["rows"]:
+        ref = medians.get(f"torch {r['kind']}")
+        speedup = f"{ref / r['median_ms']:.2f}x" if ref else "-"
+        mn = f"{r['min_ms']:.3f}" if r["min_ms"] is not None else "-"
+        print(f"{r['name']:<26}{r['median_ms']:>11.3f}{mn:>10}{speedup:>10}{100 * r['fraction_of_roofline']:>12.1f}%")
+    for name, ms in result["kernels_back_to_back_ms"].items():
+        print(f"{name}, launched back to back: {ms:.3f} ms per call")
+    for name, err in result["errors"].items():
+        print(f"{name}: FAILED ({err})")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_step.json").write_text(json.dumps(result, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: skipping bench_step.png")
+        return
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = [r["name"] for r in result["rows"]]
+    ax.barh(names, [r["median_ms"] for r in result["rows"]],
+            color=["tab:gray" if n.startswith("roofline") else "tab:blue" if n.startswith("shardamp")
+                   else "tab:green" if n.startswith("kernels") else "tab:orange" for n in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (median)")
+    ax.set_title(f"{result['device_name']}: {result['numel'] / 2**20:.0f}M params, stats + step")
+    fig.tight_layout()
+    fig.savefig(out / "bench_step.png", dpi=120)
+    print(f"wrote {out / 'bench_step.json'} and {out / 'bench_step.png'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--numel", type=int, default=0, help="total elements (default 256M GPU, 16M CPU)")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
+    args = parser.parse_args()
+    result = run(args)
+    report(result, args.out)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
