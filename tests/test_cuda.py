@@ -1,6 +1,6 @@
-"""The parity tests and the AMP loops on a GPU: NCCL at world 1, CUDA tensors, native CUDA
-kernels, and no host sync in unscale_/clip/step/update (loops A, B, C, D, G). Skipped without a
-GPU; run on a GPU machine with ``python -m pytest -q tests/test_cuda.py``."""
+"""The parity tests and the AMP loops on GPUs: NCCL at world 1 (and world 2 where two GPUs are
+visible), CUDA tensors, native CUDA kernels, and no host sync in unscale_/clip/step/update (loops
+A, B, C, D, G). Skipped without a GPU; run with ``python -m pytest -q tests/test_cuda.py``."""
 from __future__ import annotations
 
 import functools
@@ -35,21 +35,28 @@ def _cases(rank, world):
     return out
 
 
+# world 1 on any GPU machine; NCCL world 2 where two GPUs are visible (one GPU per rank)
+WORLDS = [1, 2] if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else [1]
+
+
 @functools.lru_cache(maxsize=None)
-def _results():
-    return run_distributed(_cases, 1, backend="nccl")
+def _results(world: int):
+    return run_distributed(_cases, world, backend="nccl")
 
 
-def test_native_cuda_kernels_are_used() -> None:
-    status, backend = _results()[0]["backend"]
+@pytest.mark.parametrize("world", WORLDS)
+def test_native_cuda_kernels_are_used(world: int) -> None:
+    status, backend = _results(world)[0]["backend"]
     assert backend == "native"
 
 
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", cases_core.CASES)
-def test_core_parity_cuda(case: str) -> None:
-    check_parity_case(_results(), case)
+def test_core_parity_cuda(world: int, case: str) -> None:
+    check_parity_case(_results(world), case)
 
 
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", [c for c in cases_scaler.CASES if c.startswith("case_loop_")])
-def test_amp_loops_cuda(case: str) -> None:
-    check_loop_case(_results(), case)
+def test_amp_loops_cuda(world: int, case: str) -> None:
+    check_loop_case(_results(world), case)
