@@ -18,7 +18,15 @@ if ! python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/instal
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c 'import torch; from shardamp.optim import kernels; print("cuda kernels:", kernels.backend(torch.device("cuda")))' 2>&1 | tail -5 | tee -a "$OUT/env.log"
-timeout 420 python3 -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py tests/test_cuda_graph.py 2>&1 | tail -40 | tee "$OUT/tests.log" || status=1
-timeout 240 python3 examples/bench_step.py --device cuda --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
-timeout 120 python3 examples/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
+# PARTS picks what runs (default all): tests, bench, overlap
+PARTS="${PARTS:-tests bench overlap}"
+if [[ " $PARTS " == *" tests "* ]]; then
+  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py tests/test_cuda_graph.py 2>&1 | tail -60 | tee "$OUT/tests.log" || status=1
+fi
+if [[ " $PARTS " == *" bench "* ]]; then
+  timeout 200 python3 examples/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
+fi
+if [[ " $PARTS " == *" overlap "* ]]; then
+  timeout 120 python3 examples/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
+fi
 exit $status
