@@ -105,8 +105,8 @@ def memory_lines(
         line,
         "  measured after the last step, before zero_grad: optimizer-owned tensors + grads, "
         "model weights excluded (AdamW: 2 fp32 moments + the fp32 grad per param)",
-        f"  peak right after backward, while bucket buffers (bucket_cap_mb={bucket_cap_mb:g}) await their "
-        f"reduce-scatter: {per(max(ours_peak))} ({mb(max(ours_peak))})",
+        f"  peak right after backward, with the full-size bucket buffers (bucket_cap_mb={bucket_cap_mb:g}) "
+        f"still held by their reduce-scatters: {per(max(ours_peak))} ({mb(max(ours_peak))})",
     ]
     if max(ours) > 1.01 * min(ours):  # shards are padded to equal sizes, so this is rare
         lines.append("  by rank: " + ", ".join(per(b) for b in ours))

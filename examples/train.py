@@ -18,6 +18,9 @@ the parameters must agree within rtol 1e-5 / atol 1e-6, or the exit code is 1.
     python examples/train.py --world-size 4 --steps 100
     torchrun --nproc-per-node 8 examples/train.py --device cuda --precision bf16
     python examples/train.py --device cuda --precision fp16    # one rank per visible GPU
+
+The first run builds shardamp's fused kernels just in time (about a minute on a CPU); later runs
+load them from torch's extension cache.
 """
 from __future__ import annotations
 
