@@ -26,6 +26,9 @@ from .buffers import BucketBuffers, param_view
 from .layout import Bucket, ParamSlot
 
 
+MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
+
+
 class GradSync:
     def __init__(
         self,
@@ -179,15 +182,20 @@ class GradSync:
         work = _compat.reduce_scatter(out, full, self.group, async_op=True)
         landed = self.side is not None
         if landed:
-            self._land_on_side_stream(b, work, out, accumulate)
-        self.pending.append((b, work, full, out, accumulate, landed))
+            self._land_on_side_stream(b, work, out, accumulate, None if self.keep_buffers else full)
+            self.pending.append((b, work, None, None, accumulate, True))
+        else:
+            self.pending.append((b, work, full, out, accumulate, False))
+            self._retire(MAX_IN_FLIGHT)
         if self.keep_buffers:
             self.dirty[b] = True  # holds this round's grads until the next round overwrites them
         else:
             self.full[b] = None  # freed once the reduction has been waited for
         self.shard_valid[b] = True
 
-    def _land_on_side_stream(self, b: int, work, out: Optional[Tensor], accumulate: bool) -> None:
+    def _land_on_side_stream(
+        self, b: int, work, out: Optional[Tensor], accumulate: bool, full: Optional[Tensor] = None
+    ) -> None:
         """Queue, on the side stream: wait for bucket ``b``'s reduction, accumulate it, and
         compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
         self.side.wait_stream(torch.cuda.current_stream())
@@ -199,6 +207,11 @@ class GradSync:
                 shard.add_(out)
             self.partials[b].zero_()
             kernels.grad_stats(shard, self.partials[b], 2.0)
+        for t in (full, out):
+            if t is not None:
+                # freed by the caller right away: the allocator reuses the memory only once the
+                # side stream (which waited for the collective) has passed this point
+                t.record_stream(self.side)
         self.partial_valid[b] = True
         if work is None:
             self.pending.append((b, None, None, None, False, True))
@@ -223,13 +236,19 @@ class GradSync:
             self._finish_round()
         self.wait()
 
-    def wait(self) -> None:
-        for b, work, _full, out, accumulate, landed in self.pending:
-            if landed:
-                continue  # queued on the side stream already
+    def _retire(self, keep: int) -> None:
+        """Wait (on the host: CPU/gloo) for the oldest reductions until at most ``keep`` hold a
+        full-size buffer, so backward keeps O(bucket_cap_mb) of unreduced grads, not the model's."""
+        held = [i for i, entry in enumerate(self.pending) if not entry[5]]
+        for i in held[: max(len(held) - keep, 0)]:
+            b, work, _full, out, accumulate, _ = self.pending[i]
             work.wait()
             if accumulate:
                 self.buffers[b].grad_shard.add_(out)
+            self.pending[i] = (b, None, None, None, False, True)
+
+    def wait(self) -> None:
+        self._retire(0)
         if self.side is not None and self.pending:
             # join: the compute stream resumes after every landing; only then may the
             # buffers the side stream read be freed (they are dropped with ``pending``)

@@ -71,4 +71,21 @@ def case_no_overlap(rank, world, **kw):
     return train(rank, world, **kw, opt_kwargs=dict(overlap_grad_sync=False, overlap_param_sync=True, bucket_cap_mb=TINY))
 
 
+
+
+def case_grad_memory_bounded(rank, world, **kw):
+    """ZeRO-2 memory: after backward, at most MAX_IN_FLIGHT full-size bucket buffers are alive
+    (not one per bucket, which would be a whole unsharded grad copy)."""
+    from shardamp.optim import DistributedFusedAdam
+    from shardamp.optim.grad_sync import MAX_IN_FLIGHT
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])
+    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.005)
+    model(torch.randn(4, 32)).sum().backward()
+    gs = opt._grad_sync
+    held = sum(1 for entry in gs.pending if entry[2] is not None) + sum(f is not None for f in gs.full)
+    return {"buckets": len(opt._buckets), "held": held, "limit": MAX_IN_FLIGHT if world > 1 else len(opt._buckets)}
+
+
 CASES = [name for name in dir() if name.startswith("case_")]

@@ -11,6 +11,7 @@ from dist_helper import run_cases, run_distributed
 from parity import ATOL, RTOL
 
 WORLDS = [1, 2, 3, 4]
+PARITY_CASES = [c for c in cases_core.CASES if c != "case_grad_memory_bounded"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -19,7 +20,16 @@ def _results(world: int):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", cases_core.CASES)
+def test_grad_buffers_bounded_during_backward(world: int) -> None:
+    for rank, results in enumerate(_results(world)):
+        status, value = results["case_grad_memory_bounded"]
+        assert status == "ok", f"rank {rank}: {value}"
+        assert value["buckets"] >= 6
+        assert value["held"] <= value["limit"], value
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", PARITY_CASES)
 def test_parity_with_torch_adamw(world: int, case: str) -> None:
     check_parity_case(_results(world), case)
 
