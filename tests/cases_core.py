@@ -79,10 +79,11 @@ def case_grad_memory_bounded(rank, world, **kw):
     from shardamp.optim import DistributedFusedAdam
     from shardamp.optim.grad_sync import MAX_IN_FLIGHT
 
+    device = kw.get("device", "cpu")
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)])
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(8)]).to(device)
     opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.005)
-    model(torch.randn(4, 32)).sum().backward()
+    model(torch.randn(4, 32, device=device)).sum().backward()
     gs = opt._grad_sync
     held = sum(1 for entry in gs.pending if entry[2] is not None) + sum(f is not None for f in gs.full)
     return {"buckets": len(opt._buckets), "held": held, "limit": MAX_IN_FLIGHT if world > 1 else len(opt._buckets)}

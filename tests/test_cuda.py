@@ -51,6 +51,14 @@ def test_native_cuda_kernels_are_used(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_grad_buffers_bounded_cuda(world: int) -> None:
+    for results in _results(world):
+        status, value = results["case_grad_memory_bounded"]
+        assert status == "ok", value
+        assert value["held"] <= value["limit"], value
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", [c for c in cases_core.CASES if c != "case_grad_memory_bounded"])
 def test_core_parity_cuda(world: int, case: str) -> None:
     check_parity_case(_results(world), case)
