@@ -88,3 +88,15 @@ def run_cases(rank: int, world_size: int, module: str, names: List[str], kwargs:
             out[name] = ("error", traceback.format_exc())
             break  # a case that failed half-way may leave the ranks' collectives out of step
     return out
+
+
+def case_values(per_rank: List[Dict[str, Any]], case: str) -> List[Any]:
+    """Every rank's value for ``case`` from ``run_cases`` results; fails naming the rank whose
+    case (or an earlier one) raised."""
+    values = []
+    for rank, results in enumerate(per_rank):
+        assert case in results, f"rank {rank}: an earlier case failed: {results}"
+        status, value = results[case]
+        assert status == "ok", f"rank {rank}: {value}"
+        values.append(value)
+    return values

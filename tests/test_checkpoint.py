@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import cases_checkpoint as cc
-from dist_helper import run_distributed
+from dist_helper import case_values, run_distributed
 from parity import ATOL, RTOL, two_groups
 from shardamp.optim.checkpoint import load_sharded
 
@@ -26,14 +26,7 @@ def _close(ours, ref, what: str = "") -> None:
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} param {i}: {m}")
 
 
-def _ok(per_rank, case: str):
-    out = []
-    for rank, results in enumerate(per_rank):
-        assert case in results, f"rank {rank}: an earlier case failed: {results}"
-        status, value = results[case]
-        assert status == "ok", f"rank {rank}: {value}"
-        out.append(value)
-    return out
+_ok = case_values
 
 
 @functools.lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ import torch
 
 import cases_scaler
 from amp_loops import INF_STEP, MAX_NORM
-from dist_helper import run_cases, run_distributed
+from dist_helper import case_values, run_cases, run_distributed
 from parity import ATOL, RTOL
 
 WORLDS = [2, 3]
@@ -23,17 +23,7 @@ def _results(world: int):
 
 
 def _case(world: int, case: str):
-    return _values(_results(world), case)
-
-
-def _values(per_rank, case: str):
-    values = []
-    for rank, results in enumerate(per_rank):
-        assert case in results, f"rank {rank}: an earlier case failed: {results}"
-        status, value = results[case]
-        assert status == "ok", f"rank {rank}: {value}"
-        values.append(value)
-    return values
+    return case_values(_results(world), case)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -46,7 +36,7 @@ def check_loop_case(per_rank, case: str) -> None:
     """Same params as torch's loop every step, same scale and skipped steps on every rank,
     norms equal torch's, and the warnings each loop must (not) give."""
     loop = case[len("case_loop_"):].replace("D_no_scaler", "D0")
-    values = _values(per_rank, case)
+    values = case_values(per_rank, case)
     v0 = values[0]
     clipped = False
     for step in range(len(v0["ours"])):
