@@ -7,7 +7,8 @@ Per bucket, on every rank:
     dtype (the one case that needs a cast pass after the all-gather);
   * ``grad_shard``: this rank's reduced grads (``grad_sync_dtype``);
   * ``master``, ``exp_avg``, ``exp_avg_sq``: this rank's shard in the state dtype. When the model
-    dtype equals the state dtype, ``master`` IS this rank's slice of ``params``: no copy exists.
+    dtype equals the state dtype (and no lower-precision all-gather rounds the params),
+    ``master`` IS this rank's slice of ``params``: no copy exists.
 The full-size grad buffer a bucket fills during backward is managed by ``grad_sync.py``.
 """
 from __future__ import annotations
@@ -74,20 +75,27 @@ def allocate(
         params=flat,
         sync=sync,
         grad_shard=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
-        master=flat[shard] if state_dtype == bucket.dtype else torch.empty(0),  # filled by init_master
+        master=flat[shard] if _master_is_param(bucket.dtype, state_dtype, sync) else torch.empty(0),  # init_master
         exp_avg=torch.zeros(n, dtype=state_dtype, device=dev),
         exp_avg_sq=torch.zeros(n, dtype=state_dtype, device=dev),
         shard=shard,
     )
 
 
+def _master_is_param(param_dtype: torch.dtype, state_dtype: torch.dtype, sync: Optional[Tensor]) -> bool:
+    """The master shard can BE this rank's slice of the param buffer only when nothing else is
+    written there: same dtype, and no lower-precision all-gather whose rounded values every
+    rank (this one too) must see, so that all ranks hold the same model."""
+    return state_dtype == param_dtype and sync is None
+
+
 def init_master(buffers: BucketBuffers, state_dtype: torch.dtype) -> None:
     """(Re)create the master shard from the (broadcast) model params."""
     local = buffers.params[buffers.shard]
-    if state_dtype == buffers.params.dtype:
+    if _master_is_param(buffers.params.dtype, state_dtype, buffers.sync):
         buffers.master = local
     else:
-        buffers.master = local.to(state_dtype)
+        buffers.master = local.to(state_dtype, copy=True)  # never an alias of the params
     if buffers.sync is not None:
         buffers.sync.copy_(buffers.params)
 

@@ -65,12 +65,9 @@ class ParamSync:
         work.wait()
         buf = self.buffers[i]
         if buf.sync is not None:
-            # the cast pass; this rank's own slice is left alone: it may be the fp32 master
-            lo, hi = buf.shard.start, buf.shard.stop
-            buf.params[:lo].copy_(buf.sync[:lo])
-            buf.params[hi:].copy_(buf.sync[hi:])
-            if buf.master.data_ptr() != buf.params[buf.shard].data_ptr():
-                buf.params[buf.shard].copy_(buf.master)
+            # the cast pass: every rank, this one too, holds the same rounded model (the
+            # master is a separate tensor whenever a sync buffer exists)
+            buf.params.copy_(buf.sync)
 
     def wait(self) -> None:
         for i in sorted(self.pending):

@@ -131,8 +131,10 @@ def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
 
 # ====================================================================== shared helpers
 def has_master(opt: Any, model_dtype: torch.dtype) -> bool:
-    """A separate master copy exists (and is saved) where the model dtype is not the state dtype."""
-    return model_dtype != opt.dtype
+    """A separate master copy exists (and is saved) where the model dtype is not the state
+    dtype, or where a lower-precision param all-gather rounds the model (buffers.py)."""
+    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt.world_size > 1
+    return model_dtype != opt.dtype or rounded_sync
 
 
 def slots_by_index(opt: Any) -> List[ParamSlot]:

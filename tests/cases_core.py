@@ -63,6 +63,16 @@ def case_bf16_params(rank, world, **kw):
     return train(rank, world, **kw, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
 
 
+def case_param_sync_bf16(rank, world, **kw):
+    # fp32 params all-gathered in bf16: other ranks' shards arrive rounded, the masters stay exact
+    return train(rank, world, **kw, shadow_ref=True, opt_kwargs=dict(param_sync_dtype=torch.bfloat16))
+
+
+def case_sub_process_groups(rank, world, **kw):
+    # two independent optimizers, each sharded over its own half of the ranks
+    return train(rank, world, **kw, subgroups=2 if world % 2 == 0 else 1, opt_kwargs=dict(bucket_cap_mb=TINY))
+
+
 def case_sum_grads(rank, world, **kw):
     return train(rank, world, **kw, sum_grads=True, opt_kwargs=dict(average_grad_sync=False, lr=1e-3))
 

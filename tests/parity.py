@@ -125,9 +125,27 @@ def train(
     channels_last: bool = False,
     sum_grads: bool = False,
     device: str = "cpu",
+    subgroups: int = 1,
+    shadow_ref: bool = False,
 ) -> Dict[str, Any]:
-    """Run both trainings; return {"ours": [...], "ref": [...]} (fp32 CPU tensors, by param)."""
+    """Run both trainings; return {"ours": [...], "ref": [...]} (fp32 CPU tensors, by param).
+
+    ``subgroups=k`` splits the ranks into k contiguous process groups, each sharding its own
+    optimizer (its reference sees only its group's batches). ``shadow_ref`` feeds the reference
+    the grads the sharded model itself produced (for low-precision params or param all-gathers)
+    and compares the fp32 masters.
+    """
     opt_kwargs = dict(opt_kwargs or {})
+    ranks = list(range(world))
+    if subgroups > 1:
+        import torch.distributed as dist
+
+        size = world // subgroups
+        for g in range(subgroups):  # every rank creates every group, in the same order
+            members = list(range(g * size, (g + 1) * size))
+            group = dist.new_group(members)
+            if rank in members:
+                opt_kwargs["process_group"], ranks = group, members
     adam_w = opt_kwargs.get("adam_w_mode", True)
     torch.manual_seed(0)
     model = {"conv": ConvNet, "conv3d": Conv3dNet, "tied": TiedNet}.get(kind, MLP)()
@@ -146,15 +164,15 @@ def train(
     opt = DistributedFusedAdam(params, **opt_kwargs)
     ref_cls = torch.optim.AdamW if adam_w else torch.optim.Adam
     ref_defaults = dict(defaults)
-    if not adam_w and "weight_decay" not in ref_defaults:
-        ref_defaults["weight_decay"] = 0.0
+    ref_defaults.setdefault("weight_decay", 0.0)  # torch.optim.AdamW's default is 0.01, ours 0.0
     ropt = ref_cls(ref_params, **ref_defaults)
     if channels_last:
         for p in model.parameters():
             if p.dim() in (4, 5):
                 assert p.is_contiguous(memory_format=fmt) and not p.is_contiguous(), "layout lost"
     loss_fn = nn.MSELoss()
-    denom = 1.0 if sum_grads else float(world)
+    denom = 1.0 if sum_grads else float(len(ranks))
+    shadow = shadow_ref or param_dtype != torch.float32
     for step in range(steps):
         if lr_schedule is not None:
             for o in (opt, ropt):
@@ -165,15 +183,15 @@ def train(
         # one process, the union of all ranks' batches, grads averaged like ours
         for m in range(micro_batches):
             total = 0.0
-            for r in range(world):
+            for r in ranks:
                 x, y = data[m][r]
-                if param_dtype != torch.float32:
+                if shadow:
                     # fed the same low-precision grads: run a low-precision copy, take its grads
                     total = None
                     break
                 total = total + loss_fn(ref(x, skip=skip(step, r)), y)
             if total is None:
-                _bf16_reference_grads(ref, model, data[m], skip, step, world, loss_fn, param_dtype, denom)
+                _bf16_reference_grads(ref, model, data[m], skip, step, ranks, loss_fn, param_dtype, denom)
             else:
                 (total / denom).backward()
         for m in range(micro_batches):
@@ -189,9 +207,10 @@ def train(
         ropt.zero_grad()
     opt.param_sync()  # params are read outside any forward: wait for a pending all-gather
     ours = [p.detach().float().cpu().clone() for p in model.parameters()]
-    if param_dtype != torch.float32:
+    if shadow:
         ours = [t.cpu() for t in _masters(opt)]
     return {
+        "group_ranks": ranks,
         "ours": ours,
         "ref": [p.detach().float().cpu().clone() for p in ref.parameters()],
         "model_dtype": [p.dtype for p in model.parameters()],
@@ -230,11 +249,11 @@ def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
     return out
 
 
-def _bf16_reference_grads(ref, model, data, skip, step, world, loss_fn, dtype, denom) -> None:
+def _bf16_reference_grads(ref, model, data, skip, step, ranks, loss_fn, dtype, denom) -> None:
     """Give the fp32 reference the grads that a low-precision copy of the CURRENT sharded model
     produces on each rank's batch (what the sharded run reduced), summed in fp32."""
     grads = [torch.zeros_like(p) for p in ref.parameters()]
-    for r in range(world):
+    for r in ranks:
         shadow = type(model)().to(device=model.head.weight.device, dtype=dtype)
         shadow.load_state_dict(model.state_dict())
         x, y = data[r]

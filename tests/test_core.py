@@ -45,7 +45,9 @@ def check_parity_case(per_rank, case: str) -> None:
                 torch.testing.assert_close(p, master.to(p.dtype), rtol=0, atol=0)
         if case.startswith("case_channels_last"):
             assert value["channels_last"] and all(value["channels_last"])
-    # every rank ends with the same model
-    for other in per_rank[1:]:
-        for a, b in zip(per_rank[0][case][1]["model"], other[case][1]["model"]):
-            assert torch.equal(a, b)
+    # every rank of a process group ends with the same model
+    values = case_values(per_rank, case)
+    for rank, value in enumerate(values):
+        first = values[value["group_ranks"][0]]
+        for a, b in zip(first["model"], value["model"]):
+            assert torch.equal(a, b), f"rank {rank} holds another model than rank {value['group_ranks'][0]}"
