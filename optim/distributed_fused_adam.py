@@ -170,6 +170,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._hparams = torch.zeros(len(self.param_groups), 5, dtype=torch.float64, device=self._device)
         self._hparams_host: Optional[List[Tuple]] = None
         self._touched_patterns = TouchedPatterns(self._device)
+        self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._warned_unscaled_by_torch = False
         self._reset_round()
         self._last_norms: Dict[float, Tensor] = {}
@@ -337,7 +338,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
         if self._inv_scale is not None:
             raise RuntimeError("unscale_grads() has already been called since the last step()")
-        inv = inv_scale.detach().reshape(()).to(device=self._device, dtype=torch.float32)
+        inv = inv_scale.detach()
+        if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
+            inv = inv.reshape(()).to(device=self._device, dtype=torch.float32)
         stats = self._ensure_stats(self._first_norm_type())
         for norm in self._norms.values():
             norm.mul_(inv)  # norms handed out before unscaling become the true norms
@@ -389,9 +392,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         state["found_inf_per_device"] = {scale_device: found_inf.to(scale_device)}
 
     def _grad_coef(self) -> Tensor:
-        coef = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
+        coef = self._avg_tensor
         if self._inv_scale is not None:
-            coef = coef * self._inv_scale
+            coef = self._inv_scale if self._avg_factor == 1.0 else self._inv_scale * self._avg_factor
         clip = None
         for max_norm, norm in self._clips:  # clipping twice clips the already-clipped grads
             c = grad_stats.clip_coef(max_norm, norm if clip is None else norm * clip)
@@ -425,7 +428,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._clips.append((self.max_grad_norm, self.grad_norm(2.0)))
         coef = self._grad_coef()
         found_inf = stats.found_inf
-        self._steps.add_(stats.touched * (1.0 - found_inf))
+        self._steps.addcmul_(stats.touched, 1.0 - found_inf)
         for bucket, buf in zip(self._buckets, self._buffers):
             kernels.adam_step(
                 buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(self.world_size),

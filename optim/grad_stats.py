@@ -47,10 +47,17 @@ def local_stats(shards: Sequence[Tensor], norm_type: float, out: Tensor) -> None
 
 def finish(stats: Tensor, norm_type: float) -> GradStats:
     """Turn the all-reduced ``stats`` into a :class:`GradStats`."""
+    # Few, in-place ops: on a GPU each is a launch the host pays for before the step kernel.
     partial = stats[0]
-    raw = partial if math.isinf(norm_type) else partial.pow(1.0 / norm_type)
-    found_inf = ((stats[1] > 0) | ~torch.isfinite(partial)).float()
-    touched = (stats[HEADER:] > 0).float()
+    if math.isinf(norm_type):
+        raw = partial
+    elif norm_type == 2.0:
+        raw = partial.sqrt()
+    else:
+        raw = partial.pow(1.0 / norm_type)
+    # flag + 0 * partial is NaN when the partial is inf/NaN, so "!= 0" covers both causes
+    found_inf = torch.add(stats[1], partial, alpha=0.0).ne_(0.0)
+    touched = stats[HEADER:].clamp_(max=1.0)  # SUM-reduced counts (or MAX-reduced flags) -> 0/1
     return GradStats(norm_type, raw, found_inf, touched)
 
 

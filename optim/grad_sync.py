@@ -221,8 +221,7 @@ class GradSync:
         partial is current (then return True); the caller computes them itself otherwise."""
         if self.side is None or not all(self.partial_valid):
             return False
-        out[0] = self.partials[:, 0].sum()
-        out[1] = self.partials[:, 1].amax()
+        torch.sum(self.partials, dim=0, out=out[:2])  # a sum of 0/1 flags is still "any" (> 0)
         return True
 
     # ---------------------------------------------------------------- explicit sync

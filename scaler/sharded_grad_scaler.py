@@ -115,7 +115,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             for state in self._per_optimizer_states.values()
             for f in state["found_inf_per_device"].values()
         ]
-        if found_infs:
+        if len(found_infs) == 1:
+            self._last_found_inf = found_infs[0] > 0
+        elif found_infs:
             self._last_found_inf = torch.stack(found_infs).sum() > 0
         if new_scale is not None or self.hysteresis == 1:
             super().update(new_scale)
