@@ -72,4 +72,41 @@ def case_one_all_reduce(rank, world, **kw):
     return {"counts": counts, "n_params": len(list(model.parameters()))}
 
 
+
+
+def case_norm_types(rank, world, device="cpu", **kw):
+    """grad_norm for p = 1, 3 and inf (MAX all-reduce) against torch's clip_grad_norm_ on the
+    unsharded grads, and clipping by the inf-norm matches torch's."""
+    import copy
+
+    import torch.nn as nn
+
+    from parity import two_groups
+
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)
+    ropt = torch.optim.AdamW(two_groups(ref))
+    out = {"ours": [], "ref": []}
+    for step in range(3):
+        data = batches(step, world, device=device)
+        total = sum(nn.functional.mse_loss(ref(x), y) for x, y in data) / world
+        total.backward()
+        ref_norms = [float(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()], p)) for p in (1.0, 3.0)]
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05, norm_type="inf")))
+        ropt.step()
+        ropt.zero_grad()
+        x, y = data[rank]
+        nn.functional.mse_loss(model(x), y).backward()
+        ours = [float(opt.grad_norm(1.0)), float(opt.grad_norm(3.0)), float(opt.clip_grad_norm(0.05, norm_type=float("inf")))]
+        opt.step()
+        opt.zero_grad()
+        out["ours"].append(ours)
+        out["ref"].append(ref_norms)
+    out["params"] = [p.detach().cpu() for p in model.parameters()]
+    out["ref_params"] = [p.detach().cpu() for p in ref.parameters()]
+    return out
+
+
 CASES = [name for name in dir() if name.startswith("case_")]

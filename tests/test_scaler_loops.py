@@ -74,3 +74,13 @@ def test_one_all_reduce_per_step(world: int) -> None:
         for calls in value["counts"]:
             assert len(calls) == 1, calls
             assert calls[0] == 2 + value["n_params"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_norm_types_and_inf_norm_clipping(world: int) -> None:
+    for value in _case(world, "case_norm_types"):
+        for ours, ref in zip(value["ours"], value["ref"]):
+            for a, b in zip(ours, ref):
+                assert a == pytest.approx(b, rel=1e-4)
+        for a, b in zip(value["params"], value["ref_params"]):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)

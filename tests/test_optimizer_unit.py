@@ -1,0 +1,119 @@
+"""DistributedFusedAdam in one process (no process group: world 1) against torch.optim.AdamW:
+the torch.optim behaviours a drop-in must keep."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardamp.optim import DistributedFusedAdam
+
+
+def _pair(**kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    ref = copy.deepcopy(model)
+    kw.setdefault("weight_decay", 0.02)
+    torch_kw = {k: v for k, v in kw.items() if k != "max_grad_norm"}
+    return (model, DistributedFusedAdam(model.parameters(), lr=0.01, **kw),
+            ref, torch.optim.AdamW(ref.parameters(), lr=0.01, **torch_kw))
+
+
+def _close(model, ref):
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _loss(m, step):
+    g = torch.Generator().manual_seed(step)
+    return nn.functional.mse_loss(m(torch.randn(5, 6, generator=g)), torch.randn(5, 3, generator=g))
+
+
+def test_zero_grad_set_to_none_false_keeps_updating_like_torch() -> None:
+    model, opt, ref, ropt = _pair()
+    for m, o in ((model, opt), (ref, ropt)):
+        _loss(m, 0).backward()
+        o.step()
+        o.zero_grad(set_to_none=False)
+        o.step()  # zero grads: weight decay and momentum still move the params
+        o.step()
+    _close(model, ref)
+    assert not torch.equal(model[0].weight, _pair()[0][0].weight)
+
+
+def test_step_twice_without_new_grads_reapplies_them_like_torch() -> None:
+    model, opt, ref, ropt = _pair()
+    for m, o in ((model, opt), (ref, ropt)):
+        _loss(m, 1).backward()
+        o.step()
+        o.step()
+    _close(model, ref)
+
+
+def test_accumulation_without_no_sync_like_torch() -> None:
+    model, opt, ref, ropt = _pair()
+    for m, o in ((model, opt), (ref, ropt)):
+        for step in range(3):
+            _loss(m, 10 + step).backward()
+            _loss(m, 20 + step).backward()  # two backwards, one step: grads add up
+            o.step()
+            o.zero_grad()
+    _close(model, ref)
+
+
+def test_closure_like_torch() -> None:
+    model, opt, ref, ropt = _pair()
+    for m, o in ((model, opt), (ref, ropt)):
+        for step in range(3):
+            def closure(m=m, o=o, step=step):
+                o.zero_grad()
+                loss = _loss(m, step)
+                loss.backward()
+                return loss
+
+            loss = o.step(closure)
+            assert isinstance(loss, torch.Tensor) and loss.dim() == 0  # step returns the closure's loss
+    _close(model, ref)
+
+
+def test_grad_norm_after_step_is_that_steps_norm() -> None:
+    model, opt, ref, _ = _pair(max_grad_norm=0.1)
+    _loss(model, 3).backward()
+    _loss(ref, 3).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])
+    opt.step()
+    assert float(opt.grad_norm()) == pytest.approx(float(expected), rel=1e-5)
+    _loss(model, 4).backward()  # new grads: the cache is dropped
+    assert float(opt.grad_norm()) != pytest.approx(float(expected), rel=1e-5)
+
+
+def test_non_finite_grads_skip_without_a_scaler() -> None:
+    model, opt, _, _ = _pair()
+    before = [p.detach().clone() for p in model.parameters()]
+    (_loss(model, 5) * float("nan")).backward()
+    opt.step()
+    for a, b in zip(before, model.parameters()):
+        assert torch.equal(a, b)
+    assert torch.all(opt._steps == 0)  # the per-param step counts did not advance
+
+
+def test_lr_tensor_and_param_group_edits_take_effect() -> None:
+    model, opt, ref, ropt = _pair()
+    for step in range(4):
+        for o in (opt, ropt):
+            o.param_groups[0]["lr"] = 0.01 * (step + 1)
+            o.param_groups[0]["weight_decay"] = 0.1 * step
+            o.param_groups[0]["betas"] = (0.8, 0.99)
+        for m, o in ((model, opt), (ref, ropt)):
+            _loss(m, 30 + step).backward()
+            o.step()
+            o.zero_grad()
+    _close(model, ref)
+
+
+def test_repr_names_layout_and_groups() -> None:
+    _, opt, _, _ = _pair()
+    text = repr(opt)
+    assert "world_size=1" in text and "group 0: 4 params" in text and "lr=0.01" in text
