@@ -74,6 +74,23 @@ def case_one_all_reduce(rank, world, **kw):
 
 
 
+def case_found_inf_is_exactly_one(rank, world, device="cpu", **kw):
+    """Two ranks overflow at once: the found-inf handed to the scaler is 1.0, not a sum (2.0),
+    since torch's fused kernels skip only on == 1."""
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
+    scaler = ShardedGradScaler(device)
+    x, y = batches(0, world, device=device)[rank]
+    if rank > 0:
+        x = x.clone()
+        x[0, 0] = float("nan") if rank == 1 else float("inf")
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.unscale_(opt)
+    found = list(_compat.scaler_optimizer_state(scaler, opt)["found_inf_per_device"].values())
+    return [(f.dtype, f.dim(), float(f)) for f in found]
+
+
 def case_norm_types(rank, world, device="cpu", **kw):
     """grad_norm for p = 1, 3 and inf (MAX all-reduce) against torch's clip_grad_norm_ on the
     unsharded grads, and clipping by the inf-norm matches torch's."""

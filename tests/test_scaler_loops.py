@@ -84,3 +84,9 @@ def test_norm_types_and_inf_norm_clipping(world: int) -> None:
                 assert a == pytest.approx(b, rel=1e-4)
         for a, b in zip(value["params"], value["ref_params"]):
             torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_found_inf_is_exactly_one_when_several_ranks_overflow(world: int) -> None:
+    for value in _case(world, "case_found_inf_is_exactly_one"):
+        assert value == [(torch.float32, 0, 1.0)]
