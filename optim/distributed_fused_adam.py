@@ -65,6 +65,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     The model must be on its final device and dtype before the optimizer is built: its params
     become views into the optimizer's flat buffers, and replacing their storage afterwards is
     detected at the next ``step``.
+
+    Extension points for subclasses (e.g. NeMo-style wrappers):
+
+    * ``_step_supports_amp_scaling = False``: ShardedGradScaler then unscales through
+      ``unscale_grads`` and skips overflowing steps through torch's ordinary path (one
+      ``.item()``) instead of calling ``step`` and letting the kernel skip on the device;
+    * ``_reduce_grad_stats(stats, op)``: the one all-reduce of the per-step stats; override to
+      also reduce ``stats[:2]`` over a model-parallel group;
+    * ``step(closure=None, *, grad_scaler=None)``: an override must keep ``grad_scaler`` as an
+      explicit keyword (torch.amp.GradScaler looks for it) and call ``super().step``;
+    * ``unscale_grads(inv_scale, grad_scaler=None)``: receives the scaler, e.g. to read its
+      state; an override returns ``super()``'s found-inf (0-d float, exactly 0.0 or 1.0).
     """
 
     _step_supports_amp_scaling = True
