@@ -80,7 +80,13 @@ class TouchedPatterns:
         key = bytes(mask)
         t = self.cache.get(key)
         if t is None:
-            t = torch.tensor(mask, dtype=torch.float32).to(self.device)
+            host = torch.tensor(mask, dtype=torch.float32)
+            if self.device.type == "cuda":
+                # pinned + non_blocking: a new pattern (e.g. MoE routing) costs no host sync; the
+                # caching host allocator keeps the pinned buffer alive until the copy is done
+                t = host.pin_memory().to(self.device, non_blocking=True)
+            else:
+                t = host
             self.cache[key] = t
             if len(self.cache) > self.capacity:
                 self.cache.popitem(last=False)
