@@ -117,3 +117,39 @@ def test_repr_names_layout_and_groups() -> None:
     _, opt, _, _ = _pair()
     text = repr(opt)
     assert "world_size=1" in text and "group 0: 4 params" in text and "lr=0.01" in text
+
+
+def test_lr_scheduler_with_grad_scaler_handover_like_torch() -> None:
+    """torch's LR schedulers wrap opt.step; GradScaler must still see the grad_scaler keyword."""
+    import warnings
+
+    model, opt, ref, ropt = _pair()
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt, ropt)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**8) for _ in range(2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            for m, o, sched, scaler in zip((model, ref), (opt, ropt), scheds, scalers):
+                scaler.scale(_loss(m, 40 + step)).backward()
+                scaler.step(o)
+                scaler.update()
+                sched.step()
+                o.zero_grad()
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    assert scalers[0].get_scale() == scalers[1].get_scale()
+    _close(model, ref)
+
+
+def test_frozen_params_are_never_updated() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1, weight_decay=0.1)
+    for step in range(3):
+        _loss_small = nn.functional.mse_loss(model(torch.randn(3, 4)), torch.randn(3, 2))
+        _loss_small.backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model[0].weight, frozen)
+    assert 0 not in opt.state_dict()["state"]  # no state for a param never updated, as torch
