@@ -100,23 +100,27 @@ def init_master(buffers: BucketBuffers, state_dtype: torch.dtype) -> None:
         buffers.sync.copy_(buffers.params)
 
 
-def check_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: Sequence[Tensor]) -> None:
-    """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``)."""
+def expected_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: Sequence[Tensor]) -> List[tuple]:
+    """Per param (in index order): the (data_ptr, dtype, shape, stride) its view must keep."""
+    out: List[tuple] = [()] * len(params)
     for bucket, buf in zip(buckets, buffers):
-        base = buf.params.data_ptr()
-        esize = buf.params.element_size()
+        base, esize = buf.params.data_ptr(), buf.params.element_size()
         for slot in bucket.slots:
-            p = params[slot.index]
-            if (
-                p.data_ptr() != base + slot.offset * esize
-                or p.dtype != bucket.dtype
-                or tuple(p.shape) != slot.shape
-                or tuple(p.stride()) != slot.stride
-            ):
-                raise RuntimeError(
-                    f"DistributedFusedAdam: parameter {slot.index} (shape {tuple(p.shape)}, dtype "
-                    f"{p.dtype}) no longer lives in the optimizer's flat buffer, so updates would be "
-                    "lost. Something replaced its storage (module.to(dtype/device), p.data = ..., "
-                    "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
-                    "optimizer, and load weights with load_state_dict(assign=False)."
-                )
+            out[slot.index] = (base + slot.offset * esize, bucket.dtype, slot.shape, slot.stride)
+    return out
+
+
+def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
+    """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``).
+
+    Called every step, so the common case is one cheap pass over data pointers; dtype, shape and
+    strides are compared too (a same-address view of another shape would also be a break)."""
+    for i, (p, (ptr, dtype, shape, stride)) in enumerate(zip(params, expected)):
+        if p.data_ptr() != ptr or p.dtype != dtype or p.shape != shape or p.stride() != stride:
+            raise RuntimeError(
+                f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}, dtype "
+                f"{p.dtype}) no longer lives in the optimizer's flat buffer, so updates would be "
+                "lost. Something replaced its storage (module.to(dtype/device), p.data = ..., "
+                "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
+                "optimizer, and load weights with load_state_dict(assign=False)."
+            )

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from . import _compat, grad_stats, kernels
 from . import state_dict as _state_dict
-from .buffers import BucketBuffers, allocate, check_views, init_master
+from .buffers import BucketBuffers, allocate, check_views, expected_views, init_master
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
 from .layout import Bucket, build_layout
@@ -169,6 +169,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 _compat.broadcast_from_group_rank0(buf.params, self.process_group)
         for buf in self._buffers:
             init_master(buf, dtype)
+        self._expected_views = expected_views(self._buckets, self._buffers, self._params)
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self.process_group, self.world_size,
             overlap_grad_sync,
@@ -423,7 +424,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._param_sync.wait()
-        check_views(self._buckets, self._buffers, self._params)
+        check_views(self._expected_views, self._params)
         if not self._grad_sync.grad_since_zero:
             raise RuntimeError(
                 "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "
