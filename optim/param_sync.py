@@ -53,7 +53,11 @@ class ParamSync:
         """All-gather every bucket's updated shard (in bucket order, identical on every rank)."""
         if self.world_size == 1:
             return
-        for i, buf in enumerate(self.buffers):
+        # Buckets hold params in reverse registration order (backward's order), so the LAST
+        # bucket holds the first layers: launch in forward order, so that the first module's
+        # params land first and later all-gathers overlap the early layers' forward.
+        for i in reversed(range(len(self.buffers))):
+            buf = self.buffers[i]
             full = buf.sync if buf.sync is not None else buf.params
             work = _compat.all_gather(full, full[buf.shard], self.group, async_op=True)
             self.pending[i] = work
