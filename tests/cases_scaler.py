@@ -91,6 +91,27 @@ def case_found_inf_is_exactly_one(rank, world, device="cpu", **kw):
     return [(f.dtype, f.dim(), float(f)) for f in found]
 
 
+def case_foreign_optimizer_agrees(rank, world, device="cpu", **kw):
+    """ShardedGradScaler with an ordinary optimizer (torch AdamW on a replica): the found-inf of
+    one rank is agreed over the scaler's process group, so every rank skips and backs off."""
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = ShardedGradScaler(device, init_scale=2.0**10)
+    scales = []
+    for step in range(3):
+        x, y = batches(step, world, device=device)[rank]
+        if step == 1 and rank == world - 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        scales.append(scaler.get_scale())
+    return scales
+
+
 def case_norm_types(rank, world, device="cpu", **kw):
     """grad_norm for p = 1, 3 and inf (MAX all-reduce) against torch's clip_grad_norm_ on the
     unsharded grads, and clipping by the inf-norm matches torch's."""

@@ -90,3 +90,9 @@ def test_norm_types_and_inf_norm_clipping(world: int) -> None:
 def test_found_inf_is_exactly_one_when_several_ranks_overflow(world: int) -> None:
     for value in _case(world, "case_found_inf_is_exactly_one"):
         assert value == [(torch.float32, 0, 1.0)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_foreign_optimizer_found_inf_agreed_over_ranks(world: int) -> None:
+    for scales in _case(world, "case_foreign_optimizer_agrees"):
+        assert scales == [2.0**10, 2.0**9, 2.0**9]  # every rank backed off at step 1
