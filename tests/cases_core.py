@@ -73,6 +73,11 @@ def case_sub_process_groups(rank, world, **kw):
     return train(rank, world, **kw, subgroups=2 if world % 2 == 0 else 1, opt_kwargs=dict(bucket_cap_mb=TINY))
 
 
+def case_capturable_buffers(rank, world, **kw):
+    # capturable=True keeps every full-size bucket buffer (static addresses) and zeroes it per round
+    return train(rank, world, **kw, micro_batches=2, opt_kwargs=dict(capturable=True, bucket_cap_mb=TINY))
+
+
 def case_sum_grads(rank, world, **kw):
     return train(rank, world, **kw, sum_grads=True, opt_kwargs=dict(average_grad_sync=False, lr=1e-3))
 
