@@ -48,12 +48,21 @@ def _native(device: torch.device) -> Optional[Any]:
             if kind not in _warned:
                 _warned.add(kind)
                 warnings.warn(
-                    f"shardamp: the fused {kind} kernels could not be built ({exc}); using the "
-                    f"slower pure-PyTorch reference. Set {_ENV}=reference to silence this.",
+                    f"shardamp: the fused {kind} kernels could not be built ({_brief(exc)}); using "
+                    f"the slower pure-PyTorch reference. Set {_ENV}=reference to silence this, or "
+                    "SHARDAMP_BUILD_VERBOSE=1 to see the compiler's output.",
                     RuntimeWarning,
                     stacklevel=3,
                 )
     return _native_cache[kind]
+
+
+def _brief(exc: Exception, lines: int = 6) -> str:
+    """The gist of a build error: its first line and the last few (the compiler's log is long)."""
+    text = str(exc).strip().splitlines()
+    if len(text) <= lines + 1:
+        return " ".join(text)
+    return " ".join([text[0], "...", *text[-lines:]])
 
 
 def backend(device: torch.device) -> str:
