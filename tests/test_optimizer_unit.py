@@ -153,3 +153,43 @@ def test_frozen_params_are_never_updated() -> None:
         opt.zero_grad()
     assert torch.equal(model[0].weight, frozen)
     assert 0 not in opt.state_dict()["state"]  # no state for a param never updated, as torch
+
+
+def _train_three_steps():
+    model, opt, ref, ropt = _pair()
+    for step in range(3):
+        for m, o in ((model, opt), (ref, ropt)):
+            _loss(m, 50 + step).backward()
+            o.step()
+            o.zero_grad()
+    _close(model, ref)
+
+
+def test_reference_kernels_forced_by_env(monkeypatch) -> None:
+    from shardamp.optim import kernels
+
+    monkeypatch.setenv("SHARDAMP_KERNELS", "reference")
+    assert kernels.backend(torch.device("cpu")) == "reference"
+    _train_three_steps()
+
+
+def test_failed_build_warns_once_and_falls_back(monkeypatch) -> None:
+    from shardamp.optim import _build, kernels
+
+    def broken(cuda):
+        raise RuntimeError("compiler said no\n" + "\n".join(f"log line {i}" for i in range(50)))
+
+    monkeypatch.setattr(_build, "load_extension", broken)
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    monkeypatch.delenv("SHARDAMP_KERNELS", raising=False)
+    with pytest.warns(RuntimeWarning, match="could not be built \\(compiler said no .* log line 49\\)"):
+        assert kernels.backend(torch.device("cpu")) == "reference"
+    _train_three_steps()
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    monkeypatch.setenv("SHARDAMP_KERNELS", "native")
+    with pytest.raises(RuntimeError, match="SHARDAMP_KERNELS=native"):
+        kernels.backend(torch.device("cpu"))
+    monkeypatch.setenv("SHARDAMP_KERNELS", "fast")
+    with pytest.raises(ValueError, match="SHARDAMP_KERNELS"):
+        kernels.backend(torch.device("cpu"))
