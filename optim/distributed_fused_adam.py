@@ -467,6 +467,29 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         any world size and bucket layout; validates everything before writing anything."""
         _state_dict.load_state_dict(self, state_dict)
 
+    def memory_stats(self) -> Dict[str, int]:
+        """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0
+        where the master IS the param shard), ``exp_avg_sq`` + ``exp_avg`` as ``moments``,
+        ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
+        with ``capturable`` or world 1 all of them, else at most the ones in flight),
+        ``param_sync`` (the lower-precision all-gather buffers), and ``total``."""
+        def nbytes(t: Optional[Tensor]) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+
+        stats = {"master": 0, "moments": 0, "grad_shards": 0, "grad_buckets": 0, "param_sync": 0}
+        for buf in self._buffers:
+            aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
+            stats["master"] += 0 if aliased else nbytes(buf.master)
+            stats["moments"] += nbytes(buf.exp_avg) + nbytes(buf.exp_avg_sq)
+            stats["grad_shards"] += nbytes(buf.grad_shard)
+            stats["param_sync"] += nbytes(buf.sync)
+        shard_ptrs = {buf.grad_shard.data_ptr() for buf in self._buffers}
+        held = [f for f in self._grad_sync.full if f is not None and f.data_ptr() not in shard_ptrs]
+        held += [e[2] for e in self._grad_sync.pending if e[2] is not None]
+        stats["grad_buckets"] = sum(nbytes(t) for t in {id(t): t for t in held}.values())
+        stats["total"] = sum(stats.values())
+        return stats
+
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]
         lines.append(

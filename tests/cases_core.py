@@ -104,4 +104,21 @@ def case_grad_memory_bounded(rank, world, **kw):
     return {"buckets": len(opt._buckets), "held": held, "limit": MAX_IN_FLIGHT if world > 1 else len(opt._buckets)}
 
 
+
+
+def case_memory_stats(rank, world, **kw):
+    """memory_stats(): fp32 model -> no separate master, moments 8 B/param/world, grad shards
+    4 B/param/world (plus padding); after the step no full-size bucket is alive."""
+    from shardamp.optim import DistributedFusedAdam
+
+    device = kw.get("device", "cpu")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)]).to(device)
+    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.02)
+    model(torch.randn(2, 64, device=device)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    return {"n": n, "stats": opt.memory_stats()}
+
+
 CASES = [name for name in dir() if name.startswith("case_")]

@@ -11,7 +11,7 @@ from dist_helper import case_values, run_cases, run_distributed
 from parity import ATOL, RTOL
 
 WORLDS = [1, 2, 3, 4]
-PARITY_CASES = [c for c in cases_core.CASES if c != "case_grad_memory_bounded"]
+PARITY_CASES = [c for c in cases_core.CASES if c not in ("case_grad_memory_bounded", "case_memory_stats")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -24,6 +24,17 @@ def test_grad_buffers_bounded_during_backward(world: int) -> None:
     for value in case_values(_results(world), "case_grad_memory_bounded"):
         assert value["buckets"] >= 6
         assert value["held"] <= value["limit"], value
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_memory_stats_is_zero2(world: int) -> None:
+    for value in case_values(_results(world), "case_memory_stats"):
+        n, stats = value["n"], value["stats"]
+        assert stats["master"] == 0 and stats["param_sync"] == 0 and stats["grad_buckets"] <= (
+            0 if world > 1 else stats["grad_shards"])
+        assert 8 * n / world <= stats["moments"] <= 8 * n / world * 1.1  # padding only
+        assert 4 * n / world <= stats["grad_shards"] <= 4 * n / world * 1.1
+        assert stats["total"] == sum(v for k, v in stats.items() if k != "total")
 
 
 @pytest.mark.parametrize("world", WORLDS)
