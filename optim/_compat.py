@@ -49,6 +49,16 @@ def scaler_optimizer_state(scaler: Any, optimizer: Any) -> dict:
     return scaler._per_optimizer_states[id(optimizer)]
 
 
+def all_scaler_optimizer_states(scaler: Any) -> list:
+    """GradScaler's bookkeeping dicts of every optimizer stepped since the last update()."""
+    return list(scaler._per_optimizer_states.values())
+
+
+def scale_and_growth_tracker(scaler: Any, funcname: str):
+    """(scale, growth_tracker) tensors; torch's own AssertionError if scale() was never called."""
+    return scaler._check_scale_growth_tracker(funcname)
+
+
 def scaler_scale(scaler: Any) -> Optional[torch.Tensor]:
     """The scaler's scale tensor without a host sync (None before the first ``scale()``)."""
     return scaler._scale

@@ -61,19 +61,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """Unscale ``optimizer``'s grads (sharded optimizers: without touching them) and record
         the global found-inf. Raises, as torch does, when called twice before ``update()`` or
         after ``step()``."""
-        if not self._enabled:
+        if not self.is_enabled():
             return
         if not hasattr(optimizer, "unscale_grads"):
             super().unscale_(optimizer)
             self._agree_found_inf(_compat.scaler_optimizer_state(self, optimizer))
             return
-        self._check_scale_growth_tracker("unscale_")
+        _compat.scale_and_growth_tracker(self, "unscale_")
         state = _compat.scaler_optimizer_state(self, optimizer)
         if state["stage"] is _compat.OptState.UNSCALED:
             raise RuntimeError("unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is _compat.OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = self._scale.double().reciprocal().float()
+        inv_scale = _compat.scaler_scale(self).double().reciprocal().float()
         found_inf = optimizer.unscale_grads(inv_scale, grad_scaler=self)
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = _compat.OptState.UNSCALED
@@ -87,11 +87,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if not done yet, then step, skipping the update if any rank overflowed."""
-        if not self._enabled or not hasattr(optimizer, "unscale_grads"):
+        if not self.is_enabled() or not hasattr(optimizer, "unscale_grads"):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
-        self._check_scale_growth_tracker("step")
+        _compat.scale_and_growth_tracker(self, "step")
         state = _compat.scaler_optimizer_state(self, optimizer)
         if state["stage"] is _compat.OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -107,12 +107,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
     # ------------------------------------------------------------------ update
     def update(self, new_scale: Optional[float | Tensor] = None) -> None:
         """As torch's ``update`` (no host sync), with hysteresis and ``last_step_skipped``."""
-        if not self._enabled:
+        if not self.is_enabled():
             return
-        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        scale, growth_tracker = _compat.scale_and_growth_tracker(self, "update")
         found_infs = [
             f.to(device=scale.device, non_blocking=True)
-            for state in self._per_optimizer_states.values()
+            for state in _compat.all_scaler_optimizer_states(self)
             for f in state["found_inf_per_device"].values()
         ]
         if len(found_infs) == 1:
@@ -132,10 +132,10 @@ class ShardedGradScaler(torch.amp.GradScaler):
         tracker.copy_(torch.where(found, tracker - 1, torch.full_like(tracker, self.hysteresis)))
         back_off = found & (tracker <= 0)
         grown_tracker = growth_tracker + 1
-        grow = ~found & (grown_tracker >= self._growth_interval)
-        grown_scale = scale * self._growth_factor
+        grow = ~found & (grown_tracker >= self.get_growth_interval())
+        grown_scale = scale * self.get_growth_factor()
         grow = grow & torch.isfinite(grown_scale)
-        new = torch.where(back_off, scale * self._backoff_factor, torch.where(grow, grown_scale, scale))
+        new = torch.where(back_off, scale * self.get_backoff_factor(), torch.where(grow, grown_scale, scale))
         scale.copy_(new)
         growth_tracker.copy_(torch.where(found | grow, torch.zeros_like(growth_tracker), grown_tracker))
         tracker.clamp_(min=0)
@@ -167,7 +167,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        if not self._enabled:
+        if not self.is_enabled():
             return
         self.hysteresis = int(state_dict.get("hysteresis", 1))
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self.hysteresis))

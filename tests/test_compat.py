@@ -41,7 +41,11 @@ def test_grad_scaler_internals() -> None:
     scale, tracker = torch.full((), 8.0), torch.zeros((), dtype=torch.int32)
     _compat.amp_update_scale_(scale, tracker, torch.ones(()), 2.0, 0.5, 10)
     assert scale.item() == 4.0
+    assert _compat.all_scaler_optimizer_states(scaler) == [_compat.scaler_optimizer_state(scaler, opt)]
+    scale, tracker = _compat.scale_and_growth_tracker(scaler, "test")
+    assert scale.item() == 2.0**16 and tracker.item() == 0
     _compat.refresh_scaler_states(scaler)
+    assert _compat.all_scaler_optimizer_states(scaler) == []
     assert _compat.scaler_optimizer_state(scaler, opt)["stage"] is _compat.OptState.READY
 
 
