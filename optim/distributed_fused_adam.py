@@ -442,13 +442,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         coef = self._grad_coef()
         found_inf = stats.found_inf
         self._steps.addcmul_(stats.touched, 1.0 - found_inf)
-        for bucket, buf in zip(self._buckets, self._buffers):
+        for i in reversed(range(len(self._buckets))):  # forward order: see ParamSync.launch
+            buf = self._buffers[i]
             kernels.adam_step(
                 buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(self.world_size),
-                bucket.segments, self._hparams, self._steps, stats.touched, coef, found_inf,
+                self._buckets[i].segments, self._hparams, self._steps, stats.touched, coef, found_inf,
                 self.adam_w_mode, self.bias_correction,
             )
-        self._param_sync.launch()
+            self._param_sync.launch(i)
+        self._param_sync.launched_all()
         self._last_norms = dict(self._norms)
         self._reset_round()
         self._grad_sync.step_done()

@@ -49,18 +49,19 @@ class ParamSync:
     def __del__(self) -> None:
         self.remove_hooks()
 
-    def launch(self) -> None:
-        """All-gather every bucket's updated shard (in bucket order, identical on every rank)."""
+    def launch(self, i: int) -> None:
+        """All-gather bucket ``i``'s updated shard. The step calls this right after the bucket's
+        kernel, in forward order (the LAST bucket holds the first layers), identical on every
+        rank: each all-gather overlaps the next bucket's step kernel, and with ``overlap`` the
+        first module's params land first."""
         if self.world_size == 1:
             return
-        # Buckets hold params in reverse registration order (backward's order), so the LAST
-        # bucket holds the first layers: launch in forward order, so that the first module's
-        # params land first and later all-gathers overlap the early layers' forward.
-        for i in reversed(range(len(self.buffers))):
-            buf = self.buffers[i]
-            full = buf.sync if buf.sync is not None else buf.params
-            work = _compat.all_gather(full, full[buf.shard], self.group, async_op=True)
-            self.pending[i] = work
+        buf = self.buffers[i]
+        full = buf.sync if buf.sync is not None else buf.params
+        self.pending[i] = _compat.all_gather(full, full[buf.shard], self.group, async_op=True)
+
+    def launched_all(self) -> None:
+        """End of the step: without ``overlap`` the params must be complete when step returns."""
         if not self.overlap:
             self.wait()
 
