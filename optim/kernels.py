@@ -19,6 +19,10 @@ from . import reference
 from .layout import SegmentTable
 
 _ENV = "SHARDAMP_KERNELS"
+# What the compiled kernels take for grads and model-dtype outputs; anything else (fp64) runs
+# the reference. Checked here, before the call: an error raised inside an extension is not
+# always survivable (csrc/NOTES.md).
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _native_cache: Dict[str, Any] = {}
 _warned = set()
 
@@ -73,7 +77,7 @@ def backend(device: torch.device) -> str:
 def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
     """Accumulate ``sum|g|^p`` (or max) and the non-finite flag of ``grad`` into ``out``."""
     ext = _native(grad.device)
-    if ext is None:
+    if ext is None or grad.dtype not in _NATIVE_DTYPES:
         reference.grad_stats(grad, out, norm_type)
     else:
         ext.grad_stats(grad, out, float(norm_type))
@@ -101,7 +105,8 @@ def adam_step(
     # The kernels keep master params and moments in fp32; any other state dtype takes the
     # reference path (correct, just not fused).
     fp32_state = master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32
-    if ext is None or not fp32_state:
+    supported = grad.dtype in _NATIVE_DTYPES and (model_out is None or model_out.dtype in _NATIVE_DTYPES)
+    if ext is None or not fp32_state or not supported:
         host = segments.extra.get("host")
         if host is None:
             host = segments.extra["host"] = segments.table.cpu()

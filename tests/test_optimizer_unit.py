@@ -193,3 +193,24 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch) -> None:
     monkeypatch.setenv("SHARDAMP_KERNELS", "fast")
     with pytest.raises(ValueError, match="SHARDAMP_KERNELS"):
         kernels.backend(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("param_dtype, state_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])
+def test_float64_params_or_state_take_the_reference_path(param_dtype, state_dtype) -> None:
+    """Dtypes the kernels do not take (fp64 grads, fp64 master/moments) still train like torch."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3).to(param_dtype)
+    ref = copy.deepcopy(model).double()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.05, dtype=state_dtype)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.0)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        model(x.to(param_dtype)).square().mean().backward()
+        ref(x).square().mean().backward()
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
