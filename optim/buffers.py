@@ -116,6 +116,14 @@ def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
     Called every step, so the common case is one cheap pass over data pointers; dtype, shape and
     strides are compared too (a same-address view of another shape would also be a break)."""
     for i, (p, (ptr, dtype, shape, stride)) in enumerate(zip(params, expected)):
+        if p.grad is not None:
+            raise RuntimeError(
+                f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}) has a .grad the "
+                "optimizer never received, so it would not be trained. Its grad hook exists only "
+                "if it required grad when the optimizer was built: build the optimizer with every "
+                "param that will ever train requiring grad (freeze by zeroing its lr in its param "
+                "group instead), and do not assign param.grad by hand."
+            )
         if p.data_ptr() != ptr or p.dtype != dtype or p.shape != shape or p.stride() != stride:
             raise RuntimeError(
                 f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}, dtype "

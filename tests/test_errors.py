@@ -159,3 +159,13 @@ def test_unscale_grads_twice_raises() -> None:
     opt.unscale_grads(torch.tensor(0.5))
     with pytest.raises(RuntimeError, match="already been called"):
         opt.unscale_grads(torch.tensor(0.5))
+
+
+def test_param_unfrozen_after_construction_is_caught() -> None:
+    m = _model()
+    m[0].weight.requires_grad_(False)
+    opt = DistributedFusedAdam(m.parameters())
+    m[0].weight.requires_grad_(True)  # unfrozen later: no grad hook was registered for it
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="has a .grad the optimizer never received"):
+        opt.step()
