@@ -185,6 +185,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._warned_unscaled_by_torch = False
+        self._stepped_without_zero_grad = False
+        self._warned_no_zero_grad = False
         self._reset_round()
         self._last_norms: Dict[float, Tensor] = {}
         self._initialized = True
@@ -229,6 +231,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self._stats is not None or self._inv_scale is not None or self._last_norms:
             self._reset_round()
             self._last_norms = {}
+        if self._stepped_without_zero_grad:
+            self._stepped_without_zero_grad = False
+            if not self._warned_no_zero_grad:
+                self._warned_no_zero_grad = True
+                warnings.warn(
+                    "DistributedFusedAdam: backward after step() without opt.zero_grad(): the new "
+                    "grads are ADDED to the last step's, as torch does when grads are not zeroed. "
+                    "model.zero_grad() cannot clear them (they live in the optimizer's shards, "
+                    "param.grad is None): call opt.zero_grad() every step.",
+                    UserWarning,
+                    stacklevel=2,
+                )
 
     @property
     def _avg_factor(self) -> float:
@@ -256,6 +270,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._grad_sync.zero(set_to_none)
         self._reset_round()
         self._last_norms = {}
+        self._stepped_without_zero_grad = False
 
     # ------------------------------------------------------------------ stats, unscale, clip
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
@@ -454,6 +469,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._last_norms = dict(self._norms)
         self._reset_round()
         self._grad_sync.step_done()
+        self._stepped_without_zero_grad = True
         return loss
 
     # ------------------------------------------------------------------ state dicts (optim/state_dict.py)

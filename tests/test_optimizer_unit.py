@@ -78,6 +78,7 @@ def test_closure_like_torch() -> None:
     _close(model, ref)
 
 
+@pytest.mark.filterwarnings("ignore:DistributedFusedAdam. backward after step")
 def test_grad_norm_after_step_is_that_steps_norm() -> None:
     model, opt, ref, _ = _pair(max_grad_norm=0.1)
     _loss(model, 3).backward()
@@ -214,3 +215,28 @@ def test_float64_params_or_state_take_the_reference_path(param_dtype, state_dtyp
         ropt.zero_grad()
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_model_zero_grad_instead_of_opt_zero_grad_warns() -> None:
+    """model.zero_grad() cannot clear grads that live in the optimizer's shards: the next
+    backward after a step without opt.zero_grad() says so (once), instead of silently
+    accumulating; with opt.zero_grad() nothing is said."""
+    import warnings
+
+    model, opt, _, _ = _pair()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            _loss(model, step).backward()
+            opt.step()
+            opt.zero_grad()
+    _loss(model, 4).backward()
+    opt.step()
+    model.zero_grad()  # what many training loops call: it does not reach the optimizer's shards
+    with pytest.warns(UserWarning, match="call opt.zero_grad\\(\\) every step"):
+        _loss(model, 5).backward()
+    opt.step()
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per optimizer
+        _loss(model, 6).backward()
