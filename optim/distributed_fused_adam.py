@@ -23,6 +23,7 @@ from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
 from .layout import Bucket, build_layout
 from .param_sync import ParamSync
+from .stale_read_guard import StaleReadGuard
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -256,6 +257,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def param_sync(self) -> None:
         """Wait for the params' all-gather (only ever pending with ``overlap_param_sync``)."""
         self._param_sync.wait()
+
+    def attach(self, model: torch.nn.Module) -> StaleReadGuard:
+        """With ``overlap_param_sync``: make every param read during ``model``'s forward current,
+        also where no module hook sees it (the root's forward body reading a child's weight, a
+        helper, a borrowed weight), and land all in-flight all-gathers when the forward returns.
+        Returns a handle whose ``remove()`` detaches. Without ``overlap_param_sync`` nothing is
+        ever in flight after ``step`` and this changes nothing."""
+        return StaleReadGuard(self._param_sync, model)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -3,8 +3,9 @@ the model params are views of, so the model is updated in place.
 
 With ``overlap=False`` the all-gathers are waited for at once. With ``overlap=True`` they stay in
 flight and a global module forward pre-hook waits, before a module runs, for the buckets holding
-that module's own params; ``wait()`` (``opt.param_sync()``) waits for all of them. A param read
-outside any module's forward must be preceded by ``param_sync()``.
+that module's own params; ``wait()`` (``opt.param_sync()``) waits for all of them. Reads elsewhere
+in a forward are guarded by ``opt.attach(model)`` (stale_read_guard.py); code between ``step``
+and the next forward must call ``param_sync()`` before reading params.
 """
 from __future__ import annotations
 
@@ -85,6 +86,12 @@ class ParamSync:
             i = self.bucket_of.get(id(p))
             if i is not None and i in self.pending:
                 self._finish(i)
+
+    def wait_for_param(self, t: object) -> None:
+        """If ``t`` is one of the params and its bucket is in flight, wait for that bucket."""
+        i = self.bucket_of.get(id(t))
+        if i is not None and i in self.pending:
+            self._finish(i)
 
     def remove_hooks(self) -> None:
         if self.hook_handle is not None:

@@ -59,6 +59,12 @@ def case_tied_weight_overlap_param_sync(rank, world, **kw):
     return train(rank, world, **kw, kind="tied", opt_kwargs=dict(overlap_param_sync=True, bucket_cap_mb=TINY))
 
 
+def case_root_reads_child_weight_attached(rank, world, **kw):
+    # a weight read in the root's forward body, outside its module's forward: opt.attach guards it
+    return train(rank, world, **kw, kind="rootreads", attach=True,
+                 opt_kwargs=dict(overlap_param_sync=True, bucket_cap_mb=TINY))
+
+
 def case_bf16_params(rank, world, **kw):
     return train(rank, world, **kw, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
 

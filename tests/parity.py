@@ -81,6 +81,22 @@ class TiedNet(nn.Module):
         return self.head(torch.tanh(self.a(h)))
 
 
+class RootReads(nn.Module):
+    """The root's own forward reads a child's weight before (instead of) calling the child:
+    no module pre-hook covers that read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(12, 20)
+        self.b = nn.Linear(20, 20)
+        self.head = nn.Linear(20, 5)
+
+    def forward(self, x: torch.Tensor, skip: Sequence[str] = ()) -> torch.Tensor:
+        h = torch.tanh(F.linear(x, self.a.weight, self.a.bias))
+        h = torch.tanh(self.b(h))
+        return self.head(h)
+
+
 def batches(
     step: int, world: int, kind: str = "mlp", per_rank: int = 3, device: str = "cpu"
 ) -> List[Tuple[torch.Tensor, torch.Tensor]]:
@@ -127,6 +143,7 @@ def train(
     device: str = "cpu",
     subgroups: int = 1,
     shadow_ref: bool = False,
+    attach: bool = False,
 ) -> Dict[str, Any]:
     """Run both trainings; return {"ours": [...], "ref": [...]} (fp32 CPU tensors, by param).
 
@@ -148,7 +165,7 @@ def train(
                 opt_kwargs["process_group"], ranks = group, members
     adam_w = opt_kwargs.get("adam_w_mode", True)
     torch.manual_seed(0)
-    model = {"conv": ConvNet, "conv3d": Conv3dNet, "tied": TiedNet}.get(kind, MLP)()
+    model = {"conv": ConvNet, "conv3d": Conv3dNet, "tied": TiedNet, "rootreads": RootReads}.get(kind, MLP)()
     fmt = torch.channels_last_3d if kind == "conv3d" else torch.channels_last
     if channels_last:
         model = _to_format(model, fmt)
@@ -162,6 +179,8 @@ def train(
     ref_params = two_groups(ref) if groups else ref.parameters()
     defaults = {k: v for k, v in opt_kwargs.items() if k in ("lr", "betas", "eps", "weight_decay")}
     opt = DistributedFusedAdam(params, **opt_kwargs)
+    if attach:
+        opt.attach(model)
     ref_cls = torch.optim.AdamW if adam_w else torch.optim.Adam
     ref_defaults = dict(defaults)
     ref_defaults.setdefault("weight_decay", 0.0)  # torch.optim.AdamW's default is 0.01, ours 0.0
