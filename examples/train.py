@@ -194,6 +194,8 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
         model.param_groups(recipe.weight_decay), lr=recipe.lr, betas=recipe.betas, eps=recipe.eps,
         bucket_cap_mb=args.bucket_cap_mb, overlap_param_sync=args.overlap_param_sync,
     )
+    if args.overlap_param_sync:
+        opt.attach(model)  # every param read in the forward waits for its in-flight all-gather
     scaler = ShardedGradScaler(device.type, **recipe.scaler_kwargs())
     n_params = sum(p.numel() for p in model.parameters())
     init_state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank == 0 else None
