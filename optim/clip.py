@@ -66,10 +66,22 @@ def clip_grad_norm_(
         norms.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=None).to(device))
     if not norms:
         return torch.tensor(0.0)
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    total = stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+    if len(norms) == 1 and not plain:
+        # one optimizer's params only: exactly opt.clip_grad_norm, whose norm tensor is divided
+        # by the scale in place if unscaling comes later (loop G)
+        (opt,) = owned.values()
+        opt._clips.append((max_norm, norms[0]))
+        return norms[0]
+
+    def combine() -> Tensor:
+        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+        return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+    total = combine()
     for opt in owned.values():
         opt._clips.append((max_norm, total))
+        # if this optimizer unscales later, its norm changes in place: so must the total
+        opt._norm_dependents.append(lambda: total.copy_(combine()))
     if plain:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, no sync
         for p in plain:

@@ -227,6 +227,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._norms: Dict[float, Tensor] = {}
         self._inv_scale: Optional[Tensor] = None
         self._clips: List[Tuple[float, Tensor]] = []
+        self._norm_dependents: List[Callable[[], Any]] = []  # recomputed when norms are unscaled
 
     def _on_new_grad(self) -> None:
         if self._stats is not None or self._inv_scale is not None or self._last_norms:
@@ -382,6 +383,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for norm in self._norms.values():
             norm.mul_(inv)  # norms handed out before unscaling become the true norms
         self._inv_scale = inv
+        for recompute in self._norm_dependents:  # e.g. clip_grad_norm_'s norm over several optimizers
+            recompute()
         return stats.found_inf.to(inv_scale.device)
 
     def _first_norm_type(self) -> float:

@@ -72,7 +72,7 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
     if not no_scaler:
         scaler = (torch.amp.GradScaler if use_torch_scaler else ShardedGradScaler)(device, **SCALER_KW)
     rscaler = None if no_scaler else torch.amp.GradScaler(device, **SCALER_KW)
-    ref_clips = loop in ("B", "C", "D", "D0", "E", "G")
+    ref_clips = loop in ("B", "C", "D", "D0", "E", "G", "Gf")
     loss_fn = nn.MSELoss()
     out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "scale", "ref_scale", "norm", "ref_norm", "skipped")}
     caught: List[str] = []
@@ -110,6 +110,8 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
                 assert float(torch_norm) == 0.0, "torch's clip_grad_norm_ saw grads it should not"
             elif loop == "G":
                 norm = opt.clip_grad_norm(MAX_NORM)  # before unscaling: resolved at step
+            elif loop == "Gf":
+                norm = so.clip_grad_norm_(model.parameters(), MAX_NORM)  # the same, torch-style
             if scaler:
                 scaler.step(opt)
                 scaler.update()

@@ -41,6 +41,10 @@ def case_loop_G(rank, world, **kw):
     return run_loop(rank, world, "G", **kw)
 
 
+def case_loop_Gf(rank, world, **kw):
+    return run_loop(rank, world, "Gf", **kw)
+
+
 def case_one_all_reduce(rank, world, **kw):
     """unscale_ + clip_grad_norm + step issue exactly one all-reduce (norm + found-inf + touched)."""
     torch.manual_seed(0)

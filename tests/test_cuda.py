@@ -16,7 +16,7 @@ from test_scaler_loops import check_loop_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SYNC_FREE = {"A", "B", "C", "D", "D0", "G"}  # E's skip is torch's own .item(); F calls float()
+SYNC_FREE = {"A", "B", "C", "D", "D0", "G", "Gf"}  # E's skip is torch's own .item(); F calls float()
 
 
 def _cases(rank, world):
