@@ -268,9 +268,15 @@ def apply_hparams(opt: Any, plan: HparamPlan) -> None:
     LR schedulers holding them keep working) and set the optimizer-wide options."""
     for group, new in zip(opt.param_groups, plan.groups):
         params = group["params"]
+        old_lr = group.get("lr")
         group.clear()
         group.update(new)
         group["params"] = params
+        if isinstance(old_lr, torch.Tensor) and "lr" in new:
+            # a device lr (capturable, CUDA graphs) stays the same tensor, now holding the
+            # loaded value: captured graphs and LR schedulers keep reading it
+            old_lr.copy_(torch.as_tensor(new["lr"]).detach().reshape(old_lr.shape))
+            group["lr"] = old_lr
     for k, v in plan.options.items():
         setattr(opt, k, v)
     opt._hparams_host = None  # re-upload the hyperparameter table at the next step

@@ -240,3 +240,20 @@ def test_model_zero_grad_instead_of_opt_zero_grad_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per optimizer
         _loss(model, 6).backward()
+
+
+def test_load_state_dict_keeps_a_tensor_lr_object() -> None:
+    """capturable users give lr as a tensor that graphs and schedulers hold: loading a state
+    dict writes the loaded lr INTO that tensor instead of replacing it."""
+    model, _, _, _ = _pair()
+    lr = torch.tensor(0.01)
+    opt = DistributedFusedAdam(model.parameters(), lr=lr, capturable=True)
+    _loss(model, 60).backward()
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = 0.5
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == 0.5
+    sd["param_groups"][0]["lr"] = torch.tensor(0.25)  # a saved tensor lr: its value, same object
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["lr"] is lr and float(lr) == 0.25
