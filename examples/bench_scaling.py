@@ -133,8 +133,7 @@ def _run_variant(name: str, args, out: Path) -> Dict[str, float]:
         "optimizer_bytes_per_param_after_step": after_step / n_params,
         "peak_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **comm,
     }
-    del opt, net, model
-    if cuda:
+    if cuda:  # the variant's tensors are freed when this function returns
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     return result

@@ -26,7 +26,7 @@ import math
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
