@@ -132,3 +132,20 @@ def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
                 "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
                 "optimizer, and load weights with load_state_dict(assign=False)."
             )
+
+
+def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict:
+    """Bytes by kind for ``DistributedFusedAdam.memory_stats`` (its docstring says what each is)."""
+    def nbytes(t: Optional[Tensor]) -> int:
+        return 0 if t is None else t.numel() * t.element_size()
+
+    stats = {"master": 0, "moments": 0, "grad_shards": 0, "grad_buckets": 0, "param_sync": 0}
+    for buf in buffers:
+        aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
+        stats["master"] += 0 if aliased else nbytes(buf.master)
+        stats["moments"] += nbytes(buf.exp_avg) + nbytes(buf.exp_avg_sq)
+        stats["grad_shards"] += nbytes(buf.grad_shard)
+        stats["param_sync"] += nbytes(buf.sync)
+    stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)
+    stats["total"] = sum(stats.values())
+    return stats

@@ -18,29 +18,15 @@ from torch import Tensor
 
 from . import _compat, grad_stats, kernels
 from . import state_dict as _state_dict
-from .buffers import BucketBuffers, allocate, check_views, expected_views, init_master
+from .buffers import BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
+from .hparams import HparamTable, check_hparams
 from .layout import Bucket, build_layout
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
-    if not isinstance(lr, Tensor) and not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a tensor)")
-    if (
-        not isinstance(betas, (tuple, list))
-        or len(betas) != 2
-        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
-    ):
-        raise ValueError(f"{where}betas={betas!r}: expected a pair of floats in [0, 1)")
-    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
-        raise ValueError(f"{where}eps={eps!r}: expected a finite float >= 0")
-    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0 and math.isfinite(weight_decay)):
-        raise ValueError(f"{where}weight_decay={weight_decay!r}: expected a finite float >= 0")
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -102,7 +88,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         overlap_param_sync: bool = False,
         capturable: bool = False,
     ) -> None:
-        _check_hparams(lr, betas, eps, weight_decay, "")
+        check_hparams(lr, betas, eps, weight_decay, "")
         for name, value in (
             ("adam_w_mode", adam_w_mode),
             ("bias_correction", bias_correction),
@@ -181,8 +167,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         )
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
-        self._hparams = torch.zeros(len(self.param_groups), 5, dtype=torch.float64, device=self._device)
-        self._hparams_host: Optional[List[Tuple]] = None
+        self._hparam_table = HparamTable(len(self.param_groups), self._device)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._warned_unscaled_by_torch = False
@@ -214,7 +199,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
                        f"param_groups[{len(self.param_groups) - 1}]: ")
         for p in group["params"]:
             if not isinstance(p, torch.nn.Parameter):
@@ -391,25 +376,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return next(iter(self._raw_norms), 2.0)
 
     # ------------------------------------------------------------------ the step
-    def _refresh_hparams(self) -> None:
-        host = []
-        for i, group in enumerate(self.param_groups):
-            _check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ")
-            lr = group["lr"]
-            lr_key = ("tensor", id(lr)) if isinstance(lr, Tensor) else float(lr)
-            host.append((lr_key, float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
-                         float(group["weight_decay"])))
-        if host != self._hparams_host:
-            rows = [[0.0 if isinstance(h[0], tuple) else h[0], *h[1:]] for h in host]
-            table = torch.tensor(rows, dtype=torch.float64)
-            if self._device.type == "cuda":
-                table = table.pin_memory()
-            self._hparams.copy_(table, non_blocking=True)
-            self._hparams_host = host
-        for i, group in enumerate(self.param_groups):
-            if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
-                self._hparams[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
-
     def _take_torch_scaler(self, scaler: Any) -> None:
         """Loop A/F: ``torch.amp.GradScaler.step`` handed itself over (``grad_scaler=``)."""
         state = _compat.scaler_optimizer_state(scaler, self)
@@ -460,7 +426,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "and the optimizer no longer sees them: build the optimizer over the model's current "
                 "parameters."
             )
-        self._refresh_hparams()
+        hparams = self._hparam_table.refresh(self.param_groups)
         if grad_scaler is not None:
             self._take_torch_scaler(grad_scaler)
         stats = self._ensure_stats(self._first_norm_type())
@@ -473,7 +439,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             buf = self._buffers[i]
             kernels.adam_step(
                 buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(self.world_size),
-                self._buckets[i].segments, self._hparams, self._steps, stats.touched, coef, found_inf,
+                self._buckets[i].segments, hparams, self._steps, stats.touched, coef, found_inf,
                 self.adam_w_mode, self.bias_correction,
             )
             self._param_sync.launch(i)
@@ -499,26 +465,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def memory_stats(self) -> Dict[str, int]:
         """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0
-        where the master IS the param shard), ``exp_avg_sq`` + ``exp_avg`` as ``moments``,
+        where the master IS the param shard), ``moments`` (exp_avg + exp_avg_sq),
         ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
-        with ``capturable`` or world 1 all of them, else at most the ones in flight),
-        ``param_sync`` (the lower-precision all-gather buffers), and ``total``."""
-        def nbytes(t: Optional[Tensor]) -> int:
-            return 0 if t is None else t.numel() * t.element_size()
-
-        stats = {"master": 0, "moments": 0, "grad_shards": 0, "grad_buckets": 0, "param_sync": 0}
-        for buf in self._buffers:
-            aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
-            stats["master"] += 0 if aliased else nbytes(buf.master)
-            stats["moments"] += nbytes(buf.exp_avg) + nbytes(buf.exp_avg_sq)
-            stats["grad_shards"] += nbytes(buf.grad_shard)
-            stats["param_sync"] += nbytes(buf.sync)
-        shard_ptrs = {buf.grad_shard.data_ptr() for buf in self._buffers}
-        held = [f for f in self._grad_sync.full if f is not None and f.data_ptr() not in shard_ptrs]
-        held += [e[2] for e in self._grad_sync.pending if e[2] is not None]
-        stats["grad_buckets"] = sum(nbytes(t) for t in {id(t): t for t in held}.values())
-        stats["total"] = sum(stats.values())
-        return stats
+        with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
+        lower-precision all-gather buffers), and ``total``."""
+        return memory_stats(self._buffers, self._grad_sync.alive_full_buffers())
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

@@ -254,6 +254,13 @@ class GradSync:
             torch.cuda.current_stream().wait_stream(self.side)
         self.pending.clear()
 
+    def alive_full_buffers(self) -> List[Tensor]:
+        """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
+        shard_ptrs = {buf.grad_shard.data_ptr() for buf in self.buffers}
+        held = [f for f in self.full if f is not None and f.data_ptr() not in shard_ptrs]
+        held += [entry[2] for entry in self.pending if entry[2] is not None]
+        return list({id(t): t for t in held}.values())
+
     def step_done(self) -> None:
         self.rounds_since_step = 0
 

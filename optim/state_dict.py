@@ -34,6 +34,7 @@ from torch import Tensor
 
 from . import _compat
 from .buffers import param_view
+from .hparams import check_hparams
 from .layout import ParamSlot
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -196,7 +197,6 @@ class HparamPlan:
 def plan_hparams(opt: Any, saved_groups: Any, saved_extras: Optional[Mapping[str, Any]]) -> HparamPlan:
     """Check group count and sizes and every hyperparameter; raise ``ValueError`` naming the
     mismatch. Nothing is modified."""
-    from .distributed_fused_adam import _check_hparams  # late: that module imports this one
 
     if not isinstance(saved_groups, (list, tuple)):
         raise ValueError("load_state_dict: 'param_groups' must be a list of dicts")
@@ -231,7 +231,7 @@ def plan_hparams(opt: Any, saved_groups: Any, saved_extras: Optional[Mapping[str
         new["betas"] = tuple(new["betas"]) if isinstance(new["betas"], (list, tuple)) else new["betas"]
         if isinstance(new["lr"], Tensor):
             new["lr"] = new["lr"].detach().to(opt._device, copy=True)
-        _check_hparams(new["lr"], new["betas"], new["eps"], new["weight_decay"], f"{where}: ")
+        check_hparams(new["lr"], new["betas"], new["eps"], new["weight_decay"], f"{where}: ")
         new_groups.append(new)
     if len(decoupled) > 1:
         raise ValueError(
@@ -279,7 +279,7 @@ def apply_hparams(opt: Any, plan: HparamPlan) -> None:
             group["lr"] = old_lr
     for k, v in plan.options.items():
         setattr(opt, k, v)
-    opt._hparams_host = None  # re-upload the hyperparameter table at the next step
+    opt._hparam_table.invalidate()  # re-upload the hyperparameter table at the next step
 
 
 def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor]], steps: Tensor) -> None:

@@ -1,0 +1,62 @@
+"""Hyperparameters: validated from ``param_groups`` at every step, and kept on the device as the
+fp64 ``[G, 5]`` table (lr, beta1, beta2, eps, weight_decay) the step kernels read.
+
+Re-uploaded only when a value changed (from pinned memory, non-blocking: no host sync), so LR
+schedulers and edits take effect at the next step; a tensor lr (capturable) is copied on the
+device every step, so CUDA graphs that replay the step read its current value.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+
+def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
+    """Raise a ValueError naming the hyperparameter (prefixed by ``where``) that is invalid."""
+    if not isinstance(lr, Tensor) and not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a tensor)")
+    if (
+        not isinstance(betas, (tuple, list))
+        or len(betas) != 2
+        or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)
+    ):
+        raise ValueError(f"{where}betas={betas!r}: expected a pair of floats in [0, 1)")
+    if not (isinstance(eps, (int, float)) and eps >= 0 and math.isfinite(eps)):
+        raise ValueError(f"{where}eps={eps!r}: expected a finite float >= 0")
+    if not (isinstance(weight_decay, (int, float)) and weight_decay >= 0 and math.isfinite(weight_decay)):
+        raise ValueError(f"{where}weight_decay={weight_decay!r}: expected a finite float >= 0")
+
+
+class HparamTable:
+    def __init__(self, num_groups: int, device: torch.device) -> None:
+        self.device = device
+        self.table = torch.zeros(num_groups, 5, dtype=torch.float64, device=device)
+        self._host: Optional[List[Tuple]] = None
+
+    def invalidate(self) -> None:
+        """Force a re-upload at the next refresh (after param_groups were replaced wholesale)."""
+        self._host = None
+
+    def refresh(self, param_groups: Sequence[dict]) -> Tensor:
+        """Validate ``param_groups`` and bring the device table up to date; return it."""
+        host = []
+        for i, group in enumerate(param_groups):
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ")
+            lr = group["lr"]
+            lr_key = ("tensor", id(lr)) if isinstance(lr, Tensor) else float(lr)
+            host.append((lr_key, float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
+                         float(group["weight_decay"])))
+        if host != self._host:
+            rows = [[0.0 if isinstance(h[0], tuple) else h[0], *h[1:]] for h in host]
+            table = torch.tensor(rows, dtype=torch.float64)
+            if self.device.type == "cuda":
+                table = table.pin_memory()
+            self.table.copy_(table, non_blocking=True)
+            self._host = host
+        for i, group in enumerate(param_groups):
+            if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
+                self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
+        return self.table
