@@ -41,11 +41,14 @@ void check_flat(const at::Tensor& ref, const at::Tensor& t, const char* name) {
 
 bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
-// Splits every segment into chunks of at most kChunk elements: rows (start, seg << 32 | len).
+// Splits every segment into chunks of at most `chunk` elements (default kChunk): rows (start, seg << 32 | len).
 // Runs on the host from a host copy of the table (kernels.py caches the result per table, so
 // only a table's first use pays the device-to-host copy). Also the place where the table is
 // checked against the shard it indexes.
-at::Tensor build_chunks(const at::Tensor& segments, int64_t numel, int64_t num_params, int64_t num_groups) {
+at::Tensor build_chunks(const at::Tensor& segments, int64_t numel, int64_t num_params, int64_t num_groups,
+                        int64_t chunk) {
+  if (chunk <= 0) chunk = kChunk;
+  SHARDAMP_CHECK(chunk < (int64_t(1) << 32), "build_chunks: chunk must fit 32 bits");
   SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4,
               "segments must be an int64 [S, 4] tensor, got ", segments.scalar_type(), " ", segments.sizes());
   const at::Tensor t = segments.to(at::kCPU).contiguous();
@@ -61,15 +64,15 @@ at::Tensor build_chunks(const at::Tensor& segments, int64_t numel, int64_t num_p
                 num_params, ")");
     SHARDAMP_CHECK(group >= 0 && group < num_groups, "segment ", i, ": group ", group, " out of range [0, ",
                 num_groups, ")");
-    total += (len + kChunk - 1) / kChunk;
+    total += (len + chunk - 1) / chunk;
   }
   at::Tensor chunks = at::empty({total, 2}, at::kLong);
   int64_t* c = chunks.data_ptr<int64_t>();
   for (int64_t i = 0, k = 0; i < nseg; ++i) {
     const int64_t start = s[4 * i], len = s[4 * i + 1];
-    for (int64_t off = 0; off < len; off += kChunk, ++k) {
+    for (int64_t off = 0; off < len; off += chunk, ++k) {
       c[2 * k] = start + off;
-      c[2 * k + 1] = (i << 32) | std::min(kChunk, len - off);
+      c[2 * k + 1] = (i << 32) | std::min(chunk, len - off);
     }
   }
   return chunks;
@@ -136,7 +139,9 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   AdamArgs args{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched, grad_coef,
                 found_inf, adam_w_mode, bias_correction};
   // Without a cached table, build one now: correct, but it copies the segments to the host.
-  at::Tensor table = chunks ? *chunks : build_chunks(segments, grad.numel(), steps.numel(), hparams.size(0));
+  at::Tensor table = chunks ? *chunks
+                            : build_chunks(segments, grad.numel(), steps.numel(), hparams.size(0),
+                                           grad.is_cuda() ? kCudaChunk : kChunk);
   SHARDAMP_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 2 && table.is_contiguous(),
               "adam_step: chunks must be a contiguous int64 [C, 2] tensor from build_chunks");
   if (grad.is_cuda()) {
@@ -166,8 +171,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none());
   m.def("build_chunks", &shardamp::build_chunks,
         "Chunk table (int64 [C, 2], host) for adam_step, from a segments table; validates the table",
-        py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"));
+        py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);
   m.attr("CHUNK") = shardamp::kChunk;
+  m.attr("CUDA_CHUNK") = shardamp::kCudaChunk;
   m.def("cpu_capability", &shardamp::cpu_capability, "Which CPU kernel build runs here");
   m.attr("WITH_CUDA") =
 #if defined(SHARDAMP_WITH_CUDA)

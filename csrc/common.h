@@ -34,6 +34,16 @@ namespace shardamp {
 #endif
 constexpr int64_t kChunk = SHARDAMP_CHUNK;
 
+// The CUDA step's unit of work (one block each). Its blocks read their scalars from per-segment
+// records without a barrier, so a chunk costs little to start. Measured on an H200 (2026-11-29,
+// bench_step.py, CUDA-graph rows, fp32 / bf16 ms): 2048: 2.067 / 2.108; 4096: 1.930 / 1.989;
+// 8192: 2.003 / 1.994; 16384: 2.136 / 2.155 (csrc/NOTES.md). SHARDAMP_CUDA_CHUNK in the
+// environment overrides it at run time (optim/kernels.py), for such measurements.
+#ifndef SHARDAMP_CUDA_CHUNK
+#define SHARDAMP_CUDA_CHUNK 4096
+#endif
+constexpr int64_t kCudaChunk = SHARDAMP_CUDA_CHUNK;
+
 // A chunk-table row is (start, segment << 32 | length); length <= kChunk fits 32 bits.
 SHARDAMP_HD int64_t chunk_segment(int64_t packed) { return packed >> 32; }
 SHARDAMP_HD int64_t chunk_length(int64_t packed) { return packed & 0xffffffffLL; }

@@ -17,6 +17,13 @@ Variants are interleaved and each reports the median of --iters timings (CUDA ev
 perf_counter on a CPU at --threads threads). Prints a table; writes bench_step.json and, with
 matplotlib, bench_step.png to --out.
 
+On a GPU every variant is timed twice, with CUDA events around the same device work:
+  host ahead   the GPU is kept busy (a sleep kernel) while the host enqueues the timed calls, as
+               backward's kernels keep it busy in a training loop: the events then measure what
+               the device spends from "grads landed" to "params updated" (primary number; a
+               timing where the host fell behind is counted and reported);
+  idle GPU     the calls start on an idle GPU, so the host's launch latency is exposed too.
+
     python examples/bench_step.py --device cuda --out out/
     python examples/bench_step.py --device cpu --out out/
 """
@@ -49,22 +56,41 @@ def _sizes(total: int) -> List[int]:
 
 
 class Timer:
+    HEAD_START_MS = 4.0  # device time the host gets to enqueue the body in "host ahead" mode
+
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.host_late = 0  # host-ahead timings where the host had not finished enqueuing in time
+        self.sleep_cycles = 0
+        if self.cuda:  # calibrate torch.cuda._sleep (GPU clock cycles) to HEAD_START_MS
+            probe = 1_000_000
+            torch.cuda._sleep(probe)
+            torch.cuda.synchronize()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            torch.cuda._sleep(probe)
+            b.record()
+            b.synchronize()
+            self.sleep_cycles = int(probe * self.HEAD_START_MS / max(a.elapsed_time(b), 1e-3))
 
     def sync(self) -> None:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def time(self, prep: Callable[[], None], body: Callable[[], None]) -> float:
-        """Milliseconds of ``body``, after ``prep`` has fully finished (not timed)."""
+    def time(self, prep: Callable[[], None], body: Callable[[], None], ahead: bool = False) -> float:
+        """Milliseconds of ``body``, after ``prep`` has fully finished (not timed). ``ahead``
+        (CUDA): a sleep kernel runs first, so the host enqueues ``body`` while the GPU is busy."""
         prep()
         self.sync()
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            if ahead:
+                torch.cuda._sleep(self.sleep_cycles)
             start.record()
             body()
             end.record()
+            if ahead and start.query():  # the sleep was over before the host had enqueued body
+                self.host_late += 1
             end.synchronize()
             return start.elapsed_time(end)
         t0 = time.perf_counter()
@@ -219,32 +245,43 @@ def run(args) -> Dict:
     variants: Dict[str, tuple] = {}
     errors: Dict[str, str] = {}
     tmp = tempfile.mkdtemp(prefix="bench_step_")
+    only = [w for w in args.only.split(",") if w]
+
+    def wanted(name: str) -> bool:
+        return not only or any(name.startswith(w) for w in only)
+
     for kind in ("fp32", "bf16"):
-        variants[f"torch {kind}"] = torch_variant(kind, sizes, device)
+        if wanted(f"torch {kind}"):
+            variants[f"torch {kind}"] = torch_variant(kind, sizes, device)
         try:
             init_world_one(device, tmp)
-            variants[f"shardamp {kind}"] = shardamp_variant(kind, sizes, device)
+            if wanted(f"shardamp {kind}"):
+                variants[f"shardamp {kind}"] = shardamp_variant(kind, sizes, device)
         except Exception as exc:  # report, keep the other rows
             errors[f"shardamp {kind}"] = f"{type(exc).__name__}: {exc}"
-        if device.type == "cuda":
+        if device.type == "cuda" and wanted(f"shardamp {kind} graph"):
             try:
                 variants[f"shardamp {kind} graph"] = shardamp_variant(kind, sizes, device, graph=True)
             except Exception as exc:
                 errors[f"shardamp {kind} graph"] = f"{type(exc).__name__}: {exc}"
-        prep, body, backend = kernels_variant(kind, sizes, device)
-        variants[f"kernels {kind} ({backend})"] = (prep, body)
+        if wanted(f"kernels {kind}"):
+            prep, body, backend = kernels_variant(kind, sizes, device)
+            variants[f"kernels {kind} ({backend})"] = (prep, body)
 
     times: Dict[str, List[float]] = {name: [] for name in variants}
+    idle: Dict[str, List[float]] = {name: [] for name in variants}
     for name, (prep, body) in list(variants.items()):  # warm-up: builds, caches, first-step state
         try:
             for _ in range(args.warmup):
                 timer.time(prep, body)
         except Exception as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
-            del variants[name], times[name]
+            del variants[name], times[name], idle[name]
     for _ in range(args.iters):  # interleaved, so drift (clocks, heat) hits every variant alike
         for name, (prep, body) in variants.items():
-            times[name].append(timer.time(prep, body))
+            times[name].append(timer.time(prep, body, ahead=timer.cuda))
+            if timer.cuda:
+                idle[name].append(timer.time(prep, body))
 
     # The kernels' throughput with launches queued back to back (no host gap before each call):
     # the per-iteration timings above also pay the launch latency of an idle GPU.
@@ -262,15 +299,20 @@ def run(args) -> Dict:
         # its timed region holds the step alone: report it against the step's 28 B/elem too.
         step_ms = STEP_BYTES_PER_ELEM[kind] * total / bw * 1e3
         hidden = name.startswith("shardamp") and device.type == "cuda"
+        idle_ms = statistics.median(idle[name]) if idle[name] else None
         rows.append(dict(name=name, kind=kind, median_ms=statistics.median(ts), min_ms=min(ts),
                          roofline_ms=ideal_ms, fraction_of_roofline=ideal_ms / statistics.median(ts),
                          stats_hidden_under_backward=hidden,
-                         fraction_of_step_roofline=step_ms / statistics.median(ts) if hidden else None))
+                         fraction_of_step_roofline=step_ms / statistics.median(ts) if hidden else None,
+                         idle_gpu_median_ms=idle_ms,
+                         idle_gpu_fraction_of_roofline=ideal_ms / idle_ms if idle_ms else None))
     for kind in ("fp32", "bf16"):
         rows.append(dict(name=f"roofline {kind}", kind=kind, median_ms=BYTES_PER_ELEM[kind] * total / bw * 1e3,
                          min_ms=None, roofline_ms=BYTES_PER_ELEM[kind] * total / bw * 1e3, fraction_of_roofline=1.0))
     return dict(device=str(device), device_name=_device_name(device), numel=total, num_params=NUM_PARAMS,
                 threads=args.threads if device.type == "cpu" else None, iters=args.iters,
+                timing="host ahead (GPU busy while the host enqueues) + idle GPU" if timer.cuda else "perf_counter",
+                host_late_timings=timer.host_late,
                 copy_bandwidth_GBps=bw / 1e9, torch=torch.__version__, rows=rows, errors=errors,
                 kernels_back_to_back_ms=back_to_back)
 
@@ -284,7 +326,10 @@ def _device_name(device: torch.device) -> str:
 def report(result: Dict, out: Path) -> None:
     print(f"\n{result['device_name']}: {result['numel'] / 2**20:.0f}M elements in {result['num_params']} params, "
           f"copy bandwidth {result['copy_bandwidth_GBps']:.0f} GB/s, median of {result['iters']}")
-    print(f"{'variant':<26}{'median ms':>11}{'min ms':>10}{'vs torch':>10}{'of roofline':>13}")
+    if result["device"].startswith("cuda"):
+        print(f"device time with the host ahead (as in training); last columns: from an idle GPU. "
+              f"Host-ahead timings where the host fell behind: {result['host_late_timings']}")
+    print(f"{'variant':<26}{'median ms':>11}{'min ms':>10}{'vs torch':>10}{'of roofline':>13}{'idle ms':>10}{'idle %':>8}")
     medians = {r["name"]: r["median_ms"] for r in result["rows"]}
     for r in result["rows"]:
         ref = medians.get(f"torch {r['kind']}")
@@ -292,7 +337,10 @@ def report(result: Dict, out: Path) -> None:
         mn = f"{r['min_ms']:.3f}" if r["min_ms"] is not None else "-"
         hidden = r.get("fraction_of_step_roofline")
         extra = f"   {100 * hidden:.1f}% of the 28 B step roofline (stats hidden under backward)" if hidden else ""
-        print(f"{r['name']:<26}{r['median_ms']:>11.3f}{mn:>10}{speedup:>10}{100 * r['fraction_of_roofline']:>12.1f}%{extra}")
+        idle_ms = r.get("idle_gpu_median_ms")
+        idle_txt = f"{idle_ms:>10.3f}{100 * r['idle_gpu_fraction_of_roofline']:>7.1f}%" if idle_ms else f"{'-':>10}{'-':>8}"
+        print(f"{r['name']:<26}{r['median_ms']:>11.3f}{mn:>10}{speedup:>10}{100 * r['fraction_of_roofline']:>12.1f}%"
+              f"{idle_txt}{extra}")
     for name, ms in result["kernels_back_to_back_ms"].items():
         print(f"{name}, launched back to back: {ms:.3f} ms per call")
     for name, err in result["errors"].items():
@@ -327,6 +375,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--only", default="", help="comma-separated name prefixes of the variants to run "
+                        "(e.g. 'shardamp fp32 graph,kernels'); default all")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")))
     args = parser.parse_args()
     result = run(args)

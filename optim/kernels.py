@@ -126,9 +126,10 @@ def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, 
     """The kernels' block-to-chunk map of ``segments``, built on the host (and validated) at
     first use, which copies the table to the host once; cached on the table, so later steps
     issue no copy and no sync."""
-    key = f"native_chunks_{ext.CHUNK}_{grad.device}"
+    size = int(os.environ.get("SHARDAMP_CUDA_CHUNK", ext.CUDA_CHUNK)) if grad.is_cuda else ext.CHUNK
+    key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
     if chunks is None:
-        chunks = ext.build_chunks(segments.table, grad.numel(), steps.numel(), hparams.shape[0])
+        chunks = ext.build_chunks(segments.table, grad.numel(), steps.numel(), hparams.shape[0], size)
         chunks = segments.extra[key] = chunks.to(grad.device)
     return chunks

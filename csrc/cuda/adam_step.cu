@@ -1,12 +1,15 @@
-// adam_step on CUDA: one launch per shard, one pass, no temporaries (contract:
-// optim/reference.py). Each block owns one row of a host-built chunk table (a <= kChunk slice
-// of one segment), so per-group hyperparameters and per-param steps cost one scalar set-up per
-// block, done by thread 0 and broadcast through shared memory. found_inf, grad_coef, steps and
-// touched are read on the device: no host sync, CUDA-graph capturable.
-//
-// Bytes per element (fp32 master/moments): grad read, p/m/v read + written, model_out written.
-// Loads are 16 bytes wide and kUnroll of them per array are issued before any math so that
-// each thread keeps ~4*kUnroll independent requests in flight.
+// adam_step on CUDA: one pass over the shard, no temporaries beyond a per-segment scalar table
+// (contract: optim/reference.py). Two launches per shard:
+//   1. prepare_kernel: one thread per segment reads found_inf / touched / steps / grad_coef and
+//      the segment's hparams row and forms the scalars derived in fp64 (bias corrections,
+//      lr / bc1, 1 - lr * wd) once, into a 48-byte record per segment;
+//   2. adam_kernel: one block per row of a host-built chunk table (a <= kCudaChunk slice of one
+//      segment). Every thread reads its chunk's row and record itself (broadcast loads that hit
+//      L1/L2): no serial set-up by one thread, no barrier, so a block streams from its start.
+// found_inf, grad_coef, steps and touched are read on the device: no host sync, CUDA-graph
+// capturable. Bytes per element (fp32 master/moments): grad read, p/m/v read + written,
+// model_out written. Loads are 16 bytes wide and kUnroll of them per array are issued before
+// any math, so each thread keeps ~4*kUnroll independent requests in flight.
 
 #include "../common.h"
 #include "vec.cuh"
@@ -28,7 +31,15 @@ namespace {
 constexpr int kThreads = SHARDAMP_ADAM_THREADS;
 constexpr int kVec = 8;                        // elements per vector step
 constexpr int kUnroll = SHARDAMP_ADAM_UNROLL;  // vector steps per thread per iteration
-static_assert(kChunk % (kThreads * kVec) == 0, "a chunk is a whole number of block-wide steps");
+static_assert(kCudaChunk % (kThreads * kVec) == 0, "a chunk is a whole number of block-wide steps");
+
+// What prepare_kernel writes per segment, read by adam_kernel as three float4.
+struct alignas(16) SegmentRecord {
+  SegmentScalars sc;  // 9 floats
+  float skip;         // 1: found_inf set or the param untouched: write nothing
+  float pad[2];
+};
+static_assert(sizeof(SegmentRecord) == 48, "three float4 per record");
 
 struct Params {
   const void* grad;
@@ -38,6 +49,7 @@ struct Params {
   void* model_out;
   const int64_t* chunks;
   const int64_t* segments;
+  SegmentRecord* records;
   const double* hparams;
   const void* steps;
   const void* touched;
@@ -47,31 +59,10 @@ struct Params {
   bool adam_w, bias_correction, vec_ok;
 };
 
+// The update of elements [lo, hi) with one set of scalars, by the threads of one block.
 template <typename G, typename O>
-__global__ void __launch_bounds__(kThreads) adam_kernel(const Params P) {
-  __shared__ SegmentScalars shared_sc;
-  __shared__ int64_t shared_range[2];
-  __shared__ bool shared_skip;
-  if (threadIdx.x == 0) {
-    const int64_t start = P.chunks[2 * blockIdx.x], packed = P.chunks[2 * blockIdx.x + 1];
-    const int64_t seg = chunk_segment(packed);
-    const int64_t param = P.segments[4 * seg + 2], group = P.segments[4 * seg + 3];
-    const bool skip = load_scalar(P.found_inf, P.found_code, 0) != 0.0 ||
-                      load_scalar(P.touched, P.touched_code, param) == 0.0;
-    shared_skip = skip;
-    shared_range[0] = start;
-    shared_range[1] = start + chunk_length(packed);
-    if (!skip) {
-      shared_sc = segment_scalars(P.hparams + 5 * group, load_scalar(P.steps, P.steps_code, param),
-                                  load_scalar(P.grad_coef, P.coef_code, 0), P.bias_correction);
-    }
-  }
-  __syncthreads();
-  if (shared_skip) return;
-  const SegmentScalars s = shared_sc;
-  const int64_t lo = shared_range[0], hi = shared_range[1];
+__device__ __forceinline__ void update_range(const Params& P, const SegmentScalars& s, int64_t lo, int64_t hi) {
   const bool adam_w = P.adam_w;
-
   const G* __restrict__ g = static_cast<const G*>(P.grad);
   float* __restrict__ p = P.master;
   float* __restrict__ m = P.exp_avg;
@@ -125,6 +116,32 @@ __global__ void __launch_bounds__(kThreads) adam_kernel(const Params P) {
   for (int64_t i = vhi + threadIdx.x; i < hi; i += kThreads) scalar(i);
 }
 
+__global__ void prepare_kernel(const Params P, int64_t nseg) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= nseg) return;
+  const int64_t param = P.segments[4 * i + 2], group = P.segments[4 * i + 3];
+  SegmentRecord r{};
+  r.skip = (load_scalar(P.found_inf, P.found_code, 0) != 0.0 ||
+            load_scalar(P.touched, P.touched_code, param) == 0.0) ? 1.0f : 0.0f;
+  if (r.skip == 0.0f) {
+    r.sc = segment_scalars(P.hparams + 5 * group, load_scalar(P.steps, P.steps_code, param),
+                           load_scalar(P.grad_coef, P.coef_code, 0), P.bias_correction);
+  }
+  P.records[i] = r;
+}
+
+// One block per chunk; the hardware hands a new chunk to each block slot as one finishes.
+template <typename G, typename O>
+__global__ void __launch_bounds__(kThreads) adam_kernel(const Params P) {
+  const longlong2 row = __ldg(reinterpret_cast<const longlong2*>(P.chunks) + blockIdx.x);
+  const float4* rec = reinterpret_cast<const float4*>(P.records) + 3 * chunk_segment(row.y);
+  const float4 d = __ldg(rec + 2);
+  if (d.y != 0.0f) return;
+  const float4 a = __ldg(rec), b = __ldg(rec + 1);
+  const SegmentScalars s{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, d.x};
+  update_range<G, O>(P, s, row.x, row.x + chunk_length(row.y));
+}
+
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 template <typename G, typename O>
@@ -150,8 +167,10 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
   const int64_t nchunks = chunks.size(0);
   if (nchunks == 0) return;
   SHARDAMP_CHECK(nchunks < (int64_t(1) << 31), "adam_step: too many chunks for one launch");
+  SHARDAMP_CHECK(aligned16(chunks.data_ptr()),
+                 "adam_step: the chunk table must be 16-byte aligned (pass build_chunks' result as is)");
   const c10::cuda::CUDAGuard guard(a.grad.device());
-  Params P;
+  Params P{};
   P.grad = a.grad.data_ptr();
   P.master = a.master.data_ptr<float>();
   P.exp_avg = a.exp_avg.data_ptr<float>();
@@ -172,6 +191,16 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
   P.bias_correction = a.bias_correction;
   P.vec_ok = aligned16(P.grad) && aligned16(P.master) && aligned16(P.exp_avg) && aligned16(P.exp_avg_sq) &&
              (P.model_out == nullptr || aligned16(P.model_out));
+  // The per-segment records live in a scratch tensor from the caching allocator (the graph's
+  // private pool under capture); the stream orders prepare -> step -> next use.
+  const int64_t nseg = a.segments.size(0);
+  const at::Tensor records =
+      at::empty({nseg * int64_t(sizeof(SegmentRecord) / sizeof(float))}, a.grad.options().dtype(at::kFloat));
+  P.records = reinterpret_cast<SegmentRecord*>(records.data_ptr<float>());
+  constexpr int kPrepThreads = 128;
+  prepare_kernel<<<static_cast<unsigned int>((nseg + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
+                   c10::cuda::getCurrentCUDAStream()>>>(P, nseg);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   switch (a.grad.scalar_type()) {
     case at::kFloat: return dispatch_out<float>(P, a.model_out, nchunks);
     case at::kBFloat16: return dispatch_out<__nv_bfloat16>(P, a.model_out, nchunks);
