@@ -1,9 +1,12 @@
-"""Checkpoint cases: each ``case_*(rank, world, tmp)`` runs on every rank of one spawned gloo
-group (see test_checkpoint.py); groups hand checkpoints to each other through files in ``tmp``.
+"""Checkpoint cases: each ``case_*(rank, world, tmp)`` runs on every rank of one spawned group
+(gloo on CPU: test_checkpoint.py; NCCL on GPUs: test_cuda_checkpoint.py); groups hand
+checkpoints to each other through files in ``tmp``.
 
 Every step uses one fixed batch of ``PER_STEP`` samples split evenly over the ranks, so a run at
 any world size (1, 2, 3, or unsharded torch fed the whole batch) sees the same average gradient:
-training can stop at one world size and resume at another.
+training can stop at one world size and resume at another. ``run(..., device=, per_step=)`` sets
+the device the cases build on and the batch size (a multiple of every world size in use) for the
+whole spawned process; the defaults are the CPU tests'.
 """
 from __future__ import annotations
 
@@ -23,34 +26,43 @@ from shardamp.optim.checkpoint import load_sharded, save_sharded
 from shardamp.scaler import ShardedGradScaler
 
 TINY = 0.0004  # MB: about 100 fp32 elements per bucket, so params straddle buckets and shards
-PER_STEP = 6
+PER_STEP = 6  # samples per step: divisible by worlds 1, 2 and 3 (the GPU test sets 12)
 SAVE_AT = 3
 TOTAL = 6
+DEVICE = "cpu"  # where build() puts models (set by run() in a spawned group)
 
 
 # ====================================================================== shared by cases and tests
-def batch(step: int, kind: str = "mlp") -> Tuple[torch.Tensor, torch.Tensor]:
+def batch(step: int, kind: str = "mlp", per_step: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s whole batch, on the CPU (same values whatever the device trained on)."""
+    n = per_step or PER_STEP
     g = torch.Generator().manual_seed(500 + step)
     if kind == "conv":
-        return torch.randn(PER_STEP, 3, 6, 6, generator=g), torch.randn(PER_STEP, 3, generator=g)
-    return torch.randn(PER_STEP, 12, generator=g), torch.randn(PER_STEP, 5, generator=g)
+        return torch.randn(n, 3, 6, 6, generator=g), torch.randn(n, 3, generator=g)
+    return torch.randn(n, 12, generator=g), torch.randn(n, 5, generator=g)
 
 
-def new_model(kind: str = "mlp", dtype: torch.dtype = torch.float32, channels_last: bool = False) -> nn.Module:
-    torch.manual_seed(0)
+def new_model(kind: str = "mlp", dtype: torch.dtype = torch.float32, channels_last: bool = False,
+              device: str = "cpu") -> nn.Module:
+    torch.manual_seed(0)  # initialised on the CPU: the same weights on every device
     model = (ConvNet() if kind == "conv" else MLP()).to(dtype)
-    return model.to(memory_format=torch.channels_last) if channels_last else model
+    model = model.to(memory_format=torch.channels_last) if channels_last else model
+    return model.to(device)  # .to(device) keeps the channels_last strides
 
 
 def train(model: nn.Module, opt: Any, steps: Sequence[int], rank: int = 0, world: int = 1,
-          kind: str = "mlp", scaler: Optional[Any] = None) -> None:
-    """``steps`` of training on this rank's slice of each step's batch (all of it at world 1)."""
-    n = PER_STEP // world
-    dtype = next(model.parameters()).dtype
+          kind: str = "mlp", scaler: Optional[Any] = None, per_step: Optional[int] = None) -> None:
+    """``steps`` of training on this rank's slice of each step's batch (all of it at world 1),
+    on the model's device."""
+    per_step = per_step or PER_STEP
+    # an uneven split would silently drop samples and break the equal-average-gradient premise
+    assert per_step % world == 0, f"{per_step} samples per step cannot be split over {world} ranks"
+    n = per_step // world
+    p = next(model.parameters())
     for step in steps:
-        x, y = batch(step, kind)
+        x, y = batch(step, kind, per_step)
         x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-        loss = F.mse_loss(model(x.to(dtype)).float(), y)
+        loss = F.mse_loss(model(x.to(p.device, p.dtype)).float(), y.to(p.device))
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(opt)
@@ -64,16 +76,19 @@ def train(model: nn.Module, opt: Any, steps: Sequence[int], rank: int = 0, world
 
 
 def torch_run(kind: str = "mlp", steps: Sequence[int] = range(TOTAL), cls: type = torch.optim.AdamW,
-              channels_last: bool = False, **kw: Any) -> Tuple[nn.Module, torch.optim.Optimizer]:
-    """The unsharded reference: torch.optim over the same model and groups, whole batches."""
+              channels_last: bool = False, per_step: Optional[int] = None,
+              **kw: Any) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """The unsharded reference, on the CPU: torch.optim over the same model and groups, whole
+    batches of ``per_step`` samples (default ``PER_STEP``)."""
     model = new_model(kind, channels_last=channels_last)
     opt = cls(two_groups(model), **kw)
-    train(model, opt, steps, kind=kind)
+    train(model, opt, steps, kind=kind, per_step=per_step)
     return model, opt
 
 
 def params_of(model: nn.Module) -> List[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+    """The params as CPU tensors (what a spawned rank hands back to the test)."""
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def assert_sd_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
@@ -91,13 +106,15 @@ def assert_sd_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
 
 
 def build(kind: str = "mlp", dtype: torch.dtype = torch.float32, channels_last: bool = False,
-          **kw: Any) -> Tuple[nn.Module, DistributedFusedAdam]:
-    model = new_model(kind, dtype, channels_last)
+          device: Optional[str] = None, **kw: Any) -> Tuple[nn.Module, DistributedFusedAdam]:
+    """A model on ``device`` (default ``DEVICE``) and DistributedFusedAdam over its two groups."""
+    model = new_model(kind, dtype, channels_last, device or DEVICE)
     return model, DistributedFusedAdam(two_groups(model), **kw)
 
 
 def _load(tmp: str, name: str) -> Any:
-    return torch.load(os.path.join(tmp, name), weights_only=True)
+    # CPU first: a rank must not materialise tensors on the GPU of the rank that saved them
+    return torch.load(os.path.join(tmp, name), weights_only=True, map_location="cpu")
 
 
 def _save(obj: Any, tmp: str, name: str, rank: int) -> None:
@@ -111,7 +128,7 @@ def _save(obj: Any, tmp: str, name: str, rank: int) -> None:
 # ====================================================================== world 3: train and save
 def case_save(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     model, opt = build(bucket_cap_mb=TINY)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0**8, growth_interval=2)
+    scaler = ShardedGradScaler(DEVICE, init_scale=2.0**8, growth_interval=2)
     train(model, opt, range(SAVE_AT), rank, world, scaler=scaler)
     sd = opt.state_dict()
     sd0 = opt.state_dict(rank0_only=True)
@@ -204,7 +221,7 @@ def case_errors(rank: int, world: int, tmp: str) -> List[str]:
             raise AssertionError(f"no error for /{pattern}/")
         assert_sd_equal(opt.state_dict(), before)
     # a sharded checkpoint of a different model
-    small = MLP(hidden=16)
+    small = MLP(hidden=16).to(DEVICE)
     other = DistributedFusedAdam(two_groups(small))
     try:
         load_sharded(other, os.path.join(tmp, "dcp"))
@@ -227,15 +244,20 @@ def case_resume(rank: int, world: int, tmp: str) -> List[torch.Tensor]:
     return params_of(model)
 
 
-def case_dcp(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+def case_dcp(rank: int, world: int, tmp: str, bucket_cap_mb: float = TINY) -> Dict[str, Any]:
     saved = _load(tmp, "w3.pt")
-    model, opt = build(bucket_cap_mb=TINY)
+    model, opt = build(bucket_cap_mb=bucket_cap_mb)
     model.load_state_dict(saved["model"])
-    scaler = ShardedGradScaler("cpu")
+    scaler = ShardedGradScaler(DEVICE)
     load_sharded(opt, os.path.join(tmp, "dcp"), scaler=scaler)
     sd, scaler_sd = opt.state_dict(), scaler.state_dict()
     train(model, opt, range(SAVE_AT, TOTAL), rank, world, scaler=scaler)
     return {"sd": sd, "scaler": scaler_sd, "params": params_of(model)}
+
+
+def case_dcp_one_bucket(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """case_dcp into one big bucket: another layout even at the world size that saved."""
+    return case_dcp(rank, world, tmp, bucket_cap_mb=1000.0)
 
 
 def case_bf16_resume(rank: int, world: int, tmp: str) -> Dict[str, Any]:
@@ -275,9 +297,14 @@ W3_CASES = ["case_save", "case_roundtrip", "case_bf16", "case_channels_last", "c
 W2_CASES = ["case_resume", "case_dcp", "case_bf16_resume", "case_channels_last_resume", "case_from_torch"]
 
 
-def run(rank: int, world: int, tmp: str, names: List[str]) -> Dict[str, Any]:
+def run(rank: int, world: int, tmp: str, names: List[str], device: str = "cpu",
+        per_step: int = PER_STEP) -> Dict[str, Any]:
     """As dist_helper.run_cases, with the shared temp dir: a failure is recorded, and stops the
-    group (a half-run case may leave the ranks' collectives out of step)."""
+    group (a half-run case may leave the ranks' collectives out of step). ``device`` and
+    ``per_step`` hold for every case of this spawned process (module globals: each rank is a
+    fresh process, so nothing leaks into the test's own process)."""
+    global DEVICE, PER_STEP
+    DEVICE, PER_STEP = device, per_step
     out: Dict[str, Any] = {}
     for name in names:
         try:

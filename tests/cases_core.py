@@ -69,6 +69,12 @@ def case_bf16_params(rank, world, **kw):
     return train(rank, world, **kw, param_dtype=torch.bfloat16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
 
 
+def case_fp16_params(rank, world, **kw):
+    # fp16 twin of case_bf16_params: fp16 model, fp32 master and fp32 grad reduction; the params
+    # all-gathered in fp16 must equal the rounded master bit for bit (check_parity_case)
+    return train(rank, world, **kw, param_dtype=torch.float16, opt_kwargs=dict(grad_sync_dtype=torch.float32))
+
+
 def case_param_sync_bf16(rank, world, **kw):
     # fp32 params all-gathered in bf16: other ranks' shards arrive rounded, the masters stay exact
     return train(rank, world, **kw, shadow_ref=True, opt_kwargs=dict(param_sync_dtype=torch.bfloat16))

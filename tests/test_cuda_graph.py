@@ -1,5 +1,7 @@
 """capturable=True: the WHOLE iteration (forward, backward with its hooks, unscale_, clip, step,
-update) is captured in one CUDA graph and replayed, matching eager execution. Needs a GPU.
+update) is captured in one CUDA graph and replayed, matching eager execution. Needs a GPU; the
+multi-rank variant (NCCL reduce-scatter, all-reduce and all-gather inside the graph, an inf on
+one rank only) needs two.
 
 What a user must do, as this test does: build the optimizer with ``capturable=True`` and lr as
 a device tensor (LR schedules then write that tensor), keep inputs in static tensors copied into
@@ -8,11 +10,15 @@ before each replay, warm up a few eager iterations on a side stream, then captur
 from __future__ import annotations
 
 import copy
+import math
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
+from dist_helper import run_distributed
 from parity import MLP
 from shardamp.optim import DistributedFusedAdam
 from shardamp.scaler import ShardedGradScaler
@@ -20,19 +26,23 @@ from shardamp.scaler import ShardedGradScaler
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 WARMUP, STEPS, INF_AT, LR_CHANGE_AT = 3, 24, 11, 16
+INF_RANK = 1  # the multi-rank test puts its inf on this rank's batch only
 
 
-def _data(step: int):
-    g = torch.Generator().manual_seed(step)
+def _data(step: int, rank: int = 0, inf_rank: int = 0):
+    """Rank ``rank``'s batch for ``step`` (rank 0: the world-1 test's), with an inf at INF_AT on
+    ``inf_rank`` only."""
+    g = torch.Generator().manual_seed(step if rank == 0 else 1000 * rank + step)
     x, y = torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)
-    if step == INF_AT:
+    if step == INF_AT and rank == inf_rank:
         x[2, 3] = float("inf")
     return x.cuda(), y.cuda()
 
 
-def _setup(model: nn.Module):
+def _setup(model: nn.Module, process_group: Optional[Any] = None):
     opt = DistributedFusedAdam(
-        model.parameters(), lr=torch.tensor(2e-2, device="cuda"), weight_decay=0.01, capturable=True
+        model.parameters(), lr=torch.tensor(2e-2, device="cuda"), weight_decay=0.01, capturable=True,
+        process_group=process_group,
     )
     scaler = ShardedGradScaler("cuda", init_scale=2.0**10, growth_interval=4)
     return opt, scaler
@@ -102,3 +112,104 @@ def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
         for a, b in zip(model.parameters(), e_params):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert max(e[2] for e in eager) > 2.0**10  # the scale grew too, inside the graph
+
+
+# ====================================================================== world 2, NCCL
+def _params(model: nn.Module) -> List[torch.Tensor]:
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def _graph_vs_eager_on_ranks(rank: int, world: int) -> Dict[str, List[Dict[str, Any]]]:
+    """One rank of the multi-rank test: the world-1 test's graph and eager runs on this rank's
+    batches. Records every step and asserts nothing: a rank that stopped early would leave the
+    others waiting in a collective until the timeout; the test checks the records."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    eager_model = copy.deepcopy(model)
+    opt, scaler = _setup(model)
+    # the eager twin gets its own group: one DistributedFusedAdam per process group (README)
+    eager_opt, eager_scaler = _setup(eager_model, dist.new_group(list(range(world))))
+
+    static_x, static_y = _data(0, rank, INF_RANK)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # also sets up NCCL's connections for exactly the collectives the graph will hold
+        for step in range(WARMUP):
+            x, y = _data(step, rank, INF_RANK)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            _iteration(model, opt, scaler, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()  # no warm-up collective still in flight when capture begins
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_norm = _iteration(model, opt, scaler, static_x, static_y)
+
+    eager = []
+    for step in range(STEPS):
+        if step == LR_CHANGE_AT:
+            eager_opt.param_groups[0]["lr"].fill_(5e-3)
+        x, y = _data(step, rank, INF_RANK)
+        loss, norm = _iteration(eager_model, eager_opt, eager_scaler, x, y)
+        eager.append(dict(step=step, loss=float(loss.detach()), norm=float(norm), scale=eager_scaler.get_scale(),
+                          skipped=bool(eager_scaler.last_step_skipped), params=_params(eager_model)))
+
+    replayed = []
+    for step in range(WARMUP, STEPS):
+        if step == LR_CHANGE_AT:
+            opt.param_groups[0]["lr"].fill_(5e-3)
+        x, y = _data(step, rank, INF_RANK)
+        static_x.copy_(x)
+        static_y.copy_(y)
+        before = [p.detach().clone() for p in model.parameters()]
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed.append(dict(
+            step=step, loss=float(static_loss), norm=float(static_norm), scale=scaler.get_scale(),
+            skipped=bool(scaler.last_step_skipped), params=_params(model),
+            unchanged=all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+        ))
+    graph.reset()  # release the graph (and NCCL's resources it holds) before the group goes
+    torch.cuda.synchronize()
+    return {"eager": eager, "replayed": replayed}
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (one NCCL rank each)")
+def test_whole_iteration_graph_on_two_nccl_ranks_matches_eager() -> None:
+    """Each rank captures forward + backward (reduce-scatter) + unscale_ + clip + step
+    (all-reduce, all-gather) + update in one graph and replays it; an inf on rank INF_RANK's
+    batch only at INF_AT: every rank skips that step inside the graph and backs off the same
+    scale, and the replayed params equal an eager run of the same ranks."""
+    per_rank = run_distributed(_graph_vs_eager_on_ranks, 2, backend="nccl", timeout=300.0)
+    for rank, result in enumerate(per_rank):
+        eager = result["eager"]
+        for rec in result["replayed"]:
+            step = rec["step"]
+            e = eager[step]
+            where = f"rank {rank} step {step}"
+            assert rec["skipped"] == e["skipped"] == (step == INF_AT), where
+            assert rec["scale"] == e["scale"], where
+            if step == INF_AT:
+                assert rec["unchanged"], where  # skipped inside the graph
+                assert e["scale"] == eager[step - 1]["scale"] / 2, where  # backed off
+                # the norm is global: non-finite on the rank whose own batch was clean, too
+                assert not math.isfinite(rec["norm"]) and not math.isfinite(e["norm"]), where
+            else:
+                assert not rec["unchanged"], where
+                assert rec["norm"] == pytest.approx(e["norm"], rel=1e-5), where
+                assert rec["loss"] == pytest.approx(e["loss"], rel=1e-5), where
+            for i, (a, b) in enumerate(zip(rec["params"], e["params"])):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"{where} param {i}: {m}")
+        assert max(e["scale"] for e in eager) > 2.0**10  # the scale grew too, inside the graph
+    # the ranks agree: same skipped step, same scale, same global norm, the same model
+    first = per_rank[0]["replayed"]
+    for rank, result in enumerate(per_rank[1:], start=1):
+        for a, b in zip(first, result["replayed"]):
+            where = f"rank {rank} step {a['step']}"
+            assert (a["skipped"], a["scale"]) == (b["skipped"], b["scale"]), where
+            if not a["skipped"]:
+                assert a["norm"] == pytest.approx(b["norm"], rel=1e-6), where
+            assert all(torch.equal(p, q) for p, q in zip(a["params"], b["params"])), where
