@@ -4,8 +4,8 @@ Built with ninja on first use and cached in torch's extension directory (``TORCH
 if set); torch's loader holds a file lock while it builds, so concurrent processes (pytest-xdist
 workers, ranks of one job) build once and the others wait and load the result. Two modules:
 ``shardamp_kernels_cpu`` (C++ only, builds without CUDA) and ``shardamp_kernels_cuda`` (the same C++
-plus the CUDA kernels, serving CPU and CUDA tensors alike), each with an ``_avx2`` suffix when
-built for AVX2+FMA.
+plus the CUDA kernels, serving CPU and CUDA tensors alike), each with an ``_avx2`` or
+``_avx512`` suffix when built for that vector ISA (the one torch itself uses on this CPU).
 """
 from __future__ import annotations
 
@@ -47,17 +47,33 @@ def _x86_64() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64")
 
 
-def _use_avx2() -> bool:
-    """Whether to build the CPU kernels for AVX2+FMA: x86-64 CPUs that torch itself runs at
-    AVX2 or above, unless SHARDAMP_CPU_CAPABILITY=generic asks for the baseline build."""
-    if not _x86_64() or os.environ.get("SHARDAMP_CPU_CAPABILITY", "").lower() == "generic":
-        return False
+def cpu_capability() -> str:
+    """Which CPU build of the kernels to use: the vector ISA torch itself runs at on this CPU
+    ("avx512", "avx2") or "generic" (baseline x86-64 / other architectures).
+    SHARDAMP_CPU_CAPABILITY=generic|avx2|avx512 lowers it (never above what torch reports)."""
+    if not _x86_64():
+        return "generic"
     try:
         import torch
 
-        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        torch_cap = {"AVX512": "avx512", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability(), "generic")
     except (AttributeError, RuntimeError):
-        return False
+        torch_cap = "generic"
+    order = ["generic", "avx2", "avx512"]
+    asked = os.environ.get("SHARDAMP_CPU_CAPABILITY", "").strip().lower() or torch_cap
+    if asked not in order:
+        raise ValueError(f"SHARDAMP_CPU_CAPABILITY={asked!r}: expected generic, avx2 or avx512")
+    return order[min(order.index(asked), order.index(torch_cap))]
+
+
+# at::vec's Vectorized<float> is 256 bits under CPU_CAPABILITY_AVX2 and 512 under _AVX512; each
+# build gets its own module name, so a shared extension cache never hands it to a CPU without it.
+_CPU_FLAGS = {
+    "generic": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+}
 
 
 def load_extension(cuda: bool):
@@ -69,14 +85,11 @@ def load_extension(cuda: bool):
 
     src = source_dir()
     sources = [src / "binding.cpp", src / "cpu" / "fused_adam_cpu.cpp"]
-    # -O3 and nothing machine-specific. The one exception is AVX2+FMA (at::vec's 256-bit
-    # Vectorized), and only when this CPU has it: the module is then built under its own name,
-    # so a shared extension cache never hands an AVX2 build to a CPU without AVX2.
-    cflags = ["-O3"]
-    suffix = ""
-    if _use_avx2():
-        cflags += ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"]
-        suffix = "_avx2"
+    # -O3 and nothing machine-specific except the vector ISA torch itself uses on this CPU
+    # (AVX2+FMA or AVX-512), each under its own module name.
+    cap = cpu_capability()
+    cflags = ["-O3", *_CPU_FLAGS[cap]]
+    suffix = "" if cap == "generic" else f"_{cap}"
     kwargs: Dict[str, Any] = {}
     if cuda:
         sources += sorted((src / "cuda").glob("*.cu"))
