@@ -158,6 +158,49 @@ def test_adam_step_empty_and_cached_chunks(exts, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk", [1000, 4097, "cuda", 65536])
+def test_adam_step_any_chunk_size(exts, device, chunk):
+    """Chunk tables of any size (SHARDAMP_CUDA_CHUNK may set one) cover every segment exactly and
+    give the reference's result; unaligned chunk starts (4097) take the scalar head/tail path."""
+    ext = _ext_for(exts, device)
+    size = ext.CUDA_CHUNK if chunk == "cuda" else chunk
+    state, table, hparams, steps, touched = _shard(device, torch.bfloat16, torch.bfloat16, seed=11)
+    chunks = ext.build_chunks(table.cpu(), NUMEL, steps.numel(), hparams.shape[0], size)
+    rows = []
+    for start, packed in chunks.tolist():
+        rows.append((start, packed & 0xFFFFFFFF, packed >> 32))
+    assert all(0 < length <= size for _, length, _ in rows)
+    for seg, (start, length, _, _) in enumerate(SEGMENTS):  # each segment tiled in order, no gap
+        mine = [(s, n) for s, n, k in rows if k == seg]
+        assert mine[0][0] == start and sum(n for _, n in mine) == length
+        assert all(a + n == b for (a, n), (b, _) in zip(mine, mine[1:]))
+    coef, found_inf = torch.tensor(0.8, device=device), torch.zeros((), device=device)
+    ref = _clone(state)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    _run(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, True, True, chunks=chunks.to(device))
+    _assert_state_close(state, ref)
+
+
+def test_cpu_build_follows_torch_and_env(monkeypatch):
+    """The CPU kernels are built for the ISA torch runs at; the env var can only lower it."""
+    from shardamp.optim import _build
+
+    monkeypatch.delenv("SHARDAMP_CPU_CAPABILITY", raising=False)
+    native = _build.cpu_capability()
+    assert native in ("generic", "avx2", "avx512")
+    torch_cap = torch.backends.cpu.get_cpu_capability()
+    if _build._x86_64():
+        assert native == {"AVX512": "avx512", "AVX2": "avx2"}.get(torch_cap, "generic")
+    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "generic")
+    assert _build.cpu_capability() == "generic"
+    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "avx512")
+    assert _build.cpu_capability() == native  # never above what torch reports
+    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "sse9")
+    with pytest.raises(ValueError, match="SHARDAMP_CPU_CAPABILITY"):
+        _build.cpu_capability()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_adam_step_rejects_non_fp32_state(exts, device):
     ext = _ext_for(exts, device)
     state, table, hparams, steps, touched = _shard(device, torch.bfloat16, None)
