@@ -10,6 +10,8 @@ Per variant it reports (rank 0 prints; every rank's numbers go to scaling_w{worl
   * optimizer-owned bytes per GPU, split into fp32 state (master + moments: 12 B/param / world
     for shardamp when the model is fp32 and master IS the param) and grad buffers (shardamp: the
     reduced shards plus at most the buckets in flight; DDP: the full grads + its buckets);
+  * backward's host time (issuing it, hooks included) against its device time: a host time at
+    or above the device time means the GPU waits on Python;
   * from a torch.profiler trace of three consecutive steps: NCCL kernel time per step, and the
     part of it that ran concurrently with a compute kernel on another stream ("hidden"). NCCL
     kernel time includes any wait for the slowest rank, so it can exceed the transfer time.
@@ -128,6 +130,23 @@ def _run_variant(name: str, args, out: Path) -> Dict[str, float]:
             t0 = time.perf_counter()
             step()
             times.append((time.perf_counter() - t0) * 1e3)
+    # Is backward host-bound? The host's time to issue it (hooks included) against the device's
+    # time to run it: host >= device means the GPU waits on Python.
+    host_bw, dev_bw = [], []
+    for _ in range(3 if cuda else 0):
+        loss = forward_loss()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        start.record()
+        loss.backward()
+        end.record()
+        host_bw.append((time.perf_counter() - t0) * 1e3)
+        end.synchronize()
+        dev_bw.append(start.elapsed_time(end))
+        clip()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     # optimizer memory measured right after backward (grads/buckets alive) and after the step
     forward_loss().backward()
     after_backward = optimizer_bytes(opt, model)
@@ -141,6 +160,8 @@ def _run_variant(name: str, args, out: Path) -> Dict[str, float]:
         "optimizer_bytes_per_param_after_backward": after_backward / n_params,
         "optimizer_bytes_per_param_after_step": after_step / n_params,
         "peak_allocated_GiB": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, **comm,
+        "backward_host_ms": statistics.median(host_bw) if host_bw else None,
+        "backward_device_ms": statistics.median(dev_bw) if dev_bw else None,
     }
     if cuda:  # the variant's tensors are freed when this function returns
         torch.cuda.empty_cache()
@@ -187,7 +208,9 @@ def main() -> None:
             print(f"world {world} {name:9s} {r['params'] / 1e6:.0f}M params  step {r['step_ms']:.1f} ms  "
                   f"optimizer {r['optimizer_bytes_per_param_after_step']:.2f} B/param after step, "
                   f"{r['optimizer_bytes_per_param_after_backward']:.2f} after backward  "
-                  f"comm {r['comm_us'] / 1e3:.2f} ms/step, hidden {'-' if hidden is None else f'{100 * hidden:.0f}%'}")
+                  f"comm {r['comm_us'] / 1e3:.2f} ms/step, hidden {'-' if hidden is None else f'{100 * hidden:.0f}%'}"
+                  + (f"  backward host {r['backward_host_ms']:.1f} / device {r['backward_device_ms']:.1f} ms"
+                     if r["backward_host_ms"] is not None else ""))
     dist.destroy_process_group()
 
 

@@ -63,3 +63,25 @@ def test_cuda_without_cuda_fails_clearly() -> None:
     proc = _run(["--device", "cuda"], timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "CUDA is not available" in proc.stderr, proc.stderr
+
+
+def test_bench_step_cpu_smoke(tmp_path: Path) -> None:
+    """examples/bench_step.py end to end on a small CPU problem: every variant runs, the JSON
+    holds a positive time and a roofline fraction for each, and --only selects rows."""
+    bench = TRAIN.parent / "bench_step.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, str(bench), "--device", "cpu", "--numel", "20000", "--iters", "2", "--warmup", "1",
+           "--threads", "1", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "bench_step.json").read_text())
+    assert not result["errors"], result["errors"]
+    names = [r["name"] for r in result["rows"]]
+    for prefix in ("torch fp32", "shardamp fp32", "kernels fp32", "torch bf16", "shardamp bf16", "kernels bf16"):
+        assert any(n.startswith(prefix) for n in names), names
+    assert all(r["median_ms"] > 0 and r["fraction_of_roofline"] > 0 for r in result["rows"])
+    proc = subprocess.run(cmd + ["--only", "kernels fp32"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "bench_step.json").read_text())["rows"]
+    picked = [r["name"] for r in rows if not r["name"].startswith("roofline")]
+    assert len(picked) == 1 and picked[0].startswith("kernels fp32 ("), picked
