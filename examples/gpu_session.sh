@@ -4,20 +4,10 @@
 # profile. Logs and JSON go to $OUT (default out/gpu).
 set -uo pipefail
 OUT="${OUT:-out/gpu}"
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: a relative $OUT must survive the cd
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/shardamp_ext}" MAX_JOBS="${MAX_JOBS:-16}"
 status=0
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u;
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'; } 2>&1 | tee "$OUT/env.log"
-if ! python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1; then
-  # an offline machine may lack what an editable install needs: map the namespace onto the tree
-  echo "pip install -e . failed (install.log): importing from the source tree" | tee -a "$OUT/env.log"
-  shim="$(mktemp -d)"; mkdir -p "$shim/shardamp"
-  for pkg in optim scaler csrc; do ln -s "$PWD/$pkg" "$shim/shardamp/$pkg"; done
-  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
-fi
-python3 -c 'import torch; from shardamp.optim import kernels; print("cuda kernels:", kernels.backend(torch.device("cuda")))' 2>&1 | tail -5 | tee -a "$OUT/env.log"
+source examples/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
 # PARTS picks what runs (default: tests bench overlap): tests (kernels + NCCL + graphs),
 # kernel_tests (kernels only), bench, variants (step chunk sizes side by side), profile, overlap
 PARTS="${PARTS:-tests bench overlap}"

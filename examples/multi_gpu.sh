@@ -9,22 +9,11 @@ set -uo pipefail
 OUT="${OUT:-out/multi_gpu}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: a relative $OUT must survive the cd
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/shardamp_ext}" MAX_JOBS="${MAX_JOBS:-16}"
 # NVLink SHARP (multicast) stays off: it is not what these runs test, and results stay
 # comparable between hosts that have it and hosts that do not
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 status=0
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; date -u;
-  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else "-")'; } 2>&1 | tee "$OUT/env.log"
-if ! python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1; then
-  # an offline machine may lack what an editable install needs: map the namespace onto the tree
-  echo "pip install -e . failed (install.log): importing from the source tree" | tee -a "$OUT/env.log"
-  shim="$(mktemp -d)"; mkdir -p "$shim/shardamp"
-  for pkg in optim scaler csrc; do ln -s "$PWD/$pkg" "$shim/shardamp/$pkg"; done
-  export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
-fi
-# build the CUDA kernels once, before several ranks at a time would wait on the build lock
-python3 -c 'import torch; from shardamp.optim import kernels; print("cuda kernels:", kernels.backend(torch.device("cuda")))' 2>&1 | tail -5 | tee -a "$OUT/env.log"
+source examples/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
 N="$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
 echo "visible GPUs: $N" | tee -a "$OUT/env.log"
 if (( N < 1 )); then echo "no GPU visible: nothing to run"; exit 1; fi
