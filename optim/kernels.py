@@ -122,11 +122,23 @@ def adam_step(
         )
 
 
+def cuda_chunk(default: int) -> int:
+    """Elements per chunk of the CUDA step: ``default`` (the kernels' ``CUDA_CHUNK``) unless the
+    tuning knob ``SHARDAMP_CUDA_CHUNK`` sets another positive number (csrc/NOTES.md)."""
+    value = os.environ.get("SHARDAMP_CUDA_CHUNK", "").strip()
+    if not value:
+        return default
+    if not value.isdigit() or not 0 < int(value) < 2**31:
+        raise ValueError(f"SHARDAMP_CUDA_CHUNK={value!r}: expected a positive number of elements (e.g. 4096), "
+                         "or unset for the default")
+    return int(value)
+
+
 def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor) -> Tensor:
     """The kernels' block-to-chunk map of ``segments``, built on the host (and validated) at
     first use, which copies the table to the host once; cached on the table, so later steps
     issue no copy and no sync."""
-    size = int(os.environ.get("SHARDAMP_CUDA_CHUNK", ext.CUDA_CHUNK)) if grad.is_cuda else ext.CHUNK
+    size = cuda_chunk(ext.CUDA_CHUNK) if grad.is_cuda else ext.CHUNK
     key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
     if chunks is None:

@@ -181,6 +181,17 @@ def test_adam_step_any_chunk_size(exts, device, chunk):
     _assert_state_close(state, ref)
 
 
+def test_cuda_chunk_knob(monkeypatch):
+    monkeypatch.delenv("SHARDAMP_CUDA_CHUNK", raising=False)
+    assert kernels.cuda_chunk(4096) == 4096
+    monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", "8192")
+    assert kernels.cuda_chunk(4096) == 8192
+    for bad in ("0", "-5", "4k", "1.5"):
+        monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", bad)
+        with pytest.raises(ValueError, match="SHARDAMP_CUDA_CHUNK"):
+            kernels.cuda_chunk(4096)
+
+
 def test_cpu_build_follows_torch_and_env(monkeypatch):
     """The CPU kernels are built for the ISA torch runs at; the env var can only lower it."""
     from shardamp.optim import _build
