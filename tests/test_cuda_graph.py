@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 import torch
@@ -59,6 +59,29 @@ def _iteration(model, opt, scaler, x, y):
     return loss, norm
 
 
+def _warm_up_and_capture(model, opt, scaler, batch: Callable[[int], Any]):
+    """What a user does: WARMUP eager iterations on a side stream over static input tensors (on
+    several ranks this also sets up NCCL's connections for exactly the collectives the graph
+    will hold), then one iteration captured. Returns the graph, the static inputs and the
+    static loss and norm it writes."""
+    static_x, static_y = batch(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for step in range(WARMUP):
+            x, y = batch(step)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            _iteration(model, opt, scaler, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()  # no warm-up collective still in flight when capture begins
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss, static_norm = _iteration(model, opt, scaler, static_x, static_y)
+    return graph, static_x, static_y, static_loss, static_norm
+
+
 def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
     torch.manual_seed(0)
     model = MLP().cuda()
@@ -66,20 +89,7 @@ def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
     opt, scaler = _setup(model)
     eager_opt, eager_scaler = _setup(eager_model)
 
-    static_x, static_y = _data(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for step in range(WARMUP):
-            x, y = _data(step)
-            static_x.copy_(x)
-            static_y.copy_(y)
-            _iteration(model, opt, scaler, static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss, static_norm = _iteration(model, opt, scaler, static_x, static_y)
+    graph, static_x, static_y, static_loss, static_norm = _warm_up_and_capture(model, opt, scaler, _data)
 
     eager = []
     for step in range(STEPS):
@@ -131,22 +141,8 @@ def _graph_vs_eager_on_ranks(rank: int, world: int) -> Dict[str, List[Dict[str, 
     # the eager twin gets its own group: one DistributedFusedAdam per process group (README)
     eager_opt, eager_scaler = _setup(eager_model, dist.new_group(list(range(world))))
 
-    static_x, static_y = _data(0, rank, INF_RANK)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        # also sets up NCCL's connections for exactly the collectives the graph will hold
-        for step in range(WARMUP):
-            x, y = _data(step, rank, INF_RANK)
-            static_x.copy_(x)
-            static_y.copy_(y)
-            _iteration(model, opt, scaler, static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()  # no warm-up collective still in flight when capture begins
-
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss, static_norm = _iteration(model, opt, scaler, static_x, static_y)
+    graph, static_x, static_y, static_loss, static_norm = _warm_up_and_capture(
+        model, opt, scaler, lambda step: _data(step, rank, INF_RANK))
 
     eager = []
     for step in range(STEPS):
