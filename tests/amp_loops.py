@@ -1,5 +1,13 @@
-"""The AMP training loops of DESIGN.md ("The loops that must all train exactly like unsharded
-torch.optim.AdamW"), run sharded and against the unsharded torch reference.
+"""The AMP training loops that must all train exactly like unsharded torch.optim.AdamW, run
+sharded and against the unsharded torch reference:
+
+  A  torch.amp.GradScaler: backward; scaler.step; update (the optimizer unscales in step)
+  B  ShardedGradScaler: backward; unscale_; opt.clip_grad_norm; step; update
+  C  as B with shardamp.optim.clip_grad_norm_(model.parameters())
+  D  any scaler or none, max_grad_norm= set: backward; step; opt.grad_norm() after
+  E  as B with a subclass setting _step_supports_amp_scaling = False (torch's skip path)
+  F  torch.amp.GradScaler + unscale_ + torch's clip_grad_norm_: unscaled but unclippable (warns)
+  G  opt.clip_grad_norm BEFORE unscale_: resolved at step with the true scale
 
 ``run_loop(rank, world, loop)`` trains the MLP of parity.py for a few steps with loop A..G,
 injecting an inf into ONE rank's batch at ``INF_STEP``, and returns per step the params, the

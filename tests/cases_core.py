@@ -95,6 +95,12 @@ def case_sum_grads(rank, world, **kw):
 
 
 def case_no_overlap(rank, world, **kw):
+    """Nothing overlapped: grads reduced at step (grad_sync), params gathered inside step."""
+    return train(rank, world, **kw, opt_kwargs=dict(overlap_grad_sync=False, overlap_param_sync=False, bucket_cap_mb=TINY))
+
+
+def case_param_overlap_only(rank, world, **kw):
+    """Grads reduced at step, but the params' all-gather left in flight into the next forward."""
     return train(rank, world, **kw, opt_kwargs=dict(overlap_grad_sync=False, overlap_param_sync=True, bucket_cap_mb=TINY))
 
 

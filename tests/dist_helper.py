@@ -101,7 +101,12 @@ def case_values(per_rank: List[Dict[str, Any]], case: str) -> List[Any]:
     case (or an earlier one) raised."""
     values = []
     for rank, results in enumerate(per_rank):
-        assert case in results, f"rank {rank}: an earlier case failed: {results}"
+        if case not in results:
+            failed = [name for name, (status, _) in results.items() if status != "ok"]
+            raise AssertionError(
+                f"rank {rank}: {case} did not run: the group stopped after {failed or 'an earlier case'} "
+                "failed (a case that fails half-way may leave the collectives out of step); fix that case first"
+            )
         status, value = results[case]
         assert status == "ok", f"rank {rank}: {value}"
         values.append(value)

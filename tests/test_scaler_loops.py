@@ -1,4 +1,4 @@
-"""Loops A-G of DESIGN.md at world 2 and 3 with an inf on one rank, against torch.amp.GradScaler
+"""The AMP loops A-G (tests/amp_loops.py says what each is) at world 2 and 3 with an inf on one rank, against torch.amp.GradScaler
 + unsharded torch.optim.AdamW + torch.nn.utils.clip_grad_norm_."""
 from __future__ import annotations
 

@@ -95,10 +95,39 @@ def test_step_before_scale_raises() -> None:
         scaler.step(opt)
 
 
+class _NoScaler:
+    """What a loop without any scaler does, behind the scaler's interface."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def scale(self, loss):
+        return loss
+
+    def unscale_(self, opt) -> None:
+        pass
+
+    def step(self, opt) -> None:
+        opt.step()
+
+    def update(self) -> None:
+        pass
+
+    def get_scale(self) -> float:
+        return 1.0
+
+
 def test_disabled_scaler_is_transparent() -> None:
-    a = _train(ShardedGradScaler, DistributedFusedAdam, enabled=False, steps=3)
-    torch.manual_seed(0)
-    assert a[1] == [1.0, 1.0, 1.0]
+    """enabled=False trains bit for bit as no scaler at all (steps 3, 4 and 7 hold an inf: with
+    no scaler those steps are skipped by the optimizer's non-finite rule, not by the scaler)."""
+    ours = _train(ShardedGradScaler, DistributedFusedAdam, enabled=False, steps=6)
+    plain = _train(_NoScaler, DistributedFusedAdam, steps=6)
+    assert ours[1] == [1.0] * 6
+    torch.testing.assert_close(torch.tensor(ours[2]), torch.tensor(plain[2]), rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(ours[0], plain[0]):
+        assert torch.equal(a, b)
+    first = _train(_NoScaler, DistributedFusedAdam, steps=1)
+    assert any(not torch.equal(a, b) for a, b in zip(ours[0], first[0]))  # it did train
 
 
 def test_no_future_warning_with_sharded_optimizer() -> None:
@@ -144,17 +173,43 @@ def test_hysteresis_one_is_torch() -> None:
 
 
 def test_growth_with_hysteresis_matches_torch_between_overflows() -> None:
-    ours = _train(ShardedGradScaler, torch.optim.SGD, hysteresis=3, steps=3)  # no inf before step 3
-    ref = _train(torch.amp.GradScaler, torch.optim.SGD, steps=3)
-    assert ours[1] == ref[1]
+    """Infs at steps 3, 4 and 7 (init 256, growth every 2 clean steps): with hysteresis=3 no run
+    of 3 overflows happens, so the scale never backs off, while torch's backs off at each; both
+    grow alike on clean steps (an overflow restarts the growth count, as in torch)."""
+    ours = _train(ShardedGradScaler, torch.optim.SGD, hysteresis=3, steps=10)
+    ref = _train(torch.amp.GradScaler, torch.optim.SGD, steps=10)
+    assert ours[1][:3] == ref[1][:3] == [256.0, 512.0, 512.0]
+    assert ours[1] == [256.0, 512.0, 512.0, 512.0, 512.0, 512.0, 1024.0, 1024.0, 1024.0, 2048.0]
+    assert ref[1] == [256.0, 512.0, 512.0, 256.0, 128.0, 128.0, 256.0, 128.0, 128.0, 256.0]
 
 
 def test_state_dict_round_trip() -> None:
-    _, _, _ = _train(ShardedGradScaler, DistributedFusedAdam, steps=5)
-    scaler = ShardedGradScaler("cpu", init_scale=4.0, growth_interval=7, hysteresis=3)
-    scaler.scale(torch.ones(()))  # materialise the scale
-    sd = scaler.state_dict()
+    """A scaler restored mid-run (after back-offs, growth and a partly used hysteresis) goes on
+    exactly as the original does."""
+    def run(scaler, model, opt, steps):
+        scales = []
+        for step in steps:
+            x, y = _data(step)
+            opt.zero_grad()
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        return scales
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = ShardedGradScaler("cpu", init_scale=4.0, growth_interval=2, hysteresis=2)
+    assert run(scaler, model, opt, range(4)) == [4.0, 8.0, 8.0, 8.0]  # step 3: first overflow kept
+    sd = copy.deepcopy(scaler.state_dict())
+    assert sd["_hysteresis_tracker"] == 1
     other = ShardedGradScaler("cpu")
     other.load_state_dict(sd)
     assert other.state_dict() == sd
-    assert other.get_scale() == 4.0 and other.get_growth_interval() == 7
+    assert other.get_scale() == 8.0 and other.get_growth_interval() == 2
+    model2 = copy.deepcopy(model)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.01)
+    cont = run(scaler, model, opt, range(4, 9))
+    resumed = run(other, model2, opt2, range(4, 9))
+    assert cont == resumed and cont[0] == 4.0  # step 4 overflows again: second in a row backs off
