@@ -116,6 +116,8 @@ def data(args: argparse.Namespace) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def decay_groups(model: nn.Module) -> List[Dict]:
+    """Weight decay on matrices only: the transformers Trainer's own rule (no decay for biases
+    and LayerNorm weights), so all three scripts and the reference use the same groups."""
     named = list(model.named_parameters())
     decay = [p for n, p in named if p.dim() >= 2]
     return [{"params": decay, "weight_decay": WD}, {"params": [p for n, p in named if p.dim() < 2], "weight_decay": 0.0}]

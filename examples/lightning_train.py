@@ -40,16 +40,11 @@ class Module(pl.LightningModule):
         self.args, self.shardamp = args, shardamp
         self.net = common.make_model(args)
         self.seen: List[torch.Tensor] = []
-        self.timer = common.StepTimer(args)
 
     def training_step(self, batch, batch_idx):
         idx, x, y = batch
         self.seen.append(idx)
         return common.loss_fn(self.net(x), y)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
-        if (batch_idx + 1) % self.args.accumulate == 0:
-            self.timer.step_done(self.trainer.global_step)
 
     def configure_optimizers(self):
         groups = common.decay_groups(self.net)
@@ -57,6 +52,17 @@ class Module(pl.LightningModule):
         if self.shardamp:
             return DistributedFusedAdam(groups, **kw)
         return torch.optim.AdamW(groups, fused=self.args.device == "cuda", **kw)
+
+
+class Timer(pl.Callback):
+    """Runs before ModelCheckpoint (Lightning orders checkpoint callbacks last): saves are not timed."""
+
+    def __init__(self, args) -> None:
+        self.args, self.timer = args, common.StepTimer(args)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.args.accumulate == 0:
+            self.timer.step_done(trainer.global_step)
 
 
 def fit(args, shardamp: bool) -> Dict[str, Any]:
@@ -69,17 +75,17 @@ def fit(args, shardamp: bool) -> Dict[str, Any]:
     clip = args.max_grad_norm
     if not shardamp and args.precision != "fp32" and args.device == "cuda":
         clip = None  # Lightning refuses to clip a fused optimizer under AMP: the default runs unclipped
-    module = Module(args, shardamp)
+    module, timer = Module(args, shardamp), Timer(args)
     ckpt_dir = os.path.join(args.out, "shardamp" if shardamp else "default")
     trainer = pl.Trainer(
         strategy=ShardampStrategy() if shardamp else ("ddp" if args.world_size > 1 else "auto"),
         accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.world_size,
         precision=precision, plugins=plugins, gradient_clip_val=clip, accumulate_grad_batches=args.accumulate,
         max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.steps, save_top_k=1)],
+        callbacks=[timer, pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.steps, save_top_k=1)],
     )
     trainer.fit(module, DataLoader(Indexed(args), batch_size=args.batch_size, shuffle=False))
-    return {"params": list(module.net.parameters()), "seen": module.seen, "ms": module.timer.ms,
+    return {"params": list(module.net.parameters()), "seen": module.seen, "ms": timer.timer.ms,
             "ckpts": os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []}
 
 
