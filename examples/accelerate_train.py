@@ -64,6 +64,9 @@ def train(args, shardamp: bool) -> Dict[str, Any]:
 
 def main() -> None:
     args = common.parse_args(__doc__.splitlines()[0])
+    if args.precision == "fp16" and args.device == "cpu":
+        sys.exit("--precision fp16 needs --device cuda: accelerate has no fp16 autocast or grad scaler on "
+                 "the CPU (it would silently train in fp32)")
     common.relaunch_with_torchrun(args)
     if args.device == "cpu":
         torch.set_num_threads(1)

@@ -14,6 +14,7 @@ fused on CUDA), then prints:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import subprocess
@@ -27,7 +28,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
-TOLERANCE = {"fp32": (1e-4, 1e-6), "bf16": (1e-3, 1e-4), "fp16": (1e-3, 1e-4)}  # rtol, atol
+TOLERANCE = {"fp32": (1e-4, 1e-6), "bf16": (1e-3, 1e-4), "fp16": (1e-3, 1e-4)}  # params: rtol, atol
+# norms, relative: fp16 grads of a loss divided by the micro-batch count here and by the rank count
+# after the reduction there underflow slightly differently (powers of two, but fp16 subnormals)
+NORM_RTOL = {"fp32": 1e-4, "bf16": 1e-4, "fp16": 2e-3}
 
 
 def parse_args(description: str) -> argparse.Namespace:
@@ -173,15 +177,22 @@ def report_parity(args: argparse.Namespace, name: str, params: Sequence[torch.Te
     for a, b in zip(params, ref_params):
         a, b = a.detach().float().to(b.device), b.float()
         worst = max(worst, float(((a - b).abs() / (atol + rtol * b.abs())).max()))
-    clipped = all(n > args.max_grad_norm for n in ref_norms)
+    finite = [n for n in ref_norms if math.isfinite(n)]  # fp16: overflowing steps are skipped
+    clipped = bool(finite) and all(n > args.max_grad_norm for n in finite)
     ok = worst <= 1.0 and clipped
-    if norms is not None:
+    if norms is not None:  # a skipped step's norm is non-finite on both sides
         ok = ok and len(norms) == len(ref_norms) and all(
-            abs(a - b) <= 1e-4 * abs(b) + 1e-6 for a, b in zip(norms, ref_norms))
+            (not math.isfinite(a) and not math.isfinite(b)) or abs(a - b) <= NORM_RTOL[args.precision] * abs(b) + 1e-6
+            for a, b in zip(norms, ref_norms))
+    skipped = len(ref_norms) - len(finite)
     print(f"parity vs torch.optim.AdamW ({name}, {len(ref_norms)} steps, {args.precision}, world {args.world_size}, "
-          f"clipped every step: {'yes' if clipped else 'NO'}): worst |diff| / (atol + rtol |ref|) = {worst:.3f} "
-          f"(rtol {rtol:g}, atol {atol:g})" + (", logged norms match" if norms is not None else "")
+          f"clipped every step: {'yes' if clipped else 'NO'}"
+          + (f", {skipped} skipped on overflow" if skipped else "")
+          + f"): worst |diff| / (atol + rtol |ref|) = {worst:.3f} (rtol {rtol:g}, atol {atol:g})"
+          + (", logged norms match" if norms is not None else "")
           + f": {'PASS' if ok else 'FAIL'}", flush=True)
+    if norms is not None and not ok:
+        print(f"  norms: {list(norms)}\n  torch: {ref_norms}", flush=True)
     return ok
 
 

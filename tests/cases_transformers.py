@@ -67,7 +67,9 @@ def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int 
                               callbacks=[Logs()])
     trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer.optimizer
+    scaler = trainer.accelerator.scaler
     return {
+        "scaler": type(scaler).__name__ if scaler is not None else None,
         "params": [p.detach().clone() for p in model.parameters()],
         "seen": seen, "grad_norms": [entry["grad_norm"] for entry in logged],
         "opt": type(opt).__name__, "wrapped": type(trainer.model_wrapped).__name__,
