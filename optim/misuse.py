@@ -4,8 +4,9 @@ without a process group.
 
 DDP would all-reduce every grad a second time and write the result into ``param.grad`` (which
 the optimizer never reads: it reduce-scatters the grads itself during backward). DDP leaves no
-mark on the params, so the wrappers are found among the live objects; that scan runs only where
-a process group exists (construction) or a misuse was already seen (a stray ``.grad`` at step).
+mark on the params, so the wrappers are found among the live objects (one C-level pass, tens of
+milliseconds); that runs only where a process group exists (construction) or a misuse was
+already seen (a stray ``.grad`` at step).
 """
 from __future__ import annotations
 
@@ -18,12 +19,18 @@ import torch
 
 def find_ddp(params: Iterable[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
     """The first live DistributedDataParallel whose module holds one of ``params``, else None."""
-    ddp_cls = torch.nn.parallel.DistributedDataParallel
+    classes, todo = set(), [torch.nn.parallel.DistributedDataParallel]
+    while todo:  # DDP and its subclasses (Lightning's, accelerate's wrappers)
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
     ids = {id(p) for p in params}
-    for obj in gc.get_objects():
-        # type(), not isinstance(): never runs a __class__ property of an arbitrary object
-        if issubclass(type(obj), ddp_cls):
-            module = getattr(obj, "module", None)
+    # an instance of a Python class refers to its class, so the referrers of the classes are the
+    # live wrappers: one C-level pass over the tracked objects, no Python loop over all of them
+    for obj in gc.get_referrers(*classes):
+        if type(obj) in classes:
+            module = obj.__dict__.get("_modules", {}).get("module")
             if module is not None and any(id(p) in ids for p in module.parameters()):
                 return obj
     return None
