@@ -135,3 +135,24 @@ def test_tied_weights_stay_tied_for_safetensors(tmp_path) -> None:
     assert len(safetensors_torch.load_file(path)) == 1
     safetensors_torch.load_model(model, path)
     assert model["head"].weight is model["emb"].weight
+
+
+def test_transformers_save_pretrained_round_trip_keeps_every_weight(tmp_path) -> None:
+    """save_pretrained looks for tied weights among tensors sharing memory: it must keep every
+    weight of the optimizer's model (and the real tie), and from_pretrained restore them."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=8)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    opt = DistributedFusedAdam(model.parameters(), lr=0.01)
+    ids = torch.randint(0, 40, (2, 8))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.save_pretrained(str(tmp_path))
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path))
+    ours, theirs = model.state_dict(), loaded.state_dict()
+    assert set(ours) == set(theirs)
+    for k in ours:
+        assert torch.equal(ours[k], theirs[k]), k
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    assert _in_buffers(opt)
