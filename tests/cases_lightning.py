@@ -16,8 +16,13 @@ import framework_ref as ref
 N_STEPS, BATCH = 4, 4
 
 
+def lr_lambda(step: int) -> float:
+    return 1.0 - step / 8.0
+
+
 def _fit(rank: int, world: int, precision: str = "32-true", accumulate: int = 1, max_steps: int = N_STEPS,
-         ckpt_dir: Optional[str] = None, resume: Optional[str] = None, sharded: bool = False) -> Dict[str, Any]:
+         ckpt_dir: Optional[str] = None, resume: Optional[str] = None, sharded: bool = False,
+         schedule: bool = False) -> Dict[str, Any]:
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -44,8 +49,12 @@ def _fit(rank: int, world: int, precision: str = "32-true", accumulate: int = 1,
                 self.norms.append(float(opt.grad_norm()))  # the norm that step used, cached
 
         def configure_optimizers(self):
-            return DistributedFusedAdam(ref.decay_groups(self.net), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
-                                        bucket_cap_mb=0.0004)
+            opt = DistributedFusedAdam(ref.decay_groups(self.net), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
+                                       bucket_cap_mb=0.0004)
+            if not schedule:
+                return opt
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     x, y = ref.dataset(2 * world * BATCH * accumulate)  # two optimizer steps per epoch
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
@@ -83,6 +92,10 @@ def _fit(rank: int, world: int, precision: str = "32-true", accumulate: int = 1,
 
 def case_fp32_clip(rank, world, **kw):
     return _fit(rank, world)
+
+
+def case_lr_scheduler(rank, world, **kw):
+    return _fit(rank, world, schedule=True)
 
 
 def case_bf16_clip(rank, world, **kw):

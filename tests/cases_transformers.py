@@ -28,7 +28,7 @@ class _Data(torch.utils.data.Dataset):
 
 def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int = 1, max_steps: int = N_STEPS,
            save_steps: Optional[int] = None, resume: Optional[str] = None, max_grad_norm: float = ref.MAX_NORM,
-           ) -> Dict[str, Any]:
+           schedule: str = "constant") -> Dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState
     from transformers import TrainerCallback, TrainingArguments
 
@@ -58,7 +58,7 @@ def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int 
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=BATCH, gradient_accumulation_steps=accumulate,
         max_steps=max_steps, learning_rate=ref.LR, adam_beta1=ref.BETAS[0], adam_beta2=ref.BETAS[1],
-        adam_epsilon=ref.EPS, weight_decay=ref.WD, lr_scheduler_type="constant", max_grad_norm=max_grad_norm,
+        adam_epsilon=ref.EPS, weight_decay=ref.WD, lr_scheduler_type=schedule, max_grad_norm=max_grad_norm,
         logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         report_to=[], use_cpu=True, bf16=bf16, dataloader_num_workers=0, seed=0, data_seed=0,
         disable_tqdm=True, ddp_backend="gloo",
@@ -84,6 +84,10 @@ def case_fp32_max_grad_norm(rank, world, tmp: str = "", **kw):
 
 def case_bf16_max_grad_norm(rank, world, tmp: str = "", **kw):
     return _train(rank, world, os.path.join(tmp, "hf_bf16"), bf16=True)
+
+
+def case_linear_schedule(rank, world, tmp: str = "", **kw):
+    return _train(rank, world, os.path.join(tmp, "hf_linear"), schedule="linear")
 
 
 def case_accumulate_no_sync(rank, world, tmp: str = "", **kw):

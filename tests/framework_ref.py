@@ -9,7 +9,7 @@ ranks did; in fp32 that is the union's gradient up to summation order.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -61,15 +61,17 @@ def reference(
     max_norm: Optional[float] = MAX_NORM,
     seed: int = 0,
     groups: bool = True,
+    lr_lambda: Optional[Callable[[int], float]] = None,
 ) -> Tuple[List[torch.Tensor], List[float]]:
     """Train ``make_model(seed)`` unsharded: ``steps[s]`` holds every (x, y) micro-batch of all
     ranks for optimizer step ``s``. Returns the final params and each step's pre-clip norm
     (unscaled). Under fp16 autocast a ``torch.amp.GradScaler`` (default settings) scales the
-    loss, as the frameworks do."""
+    loss, as the frameworks do. ``lr_lambda``: a LambdaLR schedule stepped after every step."""
     model = make_model(seed)
     params = decay_groups(model) if groups else [{"params": list(model.parameters()), "weight_decay": WD}]
     opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS)
     scaler = torch.amp.GradScaler("cpu", enabled=autocast_dtype == torch.float16)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda) if lr_lambda is not None else None
     norms = []
     for micro in steps:
         opt.zero_grad()
@@ -84,6 +86,8 @@ def reference(
             norms.append(float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])))
         scaler.step(opt)
         scaler.update()
+        if schedule is not None:
+            schedule.step()
     return [p.detach().clone() for p in model.parameters()], norms
 
 

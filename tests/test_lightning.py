@@ -22,10 +22,10 @@ def _results(world: int):
     return run_distributed(run_cases, world, "cases_lightning", cases.CASES, {"tmp": _TMP.name})
 
 
-def _check_run(values, autocast_dtype=None, accumulate=1):
+def _check_run(values, autocast_dtype=None, accumulate=1, lr_lambda=None):
     union = ref.union_steps([v["seen"] for v in values], accumulate)
     assert len(union) == cases.N_STEPS
-    params, norms = ref.reference(union, autocast_dtype=autocast_dtype)
+    params, norms = ref.reference(union, autocast_dtype=autocast_dtype, lr_lambda=lr_lambda)
     assert min(norms) > ref.MAX_NORM, norms  # clipping engaged on every step
     for v in values:
         assert v["opt"] == "DistributedFusedAdam" and v["wrapped"] != "DistributedDataParallel"
@@ -40,6 +40,11 @@ def _check_run(values, autocast_dtype=None, accumulate=1):
 @pytest.mark.parametrize("world", [WORLD])
 def test_fp32_with_gradient_clip_val(world) -> None:
     _check_run(case_values(_results(world), "case_fp32_clip"))
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_lr_scheduler_from_configure_optimizers(world) -> None:
+    _check_run(case_values(_results(world), "case_lr_scheduler"), lr_lambda=cases.lr_lambda)
 
 
 @pytest.mark.parametrize("world", [WORLD])

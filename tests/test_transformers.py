@@ -22,10 +22,10 @@ def _results(world: int):
     return run_distributed(run_cases, world, "cases_transformers", cases.CASES, {"tmp": _TMP.name})
 
 
-def _check_run(values, autocast_dtype=None, accumulate=1):
+def _check_run(values, autocast_dtype=None, accumulate=1, lr_lambda=None):
     union = ref.union_steps([v["seen"] for v in values], accumulate)
     assert len(union) == cases.N_STEPS
-    params, norms = ref.reference(union, autocast_dtype=autocast_dtype)
+    params, norms = ref.reference(union, autocast_dtype=autocast_dtype, lr_lambda=lr_lambda)
     assert min(norms) > ref.MAX_NORM, norms  # max_grad_norm engaged on every step
     for v in values:
         assert v["opt"] == "DistributedFusedAdam" and v["wrapped"] != "DistributedDataParallel"
@@ -40,6 +40,12 @@ def _check_run(values, autocast_dtype=None, accumulate=1):
 @pytest.mark.parametrize("world", [WORLD])
 def test_fp32_max_grad_norm_clips_and_logs_the_true_norm(world) -> None:
     _check_run(case_values(_results(world), "case_fp32_max_grad_norm"))
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_linear_schedule(world) -> None:  # the Trainer's default schedule: linear decay to 0
+    _check_run(case_values(_results(world), "case_linear_schedule"),
+               lr_lambda=lambda s: (cases.N_STEPS - s) / cases.N_STEPS)
 
 
 @pytest.mark.parametrize("world", [WORLD])
