@@ -20,6 +20,7 @@ __all__ = [
     "scaler_optimizer_state",
     "amp_update_scale_",
     "is_dense_non_overlapping",
+    "storage_alias",
 ]
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -107,3 +108,13 @@ def refresh_scaler_states(scaler: Any) -> None:
 def scaler_maybe_opt_step(scaler: Any, optimizer: Any, state: dict, *args: Any, **kwargs: Any) -> Any:
     """torch's skip-or-step for optimizers without in-kernel skipping (one ``.item()``)."""
     return scaler._maybe_opt_step(optimizer, state, *args, **kwargs)
+
+
+def storage_alias(buffer: torch.Tensor, offset: int, numel: int, shape, stride) -> torch.Tensor:
+    """A tensor of ``shape``/``stride`` over elements ``[offset, offset + numel)`` of ``buffer``'s
+    storage, with a storage OBJECT of its own that aliases those bytes and keeps ``buffer``'s
+    storage alive. Slicing an ``UntypedStorage`` returns such an alias (not a copy); that is
+    not documented, so tests/test_compat.py checks writes go both ways."""
+    esize = buffer.element_size()
+    sub = buffer.untyped_storage()[offset * esize:(offset + numel) * esize]
+    return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(sub, 0, tuple(shape), tuple(stride))

@@ -14,17 +14,27 @@ The full-size grad buffer a bucket fills during backward is managed by ``grad_sy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from . import _compat
+from .misuse import ddp_error, find_ddp
 from .layout import Bucket, ParamSlot
 
 
 def param_view(buffer: Tensor, slot: ParamSlot) -> Tensor:
     """``slot``'s param inside a flat bucket buffer, in the param's own memory layout."""
     return buffer.as_strided(slot.shape, slot.stride, buffer.storage_offset() + slot.offset)
+
+
+def param_alias(buffer: Tensor, slot: ParamSlot) -> Tensor:
+    """As :func:`param_view`, but with a storage of its own that aliases the param's bytes of
+    ``buffer``. Code that groups tensors by storage (safetensors' ``save_model``/``load_model``,
+    transformers' ``save_pretrained``, ``torch.save``) then sees each param alone, as it would
+    without the optimizer, instead of refusing (or de-duplicating) params that share a buffer."""
+    return _compat.storage_alias(buffer, buffer.storage_offset() + slot.offset, slot.numel, slot.shape, slot.stride)
 
 
 @dataclass
@@ -63,7 +73,7 @@ def allocate(
     flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=dev)
     for slot in bucket.slots:
         p = params[slot.index]
-        view = param_view(flat, slot)
+        view = param_alias(flat, slot)
         view.copy_(p.detach())
         p.data = view
     shard = slice(bucket.shard_start, bucket.shard_start + bucket.shard_numel)
@@ -110,13 +120,18 @@ def expected_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: 
     return out
 
 
-def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
+def check_views(expected: List[tuple], params: Sequence[Tensor], reattach: Callable[[int], bool]) -> None:
     """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``).
 
     Called every step, so the common case is one cheap pass over data pointers; dtype, shape and
-    strides are compared too (a same-address view of another shape would also be a break)."""
+    strides are compared too (a same-address view of another shape would also be a break).
+    ``reattach(i)`` is asked first to put param ``i`` back into its bucket when that loses
+    nothing (a ``.to()`` onto the device it already lives on made a copy); it returns success."""
     for i, (p, (ptr, dtype, shape, stride)) in enumerate(zip(params, expected)):
         if p.grad is not None:
+            ddp = find_ddp(params)
+            if ddp is not None:
+                raise ddp_error(ddp)
             raise RuntimeError(
                 f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}) has a .grad the "
                 "optimizer never received, so it would not be trained. Its grad hook exists only "
@@ -125,6 +140,8 @@ def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
                 "group instead), and do not assign param.grad by hand."
             )
         if p.data_ptr() != ptr or p.dtype != dtype or p.shape != shape or p.stride() != stride:
+            if reattach(i):
+                continue
             raise RuntimeError(
                 f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}, dtype "
                 f"{p.dtype}) no longer lives in the optimizer's flat buffer, so updates would be "
@@ -132,6 +149,29 @@ def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
                 "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
                 "optimizer, and load weights with load_state_dict(assign=False)."
             )
+
+
+def reattach_param(buffers: BucketBuffers, slot: ParamSlot, p: Tensor, device: torch.device) -> bool:
+    """Put ``p`` back into its bucket if its storage was replaced by a same-device, same-layout
+    copy (``module.to("cpu:0")`` on CPU params copies): its current values are taken over, also
+    into this rank's master shard where that is separate (only the elements whose model value
+    changed, so unchanged ones keep the master's full precision). False if it cannot be."""
+    if p.device != device or p.dtype != buffers.params.dtype or tuple(p.shape) != slot.shape \
+            or tuple(p.stride()) != slot.stride:
+        return False
+    alias = param_alias(buffers.params, slot)
+    alias.copy_(p.detach())
+    p.data = alias
+    if buffers.master.data_ptr() != buffers.params[buffers.shard].data_ptr():
+        lo = max(slot.offset, buffers.shard.start)
+        hi = min(slot.offset + slot.numel, buffers.shard.stop)
+        if lo < hi:
+            master = buffers.master[lo - buffers.shard.start:hi - buffers.shard.start]
+            model = buffers.params[lo:hi]
+            sync_dtype = buffers.sync.dtype if buffers.sync is not None else model.dtype
+            shown = master.to(sync_dtype).to(model.dtype)  # what the model holds for this master
+            master.copy_(torch.where(model != shown, model.to(master.dtype), master))
+    return True
 
 
 def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict:

@@ -18,7 +18,10 @@ from torch import Tensor
 
 from . import _compat, grad_stats, kernels
 from . import state_dict as _state_dict
-from .buffers import BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats
+from .buffers import (
+    BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats, reattach_param,
+)
+from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
 from .hparams import HparamTable, check_hparams
@@ -126,6 +129,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.bucket_cap_mb = float(bucket_cap_mb)
 
         self.process_group, self.world_size, self.rank = self._resolve_group(process_group)
+        if dist.is_available() and dist.is_initialized():
+            ddp = find_ddp(p for group in self.param_groups for p in group["params"])
+            if ddp is not None:
+                raise ddp_error(ddp)
         self._params: List[torch.nn.Parameter] = []
         indexed: List[Tuple[torch.nn.Parameter, int]] = []
         for g, group in enumerate(self.param_groups):
@@ -175,6 +182,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._warned_no_zero_grad = False
         self._reset_round()
         self._last_norms: Dict[float, Tensor] = {}
+        self._last_raw: Optional[Tuple[Dict[float, Tensor], Optional[Tensor]]] = None
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
@@ -183,6 +191,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if process_group is None:
             if dist.is_available() and dist.is_initialized():
                 return None, dist.get_world_size(), dist.get_rank()
+            check_launcher_env()
             return None, 1, 0
         if not (dist.is_available() and dist.is_initialized()):
             raise ValueError("process_group was given but torch.distributed is not initialised")
@@ -215,9 +224,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._norm_dependents: List[Callable[[], Any]] = []  # recomputed when norms are unscaled
 
     def _on_new_grad(self) -> None:
-        if self._stats is not None or self._inv_scale is not None or self._last_norms:
+        if self._stats is not None or self._inv_scale is not None or self._last_raw is not None:
             self._reset_round()
             self._last_norms = {}
+            self._last_raw = None
         if self._stepped_without_zero_grad:
             self._stepped_without_zero_grad = False
             if not self._warned_no_zero_grad:
@@ -263,8 +273,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
         updates (weight decay, momentum) every param that had a grad, as torch does."""
         self._grad_sync.zero(set_to_none)
-        self._reset_round()
-        self._last_norms = {}
+        self._reset_round()  # the last step's norms stay readable (grad_norm) until the next backward
         self._stepped_without_zero_grad = False
 
     # ------------------------------------------------------------------ stats, unscale, clip
@@ -307,12 +316,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         after ``unscale_grads`` (ShardedGradScaler.unscale_) it is the true norm; called before
         it while the loss is scaled, it is the scaled norm and the SAME tensor is divided by the
         scale in place when unscaling happens (at the latest inside ``step``). Cached until the
-        next backward; after ``step`` it returns the norm that step used. 0-d float32 tensor on
-        the params' device; never reads a value on the host.
+        next backward; after ``step`` (also after ``zero_grad``) it returns the UNSCALED norm
+        that step used, from the cache: no collective, so one rank alone may read it (rank-zero
+        logging). 0-d float32 tensor on the params' device; never reads a value on the host.
         """
         norm_type = self._check_norm_type(norm_type)
-        if self._stats is None and norm_type in self._last_norms:
-            return self._last_norms[norm_type]
+        if self._stats is None and self._last_raw is not None:
+            return self._last_step_norm(norm_type)
         self._ensure_stats(norm_type)
         norm = self._norms.get(norm_type)
         if norm is None:
@@ -320,6 +330,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if self._inv_scale is not None:
                 norm = norm * self._inv_scale
             self._norms[norm_type] = norm
+        return norm
+
+    def _last_step_norm(self, norm_type: float) -> Tensor:
+        norm = self._last_norms.get(norm_type)
+        if norm is None:
+            raw_norms, inv_scale = self._last_raw
+            if norm_type not in raw_norms:
+                raise RuntimeError(
+                    f"grad_norm(norm_type={norm_type}) after step(): that step computed the norm only "
+                    f"for norm_type {sorted(raw_norms)}. Another norm type needs a collective over the "
+                    "grads, which are consumed: ask for it before step() (every rank)."
+                )
+            norm = raw_norms[norm_type] * self._avg_factor
+            if inv_scale is not None:
+                norm = norm * inv_scale
+            self._last_norms[norm_type] = norm
         return norm
 
     @staticmethod
@@ -417,7 +443,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._param_sync.wait()
-        check_views(self._expected_views, self._params)
+        check_views(self._expected_views, self._params, self._reattach)
         if not self._grad_sync.grad_since_zero:
             raise RuntimeError(
                 "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "
@@ -445,10 +471,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._param_sync.launch(i)
         self._param_sync.launched_all()
         self._last_norms = dict(self._norms)
+        self._last_raw = (dict(self._raw_norms), self._inv_scale)  # unscaled lazily: no work here
         self._reset_round()
         self._grad_sync.step_done()
         self._stepped_without_zero_grad = True
         return loss
+
+    def _reattach(self, index: int) -> bool:
+        slot = self._grad_sync.slots[index]
+        return reattach_param(self._buffers[slot.bucket], slot, self._params[index], self._device)
 
     # ------------------------------------------------------------------ state dicts (optim/state_dict.py)
     def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:

@@ -4,7 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet torch==2.13.0            # first, so nothing pulls another build
-python -m pip install --quiet -e ".[test]"
+torch_version=$(python -c "import torch; print(torch.__version__)")
+# The frameworks (Lightning, accelerate, transformers) come after torch, constrained to the torch
+# just installed: none of them may replace it (e.g. with a CUDA build).
+constraints=$(mktemp)
+echo "torch==${torch_version}" > "$constraints"
+python -m pip install --quiet -c "$constraints" -e ".[test,integrations]"
+rm -f "$constraints"
+if [ "$(python -c "import torch; print(torch.__version__)")" != "$torch_version" ]; then
+    echo "installing the frameworks changed torch (was $torch_version)" >&2
+    exit 1
+fi
+python -m pip show torch | grep -E "^(Name|Version)"
 # Build the C++ kernels once, before pytest-xdist starts its workers.
 python -c "import torch; from shardamp.optim import kernels; print('shardamp kernels on cpu:', kernels.backend(torch.device('cpu')))"
 # -n 2: one worker per core; loadgroup keeps each spawned process group's cases on one worker.

@@ -63,3 +63,18 @@ def test_dense_layout_check() -> None:
     assert _compat.is_dense_non_overlapping(torch.zeros(4, 5).t())
     assert not _compat.is_dense_non_overlapping(torch.zeros(4, 6)[:, ::2])
     assert not _compat.is_dense_non_overlapping(torch.zeros(4, 1).expand(4, 3))
+
+
+def test_storage_alias_shares_bytes_but_not_the_storage_object() -> None:
+    flat = torch.arange(12.0)
+    alias = _compat.storage_alias(flat, 4, 6, (2, 3), (1, 2))  # a transposed 3x2 block
+    assert alias.untyped_storage().data_ptr() == alias.data_ptr() == flat[4:].data_ptr()
+    assert alias.untyped_storage().nbytes() == 6 * 4  # only its own bytes: safetensors sees it alone
+    torch.testing.assert_close(alias, flat[4:10].view(3, 2).t())
+    alias.add_(100.0)  # writes reach the buffer ...
+    assert flat[4:10].tolist() == [104.0, 105.0, 106.0, 107.0, 108.0, 109.0] and flat[3] == 3.0
+    flat[5] = -1.0  # ... and the other way round
+    assert alias[1, 0] == -1.0
+    del flat
+    assert alias.sum().item() > 0  # the alias keeps the buffer's memory alive
+    assert _compat.storage_alias(torch.zeros(4), 4, 0, (0,), (1,)).numel() == 0

@@ -99,13 +99,22 @@ def test_module_to_dtype_breaks_the_view() -> None:
         opt.step()
 
 
-def test_param_data_assignment_breaks_the_view() -> None:
+def test_param_data_assignment_of_another_shape_breaks_the_view() -> None:
     m = _model()
     opt = DistributedFusedAdam(m.parameters())
-    m[0].weight.data = m[0].weight.data.clone()
+    w = m[0].weight
+    w.data = torch.zeros(w.shape[1], w.shape[0]).t()  # same shape, other strides: not its slot
     m(torch.randn(3, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="no longer lives"):
         opt.step()
+
+
+def test_world_size_env_without_process_group_raises(monkeypatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="WORLD_SIZE=2 .*init_process_group"):
+        DistributedFusedAdam(_model().parameters())
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    DistributedFusedAdam(_model().parameters())  # a single-process launch is fine
 
 
 def test_load_state_dict_assign_is_caught() -> None:

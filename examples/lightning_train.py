@@ -1,0 +1,108 @@
+"""PyTorch Lightning + shardamp: ``strategy=ShardampStrategy()`` is the one changed line.
+
+    python examples/lightning_train.py                       # 2 CPU ranks (gloo), Lightning's launcher
+    python examples/lightning_train.py --device cuda         # the visible GPUs (NCCL), bf16
+    python examples/lightning_train.py --device cuda --precision fp16
+
+Trains a small MLP with gradient_clip_val, accumulate_grad_batches and a ModelCheckpoint, checks
+the result against unsharded torch.optim.AdamW, then times the same run with Lightning's default
+(DDP + torch AdamW, fused on CUDA). See examples/framework_common.py for what is compared.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, List
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+import framework_common as common
+from shardamp.integrations.lightning import ShardampStrategy
+from shardamp.optim import DistributedFusedAdam
+
+
+class Indexed(Dataset):
+    def __init__(self, args) -> None:
+        self.x, self.y = common.data(args)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return torch.tensor(i), self.x[i], self.y[i]
+
+
+class Module(pl.LightningModule):
+    def __init__(self, args, shardamp: bool) -> None:
+        super().__init__()
+        self.args, self.shardamp = args, shardamp
+        self.net = common.make_model(args)
+        self.seen: List[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        idx, x, y = batch
+        self.seen.append(idx)
+        return common.loss_fn(self.net(x), y)
+
+    def configure_optimizers(self):
+        groups = common.decay_groups(self.net)
+        kw = dict(lr=common.LR, betas=common.BETAS, eps=common.EPS)
+        if self.shardamp:
+            return DistributedFusedAdam(groups, **kw)
+        return torch.optim.AdamW(groups, fused=self.args.device == "cuda", **kw)
+
+
+class Timer(pl.Callback):
+    """Runs before ModelCheckpoint (Lightning orders checkpoint callbacks last): saves are not timed."""
+
+    def __init__(self, args) -> None:
+        self.args, self.timer = args, common.StepTimer(args)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if (batch_idx + 1) % self.args.accumulate == 0:
+            self.timer.step_done(trainer.global_step)
+
+
+def fit(args, shardamp: bool) -> Dict[str, Any]:
+    precision = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}[args.precision]
+    plugins = []
+    if args.precision == "fp16" and args.device == "cpu":  # the string would turn into bf16 on CPU
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        plugins, precision = [MixedPrecision("16-mixed", "cpu")], None
+    clip = args.max_grad_norm
+    if not shardamp and args.precision != "fp32" and args.device == "cuda":
+        clip = None  # Lightning refuses to clip a fused optimizer under AMP: the default runs unclipped
+    module, timer = Module(args, shardamp), Timer(args)
+    ckpt_dir = os.path.join(args.out, "shardamp" if shardamp else "default")
+    trainer = pl.Trainer(
+        strategy=ShardampStrategy() if shardamp else ("ddp" if args.world_size > 1 else "auto"),
+        accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.world_size,
+        precision=precision, plugins=plugins, gradient_clip_val=clip, accumulate_grad_batches=args.accumulate,
+        max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[timer, pl.callbacks.ModelCheckpoint(dirpath=ckpt_dir, every_n_train_steps=args.steps, save_top_k=1)],
+    )
+    trainer.fit(module, DataLoader(Indexed(args), batch_size=args.batch_size, shuffle=False))
+    return {"params": list(module.net.parameters()), "seen": module.seen, "ms": timer.timer.ms,
+            "ckpts": os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []}
+
+
+def main() -> None:
+    args = common.parse_args(__doc__.splitlines()[0])
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    ours = fit(args, shardamp=True)
+    ok = common.report_parity(args, "Lightning ShardampStrategy", ours["params"], ours["seen"])
+    if common.rank() == 0:
+        print(f"checkpoint written by ModelCheckpoint: {sorted(ours['ckpts'])}", flush=True)
+    default = None if args.no_baseline else fit(args, shardamp=False)["ms"]
+    name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"
+    common.report_time(args, "Lightning", ours["ms"], default, name)
+    common.clean(args.out)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

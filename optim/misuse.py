@@ -1,0 +1,61 @@
+"""Misuse that would otherwise train silently wrong, detected so it raises naming the fix: a model
+wrapped in ``torch.nn.parallel.DistributedDataParallel``, and a launcher's ``WORLD_SIZE > 1``
+without a process group.
+
+DDP would all-reduce every grad a second time and write the result into ``param.grad`` (which
+the optimizer never reads: it reduce-scatters the grads itself during backward). DDP leaves no
+mark on the params, so the wrappers are found among the live objects (one C-level pass, tens of
+milliseconds); that runs only where a process group exists (construction) or a misuse was
+already seen (a stray ``.grad`` at step).
+"""
+from __future__ import annotations
+
+import gc
+import os
+from typing import Iterable, Optional
+
+import torch
+
+
+def find_ddp(params: Iterable[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
+    """The first live DistributedDataParallel whose module holds one of ``params``, else None."""
+    classes, todo = set(), [torch.nn.parallel.DistributedDataParallel]
+    while todo:  # DDP and its subclasses (Lightning's, accelerate's wrappers)
+        cls = todo.pop()
+        if cls not in classes:
+            classes.add(cls)
+            todo.extend(cls.__subclasses__())
+    ids = {id(p) for p in params}
+    # an instance of a Python class refers to its class, so the referrers of the classes are the
+    # live wrappers: one C-level pass over the tracked objects, no Python loop over all of them
+    for obj in gc.get_referrers(*classes):
+        if type(obj) in classes:
+            module = obj.__dict__.get("_modules", {}).get("module")
+            if module is not None and any(id(p) in ids for p in module.parameters()):
+                return obj
+    return None
+
+
+def ddp_error(ddp: torch.nn.Module) -> RuntimeError:
+    return RuntimeError(
+        f"DistributedFusedAdam: the model ({type(ddp.module).__name__}) is wrapped in "
+        "torch.nn.parallel.DistributedDataParallel. DistributedFusedAdam reduce-scatters the grads "
+        "itself during backward; DDP would all-reduce them a second time into param.grad, which the "
+        "optimizer never reads. Do not wrap the model in DDP (before or after building the "
+        "optimizer): train the bare module. With a framework use shardamp.integrations "
+        "(Lightning: strategy=ShardampStrategy(); accelerate: ShardampAccelerator; transformers: "
+        "ShardampTrainer), which keep the model unwrapped."
+    )
+
+
+def check_launcher_env() -> None:
+    """Raise if a launcher (torchrun, Lightning, accelerate) started several processes but
+    torch.distributed is not initialised: each would silently train alone at world size 1."""
+    env_world = os.environ.get("WORLD_SIZE", "1")
+    if env_world.strip() not in ("", "0", "1"):
+        raise RuntimeError(
+            f"DistributedFusedAdam: WORLD_SIZE={env_world} in the environment but torch.distributed "
+            "is not initialised, so every process would train alone at world size 1. Call "
+            "torch.distributed.init_process_group() before building the optimizer (or use a "
+            "distributed strategy/launcher that does), or unset WORLD_SIZE for a single-process run."
+        )

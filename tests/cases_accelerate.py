@@ -1,0 +1,144 @@
+"""ShardampAccelerator cases, run on 2 gloo ranks in one spawned group (see test_accelerate.py).
+
+The ranks come from tests/dist_helper.py with the process group initialised and torchrun's
+environment variables set; accelerate's state picks up the existing group. The loop is
+accelerate's documented one: prepare, accumulate, backward, clip_grad_norm_, step, zero_grad.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import torch
+
+import framework_ref as ref
+
+N_STEPS, BATCH = 4, 4
+
+
+def _env(rank: int, world: int) -> None:
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)  # one Accelerator configuration per case in this process
+    GradientState._reset_state()
+
+
+def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int = 1, steps: int = N_STEPS,
+           save: Optional[str] = None, load: Optional[str] = None, skip_steps: int = 0) -> Dict[str, Any]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from shardamp.integrations.accelerate import ShardampAccelerator
+    from shardamp.optim import DistributedFusedAdam
+
+    _env(rank, world)
+    acc = ShardampAccelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=accumulate, cpu=True)
+    model = ref.make_model()
+    opt = DistributedFusedAdam(ref.decay_groups(model), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
+                               bucket_cap_mb=0.0004)
+    x, y = ref.dataset(N_STEPS * world * BATCH * accumulate)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    if load is not None:
+        acc.load_state(load)
+        loader = acc.skip_first_batches(loader, skip_steps * accumulate)
+    seen, norms, reduce_scatters = [], [], 0
+    done = skip_steps
+    for xb, yb in loader:
+        with acc.accumulate(model):
+            seen.append((xb.clone(), yb.clone()))
+            loss = ref.loss_fn(model(xb), yb)
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), ref.MAX_NORM)))
+            opt.step()
+            opt.zero_grad()
+        if acc.sync_gradients:
+            done += 1
+            if save is not None and done == N_STEPS // 2:
+                acc.save_state(save)
+            if done == steps:
+                break
+    inner = opt.optimizer
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "seen": seen, "norms": norms, "wrapped": type(model).__name__,
+        "scaler": type(acc.scaler).__name__ if acc.scaler is not None else None,
+        "world": inner.world_size, "buckets": len(inner._buckets),
+        "files": sorted(os.listdir(save)) if save is not None else [],
+    }
+
+
+def case_fp32_clip(rank, world, **kw):
+    return _train(rank, world)
+
+
+def case_bf16_clip(rank, world, **kw):
+    return _train(rank, world, mixed_precision="bf16")
+
+
+def case_accumulate_no_sync(rank, world, **kw):
+    from shardamp.optim import _compat
+
+    calls = {"n": 0}
+    original = _compat.reduce_scatter
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    _compat.reduce_scatter = counting
+    try:
+        out = _train(rank, world, accumulate=3)
+    finally:
+        _compat.reduce_scatter = original
+    out["reduce_scatters"] = calls["n"]
+    return out
+
+
+def case_save_load_state(rank, world, tmp: str = "", **kw):
+    path = os.path.join(tmp, "acc_state")
+    full = _train(rank, world, mixed_precision="bf16", save=path)
+    resumed = _train(rank, world, mixed_precision="bf16", load=path, skip_steps=N_STEPS // 2)
+    return {"full": full, "resumed": resumed}
+
+
+def case_plain_accelerator_is_unchanged_for_torch_optimizers(rank, world, **kw):
+    """Another optimizer: ShardampAccelerator wraps in DDP and clips param.grad as Accelerator."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from shardamp.integrations.accelerate import ShardampAccelerator
+
+    _env(rank, world)
+    acc = ShardampAccelerator(cpu=True)
+    model = ref.make_model()
+    opt = torch.optim.AdamW(ref.decay_groups(model), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS)
+    x, y = ref.dataset(N_STEPS * world * BATCH)
+    model, opt, loader = acc.prepare(model, opt, DataLoader(TensorDataset(x, y), batch_size=BATCH))
+    seen, norms = [], []
+    for xb, yb in loader:
+        seen.append((xb.clone(), yb.clone()))
+        acc.backward(ref.loss_fn(model(xb), yb))
+        norms.append(float(acc.clip_grad_norm_(model.parameters(), ref.MAX_NORM)))
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in acc.unwrap_model(model).parameters()], "seen": seen,
+            "norms": norms, "wrapped": type(model).__name__}
+
+
+def case_model_not_prepared_raises(rank, world, **kw):
+    from shardamp.integrations.accelerate import ShardampAccelerator
+    from shardamp.optim import DistributedFusedAdam
+
+    _env(rank, world)
+    acc = ShardampAccelerator(cpu=True, mixed_precision="bf16")
+    model = ref.make_model()
+    opt = DistributedFusedAdam(model.parameters())
+    try:
+        acc.prepare(opt)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+CASES = [name for name in dir() if name.startswith("case_")]

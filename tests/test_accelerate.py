@@ -1,0 +1,75 @@
+"""ShardampAccelerator on 2 gloo CPU ranks against unsharded torch.optim.AdamW (tests/framework_ref.py)."""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("accelerate")
+
+import cases_accelerate as cases  # noqa: E402
+import framework_ref as ref  # noqa: E402
+from dist_helper import case_values, run_cases, run_distributed  # noqa: E402
+
+WORLD = 2
+_TMP = tempfile.TemporaryDirectory()
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_distributed(run_cases, world, "cases_accelerate", cases.CASES, {"tmp": _TMP.name})
+
+
+def _check_run(values, autocast_dtype=None, accumulate=1, wrapped="TinyNet"):
+    union = ref.union_steps([v["seen"] for v in values], accumulate)
+    assert len(union) == cases.N_STEPS
+    params, norms = ref.reference(union, autocast_dtype=autocast_dtype)
+    assert min(norms) > ref.MAX_NORM, norms  # clipping engaged on every step
+    for v in values:
+        assert v["wrapped"] == wrapped
+        ref.assert_params_close(v["params"], params, bf16=autocast_dtype is not None)
+        assert v["norms"] == pytest.approx(norms, rel=1e-4)  # clip_grad_norm_ returned the true norm
+    for a, b in zip(values[0]["params"], values[1]["params"]):
+        assert torch.equal(a, b)
+    return values
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_fp32_clip_grad_norm_clips_and_returns_the_true_norm(world) -> None:
+    values = _check_run(case_values(_results(world), "case_fp32_clip"))
+    assert all(v["world"] == WORLD for v in values)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_bf16_autocast_applies_without_ddp(world) -> None:
+    _check_run(case_values(_results(world), "case_bf16_clip"), autocast_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_accumulate_uses_no_sync(world) -> None:
+    values = _check_run(case_values(_results(world), "case_accumulate_no_sync"), accumulate=3)
+    for v in values:
+        assert v["reduce_scatters"] == cases.N_STEPS * v["buckets"], v["reduce_scatters"]
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_save_state_load_state_resume_exactly(world) -> None:
+    for v in case_values(_results(world), "case_save_load_state"):
+        assert "model.safetensors" in v["full"]["files"] and "optimizer.bin" in v["full"]["files"]
+        assert len(v["resumed"]["seen"]) == len(v["full"]["seen"]) // 2  # really resumed half-way
+        for a, b in zip(v["full"]["params"], v["resumed"]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_other_optimizers_behave_as_accelerator(world) -> None:
+    _check_run(case_values(_results(world), "case_plain_accelerator_is_unchanged_for_torch_optimizers"),
+               wrapped="DistributedDataParallel")
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_optimizer_prepared_without_its_model_raises(world) -> None:
+    for message in case_values(_results(world), "case_model_not_prepared_raises"):
+        assert message is not None and "was not prepared" in message

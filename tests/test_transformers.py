@@ -1,0 +1,69 @@
+"""ShardampTrainer on 2 gloo CPU ranks against unsharded torch.optim.AdamW (tests/framework_ref.py)."""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import cases_transformers as cases  # noqa: E402
+import framework_ref as ref  # noqa: E402
+from dist_helper import case_values, run_cases, run_distributed  # noqa: E402
+
+WORLD = 2
+_TMP = tempfile.TemporaryDirectory()
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_distributed(run_cases, world, "cases_transformers", cases.CASES, {"tmp": _TMP.name})
+
+
+def _check_run(values, autocast_dtype=None, accumulate=1, lr_lambda=None):
+    union = ref.union_steps([v["seen"] for v in values], accumulate)
+    assert len(union) == cases.N_STEPS
+    params, norms = ref.reference(union, autocast_dtype=autocast_dtype, lr_lambda=lr_lambda)
+    assert min(norms) > ref.MAX_NORM, norms  # max_grad_norm engaged on every step
+    for v in values:
+        assert v["opt"] == "DistributedFusedAdam" and v["wrapped"] != "DistributedDataParallel"
+        assert v["world"] == WORLD
+        ref.assert_params_close(v["params"], params, bf16=autocast_dtype is not None)
+        assert v["grad_norms"] == pytest.approx(norms, rel=1e-4)  # the logged grad_norm is the true norm
+    for a, b in zip(values[0]["params"], values[1]["params"]):
+        assert torch.equal(a, b)
+    return values
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_fp32_max_grad_norm_clips_and_logs_the_true_norm(world) -> None:
+    _check_run(case_values(_results(world), "case_fp32_max_grad_norm"))
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_linear_schedule(world) -> None:  # the Trainer's default schedule: linear decay to 0
+    _check_run(case_values(_results(world), "case_linear_schedule"),
+               lr_lambda=lambda s: (cases.N_STEPS - s) / cases.N_STEPS)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_bf16(world) -> None:
+    _check_run(case_values(_results(world), "case_bf16_max_grad_norm"), autocast_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_gradient_accumulation_uses_no_sync(world) -> None:
+    values = _check_run(case_values(_results(world), "case_accumulate_no_sync"), accumulate=3)
+    for v in values:
+        assert v["reduce_scatters"] == cases.N_STEPS * v["buckets"], v["reduce_scatters"]
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_save_steps_and_resume_from_checkpoint_continue_exactly(world) -> None:
+    for v in case_values(_results(world), "case_save_steps_resume"):
+        assert "checkpoint-2" in v["full"]["ckpts"]
+        assert len(v["resumed"]["seen"]) == len(v["full"]["seen"]) // 2  # really resumed at step 2
+        for a, b in zip(v["full"]["params"], v["resumed"]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
