@@ -16,17 +16,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, grad_stats, kernels
+from . import _compat, agreement, grad_stats, kernels
 from . import state_dict as _state_dict
 from .buffers import BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
-from .hparams import HparamTable, check_hparams
+from .deferred_checks import DeferredChecks
+from .hparams import HparamTable, check_group_options, check_hparams
 from .layout import Bucket, build_layout
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_NORM_TYPE = 64.0
+_NO_COPY = (
+    "DistributedFusedAdam cannot be copied or pickled: it owns flat buffers that the model's params "
+    "are views of, grad hooks and a process group. Save opt.state_dict() (or save_sharded) and load it "
+    "into a new DistributedFusedAdam built over the model."
+)
+SKIPS_BEFORE_WARNING = 3  # consecutive skipped steps without a scaler before the warning
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -146,6 +154,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_sync_dtype = param_sync_dtype
 
         self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)
+        # before anything is allocated or communicated: every rank built the same optimizer
+        self._other_optimizer = agreement.other_live_optimizer(self)
+        agreement.agree_on_construction(self)
         self._buffers: List[BucketBuffers] = []
         for bucket in self._buckets:
             gdt = grad_sync_dtype or bucket.dtype
@@ -170,6 +181,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
+        self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
+        self._deferred = DeferredChecks(self._device)
+        self._stats_rounds = 0  # stats all-reduces so far: part of the per-step agreement
+        self._step_names: List[str] = []
+        self._consecutive_skips = 0
+        self._warned_skips = False
+        self._warned_clip_before_unscale = False
         self._warned_unscaled_by_torch = False
         self._stepped_without_zero_grad = False
         self._warned_no_zero_grad = False
@@ -199,11 +217,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                       f"param_groups[{len(self.param_groups) - 1}]: ")
-        for p in group["params"]:
+        where = f"param_groups[{len(self.param_groups) - 1}]: "
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
+        check_group_options(group, where)
+        seen = set()
+        for i, p in enumerate(group["params"]):
             if not isinstance(p, torch.nn.Parameter):
                 raise ValueError("params: DistributedFusedAdam needs torch.nn.Parameter leaves (got a plain tensor)")
+            if id(p) in seen:  # torch only warns, then updates it twice per step
+                raise ValueError(f"{where}params: parameter {i} (shape {tuple(p.shape)}) is given twice; "
+                                 "pass each parameter once")
+            seen.add(id(p))
 
     # ------------------------------------------------------------------ per-step state
     def _reset_round(self) -> None:
@@ -271,8 +295,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
         """Extension point: all-reduce this rank's partial grad stats in place.
 
-        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}]`` and ``op``
-        is SUM (finite norm types) or MAX (``inf``). The default reduces over the optimizer's
+        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}, agreement
+        entries...]`` (``agreement.py``: what the ranks must agree on this step) and ``op`` is SUM
+        (finite norm types) or MAX (``inf``); reduce all of it. The default reduces over the optimizer's
         process group. A subclass whose params are also split over another group (tensor or
         pipeline model parallelism) calls ``super()`` and then reduces ``stats[:2]`` over that
         group with the same ``op``, so the norm and found-inf cover the whole model.
@@ -282,15 +307,30 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _ensure_stats(self, norm_type: float) -> GradStats:
         if self._stats is None:
+            self._check_last_step(force=True)
             self.grad_sync()
-            pattern = self._touched_patterns.get(self._grad_sync.local_touched)
-            buf = torch.empty(grad_stats.HEADER + len(self._params), dtype=torch.float32, device=self._device)
+            # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
+            host, dev, self._step_names = agreement.step_entries(self, norm_type)
+            n, h = len(self._params), grad_stats.HEADER
+            pattern = self._touched_patterns.get(self._grad_sync.local_touched, host)
+            extra = 0 if dev is None else dev[1].numel()
+            buf = torch.empty(h + n + len(host) + extra, dtype=torch.float32, device=self._device)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
-            buf[grad_stats.HEADER:].copy_(pattern)
+            buf[h : h + n + len(host)].copy_(pattern)
+            if dev is not None:
+                buf[h + n : h + n + 1].copy_(dev[0])
+                buf[h + n + len(host) :].copy_(dev[1])
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
-            self._stats = grad_stats.finish(buf, norm_type)
+            self._stats_rounds += 1
+            # one rank has nothing to disagree with: only a tensor lr's value is still checked
+            checked = self.world_size > 1 or dev is not None
+            self._stats = grad_stats.finish(buf, norm_type, n, self._fingerprint if checked else None)
             self._raw_norms[norm_type] = self._stats.raw_norm
+            if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
+                s = self._stats
+                agreement.raise_if_disagree(float(s.mismatch), float(s.invalid),
+                                            s.mismatch_per_category.tolist(), self._step_names)
         elif norm_type not in self._raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce
             buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=self._device)
@@ -330,6 +370,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf") from None
         if not p > 0:
             raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf")
+        if p > MAX_NORM_TYPE and not math.isinf(p):
+            # sum |g|**p overflows float32 for any |g| > 3.4e38**(1/p) (above 1.4 at p = 256), so
+            # such a norm would be inf and skip every step: use the inf norm it approaches
+            raise ValueError(f"norm_type={norm_type!r}: finite norm types above {MAX_NORM_TYPE:g} overflow "
+                             "float32; use norm_type=float('inf') (the max norm, their limit)")
         return p
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -365,6 +410,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
             inv = inv.reshape(()).to(device=self._device, dtype=torch.float32)
         stats = self._ensure_stats(self._first_norm_type())
+        # a loss scale of 0, inf or NaN (underflow, new_scale=0) would make NaN or ascending
+        # params: such a step is skipped as any non-finite step is
+        stats.found_inf.masked_fill_(~((inv > 0) & (inv < math.inf)), 1.0)
+        if self._clips and not self._warned_clip_before_unscale:
+            self._warned_clip_before_unscale = True
+            warnings.warn(
+                "DistributedFusedAdam: clip_grad_norm ran before unscaling, while the loss was scaled. Its "
+                "max_norm is compared with the TRUE (unscaled) norm once the scale is known, so torch's idiom "
+                "clip_grad_norm_(params, max_norm * scaler.get_scale()) would never clip here: pass the plain, "
+                "unscaled max_norm (or clip after scaler.unscale_(opt)).",
+                UserWarning, stacklevel=3,
+            )
         for norm in self._norms.values():
             norm.mul_(inv)  # norms handed out before unscaling become the true norms
         self._inv_scale = inv
@@ -444,11 +501,48 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
             self._param_sync.launch(i)
         self._param_sync.launched_all()
+        self._record_step(stats)
         self._last_norms = dict(self._norms)
         self._reset_round()
         self._grad_sync.step_done()
         self._stepped_without_zero_grad = True
         return loss
+
+    def _record_step(self, stats: GradStats) -> None:
+        """Queue this step's flags for the host (deferred_checks.py: no sync on CUDA)."""
+        parts = [stats.found_inf.reshape(1).float()]
+        if stats.mismatch is not None:
+            parts = [stats.mismatch.reshape(1), stats.invalid.reshape(1), parts[0],
+                     stats.mismatch_per_category.float()]
+        else:
+            parts = [torch.zeros(2, device=self._device), parts[0]]
+        self._deferred.push(torch.cat(parts), {"scaled": self._inv_scale is not None, "names": self._step_names})
+        self._check_last_step(force=False)
+
+    def _check_last_step(self, force: bool) -> None:
+        """Act on a recorded step's flags once readable: raise on disagreement or an invalid lr
+        (on CUDA at the next step: the device skipped that step already), warn when steps
+        without a scaler keep being skipped."""
+        got = self._deferred.ready(force)
+        if got is None:
+            return
+        values, context = got
+        agreement.raise_if_disagree(values["mismatch"], values["invalid"], values["categories"], context["names"])
+        if values["found_inf"] > 0 and not context["scaled"]:
+            self._consecutive_skips += 1
+        else:
+            self._consecutive_skips = 0
+        if self._consecutive_skips >= SKIPS_BEFORE_WARNING and not self._warned_skips:
+            self._warned_skips = True
+            fp16 = any(b.grad_shard.dtype == torch.float16 for b in self._buffers)
+            warnings.warn(
+                f"DistributedFusedAdam: the last {self._consecutive_skips} steps were all skipped because the "
+                "gradients (summed over the ranks) held inf/NaN, and no grad scaler is in use"
+                + (" (grads are reduced in float16, whose max is 65504)" if fp16 else "") + ". Nothing is "
+                "training. Reduce the grads in float32 (grad_sync_dtype=torch.float32) or use "
+                "shardamp.scaler.ShardedGradScaler, which lowers the loss scale when this happens.",
+                RuntimeWarning, stacklevel=3,
+            )
 
     # ------------------------------------------------------------------ state dicts (optim/state_dict.py)
     def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
@@ -470,6 +564,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
         lower-precision all-gather buffers), and ``total``."""
         return memory_stats(self._buffers, self._grad_sync.alive_full_buffers())
+
+    def __deepcopy__(self, memo: dict) -> "DistributedFusedAdam":
+        raise TypeError(_NO_COPY)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(_NO_COPY)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

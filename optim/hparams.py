@@ -14,10 +14,39 @@ import torch
 from torch import Tensor
 
 
-def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
+# torch.optim.Adam(W) group options shardamp does not implement, with the one value each may
+# have (torch writes these defaults into every group and state dict it makes)
+UNSUPPORTED_OPTIONS = {"amsgrad": (False,), "maximize": (False,), "foreach": (None, False),
+                       "fused": (None, False), "differentiable": (False,)}
+
+
+def check_lr_tensor(lr: Tensor, where: str, read_value: bool) -> None:
+    """A tensor lr: one floating-point element (torch.optim's rule) and, when ``read_value``
+    (construction, load_state_dict: never the step path on CUDA), finite and >= 0. At step the
+    value is checked on the device instead (``lr_invalid``)."""
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise ValueError(f"{where}lr: a tensor lr must hold one floating-point element, got shape "
+                         f"{tuple(lr.shape)} {lr.dtype}")
+    if read_value:
+        value = float(lr.detach().reshape(()).to("cpu"))
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}lr=tensor({value}): expected a finite value >= 0")
+
+
+def check_group_options(group: dict, where: str) -> None:
+    """Raise naming any torch.optim group option set to a value shardamp does not implement."""
+    for key, allowed in UNSUPPORTED_OPTIONS.items():
+        if key in group and not any(group[key] is a or (a is not None and group[key] == a) for a in allowed):
+            raise ValueError(f"{where}{key}={group[key]!r} is not supported by DistributedFusedAdam "
+                             f"(remove it or set {key}={allowed[0]!r})")
+
+
+def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str, read_lr: bool = True) -> None:
     """Raise a ValueError naming the hyperparameter (prefixed by ``where``) that is invalid."""
-    if not isinstance(lr, Tensor) and not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a tensor)")
+    if isinstance(lr, Tensor):
+        check_lr_tensor(lr, where, read_lr)
+    elif isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a one-element tensor)")
     if (
         not isinstance(betas, (tuple, list))
         or len(betas) != 2
@@ -35,6 +64,7 @@ class HparamTable:
         self.device = device
         self.table = torch.zeros(num_groups, 5, dtype=torch.float64, device=device)
         self._host: Optional[List[Tuple]] = None
+        self.tensor_lrs: List[Tensor] = []
 
     def invalidate(self) -> None:
         """Force a re-upload at the next refresh (after param_groups were replaced wholesale)."""
@@ -44,7 +74,9 @@ class HparamTable:
         """Validate ``param_groups`` and bring the device table up to date; return it."""
         host = []
         for i, group in enumerate(param_groups):
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ")
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ",
+                          read_lr=self.device.type != "cuda")
+            check_group_options(group, f"param_groups[{i}]: ")
             lr = group["lr"]
             lr_key = ("tensor", id(lr)) if isinstance(lr, Tensor) else float(lr)
             host.append((lr_key, float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
@@ -56,7 +88,16 @@ class HparamTable:
                 table = table.pin_memory()
             self.table.copy_(table, non_blocking=True)
             self._host = host
+        self.tensor_lrs = [group["lr"] for group in param_groups if isinstance(group["lr"], Tensor)]
         for i, group in enumerate(param_groups):
             if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
                 self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
         return self.table
+
+    def lr_invalid(self) -> Optional[Tensor]:
+        """0-d float32 device flag: 1.0 when a tensor lr holds NaN, inf or a negative value (its
+        value cannot be read on the host without a sync), None without tensor lrs."""
+        if not self.tensor_lrs:
+            return None
+        lrs = self.table[:, 0]
+        return (~(torch.isfinite(lrs) & (lrs >= 0))).any().float()
