@@ -117,21 +117,26 @@ _world: List[weakref.ref] = []
 
 
 def other_live_optimizer(opt: Any) -> bool:
-    """Record ``opt`` for its group; True if another live optimizer still owns params there
-    (checked by ``agree_on_construction``, so every rank raises alike)."""
+    """Record ``opt`` for its group; True if another live optimizer that has already stepped
+    still owns params there (checked by ``agree_on_construction``, so every rank raises alike).
+    One that never stepped (built to load or inspect a checkpoint) does not count."""
     refs = _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
-    if any(o is not None and _owns_params(o) for o in (r() for r in refs)):
+    mine = {id(p) for p in opt._params}  # rebuilding over the same params takes them over: fine
+    if any(o is not None and _owns_params(o, mine) for o in (r() for r in refs)):
         import gc
 
         gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
-    others = any(o is not None and _owns_params(o) for o in (r() for r in refs))
+    others = any(o is not None and _owns_params(o, mine) for o in (r() for r in refs))
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
     return others
 
 
-def _owns_params(opt: Any) -> bool:
+def _owns_params(opt: Any, taken_over: set) -> bool:
     sync = getattr(opt, "_grad_sync", None)
-    return sync is not None and any(getattr(p, "_shardamp_owner", None) is sync.owner_token for p in opt._params)
+    if sync is None or not getattr(opt, "_stats_rounds", 0):
+        return False
+    return any(getattr(p, "_shardamp_owner", None) is sync.owner_token and id(p) not in taken_over
+               for p in opt._params)
 
 
 TWO_OPTIMIZERS = (
@@ -208,28 +213,36 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
     ]
 
 
-def step_entries(opt: Any, norm_type: float) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
+def step_entries(opt: Any, norm_type: float, problem: str = "") -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
     device with the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
     (None without), and the names of the categories in entry order."""
     use_max = math.isinf(norm_type)
     fp = opt._fingerprint
     host = fp.host_entries(host_categories(opt, norm_type), use_max)
+    host[0] = 1.0 if problem else 0.0
     names = list(fp.host_names)
     lrs = [(i, g["lr"]) for i, g in enumerate(opt.param_groups) if isinstance(g["lr"], Tensor)]
     if not lrs:
         return host, None, names
-    values = torch.stack([lr.detach().reshape(()).to(opt._device, torch.float32) for _, lr in lrs])
+    # a malformed lr (flagged in ``problem``) still contributes one entry: every rank's stats
+    # keep the same length
+    values = torch.stack([(lr.detach().reshape(()) if lr.numel() == 1 else torch.tensor(math.nan))
+                          .to(opt._device, torch.float32) for _, lr in lrs])
     invalid = (~(torch.isfinite(values) & (values >= 0))).any().float().reshape(1)
+    if problem:
+        invalid.fill_(1.0)
     names += [f"the value of the tensor lr of param_groups[{i}]" for i, _ in lrs]
     return host, (invalid, fp.device_entries(values, use_max)), names
 
 
-def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], names: List[str]) -> None:
+def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], names: List[str],
+                      problem: str = "") -> None:
     if invalid > 0:
         raise ValueError(
-            "DistributedFusedAdam: a tensor lr holds NaN, inf or a negative value (on some rank); the step was "
-            "skipped on every rank. Keep every param group's lr finite and >= 0."
+            problem or "DistributedFusedAdam: a hyperparameter is invalid on another rank (that rank's error names "
+            "it; e.g. a tensor lr holding NaN, inf or a negative value); the step was skipped on every rank. Keep every param group's "
+            "hyperparameters valid (lr finite and >= 0) on every rank."
         )
     if mismatch > 0:
         differ = [n for n, flag in zip(names, categories) if flag > 0] or ["the per-step values"]
@@ -263,9 +276,10 @@ def agree_on_call(opt: Any, name: str, given: Any = None, problem: str = "") -> 
     ``[call id, -call id, hash of given, -hash, problem flag]`` (MAX). Raise on every rank that
     took part if the ranks are not all in the same call with the same input, or if any rank
     reported ``problem``; a rank left waiting raises after the timeout, naming the call."""
+    message = problem if problem.startswith(name) else f"{name}: {problem}"
     if opt.world_size == 1:
         if problem:
-            raise ValueError(f"{name}: {problem}")
+            raise ValueError(message)
         return
     call, arg = float(crc(name) & 0xFFFFFF), float(crc(given) & 0xFFFFFF)
     flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0], dtype=torch.float32, device=opt._device)
@@ -289,9 +303,9 @@ def agree_on_call(opt: Any, name: str, given: Any = None, problem: str = "") -> 
             f"{name}). Call state_dict/load_state_dict/save_sharded/load_sharded on every rank, in the same "
             "order. Nothing was read or written."
         )
+    if values[4] > 0:
+        raise ValueError(message if problem else f"{name}: another rank rejected its input (nothing was written)")
     if values[2] + values[3] != 0:
         raise ValueError(f"{name}: the ranks were given different arguments (e.g. different state dicts or "
                          "paths); every rank must pass the same. Nothing was read or written.")
-    if values[4] > 0:
-        raise ValueError(f"{name}: {problem or 'another rank rejected the input'} (nothing was written)")
 

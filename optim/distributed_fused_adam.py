@@ -22,7 +22,7 @@ from .buffers import BucketBuffers, allocate, check_views, expected_views, init_
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
-from .hparams import HparamTable, check_group_options, check_hparams
+from .hparams import HparamTable, check_group_options, check_hparams, validate_groups
 from .layout import Bucket, build_layout
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -184,6 +184,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
         self._deferred = DeferredChecks(self._device)
         self._stats_rounds = 0  # stats all-reduces so far: part of the per-step agreement
+        self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
         self._step_names: List[str] = []
         self._consecutive_skips = 0
         self._warned_skips = False
@@ -309,8 +310,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self._stats is None:
             self._check_last_step(force=True)
             self.grad_sync()
+            # A bad value on one rank must not raise before the all-reduce (the others would wait in
+            # it): it is flagged in the entries, and every rank raises after it.
+            self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-            host, dev, self._step_names = agreement.step_entries(self, norm_type)
+            host, dev, self._step_names = agreement.step_entries(self, norm_type, self._step_problem)
             n, h = len(self._params), grad_stats.HEADER
             pattern = self._touched_patterns.get(self._grad_sync.local_touched, host)
             extra = 0 if dev is None else dev[1].numel()
@@ -324,13 +328,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
             self._stats_rounds += 1
             # one rank has nothing to disagree with: only a tensor lr's value is still checked
-            checked = self.world_size > 1 or dev is not None
+            checked = self.world_size > 1 or dev is not None or bool(self._step_problem)
             self._stats = grad_stats.finish(buf, norm_type, n, self._fingerprint if checked else None)
             self._raw_norms[norm_type] = self._stats.raw_norm
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
                 s = self._stats
                 agreement.raise_if_disagree(float(s.mismatch), float(s.invalid),
-                                            s.mismatch_per_category.tolist(), self._step_names)
+                                            s.mismatch_per_category.tolist(), self._step_names, self._step_problem)
         elif norm_type not in self._raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce
             buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=self._device)
@@ -483,10 +487,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "and the optimizer no longer sees them: build the optimizer over the model's current "
                 "parameters."
             )
-        hparams = self._hparam_table.refresh(self.param_groups)
         if grad_scaler is not None:
             self._take_torch_scaler(grad_scaler)
         stats = self._ensure_stats(self._first_norm_type())
+        # invalid values were folded into the stats (every rank skips this step, on CUDA they
+        # raise at the next one): the last valid table is kept
+        hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups)
         if self.max_grad_norm is not None:
             self._clips.append((self.max_grad_norm, self.grad_norm(2.0)))
         coef = self._grad_coef()
@@ -516,7 +522,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                      stats.mismatch_per_category.float()]
         else:
             parts = [torch.zeros(2, device=self._device), parts[0]]
-        self._deferred.push(torch.cat(parts), {"scaled": self._inv_scale is not None, "names": self._step_names})
+        self._deferred.push(torch.cat(parts), {"scaled": self._inv_scale is not None, "names": self._step_names,
+                                               "problem": self._step_problem})
         self._check_last_step(force=False)
 
     def _check_last_step(self, force: bool) -> None:
@@ -527,7 +534,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if got is None:
             return
         values, context = got
-        agreement.raise_if_disagree(values["mismatch"], values["invalid"], values["categories"], context["names"])
+        agreement.raise_if_disagree(values["mismatch"], values["invalid"], values["categories"], context["names"],
+                                    context["problem"])
         if values["found_inf"] > 0 and not context["scaled"]:
             self._consecutive_skips += 1
         else:

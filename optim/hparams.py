@@ -59,6 +59,18 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str, 
         raise ValueError(f"{where}weight_decay={weight_decay!r}: expected a finite float >= 0")
 
 
+def validate_groups(param_groups: Sequence[dict], read_lr: bool) -> str:
+    """Check every group as ``HparamTable.refresh`` does; return the first problem ('' if none)."""
+    try:
+        for i, group in enumerate(param_groups):
+            where = f"param_groups[{i}]: "
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where, read_lr=read_lr)
+            check_group_options(group, where)
+    except (ValueError, KeyError) as exc:
+        return str(exc)
+    return ""
+
+
 class HparamTable:
     def __init__(self, num_groups: int, device: torch.device) -> None:
         self.device = device
@@ -93,11 +105,3 @@ class HparamTable:
             if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
                 self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
         return self.table
-
-    def lr_invalid(self) -> Optional[Tensor]:
-        """0-d float32 device flag: 1.0 when a tensor lr holds NaN, inf or a negative value (its
-        value cannot be read on the host without a sync), None without tensor lrs."""
-        if not self.tensor_lrs:
-            return None
-        lrs = self.table[:, 0]
-        return (~(torch.isfinite(lrs) & (lrs >= 0))).any().float()
