@@ -168,6 +168,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for buf in self._buffers:
             init_master(buf, dtype)
         self._expected_views = expected_views(self._buckets, self._buffers, self._params)
+        kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device,
+                        len(self._params), len(self.param_groups))
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self.process_group, self.world_size,
             overlap_grad_sync,

@@ -5,6 +5,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --quiet torch==2.13.0            # first, so nothing pulls another build
 python -m pip install --quiet -e ".[test]"
+# A private kernel-build directory for this checkout (never a shared cache; see optim/_build.py).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
 # Build the C++ kernels once, before pytest-xdist starts its workers.
 python -c "import torch; from shardamp.optim import kernels; print('shardamp kernels on cpu:', kernels.backend(torch.device('cpu')))"
 # -n 2: one worker per core; loadgroup keeps each spawned process group's cases on one worker.
