@@ -223,14 +223,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         where = f"param_groups[{len(self.param_groups) - 1}]: "
         check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
         check_group_options(group, where)
-        seen = set()
+        seen: Dict[int, int] = {}
         for i, p in enumerate(group["params"]):
             if not isinstance(p, torch.nn.Parameter):
                 raise ValueError("params: DistributedFusedAdam needs torch.nn.Parameter leaves (got a plain tensor)")
             if id(p) in seen:  # torch only warns, then updates it twice per step
-                raise ValueError(f"{where}params: parameter {i} (shape {tuple(p.shape)}) is given twice; "
-                                 "pass each parameter once")
-            seen.add(id(p))
+                raise ValueError(f"{where}params: parameter {i} (shape {tuple(p.shape)}) is parameter {seen[id(p)]} "
+                                 "given again; pass each parameter once")
+            seen[id(p)] = i
 
     # ------------------------------------------------------------------ per-step state
     def _reset_round(self) -> None:
