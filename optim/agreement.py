@@ -208,8 +208,8 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
         ("norm_type", float(norm_type)),
         ("options (max_grad_norm, adam_w_mode, bias_correction)",
          (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)),
-        ("step count (a rank skipped or repeated a step, or called grad_norm/step in another order)",
-         opt._stats_rounds),
+        ("step count and gradient reductions since the last step (a rank skipped or repeated a step or a "
+         "backward, or accumulated differently)", (opt._stats_rounds, opt._grad_sync.rounds_since_step)),
     ]
 
 
@@ -234,6 +234,30 @@ def step_entries(opt: Any, norm_type: float, problem: str = "") -> Tuple[List[fl
         invalid.fill_(1.0)
     names += [f"the value of the tensor lr of param_groups[{i}]" for i, _ in lrs]
     return host, (invalid, fp.device_entries(values, use_max)), names
+
+
+def stats_buffer(opt: Any, norm_type: float, problem: str) -> Tuple[Tensor, bool]:
+    """The step's stats tensor with the touched pattern and agreement entries filled in (the
+    norm header is the caller's), and whether the entries must be checked after the reduction
+    (one rank alone has nothing to disagree with; a tensor lr's value is still checked)."""
+    from .grad_stats import HEADER
+
+    host, dev, opt._step_names = step_entries(opt, norm_type, problem)
+    n = len(opt._params)
+    pattern = opt._touched_patterns.get(opt._grad_sync.local_touched, host)
+    extra = 0 if dev is None else dev[1].numel()
+    buf = torch.empty(HEADER + n + len(host) + extra, dtype=torch.float32, device=opt._device)
+    buf[HEADER : HEADER + n + len(host)].copy_(pattern)
+    if dev is not None:
+        buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
+        buf[HEADER + n + len(host) :].copy_(dev[1])
+    return buf, opt.world_size > 1 or dev is not None or bool(problem)
+
+
+def raise_now(opt: Any, stats: Any) -> None:
+    """Where reading is free (CPU): raise right after the all-reduce, before anything trains."""
+    raise_if_disagree(float(stats.mismatch), float(stats.invalid), stats.mismatch_per_category.tolist(),
+                      opt._step_names, opt._step_problem)
 
 
 def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], names: List[str],

@@ -7,9 +7,14 @@ Format (a plain DCP checkpoint, only public DCP API, tensors only):
   ``param_groups`` (as ``optim.state_dict``), the shardamp extras and the scaler's state;
 * ``shardamp/steps``: float32 ``[num_params]`` per-param step counts (identical on every rank,
   written once);
+* ``shardamp/crc/{rank}``: uint8 JSON ``{piece name: CRC32}`` of the pieces rank ``rank`` wrote
+  (the step counts' CRC is in the metadata, the metadata's in the completion marker);
 * ``state/{param}/{key}/{offset}``: 1-D, this rank's contiguous piece of param ``param``'s
   ``key`` (``exp_avg``, ``exp_avg_sq``, ``master_param``), elements ``[offset, offset + len)``
   of the param in MEMORY order. A rank's shard holds at most one piece of each param.
+
+The directory is written aside and published with a completion marker (``atomic_publish.py``):
+a directory without it is never loaded.
 
 Why pieces instead of ShardedTensor/DTensor: our shards have arbitrary element offsets (DTensor's
 Shard(0) cannot express them) and ``torch.distributed._shard`` is deprecated; plain keys work the

@@ -21,20 +21,14 @@ from . import state_dict as _state_dict
 from .buffers import BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
+from . import deferred_checks
 from .deferred_checks import DeferredChecks
-from .hparams import HparamTable, check_group_options, check_hparams, validate_groups
+from .hparams import NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
 from .layout import Bucket, build_layout
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-MAX_NORM_TYPE = 64.0
-_NO_COPY = (
-    "DistributedFusedAdam cannot be copied or pickled: it owns flat buffers that the model's params "
-    "are views of, grad hooks and a process group. Save opt.state_dict() (or save_sharded) and load it "
-    "into a new DistributedFusedAdam built over the model."
-)
-SKIPS_BEFORE_WARNING = 3  # consecutive skipped steps without a scaler before the warning
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -310,33 +304,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _ensure_stats(self, norm_type: float) -> GradStats:
         if self._stats is None:
-            self._check_last_step(force=True)
+            deferred_checks.check_last_step(self, force=True)
             self.grad_sync()
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-            host, dev, self._step_names = agreement.step_entries(self, norm_type, self._step_problem)
-            n, h = len(self._params), grad_stats.HEADER
-            pattern = self._touched_patterns.get(self._grad_sync.local_touched, host)
-            extra = 0 if dev is None else dev[1].numel()
-            buf = torch.empty(h + n + len(host) + extra, dtype=torch.float32, device=self._device)
+            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
-            buf[h : h + n + len(host)].copy_(pattern)
-            if dev is not None:
-                buf[h + n : h + n + 1].copy_(dev[0])
-                buf[h + n + len(host) :].copy_(dev[1])
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
             self._stats_rounds += 1
-            # one rank has nothing to disagree with: only a tensor lr's value is still checked
-            checked = self.world_size > 1 or dev is not None or bool(self._step_problem)
-            self._stats = grad_stats.finish(buf, norm_type, n, self._fingerprint if checked else None)
+            fingerprint = self._fingerprint if checked else None
+            self._stats = grad_stats.finish(buf, norm_type, len(self._params), fingerprint)
             self._raw_norms[norm_type] = self._stats.raw_norm
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
-                s = self._stats
-                agreement.raise_if_disagree(float(s.mismatch), float(s.invalid),
-                                            s.mismatch_per_category.tolist(), self._step_names, self._step_problem)
+                agreement.raise_now(self, self._stats)
         elif norm_type not in self._raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce
             buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=self._device)
@@ -368,20 +351,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._norms[norm_type] = norm
         return norm
 
-    @staticmethod
-    def _check_norm_type(norm_type: Any) -> float:
-        try:
-            p = float(norm_type)
-        except (TypeError, ValueError):
-            raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf") from None
-        if not p > 0:
-            raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf")
-        if p > MAX_NORM_TYPE and not math.isinf(p):
-            # sum |g|**p overflows float32 for any |g| > 3.4e38**(1/p) (above 1.4 at p = 256), so
-            # such a norm would be inf and skip every step: use the inf norm it approaches
-            raise ValueError(f"norm_type={norm_type!r}: finite norm types above {MAX_NORM_TYPE:g} overflow "
-                             "float32; use norm_type=float('inf') (the max norm, their limit)")
-        return p
+    _check_norm_type = staticmethod(check_norm_type)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip all grads to a global norm of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
@@ -509,50 +479,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
             self._param_sync.launch(i)
         self._param_sync.launched_all()
-        self._record_step(stats)
+        deferred_checks.record_step(self, stats)
         self._last_norms = dict(self._norms)
         self._reset_round()
         self._grad_sync.step_done()
         self._stepped_without_zero_grad = True
         return loss
-
-    def _record_step(self, stats: GradStats) -> None:
-        """Queue this step's flags for the host (deferred_checks.py: no sync on CUDA)."""
-        parts = [stats.found_inf.reshape(1).float()]
-        if stats.mismatch is not None:
-            parts = [stats.mismatch.reshape(1), stats.invalid.reshape(1), parts[0],
-                     stats.mismatch_per_category.float()]
-        else:
-            parts = [torch.zeros(2, device=self._device), parts[0]]
-        self._deferred.push(torch.cat(parts), {"scaled": self._inv_scale is not None, "names": self._step_names,
-                                               "problem": self._step_problem})
-        self._check_last_step(force=False)
-
-    def _check_last_step(self, force: bool) -> None:
-        """Act on a recorded step's flags once readable: raise on disagreement or an invalid lr
-        (on CUDA at the next step: the device skipped that step already), warn when steps
-        without a scaler keep being skipped."""
-        got = self._deferred.ready(force)
-        if got is None:
-            return
-        values, context = got
-        agreement.raise_if_disagree(values["mismatch"], values["invalid"], values["categories"], context["names"],
-                                    context["problem"])
-        if values["found_inf"] > 0 and not context["scaled"]:
-            self._consecutive_skips += 1
-        else:
-            self._consecutive_skips = 0
-        if self._consecutive_skips >= SKIPS_BEFORE_WARNING and not self._warned_skips:
-            self._warned_skips = True
-            fp16 = any(b.grad_shard.dtype == torch.float16 for b in self._buffers)
-            warnings.warn(
-                f"DistributedFusedAdam: the last {self._consecutive_skips} steps were all skipped because the "
-                "gradients (summed over the ranks) held inf/NaN, and no grad scaler is in use"
-                + (" (grads are reduced in float16, whose max is 65504)" if fp16 else "") + ". Nothing is "
-                "training. Reduce the grads in float32 (grad_sync_dtype=torch.float32) or use "
-                "shardamp.scaler.ShardedGradScaler, which lowers the loss scale when this happens.",
-                RuntimeWarning, stacklevel=3,
-            )
 
     # ------------------------------------------------------------------ state dicts (optim/state_dict.py)
     def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
@@ -576,10 +508,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return memory_stats(self._buffers, self._grad_sync.alive_full_buffers())
 
     def __deepcopy__(self, memo: dict) -> "DistributedFusedAdam":
-        raise TypeError(_NO_COPY)
+        raise TypeError(NO_COPY)
 
     def __getstate__(self) -> Dict[str, Any]:
-        raise TypeError(_NO_COPY)
+        raise TypeError(NO_COPY)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

@@ -20,6 +20,30 @@ UNSUPPORTED_OPTIONS = {"amsgrad": (False,), "maximize": (False,), "foreach": (No
                        "fused": (None, False), "differentiable": (False,)}
 
 
+MAX_NORM_TYPE = 64.0
+NO_COPY = (
+    "DistributedFusedAdam cannot be copied or pickled: it owns flat buffers that the model's params "
+    "are views of, grad hooks and a process group. Save opt.state_dict() (or save_sharded) and load it "
+    "into a new DistributedFusedAdam built over the model."
+)
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float; raise naming it unless it is > 0 and at most MAX_NORM_TYPE or inf."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf") from None
+    if not p > 0:
+        raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf")
+    if p > MAX_NORM_TYPE and not math.isinf(p):
+        # sum |g|**p overflows float32 for any |g| > 3.4e38**(1/p) (above 1.4 at p = 256), so
+        # such a norm would be inf and skip every step: use the inf norm it approaches
+        raise ValueError(f"norm_type={norm_type!r}: finite norm types above {MAX_NORM_TYPE:g} overflow "
+                         "float32; use norm_type=float('inf') (the max norm, their limit)")
+    return p
+
+
 def check_lr_tensor(lr: Tensor, where: str, read_value: bool) -> None:
     """A tensor lr: one floating-point element (torch.optim's rule) and, when ``read_value``
     (construction, load_state_dict: never the step path on CUDA), finite and >= 0. At step the
