@@ -5,8 +5,8 @@
   of those hashes tells every rank the same thing, and a difference raises on every rank naming
   the field, with the differing values (gathered only then).
 * Every step (``StepFingerprint``): what may change between steps (hyperparameters, norm type,
-  options, the step count, tensor lr values) travels INSIDE the one stats all-reduce that runs
-  anyway, as a few extra float32 entries. No collective is added and nothing is read on the
+  options, gradient reductions since the last step, tensor lr values) travels INSIDE the one
+  stats all-reduce that runs anyway, as a few extra float32 entries. No collective is added and nothing is read on the
   host on CUDA. Each category is a 24-bit hash cut into chunks ``c`` of ``b`` bits; under SUM
   the entries are ``(c, c*c)`` and the ranks agree iff ``W * sum(c*c) == sum(c)**2``
   (Cauchy-Schwarz: equality iff every rank's ``c`` is equal); under MAX (the inf norm) they are
@@ -208,8 +208,10 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
         ("norm_type", float(norm_type)),
         ("options (max_grad_norm, adam_w_mode, bias_correction)",
          (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)),
-        ("step count and gradient reductions since the last step (a rank skipped or repeated a step or a "
-         "backward, or accumulated differently)", (opt._stats_rounds, opt._grad_sync.rounds_since_step)),
+        # not the step count: it changes every step, so these entries (cached on the device with
+        # the touched pattern) would be re-uploaded every step, also inside a CUDA-graph capture
+        ("gradient reductions since the last step (a rank ran another number of backward passes or "
+         "accumulated differently)", opt._grad_sync.rounds_since_step),
     ]
 
 

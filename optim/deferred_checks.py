@@ -3,8 +3,8 @@
 After each step the optimizer records ``[mismatch, invalid lr, found_inf]`` here. On the CPU the
 values are read at once (reading is free). On CUDA they are copied, non-blocking, into pinned
 memory behind an event, and read at the start of the NEXT step's stats, when that copy finished
-long ago: ``event.synchronize()`` then returns at once, and every rank reads at the same point,
-so every rank raises (or warns) alike. During CUDA-graph capture nothing is recorded (the device
+long ago (``event.query()``; only a host that ran a whole step ahead of its GPU waits), and
+every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph capture nothing is recorded (the device
 still skips mismatched steps; only the host-side message is lost).
 """
 from __future__ import annotations
@@ -48,7 +48,8 @@ class DeferredChecks:
         if event is not None:
             if not force or torch.cuda.is_current_stream_capturing():
                 return None
-            event.synchronize()  # recorded a step ago: already complete
+            if not event.query():  # recorded a step ago: practically always complete already
+                event.synchronize()
         self.pending = None
         values: List[float] = host.tolist()
         named = dict(zip(NAMES, values))
