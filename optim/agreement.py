@@ -197,12 +197,21 @@ class StepFingerprint:
         return per_cat.any().float(), per_cat, invalid
 
 
+def _number(value: Any) -> Any:
+    """``value`` as a float where it is one (1 and 1.0 agree), else as is: an invalid value on
+    one rank must reach the all-reduce (it is flagged there), not raise here."""
+    if isinstance(value, Tensor):
+        return "tensor"
+    if isinstance(value, (list, tuple)):
+        return tuple(_number(v) for v in value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
-    groups = []
-    for g in opt.param_groups:
-        lr = g["lr"]
-        groups.append(("tensor" if isinstance(lr, Tensor) else float(lr), tuple(map(float, g["betas"])),
-                       float(g["eps"]), float(g["weight_decay"])))
+    groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in opt.param_groups]
     return [
         ("hyperparameters (lr, betas, eps, weight_decay of the param groups)", groups),
         ("norm_type", float(norm_type)),
@@ -224,7 +233,7 @@ def step_entries(opt: Any, norm_type: float, problem: str = "") -> Tuple[List[fl
     host = fp.host_entries(host_categories(opt, norm_type), use_max)
     host[0] = 1.0 if problem else 0.0
     names = list(fp.host_names)
-    lrs = [(i, g["lr"]) for i, g in enumerate(opt.param_groups) if isinstance(g["lr"], Tensor)]
+    lrs = [(i, g["lr"]) for i, g in enumerate(opt.param_groups) if isinstance(g.get("lr"), Tensor)]
     if not lrs:
         return host, None, names
     # a malformed lr (flagged in ``problem``) still contributes one entry: every rank's stats

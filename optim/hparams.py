@@ -90,7 +90,7 @@ def validate_groups(param_groups: Sequence[dict], read_lr: bool) -> str:
             where = f"param_groups[{i}]: "
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where, read_lr=read_lr)
             check_group_options(group, where)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError, TypeError) as exc:
         return str(exc)
     return ""
 

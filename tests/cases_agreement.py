@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from parity import MLP, batches
-from shardamp.optim import DistributedFusedAdam, save_sharded
+from shardamp.optim import DistributedFusedAdam, load_sharded, save_sharded
 
 TINY = 0.0004
 
@@ -212,6 +212,18 @@ def case_save_sharded_on_one_rank(rank, world, tmp=None, **kw):
     path = os.path.join(tmp, "alone")
     out = _only_rank0(rank, world, lambda: save_sharded(opt, path))
     out["written"] = os.path.exists(path)
+    return out
+
+
+def case_load_sharded_on_one_rank(rank, world, tmp=None, **kw):
+    model, opt = _trained(rank, world)
+    path = os.path.join(tmp, f"together-{world}")
+    save_sharded(opt, path)
+    for b in opt._buffers:
+        b.exp_avg.add_(1.0)  # differs from the checkpoint: a load would show
+    before = _moments(opt)
+    out = _only_rank0(rank, world, lambda: load_sharded(opt, path))
+    out["untouched"] = all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))
     return out
 
 

@@ -78,7 +78,8 @@ def test_agreeing_ranks_train(world):
         assert value["error"] == "NO ERROR" and not value["untouched"]
 
 
-ONE_RANK = ["case_load_state_dict_on_one_rank", "case_state_dict_on_one_rank", "case_save_sharded_on_one_rank"]
+ONE_RANK = ["case_load_state_dict_on_one_rank", "case_state_dict_on_one_rank", "case_save_sharded_on_one_rank",
+            "case_load_sharded_on_one_rank"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
