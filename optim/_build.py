@@ -1,18 +1,32 @@
 """Just-in-time build of the fused kernels in csrc/ through ``torch.utils.cpp_extension.load``.
 
-Built with ninja on first use and cached in torch's extension directory (``TORCH_EXTENSIONS_DIR``
-if set); torch's loader holds a file lock while it builds, so concurrent processes (pytest-xdist
-workers, ranks of one job) build once and the others wait and load the result. Two modules:
+Built with ninja on first use into ``<root>/shardamp-py<ver>-torch<ver>/<name>``, ``<root>`` being
+``TORCH_EXTENSIONS_DIR`` or torch's default extension cache. The module name ends in a hash of
+every kernel source and flag, so two checkouts with different kernels never share a build
+directory (nor a loaded module). Concurrent processes (pytest-xdist workers, ranks of one job)
+build once: they serialise on an ``flock`` of ``shardamp-build.lock`` in that directory, which the
+OS releases when its holder dies, so a killed build never blocks the next one. A ``lock`` file
+that torch's own loader left behind (a build killed midway) is found stale under that flock and
+removed with a warning naming it; a process waiting for a live build says so, naming the lock,
+after ``WAIT_REPORT_S`` seconds. Two modules:
 ``shardamp_kernels_cpu`` (C++ only, builds without CUDA) and ``shardamp_kernels_cuda`` (the same C++
 plus the CUDA kernels, serving CPU and CUDA tensors alike), each with an ``_avx2`` or
 ``_avx512`` suffix when built for that vector ISA (the one torch itself uses on this CPU).
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import os
 import platform
+import sys
+import time
+import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
+
+WAIT_REPORT_S = 30.0  # report a wait for another process's build after this long
 
 _loaded: Dict[bool, Any] = {}
 
@@ -97,14 +111,68 @@ def load_extension(cuda: bool):
         # Plain -O3, no --use_fast_math: sqrt and division must stay IEEE-rounded so the kernels
         # agree with the reference to fp32 round-off.
         kwargs["extra_cuda_cflags"] = ["-O3", "-lineinfo", *_cuda_gencode()]
-    module = load(
-        name=("shardamp_kernels_cuda" if cuda else "shardamp_kernels_cpu") + suffix,
-        sources=[str(s) for s in sources],
-        extra_cflags=cflags,
-        extra_include_paths=[str(src)],
-        with_cuda=cuda,
-        verbose=os.environ.get("SHARDAMP_BUILD_VERBOSE", "") not in ("", "0"),
-        **kwargs,
-    )
+    base = ("shardamp_kernels_cuda" if cuda else "shardamp_kernels_cpu") + suffix
+    name = f"{base}_{source_hash(src, [cflags, kwargs])}"
+    build_dir = build_directory(name)
+    with build_lock(build_dir):
+        module = load(
+            name=name,
+            sources=[str(s) for s in sources],
+            extra_cflags=cflags,
+            extra_include_paths=[str(src)],
+            with_cuda=cuda,
+            build_directory=build_dir,
+            verbose=os.environ.get("SHARDAMP_BUILD_VERBOSE", "") not in ("", "0"),
+            **kwargs,
+        )
     _loaded[cuda] = module
     return module
+
+
+def source_hash(src: Path, flags: Any) -> str:
+    """12 hex digits over every file under csrc/ (path and bytes) and the build flags."""
+    h = hashlib.sha256(repr(flags).encode())
+    for path in sorted(p for p in src.rglob("*") if p.is_file() and p.suffix in (".cpp", ".cu", ".h", ".cuh")):
+        h.update(str(path.relative_to(src)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def build_directory(name: str) -> str:
+    """Where ``name`` is built: per Python and torch version, under TORCH_EXTENSIONS_DIR or
+    torch's default extension root; created if missing."""
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = f"shardamp-py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__}"
+    path = os.path.join(root, tag, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: str) -> Iterator[None]:
+    """Hold the build directory's flock; inside it, a torch ``lock`` file is stale: remove it."""
+    lock_path = os.path.join(build_dir, "shardamp-build.lock")
+    with open(lock_path, "a") as f:
+        start, reported = time.monotonic(), False
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not reported and time.monotonic() - start > WAIT_REPORT_S:
+                    reported = True
+                    warnings.warn(f"shardamp: waiting for another process that is building the kernels in "
+                                  f"{build_dir} (it holds {lock_path}); if none is running, that file's flock "
+                                  "is held by a stuck process: end it.", RuntimeWarning, stacklevel=4)
+                time.sleep(0.2)
+        try:
+            torch_lock = os.path.join(build_dir, "lock")
+            if os.path.exists(torch_lock):  # no live shardamp build holds our flock: left by a killed build
+                warnings.warn(f"shardamp: removing the stale build lock {torch_lock} left by a build that was "
+                              "killed; rebuilding.", RuntimeWarning, stacklevel=4)
+                os.remove(torch_lock)
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

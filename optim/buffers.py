@@ -139,7 +139,9 @@ def check_views(expected: List[tuple], params: Sequence[Tensor], reattach: Calla
                 "param that will ever train requiring grad (freeze by zeroing its lr in its param "
                 "group instead), and do not assign param.grad by hand."
             )
-        if p.data_ptr() != ptr or p.dtype != dtype or p.shape != shape or p.stride() != stride:
+        # a zero-element param has no storage to compare (its data_ptr is 0): shape and dtype only
+        moved = p.data_ptr() != ptr and p.numel() > 0
+        if moved or p.dtype != dtype or p.shape != shape or p.stride() != stride:
             if reattach(i):
                 continue
             raise RuntimeError(

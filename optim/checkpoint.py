@@ -7,9 +7,14 @@ Format (a plain DCP checkpoint, only public DCP API, tensors only):
   ``param_groups`` (as ``optim.state_dict``), the shardamp extras and the scaler's state;
 * ``shardamp/steps``: float32 ``[num_params]`` per-param step counts (identical on every rank,
   written once);
+* ``shardamp/crc/{rank}``: uint8 JSON ``{piece name: CRC32}`` of the pieces rank ``rank`` wrote
+  (the step counts' CRC is in the metadata, the metadata's in the completion marker);
 * ``state/{param}/{key}/{offset}``: 1-D, this rank's contiguous piece of param ``param``'s
   ``key`` (``exp_avg``, ``exp_avg_sq``, ``master_param``), elements ``[offset, offset + len)``
   of the param in MEMORY order. A rank's shard holds at most one piece of each param.
+
+The directory is written aside and published with a completion marker (``atomic_publish.py``):
+a directory without it is never loaded.
 
 Why pieces instead of ShardedTensor/DTensor: our shards have arbitrary element offsets (DTensor's
 Shard(0) cannot express them) and ``torch.distributed._shard`` is deprecated; plain keys work the
@@ -30,20 +35,31 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from . import _compat
+from . import agreement, atomic_publish
 from . import state_dict as sd_mod
+from .hparams import validate_groups
 
 FORMAT = "shardamp.dcp/1"
 META_KEY = "shardamp/meta"
 STEPS_KEY = "shardamp/steps"
+CRC_PREFIX = "shardamp/crc/"  # + writer rank: JSON {piece name: CRC32} of that rank's pieces
 PathLike = Union[str, "os.PathLike[str]"]
 
 
 def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None:
     """Write ``opt``'s state (and ``scaler``'s, if given) to the DCP checkpoint directory
     ``path``. A collective over ``opt.process_group``: every rank calls it; each writes its shard.
-    The model's weights are not included: save them separately (e.g. ``model.state_dict()``)."""
+    The model's weights are not included: save them separately (e.g. ``model.state_dict()``).
+
+    Crash-safe: the checkpoint is written aside and replaces ``path`` only once every rank has
+    written its shard (``atomic_publish.py``); a checkpoint already at ``path`` stays loadable
+    until then. Invalid state (NaN hyperparameters, non-finite or negative moments) or a ``path``
+    holding something other than a shardamp checkpoint raise on every rank before anything is
+    written."""
+    path = os.fspath(path)
     opt.param_sync()
+    problem = _save_problem(opt, path)
+    agreement.agree_on_call(opt, "save_sharded", given=os.path.abspath(path), problem=problem)
     steps = opt._steps.detach().to("cpu", copy=True)
     slots = sd_mod.slots_by_index(opt)
     meta = {
@@ -52,9 +68,12 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
         "param_groups": [_jsonable_group(g, i) for i, g in enumerate(sd_mod.torch_param_groups(opt))],
         sd_mod.EXTRA_KEY: sd_mod.extras(opt),
         "scaler": _jsonable_scaler(scaler),
+        "steps_crc": atomic_publish.tensor_crc(steps),
     }
     blob = json.dumps(meta, sort_keys=True).encode()
-    state: Dict[str, Tensor] = {META_KEY: torch.frombuffer(bytearray(blob), dtype=torch.uint8), STEPS_KEY: steps}
+    meta_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    state: Dict[str, Tensor] = {META_KEY: meta_tensor, STEPS_KEY: steps}
+    crcs: Dict[str, int] = {}
     for bucket, buf in zip(opt._buckets, opt._buffers):
         sources = [("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)]
         if sd_mod.has_master(opt, bucket.dtype):
@@ -65,9 +84,44 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
             for key, src in sources:
                 # a copy: DCP must not serialise the whole shard behind a view
                 piece = src[seg.start : seg.start + seg.length].to("cpu", copy=True)
-                state[f"state/{seg.param_index}/{key}/{seg.param_offset}"] = piece
+                name = f"state/{seg.param_index}/{key}/{seg.param_offset}"
+                state[name] = piece
+                crcs[name] = atomic_publish.tensor_crc(piece)
+    state[f"{CRC_PREFIX}{opt.rank}"] = _json_tensor(crcs)
+    staged = atomic_publish.staging_dir(path)
+    failure = ""
+    if opt.rank == 0:
+        try:
+            atomic_publish.prepare(path)
+        except OSError as exc:
+            failure = f"cannot create {staged}: {exc}"
+    agreement.agree_on_call(opt, "save_sharded (staging)", problem=failure)
     with _single_process_quiet():
-        dcp.save(state, checkpoint_id=os.fspath(path), process_group=_group(opt), no_dist=_no_dist())
+        dcp.save(state, checkpoint_id=staged, process_group=_group(opt), no_dist=_no_dist())
+    if opt.rank == 0:  # DCP returns on every rank once all shards and its metadata are written
+        try:
+            atomic_publish.publish(path, {"format": FORMAT, "world_size": opt.world_size,
+                                          "meta_crc": atomic_publish.tensor_crc(meta_tensor)})
+        except OSError as exc:
+            failure = f"could not publish {staged} as {path}: {exc}"
+    agreement.agree_on_call(opt, "save_sharded (publish)", problem=failure)
+
+
+def _save_problem(opt: Any, path: str) -> str:
+    problem = atomic_publish.problem_for_save(path)
+    if not problem:
+        problem = validate_groups(opt.param_groups, read_lr=True)
+    if not problem:
+        for i, buf in enumerate(opt._buffers):
+            if not bool(torch.isfinite(buf.exp_avg).all() & torch.isfinite(buf.exp_avg_sq).all()):
+                problem = f"bucket {i}: the moments hold non-finite values"
+            elif bool((buf.exp_avg_sq < 0).any()):
+                problem = f"bucket {i}: exp_avg_sq holds negative values"
+    return problem
+
+
+def _json_tensor(value: Any) -> Tensor:
+    return torch.frombuffer(bytearray(json.dumps(value, sort_keys=True).encode()), dtype=torch.uint8)
 
 
 def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None:
@@ -76,16 +130,27 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     weights first: master params not in the checkpoint come from them. Everything is validated
     (on every rank alike) before anything is written; a mismatch raises ``ValueError``."""
     path = os.fspath(path)
-    pieces, dtypes, sizes = _index(path)
-    for key in (META_KEY, STEPS_KEY):
-        if key not in sizes:
-            raise ValueError(f"load_sharded: {path} is not a shardamp checkpoint (no '{key}')")
+    problem = atomic_publish.problem_for_load(path)
+    if not problem:
+        pieces, dtypes, sizes = _index(path)
+        problem = next((f"{path} is not a shardamp checkpoint (no '{key}')"
+                        for key in (META_KEY, STEPS_KEY) if key not in sizes), "")
+    agreement.agree_on_call(opt, "load_sharded", given=os.path.abspath(path), problem=problem)
+    crc_keys = [k for k in sizes if k.startswith(CRC_PREFIX)]
     head = {META_KEY: torch.empty(sizes[META_KEY], dtype=torch.uint8),
             STEPS_KEY: torch.empty(sizes[STEPS_KEY], dtype=torch.float32)}
+    head.update({k: torch.empty(sizes[k], dtype=torch.uint8) for k in crc_keys})
     with _single_process_quiet():
         dcp.load(head, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
+    if atomic_publish.tensor_crc(head[META_KEY]) != atomic_publish.read_marker(path).get("meta_crc"):
+        raise ValueError(f"load_sharded: {path}: the checkpoint's metadata does not match its checksum (corrupted)")
     meta = json.loads(bytes(head[META_KEY].tolist()).decode())
     steps = head[STEPS_KEY]
+    if atomic_publish.tensor_crc(steps) != meta.get("steps_crc"):
+        raise ValueError(f"load_sharded: {path}: the step counts do not match their checksum (corrupted)")
+    crcs: Dict[str, int] = {}
+    for k in crc_keys:
+        crcs.update(json.loads(bytes(head[k].tolist()).decode()))
     slots = sd_mod.slots_by_index(opt)
 
     # ---- validate (identical on every rank: everyone read the same metadata)
@@ -120,12 +185,19 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                     for name, _off, n in cover:
                         needed[name] = torch.empty(n, dtype=dtypes[name])
                 elif not problem:
-                    problem = f"param {i} '{key}' elements [{lo}, {hi}) are missing from the checkpoint"
-    _agree_or_raise(opt, problem)
+                    problem = f"incomplete checkpoint: param {i} '{key}' elements [{lo}, {hi}) are missing"
+    agreement.agree_on_call(opt, "load_sharded (plan)", problem=problem)
 
-    # ---- read (into temporaries: a failure here leaves the optimizer untouched), then write
+    # ---- read (into temporaries: a failure here leaves the optimizer untouched), check, then write
     with _single_process_quiet():
         dcp.load(needed, checkpoint_id=path, process_group=_group(opt), no_dist=_no_dist())
+    for name in sorted(needed):
+        problem = problem or atomic_publish.check_crc(name, needed[name], crcs) or ""
+        if not problem and not bool(torch.isfinite(needed[name]).all()):
+            problem = f"'{name}' holds non-finite values"
+        if not problem and "/exp_avg_sq/" in name and bool((needed[name] < 0).any()):
+            problem = f"'{name}' holds negative values (a second moment is >= 0)"
+    agreement.agree_on_call(opt, "load_sharded (read)", problem=f"{path}: {problem}" if problem else "")
     scaler_state = meta.get("scaler")
 
     def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
@@ -190,16 +262,6 @@ def _covered(cover: List[Tuple[str, int, int]], lo: int, hi: int) -> bool:
             return False
         pos = max(pos, off + n)
     return pos >= hi
-
-
-def _agree_or_raise(opt: Any, problem: str) -> None:
-    """Raise on EVERY rank if any rank found a problem, so no rank is left waiting in a
-    collective the others skipped."""
-    flag = torch.tensor([1.0 if problem else 0.0], device=opt._device)
-    if opt.world_size > 1:
-        _compat.all_reduce(flag, dist.ReduceOp.MAX, opt.process_group)
-    if flag.item() > 0:
-        raise ValueError(f"load_sharded: incomplete checkpoint: {problem or 'another rank is missing state'}")
 
 
 def _jsonable_group(group: Dict[str, Any], index: int) -> Dict[str, Any]:

@@ -4,7 +4,7 @@ params a DistributedFusedAdam manages (whose ``.grad`` is None: their grads live
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import Tensor
@@ -24,6 +24,8 @@ def clip_grad_norm_(
     parameters: Union[Tensor, Iterable[Tensor]],
     max_norm: float,
     norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: Optional[bool] = None,
 ) -> Tensor:
     """Clip the grads of ``parameters`` to a global norm of ``max_norm``; return that norm.
 
@@ -33,12 +35,17 @@ def clip_grad_norm_(
     a subset cannot be clipped without clipping the rest. All other params are clipped in place
     exactly as torch does. The returned norm covers both kinds (``(sum n_i^p)^(1/p)``, or the
     max for ``inf``); for a DistributedFusedAdam it is its global, unscaled norm.
+
+    Same signature as torch's: ``error_if_nonfinite=True`` raises (as torch) when the total norm
+    is NaN or inf, which reads it on the host (a sync, as in torch); ``foreach`` is passed to
+    torch for the plain params. ``max_norm`` must be a number >= 0 (negative would ascend, NaN
+    would never clip); a non-finite norm of a DistributedFusedAdam's params skips its step.
     """
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = list(parameters)
     norm_type = DistributedFusedAdam._check_norm_type(norm_type)
-    max_norm = float(max_norm)
+    max_norm = _check_max_norm(max_norm)
     owned: Dict[int, DistributedFusedAdam] = {}
     seen: Dict[int, set] = {}
     plain: List[Tensor] = []
@@ -63,9 +70,17 @@ def clip_grad_norm_(
     device = norms[0].device if norms else (plain[0].grad.device if plain else torch.device("cpu"))
     if plain:
         grads = [p.grad for p in plain]
-        norms.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=None).to(device))
+        norms.append(torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach).to(device))
     if not norms:
         return torch.tensor(0.0)
+    if error_if_nonfinite:
+        total_now = norms[0] if len(norms) == 1 else _combine(norms, norm_type, device)
+        if not bool(torch.isfinite(total_now)):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
+                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
+                "anyway, set `error_if_nonfinite=False`"
+            )
     if len(norms) == 1 and not plain:
         # one optimizer's params only: exactly opt.clip_grad_norm, whose norm tensor is divided
         # by the scale in place if unscaling comes later (loop G)
@@ -74,8 +89,7 @@ def clip_grad_norm_(
         return norms[0]
 
     def combine() -> Tensor:
-        stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-        return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+        return _combine(norms, norm_type, device)
 
     total = combine()
     for opt in owned.values():
@@ -87,3 +101,16 @@ def clip_grad_norm_(
         for p in plain:
             p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
+
+
+def _combine(norms: List[Tensor], norm_type: float, device: torch.device) -> Tensor:
+    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
+
+
+def _check_max_norm(max_norm: Any) -> float:
+    if isinstance(max_norm, Tensor):
+        max_norm = float(max_norm)
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+        raise ValueError(f"max_norm={max_norm!r}: expected a float >= 0 (negative would ascend, NaN never clips)")
+    return float(max_norm)

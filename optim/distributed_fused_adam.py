@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, grad_stats, kernels
+from . import _compat, agreement, grad_stats, kernels
 from . import state_dict as _state_dict
 from .buffers import (
     BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats, reattach_param,
@@ -24,7 +24,9 @@ from .buffers import (
 from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
-from .hparams import HparamTable, check_hparams
+from . import deferred_checks
+from .deferred_checks import DeferredChecks
+from .hparams import NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
 from .layout import Bucket, build_layout
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -153,6 +155,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.param_sync_dtype = param_sync_dtype
 
         self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)
+        # before anything is allocated or communicated: every rank built the same optimizer
+        self._other_optimizer = agreement.other_live_optimizer(self)
+        agreement.agree_on_construction(self)
         self._buffers: List[BucketBuffers] = []
         for bucket in self._buckets:
             gdt = grad_sync_dtype or bucket.dtype
@@ -164,6 +169,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for buf in self._buffers:
             init_master(buf, dtype)
         self._expected_views = expected_views(self._buckets, self._buffers, self._params)
+        kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device,
+                        len(self._params), len(self.param_groups))
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self.process_group, self.world_size,
             overlap_grad_sync,
@@ -177,6 +184,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
+        self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
+        self._deferred = DeferredChecks(self._device)
+        self._stats_rounds = 0  # stats all-reduces so far: part of the per-step agreement
+        self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
+        self._step_names: List[str] = []
+        self._consecutive_skips = 0
+        self._warned_skips = False
+        self._warned_clip_before_unscale = False
         self._warned_unscaled_by_torch = False
         self._stepped_without_zero_grad = False
         self._warned_no_zero_grad = False
@@ -208,11 +223,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                       f"param_groups[{len(self.param_groups) - 1}]: ")
-        for p in group["params"]:
+        where = f"param_groups[{len(self.param_groups) - 1}]: "
+        check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
+        check_group_options(group, where)
+        seen: Dict[int, int] = {}
+        for i, p in enumerate(group["params"]):
             if not isinstance(p, torch.nn.Parameter):
                 raise ValueError("params: DistributedFusedAdam needs torch.nn.Parameter leaves (got a plain tensor)")
+            if id(p) in seen:  # torch only warns, then updates it twice per step
+                raise ValueError(f"{where}params: parameter {i} (shape {tuple(p.shape)}) is parameter {seen[id(p)]} "
+                                 "given again; pass each parameter once")
+            seen[id(p)] = i
 
     # ------------------------------------------------------------------ per-step state
     def _reset_round(self) -> None:
@@ -280,8 +301,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
         """Extension point: all-reduce this rank's partial grad stats in place.
 
-        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}]`` and ``op``
-        is SUM (finite norm types) or MAX (``inf``). The default reduces over the optimizer's
+        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}, agreement
+        entries...]`` (``agreement.py``: what the ranks must agree on this step) and ``op`` is SUM
+        (finite norm types) or MAX (``inf``); reduce all of it. The default reduces over the optimizer's
         process group. A subclass whose params are also split over another group (tensor or
         pipeline model parallelism) calls ``super()`` and then reduces ``stats[:2]`` over that
         group with the same ``op``, so the norm and found-inf cover the whole model.
@@ -291,15 +313,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def _ensure_stats(self, norm_type: float) -> GradStats:
         if self._stats is None:
+            deferred_checks.check_last_step(self, force=True)
             self.grad_sync()
-            pattern = self._touched_patterns.get(self._grad_sync.local_touched)
-            buf = torch.empty(grad_stats.HEADER + len(self._params), dtype=torch.float32, device=self._device)
+            # A bad value on one rank must not raise before the all-reduce (the others would wait in
+            # it): it is flagged in the entries, and every rank raises after it.
+            self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
+            # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
+            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
-            buf[grad_stats.HEADER:].copy_(pattern)
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
-            self._stats = grad_stats.finish(buf, norm_type)
+            self._stats_rounds += 1
+            fingerprint = self._fingerprint if checked else None
+            self._stats = grad_stats.finish(buf, norm_type, len(self._params), fingerprint)
             self._raw_norms[norm_type] = self._stats.raw_norm
+            if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
+                agreement.raise_now(self, self._stats)
         elif norm_type not in self._raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce
             buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=self._device)
@@ -348,15 +377,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._last_norms[norm_type] = norm
         return norm
 
-    @staticmethod
-    def _check_norm_type(norm_type: Any) -> float:
-        try:
-            p = float(norm_type)
-        except (TypeError, ValueError):
-            raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf") from None
-        if not p > 0:
-            raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf")
-        return p
+    _check_norm_type = staticmethod(check_norm_type)
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip all grads to a global norm of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
@@ -391,6 +412,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
             inv = inv.reshape(()).to(device=self._device, dtype=torch.float32)
         stats = self._ensure_stats(self._first_norm_type())
+        # a loss scale of 0, inf or NaN (underflow, new_scale=0) would make NaN or ascending
+        # params: such a step is skipped as any non-finite step is
+        stats.found_inf.masked_fill_(~((inv > 0) & (inv < math.inf)), 1.0)
+        if self._clips and not self._warned_clip_before_unscale:
+            self._warned_clip_before_unscale = True
+            warnings.warn(
+                "DistributedFusedAdam: clip_grad_norm ran before unscaling, while the loss was scaled. Its "
+                "max_norm is compared with the TRUE (unscaled) norm once the scale is known, so torch's idiom "
+                "clip_grad_norm_(params, max_norm * scaler.get_scale()) would never clip here: pass the plain, "
+                "unscaled max_norm (or clip after scaler.unscale_(opt)).",
+                UserWarning, stacklevel=3,
+            )
         for norm in self._norms.values():
             norm.mul_(inv)  # norms handed out before unscaling become the true norms
         self._inv_scale = inv
@@ -452,10 +485,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "and the optimizer no longer sees them: build the optimizer over the model's current "
                 "parameters."
             )
-        hparams = self._hparam_table.refresh(self.param_groups)
         if grad_scaler is not None:
             self._take_torch_scaler(grad_scaler)
         stats = self._ensure_stats(self._first_norm_type())
+        # invalid values were folded into the stats (every rank skips this step, on CUDA they
+        # raise at the next one): the last valid table is kept
+        hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups)
         if self.max_grad_norm is not None:
             self._clips.append((self.max_grad_norm, self.grad_norm(2.0)))
         coef = self._grad_coef()
@@ -470,6 +505,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
             self._param_sync.launch(i)
         self._param_sync.launched_all()
+        deferred_checks.record_step(self, stats)
         self._last_norms = dict(self._norms)
         self._last_raw = (dict(self._raw_norms), self._inv_scale)  # unscaled lazily: no work here
         self._reset_round()
@@ -501,6 +537,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
         lower-precision all-gather buffers), and ``total``."""
         return memory_stats(self._buffers, self._grad_sync.alive_full_buffers())
+
+    def __deepcopy__(self, memo: dict) -> "DistributedFusedAdam":
+        raise TypeError(NO_COPY)
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(NO_COPY)
 
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__} ("]

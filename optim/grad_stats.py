@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,9 @@ class GradStats:
     found_inf: Tensor  # 0-d float32, exactly 0.0 or 1.0, agreed by every rank
     touched: Tensor  # float32 [P], 1.0 where some rank produced a grad for the param
     norms: dict = field(default_factory=dict)  # norm_type -> true norm tensors handed out
+    mismatch: Optional[Tensor] = None  # 0-d float32: the ranks disagree (agreement.py)
+    mismatch_per_category: Optional[Tensor] = None
+    invalid: Optional[Tensor] = None  # 0-d float32: some rank's tensor lr is NaN, inf or < 0
 
 
 def reduce_op(norm_type: float):
@@ -45,8 +48,10 @@ def local_stats(shards: Sequence[Tensor], norm_type: float, out: Tensor) -> None
         kernels.grad_stats(g, out[:HEADER], norm_type)
 
 
-def finish(stats: Tensor, norm_type: float) -> GradStats:
-    """Turn the all-reduced ``stats`` into a :class:`GradStats`."""
+def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fingerprint=None) -> GradStats:
+    """Turn the all-reduced ``stats`` into a :class:`GradStats`. With ``fingerprint``
+    (agreement.StepFingerprint), ``stats[HEADER + n_params:]`` holds its entries: a mismatch or
+    an invalid lr sets found-inf, so the kernel skips the step on every rank."""
     # Few, in-place ops: on a GPU each is a launch the host pays for before the step kernel.
     partial = stats[0]
     if math.isinf(norm_type):
@@ -57,8 +62,14 @@ def finish(stats: Tensor, norm_type: float) -> GradStats:
         raw = partial.pow(1.0 / norm_type)
     # flag + 0 * partial is NaN when the partial is inf/NaN, so "!= 0" covers both causes
     found_inf = torch.add(stats[1], partial, alpha=0.0).ne_(0.0)
-    touched = stats[HEADER:].clamp_(max=1.0)  # SUM-reduced counts (or MAX-reduced flags) -> 0/1
-    return GradStats(norm_type, raw, found_inf, touched)
+    end = stats.numel() if n_params is None else HEADER + n_params
+    touched = stats[HEADER:end].clamp_(max=1.0)  # SUM-reduced counts (or MAX-reduced flags) -> 0/1
+    if fingerprint is None:
+        return GradStats(norm_type, raw, found_inf, touched)
+    mismatch, per_category, invalid = fingerprint.check(stats[end:], math.isinf(norm_type))
+    found_inf = torch.maximum(torch.maximum(found_inf.float(), mismatch), invalid)
+    return GradStats(norm_type, raw, found_inf, touched, mismatch=mismatch, mismatch_per_category=per_category,
+                     invalid=invalid)
 
 
 def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
@@ -74,13 +85,14 @@ class TouchedPatterns:
     def __init__(self, device: torch.device, capacity: int = 8) -> None:
         self.device = device
         self.capacity = capacity
-        self.cache: "OrderedDict[bytes, Tensor]" = OrderedDict()
+        self.cache: "OrderedDict[tuple, Tensor]" = OrderedDict()
 
-    def get(self, mask: List[bool]) -> Tensor:
-        key = bytes(mask)
+    def get(self, mask: List[bool], tail: Sequence[float] = ()) -> Tensor:
+        """``mask`` as float32 0/1, followed by ``tail`` (the step's agreement entries)."""
+        key = (bytes(mask), tuple(tail))
         t = self.cache.get(key)
         if t is None:
-            host = torch.tensor(mask, dtype=torch.float32)
+            host = torch.tensor([float(m) for m in mask] + list(tail), dtype=torch.float32)
             if self.device.type == "cuda":
                 # pinned + non_blocking: a new pattern (e.g. MoE routing) costs no host sync; the
                 # caching host allocator keeps the pinned buffer alive until the copy is done

@@ -14,10 +14,63 @@ import torch
 from torch import Tensor
 
 
-def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) -> None:
+# torch.optim.Adam(W) group options shardamp does not implement, with the one value each may
+# have (torch writes these defaults into every group and state dict it makes)
+UNSUPPORTED_OPTIONS = {"amsgrad": (False,), "maximize": (False,), "foreach": (None, False),
+                       "fused": (None, False), "differentiable": (False,)}
+
+
+MAX_NORM_TYPE = 64.0
+NO_COPY = (
+    "DistributedFusedAdam cannot be copied or pickled: it owns flat buffers that the model's params "
+    "are views of, grad hooks and a process group. Save opt.state_dict() (or save_sharded) and load it "
+    "into a new DistributedFusedAdam built over the model."
+)
+
+
+def check_norm_type(norm_type: Any) -> float:
+    """``norm_type`` as a float; raise naming it unless it is > 0 and at most MAX_NORM_TYPE or inf."""
+    try:
+        p = float(norm_type)
+    except (TypeError, ValueError):
+        raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf") from None
+    if not p > 0:
+        raise ValueError(f"norm_type={norm_type!r}: expected a number > 0 or inf")
+    if p > MAX_NORM_TYPE and not math.isinf(p):
+        # sum |g|**p overflows float32 for any |g| > 3.4e38**(1/p) (above 1.4 at p = 256), so
+        # such a norm would be inf and skip every step: use the inf norm it approaches
+        raise ValueError(f"norm_type={norm_type!r}: finite norm types above {MAX_NORM_TYPE:g} overflow "
+                         "float32; use norm_type=float('inf') (the max norm, their limit)")
+    return p
+
+
+def check_lr_tensor(lr: Tensor, where: str, read_value: bool) -> None:
+    """A tensor lr: one floating-point element (torch.optim's rule) and, when ``read_value``
+    (construction, load_state_dict: never the step path on CUDA), finite and >= 0. At step the
+    value is checked on the device instead (``lr_invalid``)."""
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise ValueError(f"{where}lr: a tensor lr must hold one floating-point element, got shape "
+                         f"{tuple(lr.shape)} {lr.dtype}")
+    if read_value:
+        value = float(lr.detach().reshape(()).to("cpu"))
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}lr=tensor({value}): expected a finite value >= 0")
+
+
+def check_group_options(group: dict, where: str) -> None:
+    """Raise naming any torch.optim group option set to a value shardamp does not implement."""
+    for key, allowed in UNSUPPORTED_OPTIONS.items():
+        if key in group and not any(group[key] is a or (a is not None and group[key] == a) for a in allowed):
+            raise ValueError(f"{where}{key}={group[key]!r} is not supported by DistributedFusedAdam "
+                             f"(remove it or set {key}={allowed[0]!r})")
+
+
+def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str, read_lr: bool = True) -> None:
     """Raise a ValueError naming the hyperparameter (prefixed by ``where``) that is invalid."""
-    if not isinstance(lr, Tensor) and not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
-        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a tensor)")
+    if isinstance(lr, Tensor):
+        check_lr_tensor(lr, where, read_lr)
+    elif isinstance(lr, bool) or not (isinstance(lr, (int, float)) and lr >= 0 and math.isfinite(lr)):
+        raise ValueError(f"{where}lr={lr!r}: expected a finite float >= 0 (or a one-element tensor)")
     if (
         not isinstance(betas, (tuple, list))
         or len(betas) != 2
@@ -30,11 +83,24 @@ def check_hparams(lr: Any, betas: Any, eps: Any, weight_decay: Any, where: str) 
         raise ValueError(f"{where}weight_decay={weight_decay!r}: expected a finite float >= 0")
 
 
+def validate_groups(param_groups: Sequence[dict], read_lr: bool) -> str:
+    """Check every group as ``HparamTable.refresh`` does; return the first problem ('' if none)."""
+    try:
+        for i, group in enumerate(param_groups):
+            where = f"param_groups[{i}]: "
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where, read_lr=read_lr)
+            check_group_options(group, where)
+    except (ValueError, KeyError, TypeError) as exc:
+        return str(exc)
+    return ""
+
+
 class HparamTable:
     def __init__(self, num_groups: int, device: torch.device) -> None:
         self.device = device
         self.table = torch.zeros(num_groups, 5, dtype=torch.float64, device=device)
         self._host: Optional[List[Tuple]] = None
+        self.tensor_lrs: List[Tensor] = []
 
     def invalidate(self) -> None:
         """Force a re-upload at the next refresh (after param_groups were replaced wholesale)."""
@@ -44,7 +110,9 @@ class HparamTable:
         """Validate ``param_groups`` and bring the device table up to date; return it."""
         host = []
         for i, group in enumerate(param_groups):
-            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ")
+            check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ",
+                          read_lr=self.device.type != "cuda")
+            check_group_options(group, f"param_groups[{i}]: ")
             lr = group["lr"]
             lr_key = ("tensor", id(lr)) if isinstance(lr, Tensor) else float(lr)
             host.append((lr_key, float(group["betas"][0]), float(group["betas"][1]), float(group["eps"]),
@@ -56,6 +124,7 @@ class HparamTable:
                 table = table.pin_memory()
             self.table.copy_(table, non_blocking=True)
             self._host = host
+        self.tensor_lrs = [group["lr"] for group in param_groups if isinstance(group["lr"], Tensor)]
         for i, group in enumerate(param_groups):
             if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
                 self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -108,8 +108,9 @@ def adam_step(
     supported = grad.dtype in _NATIVE_DTYPES and (model_out is None or model_out.dtype in _NATIVE_DTYPES)
     if ext is None or not fp32_state or not supported:
         host = segments.extra.get("host")
-        if host is None:
-            host = segments.extra["host"] = segments.table.cpu()
+        if host is None:  # from the host-side segments: no device-to-host copy
+            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
+            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
         reference.adam_step(
             grad, master, exp_avg, exp_avg_sq, model_out, host, hparams, steps, touched,
             grad_coef, found_inf, adam_w_mode, bias_correction,
@@ -135,13 +136,57 @@ def cuda_chunk(default: int) -> int:
 
 
 def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor) -> Tensor:
-    """The kernels' block-to-chunk map of ``segments``, built on the host (and validated) at
-    first use, which copies the table to the host once; cached on the table, so later steps
-    issue no copy and no sync."""
+    """The kernels' block-to-chunk map of ``segments``, cached on the table (built at
+    construction by ``prepare``; rebuilt from the host-side segments if the chunk size changed):
+    no device-to-host copy and no sync, even on the first step."""
     size = cuda_chunk(ext.CUDA_CHUNK) if grad.is_cuda else ext.CHUNK
     key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
     if chunks is None:
-        chunks = ext.build_chunks(segments.table, grad.numel(), steps.numel(), hparams.shape[0], size)
-        chunks = segments.extra[key] = chunks.to(grad.device)
+        chunks = segments.extra[key] = _to_device(
+            chunk_table(segments, grad.numel(), steps.numel(), hparams.shape[0], size), grad.device)
     return chunks
+
+
+def prepare(segment_tables: List[SegmentTable], numels: List[int], device: torch.device, n_params: int,
+            n_groups: int) -> None:
+    """At construction: build every shard's chunk table for the native kernels from the host-side
+    layout and copy it to the device (non-blocking), so no step ever reads the device table."""
+    ext = _native(device)
+    if ext is None:
+        return
+    size = cuda_chunk(ext.CUDA_CHUNK) if device.type == "cuda" else ext.CHUNK
+    for segments, numel in zip(segment_tables, numels):
+        key = f"native_chunks_{size}_{device}"
+        if segments.segments and key not in segments.extra:
+            segments.extra[key] = _to_device(chunk_table(segments, numel, n_params, n_groups, size), device)
+
+
+def chunk_table(segments: SegmentTable, numel: int, n_params: int, n_groups: int, chunk: int) -> Tensor:
+    """The host-side twin of csrc's ``build_chunks`` (same validation, same int64 ``[C, 2]``
+    rows ``(first element, segment << 32 | length)``), from the host-side segments."""
+    if not 0 < chunk < 2**32:
+        raise ValueError(f"chunk={chunk}: expected 0 < chunk < 2**32")
+    if len(segments.segments) >= 2**31:
+        raise ValueError("too many segments")
+    starts: List[Tensor] = []
+    codes: List[Tensor] = []
+    for i, s in enumerate(segments.segments):
+        if not (s.start >= 0 and s.length >= 0 and s.start + s.length <= numel):
+            raise ValueError(f"segment {i} [{s.start}, {s.start + s.length}) lies outside the shard of {numel} elements")
+        if not 0 <= s.param_index < n_params:
+            raise ValueError(f"segment {i}: param_index {s.param_index} out of range [0, {n_params})")
+        if not 0 <= s.group < n_groups:
+            raise ValueError(f"segment {i}: group {s.group} out of range [0, {n_groups})")
+        offsets = torch.arange(0, s.length, chunk, dtype=torch.int64)
+        starts.append(s.start + offsets)
+        codes.append((i << 32) | torch.clamp(s.length - offsets, max=chunk))
+    if not starts:
+        return torch.empty(0, 2, dtype=torch.int64)
+    return torch.stack([torch.cat(starts), torch.cat(codes)], dim=1)
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # no host sync
+    return t

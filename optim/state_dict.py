@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat
+from . import _compat, agreement
 from .buffers import param_view
 from .hparams import check_hparams
 from .layout import ParamSlot
@@ -58,6 +58,7 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
     only (the others return ``None`` and never hold more than one bucket's gather buffer). With
     ``cpu_offload=True`` (default) the tensors are on the CPU, otherwise on the params' device.
     """
+    agreement.agree_on_call(opt, "state_dict", given=(rank0_only, cpu_offload))
     opt.param_sync()  # a pending all-gather may still be writing an aliased master shard
     _warn_what_torch_drops(opt)
     steps = opt._steps.detach().to("cpu", copy=True)
@@ -91,14 +92,46 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
 
 def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
     """``opt.load_state_dict(sd)``: load a full state dict (ours, or torch.optim.AdamW / Adam's
-    over the same params) into this rank's shard. Not a collective: every rank passes the same
-    full dict. Everything is validated before anything is written; a mismatch raises
-    ``ValueError`` naming it and leaves the optimizer untouched.
+    over the same params) into this rank's shard. A collective: every rank calls it with the same
+    full dict (one small all-reduce checks both). Everything is validated, on every rank, before
+    anything is written; a problem on any rank raises ``ValueError`` on every rank naming it and
+    leaves every rank's optimizer untouched.
 
     Master params come from ``master_param`` entries when present, otherwise from the model's
     current params (so load the model's weights first). Params without a state entry restart
     from step 0 with zero moments, as in torch.
     """
+    try:
+        entries, steps, plan = _validated(opt, state_dict)
+        problem = ""
+    except (ValueError, TypeError, KeyError) as exc:  # raised on every rank below, not here alone
+        entries, steps, plan, problem = {}, None, None, str(exc)
+    given = None if problem else _summary(state_dict, steps)
+    agreement.agree_on_call(opt, "load_state_dict", given=given, problem=problem)
+    slots = slots_by_index(opt)
+
+    def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
+        entry = entries.get(index)
+        if entry is None or key not in entry:
+            return None
+        return memory_flat(entry[key], slots[index])[lo:hi]
+
+    write_state(opt, source, steps)
+    apply_hparams(opt, plan)
+
+
+def _summary(state_dict: Mapping[str, Any], steps: Tensor) -> tuple:
+    """What two ranks' state dicts must share to be 'the same' (cheap: sums, not bytes)."""
+    sums = []
+    for key in sorted(state_dict["state"], key=repr):
+        entry = state_dict["state"][key]
+        sums.append(tuple(float(entry[k].detach().double().sum()) for k in sorted(entry)
+                          if isinstance(entry[k], Tensor) and entry[k].is_floating_point()))
+    groups = [{k: (float(v) if isinstance(v, Tensor) else v) for k, v in g.items()} for g in state_dict["param_groups"]]
+    return repr(groups), steps.tolist(), sums
+
+
+def _validated(opt: Any, state_dict: Any):
     if not isinstance(state_dict, Mapping) or "state" not in state_dict or "param_groups" not in state_dict:
         raise ValueError("load_state_dict: expected a dict with 'state' and 'param_groups' (an optimizer state dict)")
     saved_groups = state_dict["param_groups"]
@@ -119,15 +152,7 @@ def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
     steps = torch.zeros(len(slots), dtype=torch.float32)
     for i, entry in entries.items():
         steps[i] = entry["step"]
-
-    def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
-        entry = entries.get(index)
-        if entry is None or key not in entry:
-            return None
-        return memory_flat(entry[key], slots[index])[lo:hi]
-
-    write_state(opt, source, steps)
-    apply_hparams(opt, plan)
+    return entries, steps, plan
 
 
 # ====================================================================== shared helpers
@@ -334,6 +359,8 @@ def _checked_entry(entry: Any, slot: ParamSlot, index: int) -> Dict[str, Any]:
             raise ValueError(f"{where}: missing '{k}'")
     step = entry["step"]
     if isinstance(step, Tensor):
+        if step.is_meta:
+            raise ValueError(f"{where}: 'step' is on the meta device (it holds no value)")
         if step.numel() != 1:
             raise ValueError(f"{where}: 'step' must hold one number, got shape {tuple(step.shape)}")
         step = float(step.detach().reshape(()).to("cpu"))
@@ -346,10 +373,16 @@ def _checked_entry(entry: Any, slot: ParamSlot, index: int) -> Dict[str, Any]:
         t = entry[k]
         if not isinstance(t, Tensor) or not t.is_floating_point():
             raise ValueError(f"{where}: '{k}' must be a floating-point tensor")
+        if t.is_meta:
+            raise ValueError(f"{where}: '{k}' is on the meta device (it holds no values); load a materialised "
+                             "state dict")
         if tuple(t.shape) != slot.shape:
             raise ValueError(f"{where}: '{k}' has shape {tuple(t.shape)}, the param has shape {slot.shape}")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{where}: '{k}' holds non-finite values")
+        if k == "exp_avg_sq" and bool((t < 0).any()):
+            raise ValueError(f"{where}: 'exp_avg_sq' holds negative values (a second moment is >= 0: a corrupted "
+                             "or mismatched state dict)")
         out[k] = t
     return out
 

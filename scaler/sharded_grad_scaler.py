@@ -18,6 +18,7 @@ whether the last update saw an overflow.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -41,8 +42,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ) -> None:
         if not (isinstance(hysteresis, int) and not isinstance(hysteresis, bool) and hysteresis >= 1):
             raise ValueError(f"hysteresis={hysteresis!r}: expected an int >= 1 (1 = torch's behaviour)")
-        if not (isinstance(init_scale, (int, float)) and init_scale > 0):
-            raise ValueError(f"init_scale={init_scale!r}: expected a float > 0")
+        if isinstance(init_scale, bool) or not (isinstance(init_scale, (int, float)) and 0 < init_scale < math.inf):
+            raise ValueError(f"init_scale={init_scale!r}: expected a finite float > 0")
         if not (isinstance(growth_factor, (int, float)) and growth_factor > 1.0):
             raise ValueError(f"growth_factor={growth_factor!r}: expected a float > 1")
         if not (isinstance(backoff_factor, (int, float)) and 0.0 < backoff_factor < 1.0):
@@ -109,6 +110,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         """As torch's ``update`` (no host sync), with hysteresis and ``last_step_skipped``."""
         if not self.is_enabled():
             return
+        _check_new_scale(new_scale)
         scale, growth_tracker = _compat.scale_and_growth_tracker(self, "update")
         found_infs = [
             f.to(device=scale.device, non_blocking=True)
@@ -173,3 +175,18 @@ class ShardedGradScaler(torch.amp.GradScaler):
         self._init_hysteresis_tracker = int(state_dict.get("_hysteresis_tracker", self.hysteresis))
         if self._hysteresis_tracker is not None:
             self._hysteresis_tracker.fill_(self._init_hysteresis_tracker)
+
+
+def _check_new_scale(new_scale: Any) -> None:
+    """``update(new_scale)``: a float must be finite and > 0 (0 would skip every step from then
+    on, inf/NaN would make NaN params); a tensor must hold one float element (its value is on
+    the device: a step with a scale of 0/inf/NaN is skipped there)."""
+    if new_scale is None:
+        return
+    if isinstance(new_scale, Tensor):
+        if new_scale.numel() != 1 or not new_scale.is_floating_point():
+            raise ValueError(f"new_scale: expected a one-element float tensor, got shape {tuple(new_scale.shape)} "
+                             f"{new_scale.dtype}")
+        return
+    if isinstance(new_scale, bool) or not (isinstance(new_scale, (int, float)) and 0 < new_scale < math.inf):
+        raise ValueError(f"new_scale={new_scale!r}: expected a finite float > 0")

@@ -73,7 +73,11 @@ def case_one_all_reduce(rank, world, **kw):
             opt.zero_grad()
     finally:
         _compat.all_reduce = original
-    return {"counts": counts, "n_params": len(list(model.parameters()))}
+    from shardamp.optim import agreement
+
+    # the per-step agreement entries ride in the same all-reduce (no tensor lr here)
+    entries = opt._fingerprint.length(len(agreement.host_categories(opt, 2.0)), 0)
+    return {"counts": counts, "n_params": len(list(model.parameters())), "agreement_entries": entries}
 
 
 

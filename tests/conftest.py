@@ -4,6 +4,11 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# A private kernel-build directory (spawned ranks inherit it): never a cache shared with other
+# checkouts, whose stale locks or other kernel sources could stall or confuse this run.
+os.environ.setdefault(
+    "TORCH_EXTENSIONS_DIR", os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "torch_extensions")
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,6 +7,7 @@ Spawning costs seconds on two cores, so a test module runs MANY cases inside one
 """
 from __future__ import annotations
 
+import datetime
 import os
 import pickle
 import sys
@@ -20,12 +21,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple, backend: str) -> None:
+def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callable, args: tuple, backend: str,
+            pg_timeout: float | None = None) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size, **extra)
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
     except BaseException:  # noqa: BLE001  (shipped back to the test, which re-raises)
@@ -44,17 +47,20 @@ def _worker(rank: int, world_size: int, init_file: str, out_dir: str, fn: Callab
 
 
 def run_distributed(
-    fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, backend: str = "gloo"
+    fn: Callable, world_size: int, *args: Any, timeout: float = 600.0, backend: str = "gloo",
+    pg_timeout: float | None = None,
 ) -> List[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
 
     A rank that raised makes this raise with that rank's traceback; ranks that hang (mismatched
-    collectives) are killed after ``timeout`` seconds. ``fn`` must be importable (module level).
+    collectives) are killed after ``timeout`` seconds. ``pg_timeout`` (seconds) bounds every
+    collective of the process group, so a regression fails instead of hanging. ``fn`` must be
+    importable (module level).
     """
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ctx = mp.start_processes(
-            _worker, args=(world_size, init_file, tmp, fn, args, backend), nprocs=world_size, join=False,
+            _worker, args=(world_size, init_file, tmp, fn, args, backend, pg_timeout), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

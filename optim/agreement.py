@@ -1,0 +1,346 @@
+"""Ranks that disagree: checked at construction, at every step, and at every collective call.
+
+* Construction (``agree_on_construction``): every rank describes what it built (param count,
+  shapes, dtypes, order, groups, options, buckets) as one 32-bit hash per field; ONE all-gather
+  of those hashes tells every rank the same thing, and a difference raises on every rank naming
+  the field, with the differing values (gathered only then).
+* Every step (``StepFingerprint``): what may change between steps (hyperparameters, norm type,
+  options, gradient reductions since the last step, tensor lr values) travels INSIDE the one
+  stats all-reduce that runs anyway, as a few extra float32 entries. No collective is added and nothing is read on the
+  host on CUDA. Each category is a 24-bit hash cut into chunks ``c`` of ``b`` bits; under SUM
+  the entries are ``(c, c*c)`` and the ranks agree iff ``W * sum(c*c) == sum(c)**2``
+  (Cauchy-Schwarz: equality iff every rank's ``c`` is equal); under MAX (the inf norm) they are
+  ``(c, -c)`` and the ranks agree iff ``max(c) == min(c)``. ``b`` is chosen so every sum stays
+  an integer below 2**24, exact in float32, for the group's world size.
+* Collective calls (``agree_on_call``): ``state_dict``, ``load_state_dict``, ``save_sharded``,
+  ``load_sharded`` start with one small all-reduce naming the call and hashing what each rank
+  was given; a rank that did not call it, called another one, or was given different input
+  makes every rank that did call raise, before anything is read or written, within
+  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo (the process group's timeout on NCCL).
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import weakref
+import zlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _compat
+
+HASH_BITS = 24
+TIMEOUT_ENV = "SHARDAMP_COLLECTIVE_TIMEOUT"
+
+
+def crc(value: Any) -> int:
+    """A hash of ``repr(value)`` that is the same in every process (Python's ``hash`` is not)."""
+    return zlib.crc32(repr(value).encode())
+
+
+# ====================================================================== construction
+def describe(opt: Any) -> Dict[str, Any]:
+    """What every rank must have built identically, field by field (host values only)."""
+    params = opt._params
+    groups = []
+    for g in opt.param_groups:
+        groups.append({k: ("tensor" if isinstance(v, Tensor) else v) for k, v in sorted(g.items()) if k != "params"})
+    return {
+        "number of params": len(params),
+        "param shapes": [tuple(p.shape) for p in params],
+        "param dtypes": [str(p.dtype) for p in params],
+        "param strides (memory format)": [tuple(p.stride()) for p in params],
+        "requires_grad": [bool(p.requires_grad) for p in params],
+        "param group sizes": [len(g["params"]) for g in opt.param_groups],
+        "param group hyperparameters": groups,
+        "options": dict(
+            adam_w_mode=opt.adam_w_mode, bias_correction=opt.bias_correction, max_grad_norm=opt.max_grad_norm,
+            average_grad_sync=opt.average_grad_sync, dtype=str(opt.dtype), grad_sync_dtype=str(opt.grad_sync_dtype),
+            param_sync_dtype=str(opt.param_sync_dtype), overlap_grad_sync=opt.overlap_grad_sync,
+            overlap_param_sync=opt.overlap_param_sync, capturable=opt.capturable,
+        ),
+        "bucket_cap_mb": opt.bucket_cap_mb,
+        "buckets": [(b.numel, [s.index for s in b.slots]) for b in opt._buckets],
+        "device type": opt._device.type,
+        "another DistributedFusedAdam trains over this process group": opt._other_optimizer,
+    }
+
+
+def agree_on_construction(opt: Any) -> None:
+    """Raise ``ValueError`` on every rank if the ranks built different optimizers."""
+    if opt.world_size == 1:
+        return
+    fields = describe(opt)
+    names = list(fields)
+    mine = torch.tensor([crc(fields[n]) for n in names], dtype=torch.int64, device=opt._device)
+    everyone = torch.empty(opt.world_size * len(names), dtype=torch.int64, device=opt._device)
+    _compat.all_gather(everyone, mine, opt.process_group, async_op=False)
+    table = everyone.view(opt.world_size, len(names)).cpu()
+    differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
+    if not differ:
+        if opt._other_optimizer:
+            raise RuntimeError(TWO_OPTIMIZERS)
+        return
+    values: List[Any] = [None] * opt.world_size  # error path only: every rank saw the same table
+    dist.all_gather_object(values, {n: fields[n] for n in differ}, group=opt.process_group)
+    details = "; ".join(_first_difference(n, [v[n] for v in values]) for n in differ)
+    raise ValueError(
+        "DistributedFusedAdam: the ranks of the process group built different optimizers, so their "
+        f"shards and collectives would not line up. Differs: {details}. Build the same model (same "
+        "params in the same order, dtypes and shapes) with the same arguments on every rank."
+    )
+
+
+def _first_difference(name: str, per_rank: List[Any]) -> str:
+    if all(isinstance(v, list) for v in per_rank) and len({len(v) for v in per_rank}) == 1:
+        for i in range(len(per_rank[0])):
+            items = [v[i] for v in per_rank]
+            if any(x != items[0] for x in items):
+                shown = ", ".join(f"rank {r}: {_short(x)}" for r, x in enumerate(items))
+                return f"{name} (item {i}: {shown})"
+    shown = ", ".join(f"rank {r}: {_short(x)}" for r, x in enumerate(per_rank))
+    return f"{name} ({shown})"
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+# Live optimizers per process group (keyed by the group object; None = WORLD), in build order.
+_by_group: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
+_world: List[weakref.ref] = []
+
+
+def other_live_optimizer(opt: Any) -> bool:
+    """Record ``opt`` for its group; True if another live optimizer that has already stepped
+    still owns params there (checked by ``agree_on_construction``, so every rank raises alike).
+    One that never stepped (built to load or inspect a checkpoint) does not count."""
+    refs = _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
+    mine = {id(p) for p in opt._params}  # rebuilding over the same params takes them over: fine
+    if any(o is not None and _owns_params(o, mine) for o in (r() for r in refs)):
+        import gc
+
+        gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
+    others = any(o is not None and _owns_params(o, mine) for o in (r() for r in refs))
+    refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
+    return others
+
+
+def _owns_params(opt: Any, taken_over: set) -> bool:
+    sync = getattr(opt, "_grad_sync", None)
+    if sync is None or not getattr(opt, "_stats_rounds", 0):
+        return False
+    return any(getattr(p, "_shardamp_owner", None) is sync.owner_token and id(p) not in taken_over
+               for p in opt._params)
+
+
+TWO_OPTIMIZERS = (
+    "DistributedFusedAdam: another DistributedFusedAdam already trains params over this process group. "
+    "The two would issue their reduce-scatters and all-reduces in an order that differs between ranks "
+    "(a hang or mixed-up grads). Use ONE optimizer with several param groups, give each optimizer its own "
+    "group (torch.distributed.new_group), or drop the old optimizer first."
+)
+
+
+# ====================================================================== every step
+def _chunk_bits(world_size: int) -> int:
+    # W * (2**b - 1)**2 < 2**24 keeps every SUM an exact float32 integer
+    return max(1, min(8, (24 - max(world_size - 1, 1).bit_length()) // 2))
+
+
+class StepFingerprint:
+    """Encodes per-step values into stats entries and checks them after the all-reduce."""
+
+    def __init__(self, world_size: int, device: torch.device) -> None:
+        self.world_size = world_size
+        self.device = device
+        self.bits = _chunk_bits(world_size)
+        self.chunks = -(-HASH_BITS // self.bits)
+        self.shifts = torch.arange(self.chunks, dtype=torch.int64, device=device) * self.bits
+        self.host_names: List[str] = []
+
+    def host_entries(self, categories: Sequence[Tuple[str, Any]], use_max: bool) -> List[float]:
+        """``[invalid=0, encoded chunks of every category]``; ``categories`` are (name, value)."""
+        self.host_names = [name for name, _ in categories]
+        out: List[float] = [0.0]
+        for _name, value in categories:
+            h = crc(value) & ((1 << HASH_BITS) - 1)
+            cs = [float((h >> (k * self.bits)) & ((1 << self.bits) - 1)) for k in range(self.chunks)]
+            out += cs + ([-c for c in cs] if use_max else [c * c for c in cs])
+        return out
+
+    def device_entries(self, lrs: Tensor, use_max: bool) -> Tensor:
+        """Encoded chunks of the float32 bits of each tensor lr (``lrs``: 1-D, on the device)."""
+        bits = lrs.float().view(torch.int32).to(torch.int64) & 0xFFFFFF  # 24 low bits: the mantissa
+        high = (lrs.float().view(torch.int32).to(torch.int64) >> 24) & 0xFF  # sign and top exponent
+        mixed = bits ^ (high * 0x10101)  # every bit of the value reaches the 24 hashed bits
+        cs = ((mixed.unsqueeze(1) >> self.shifts) & ((1 << self.bits) - 1)).float()
+        return torch.cat([cs, -cs if use_max else cs * cs], dim=1).reshape(-1)
+
+    def length(self, n_host: int, n_lrs: int) -> int:
+        return 1 + 2 * self.chunks * (n_host + n_lrs)
+
+    def check(self, tail: Tensor, use_max: bool) -> Tuple[Tensor, Tensor, Tensor]:
+        """From the reduced entries: (mismatch 0-d float, per-category mismatch flags, invalid)."""
+        invalid = (tail[0] > 0).float()
+        pairs = tail[1:].view(-1, 2, self.chunks)
+        a, b = pairs[:, 0].double(), pairs[:, 1].double()
+        if use_max:
+            per_cat = (a + b != 0).any(dim=1)
+        else:
+            per_cat = ((b * self.world_size - a * a).abs() > 0.5).any(dim=1)
+        return per_cat.any().float(), per_cat, invalid
+
+
+def _number(value: Any) -> Any:
+    """``value`` as a float where it is one (1 and 1.0 agree), else as is: an invalid value on
+    one rank must reach the all-reduce (it is flagged there), not raise here."""
+    if isinstance(value, Tensor):
+        return "tensor"
+    if isinstance(value, (list, tuple)):
+        return tuple(_number(v) for v in value)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
+    groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in opt.param_groups]
+    return [
+        ("hyperparameters (lr, betas, eps, weight_decay of the param groups)", groups),
+        ("norm_type", float(norm_type)),
+        ("options (max_grad_norm, adam_w_mode, bias_correction)",
+         (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)),
+        # not the step count: it changes every step, so these entries (cached on the device with
+        # the touched pattern) would be re-uploaded every step, also inside a CUDA-graph capture
+        ("gradient reductions since the last step (a rank ran another number of backward passes or "
+         "accumulated differently)", opt._grad_sync.rounds_since_step),
+    ]
+
+
+def step_entries(opt: Any, norm_type: float, problem: str = "") -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
+    """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
+    device with the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
+    (None without), and the names of the categories in entry order."""
+    use_max = math.isinf(norm_type)
+    fp = opt._fingerprint
+    host = fp.host_entries(host_categories(opt, norm_type), use_max)
+    host[0] = 1.0 if problem else 0.0
+    names = list(fp.host_names)
+    lrs = [(i, g["lr"]) for i, g in enumerate(opt.param_groups) if isinstance(g.get("lr"), Tensor)]
+    if not lrs:
+        return host, None, names
+    # a malformed lr (flagged in ``problem``) still contributes one entry: every rank's stats
+    # keep the same length
+    values = torch.stack([(lr.detach().reshape(()) if lr.numel() == 1 else torch.tensor(math.nan))
+                          .to(opt._device, torch.float32) for _, lr in lrs])
+    invalid = (~(torch.isfinite(values) & (values >= 0))).any().float().reshape(1)
+    if problem:
+        invalid.fill_(1.0)
+    names += [f"the value of the tensor lr of param_groups[{i}]" for i, _ in lrs]
+    return host, (invalid, fp.device_entries(values, use_max)), names
+
+
+def stats_buffer(opt: Any, norm_type: float, problem: str) -> Tuple[Tensor, bool]:
+    """The step's stats tensor with the touched pattern and agreement entries filled in (the
+    norm header is the caller's), and whether the entries must be checked after the reduction
+    (one rank alone has nothing to disagree with; a tensor lr's value is still checked)."""
+    from .grad_stats import HEADER
+
+    host, dev, opt._step_names = step_entries(opt, norm_type, problem)
+    n = len(opt._params)
+    pattern = opt._touched_patterns.get(opt._grad_sync.local_touched, host)
+    extra = 0 if dev is None else dev[1].numel()
+    buf = torch.empty(HEADER + n + len(host) + extra, dtype=torch.float32, device=opt._device)
+    buf[HEADER : HEADER + n + len(host)].copy_(pattern)
+    if dev is not None:
+        buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
+        buf[HEADER + n + len(host) :].copy_(dev[1])
+    return buf, opt.world_size > 1 or dev is not None or bool(problem)
+
+
+def raise_now(opt: Any, stats: Any) -> None:
+    """Where reading is free (CPU): raise right after the all-reduce, before anything trains."""
+    raise_if_disagree(float(stats.mismatch), float(stats.invalid), stats.mismatch_per_category.tolist(),
+                      opt._step_names, opt._step_problem)
+
+
+def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], names: List[str],
+                      problem: str = "") -> None:
+    if invalid > 0:
+        raise ValueError(
+            problem or "DistributedFusedAdam: a hyperparameter is invalid on another rank (that rank's error names "
+            "it; e.g. a tensor lr holding NaN, inf or a negative value); the step was skipped on every rank. Keep every param group's "
+            "hyperparameters valid (lr finite and >= 0) on every rank."
+        )
+    if mismatch > 0:
+        differ = [n for n, flag in zip(names, categories) if flag > 0] or ["the per-step values"]
+        raise RuntimeError(mismatch_message(differ))
+
+
+def mismatch_message(names: List[str]) -> str:
+    return (
+        "DistributedFusedAdam: the ranks disagree on " + "; ".join(names) + ". The step was skipped on "
+        "every rank (nothing trained on mismatched values). Every rank must change hyperparameters, "
+        "LR schedules, norm_type and options identically and call step() the same number of times."
+    )
+
+
+# ====================================================================== collective calls
+def collective_timeout() -> Optional[float]:
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
+    return seconds
+
+
+def agree_on_call(opt: Any, name: str, given: Any = None, problem: str = "") -> None:
+    """The first thing a collective entry point does: one all-reduce of
+    ``[call id, -call id, hash of given, -hash, problem flag]`` (MAX). Raise on every rank that
+    took part if the ranks are not all in the same call with the same input, or if any rank
+    reported ``problem``; a rank left waiting raises after the timeout, naming the call."""
+    message = problem if problem.startswith(name) else f"{name}: {problem}"
+    if opt.world_size == 1:
+        if problem:
+            raise ValueError(message)
+        return
+    call, arg = float(crc(name) & 0xFFFFFF), float(crc(given) & 0xFFFFFF)
+    flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0], dtype=torch.float32, device=opt._device)
+    timeout = collective_timeout()
+    try:
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group, async_op=True)
+        if timeout is not None and opt._device.type == "cpu":
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+        else:
+            work.wait()
+        values = flag.tolist()
+    except RuntimeError as exc:
+        raise RuntimeError(
+            f"{name} is a collective: every rank of the optimizer's process group must call it, at the "
+            f"same point. This rank called {name}() and the others did not join it ({_short(str(exc), 300)}). "
+            "Nothing was read or written."
+        ) from exc
+    if values[0] + values[1] != 0:
+        raise RuntimeError(
+            f"{name} is a collective: the ranks called different collectives at this point (this rank: "
+            f"{name}). Call state_dict/load_state_dict/save_sharded/load_sharded on every rank, in the same "
+            "order. Nothing was read or written."
+        )
+    if values[4] > 0:
+        raise ValueError(message if problem else f"{name}: another rank rejected its input (nothing was written)")
+    if values[2] + values[3] != 0:
+        raise ValueError(f"{name}: the ranks were given different arguments (e.g. different state dicts or "
+                         "paths); every rank must pass the same. Nothing was read or written.")
+

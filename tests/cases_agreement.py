@@ -1,0 +1,248 @@
+"""Ranks that disagree, run inside one spawned gloo group per world size (test_agreement.py).
+
+Every case makes rank 1 (only) differ and returns, per rank, what it raised; the test checks that
+EVERY rank raised, naming what differs, and that nothing trained. The process group has a short
+timeout (test_agreement.py), so a regression that hangs fails instead.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from parity import MLP, batches
+from shardamp.optim import DistributedFusedAdam, load_sharded, save_sharded
+
+TINY = 0.0004
+
+
+def _raised(fn):
+    try:
+        fn()
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "NO ERROR"
+
+
+def _backward(model, rank, world, step=0):
+    x, y = batches(step, world)[rank]
+    ((model(x) - y) ** 2).mean().backward()
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _unchanged(model, before):
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+# ---------------------------------------------------------------- construction
+def case_same_numel_other_shapes(rank, world, **kw):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2)) if rank != 1 else nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 2))
+    before = _params(model)
+    return {"error": _raised(lambda: DistributedFusedAdam(model.parameters(), bucket_cap_mb=TINY)),
+            "untouched": _unchanged(model, before)}
+
+
+def case_param_count_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 6), nn.Linear(6, 2)] + ([nn.Linear(2, 2)] if rank == 1 else [])
+    return {"error": _raised(lambda: DistributedFusedAdam(nn.Sequential(*layers).parameters()))}
+
+
+def case_bucket_cap_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), bucket_cap_mb=TINY if rank == 1 else 100.0))}
+
+
+def case_dtype_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    model = MLP().to(torch.bfloat16 if rank == 1 else torch.float32)
+    return {"error": _raised(lambda: DistributedFusedAdam(model.parameters()))}
+
+
+def case_lr_differs_at_construction(rank, world, **kw):
+    torch.manual_seed(0)
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), lr=2e-3 if rank == 1 else 1e-3))}
+
+
+def case_two_optimizers_one_group(rank, world, **kw):
+    torch.manual_seed(0)
+    a, b = MLP(), MLP()
+    opt_a = DistributedFusedAdam(a.parameters())
+    _backward(a, rank, world)
+    opt_a.step()
+    error = _raised(lambda: DistributedFusedAdam(b.parameters()))
+    # rebuilding over the SAME model takes its params over: allowed
+    rebuilt = _raised(lambda: DistributedFusedAdam(a.parameters()))
+    del opt_a
+    return {"error": error, "rebuilt": rebuilt}
+
+
+# ---------------------------------------------------------------- per step
+def _per_step_case(rank, world, edit, norm_types=(2.0, 2.0), lr=1e-2):
+    """Build identically, then let ``edit(opt, rank)`` make rank 1 differ before the step;
+    rank 1 clips with ``norm_types[1]``, the others with ``norm_types[0]``."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = DistributedFusedAdam(model.parameters(), lr=lr, bucket_cap_mb=TINY)
+    _backward(model, rank, world)
+    opt.step()  # one good step first: the mismatch is caught on a later one
+    opt.zero_grad()
+    _backward(model, rank, world, step=1)
+    before = _params(model)
+    edit(opt, rank)
+
+    def step():
+        opt.clip_grad_norm(1.0, norm_type=norm_types[1] if rank == 1 else norm_types[0])
+        opt.step()
+
+    return {"error": _raised(step), "untouched": _unchanged(model, before)}
+
+
+def case_lr_differs_per_step(rank, world, **kw):
+    def edit(opt, r):
+        if r == 1:
+            opt.param_groups[0]["lr"] = 5e-2
+    return _per_step_case(rank, world, edit)
+
+
+def case_norm_type_differs(rank, world, **kw):
+    return _per_step_case(rank, world, lambda opt, r: None, norm_types=(2.0, 1.0))
+
+
+def case_eps_differs_under_inf_norm(rank, world, **kw):
+    # the inf norm MAX-reduces the stats: the (c, -c) entries must catch it there too
+    def edit(opt, r):
+        if r == 1:
+            opt.param_groups[0]["eps"] = 1e-6
+    return _per_step_case(rank, world, edit, norm_types=(float("inf"), float("inf")))
+
+
+def case_tensor_lr_differs(rank, world, **kw):
+    def edit(opt, r):
+        if r == 1:
+            opt.param_groups[0]["lr"].fill_(3e-2)
+    return _per_step_case(rank, world, edit, lr=torch.tensor(1e-2))
+
+
+def case_nan_tensor_lr_on_one_rank(rank, world, **kw):
+    def edit(opt, r):
+        if r == 1:
+            opt.param_groups[0]["lr"].fill_(float("nan"))
+    return _per_step_case(rank, world, edit, lr=torch.tensor(1e-2))
+
+
+def case_bad_betas_on_one_rank(rank, world, **kw):
+    def edit(opt, r):
+        if r == 1:
+            opt.param_groups[0]["betas"] = (0.9, 1.5)
+    return _per_step_case(rank, world, edit)
+
+
+def case_max_grad_norm_differs(rank, world, **kw):
+    def edit(opt, r):
+        if r == 1:
+            opt.max_grad_norm = 0.5
+    return _per_step_case(rank, world, edit)
+
+
+def case_agreeing_ranks_still_train(rank, world, **kw):
+    """Control: the same edits on every rank train normally."""
+    def edit(opt, r):
+        opt.param_groups[0]["lr"] = 5e-2
+    return _per_step_case(rank, world, edit)
+
+
+# ---------------------------------------------------------------- collectives called on some ranks
+def _trained(rank, world):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    _backward(model, rank, world)
+    opt.step()
+    opt.zero_grad()
+    return model, opt
+
+
+def _moments(opt):
+    return [b.exp_avg.clone() for b in opt._buffers]
+
+
+def _only_rank0(rank, world, call, seconds=4.0):
+    """Rank 0 calls ``call`` alone (SHARDAMP_COLLECTIVE_TIMEOUT=``seconds``); the others join the
+    orphaned agreement all-reduce only after rank 0 gave up, so the group stays usable."""
+    os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(seconds)
+    try:
+        if rank == 0:
+            t0 = time.monotonic()
+            error = _raised(call)
+            return {"error": error, "seconds": time.monotonic() - t0}
+        time.sleep(seconds + 4.0)
+        dist.all_reduce(torch.zeros(5), op=dist.ReduceOp.MAX)  # complete rank 0's abandoned call
+        return {"error": None, "seconds": 0.0}
+    finally:
+        del os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"]
+        dist.barrier()
+
+
+def case_load_state_dict_on_one_rank(rank, world, **kw):
+    model, opt = _trained(rank, world)
+    sd = opt.state_dict()
+    for entry in sd["state"].values():
+        entry["exp_avg"].add_(1.0)
+    before = _moments(opt)
+    out = _only_rank0(rank, world, lambda: opt.load_state_dict(sd))
+    out["untouched"] = all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))
+    return out
+
+
+def case_state_dict_on_one_rank(rank, world, **kw):
+    model, opt = _trained(rank, world)
+    return _only_rank0(rank, world, lambda: opt.state_dict())
+
+
+def case_save_sharded_on_one_rank(rank, world, tmp=None, **kw):
+    model, opt = _trained(rank, world)
+    path = os.path.join(tmp, "alone")
+    out = _only_rank0(rank, world, lambda: save_sharded(opt, path))
+    out["written"] = os.path.exists(path)
+    return out
+
+
+def case_load_sharded_on_one_rank(rank, world, tmp=None, **kw):
+    model, opt = _trained(rank, world)
+    path = os.path.join(tmp, f"together-{world}")
+    save_sharded(opt, path)
+    for b in opt._buffers:
+        b.exp_avg.add_(1.0)  # differs from the checkpoint: a load would show
+    before = _moments(opt)
+    out = _only_rank0(rank, world, lambda: load_sharded(opt, path))
+    out["untouched"] = all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))
+    return out
+
+
+def case_different_collectives(rank, world, tmp=None, **kw):
+    model, opt = _trained(rank, world)
+    sd = opt.state_dict()
+    call = (lambda: opt.state_dict()) if rank == 0 else (lambda: opt.load_state_dict(sd))
+    return {"error": _raised(call)}
+
+
+def case_different_state_dicts(rank, world, **kw):
+    model, opt = _trained(rank, world)
+    sd = opt.state_dict()
+    if rank == 1:
+        for entry in sd["state"].values():
+            entry["exp_avg"].mul_(2.0)
+    before = _moments(opt)
+    error = _raised(lambda: opt.load_state_dict(sd))
+    return {"error": error, "untouched": all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))}
+
+
+CASES = [n for n in dir() if n.startswith("case_")]

@@ -1,0 +1,103 @@
+"""Ranks that disagree raise on EVERY rank, naming what differs, and never train or hang
+(spawned gloo groups with a 60 s process-group timeout; cases in cases_agreement.py)."""
+from __future__ import annotations
+
+import functools
+import tempfile
+
+import pytest
+
+import cases_agreement
+from dist_helper import case_values, run_cases, run_distributed
+
+WORLDS = [2, 3]
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    tmp = tempfile.mkdtemp(prefix="shardamp-agreement-")
+    return run_distributed(run_cases, world, "cases_agreement", cases_agreement.CASES, {"tmp": tmp},
+                           timeout=400, pg_timeout=60)
+
+
+def _errors(world, case):
+    return [v["error"] for v in case_values(_results(world), case)]
+
+
+CONSTRUCTION = {
+    "case_same_numel_other_shapes": "param shapes (item 0: rank 0: (6, 4), rank 1: (4, 6)",
+    "case_param_count_differs": "number of params",
+    "case_bucket_cap_differs": "bucket_cap_mb",
+    "case_dtype_differs": "param dtypes",
+    "case_lr_differs_at_construction": "param group hyperparameters",
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(CONSTRUCTION))
+def test_construction_disagreement_raises_on_every_rank(world, case):
+    for rank, error in enumerate(_errors(world, case)):
+        assert error.startswith("ValueError") and "built different optimizers" in error, (rank, error)
+        assert CONSTRUCTION[case] in error, (rank, error)
+    if case == "case_same_numel_other_shapes":  # nothing was touched: no weights taken from rank 0
+        assert all(v["untouched"] for v in case_values(_results(world), case))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_two_optimizers_over_one_group_raise(world):
+    for value in case_values(_results(world), "case_two_optimizers_one_group"):
+        assert "another DistributedFusedAdam already trains params over this process group" in value["error"]
+        assert value["rebuilt"] == "NO ERROR"
+
+
+PER_STEP = {
+    "case_lr_differs_per_step": ("RuntimeError", "hyperparameters (lr, betas"),
+    "case_norm_type_differs": ("RuntimeError", "norm_type"),
+    "case_eps_differs_under_inf_norm": ("RuntimeError", "hyperparameters (lr, betas"),
+    "case_tensor_lr_differs": ("RuntimeError", "the value of the tensor lr of param_groups[0]"),
+    "case_max_grad_norm_differs": ("RuntimeError", "options (max_grad_norm"),
+    "case_nan_tensor_lr_on_one_rank": ("ValueError", "param_groups[0]: lr=tensor(nan)"),
+    "case_bad_betas_on_one_rank": ("ValueError", "param_groups[0]: betas"),
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(PER_STEP))
+def test_per_step_disagreement_raises_on_every_rank_and_trains_nothing(world, case):
+    kind, what = PER_STEP[case]
+    for rank, value in enumerate(case_values(_results(world), case)):
+        # an invalid value is named by the rank that has it; the others say another rank has one
+        expected = what if kind == "RuntimeError" or rank == 1 else "invalid on another rank"
+        assert value["error"].startswith(kind) and expected in value["error"], (rank, value["error"])
+        assert value["untouched"], f"rank {rank} trained on mismatched values"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_agreeing_ranks_train(world):
+    for value in case_values(_results(world), "case_agreeing_ranks_still_train"):
+        assert value["error"] == "NO ERROR" and not value["untouched"]
+
+
+ONE_RANK = ["case_load_state_dict_on_one_rank", "case_state_dict_on_one_rank", "case_save_sharded_on_one_rank",
+            "case_load_sharded_on_one_rank"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", ONE_RANK)
+def test_collective_called_on_one_rank_raises_in_bounded_time(world, case):
+    values = case_values(_results(world), case)
+    name = case[len("case_"):-len("_on_one_rank")]
+    assert values[0]["error"].startswith("RuntimeError") and f"{name} is a collective" in values[0]["error"]
+    assert values[0]["seconds"] < 30
+    if "untouched" in values[0]:
+        assert all(v["untouched"] for v in values)
+    if "written" in values[0]:
+        assert not any(v["written"] for v in values)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_different_collectives_and_inputs_raise_on_every_rank(world):
+    for value in case_values(_results(world), "case_different_collectives"):
+        assert "called different collectives" in value["error"]
+    for value in case_values(_results(world), "case_different_state_dicts"):
+        assert "given different arguments" in value["error"] and value["untouched"]

@@ -1,0 +1,435 @@
+"""Degenerate values and checkpoints that survive a crash, in one process (world 1); the
+multi-rank half (ranks that disagree) is test_agreement.py."""
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import os
+import pickle
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardamp.optim import DistributedFusedAdam, checkpoint, clip_grad_norm_, load_sharded, save_sharded
+from shardamp.optim import atomic_publish
+from shardamp.scaler import ShardedGradScaler
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _backward(model, scale=1.0, seed=0):
+    torch.manual_seed(seed)
+    (model(torch.randn(3, 4)).sum() * scale).backward()
+
+
+def _snapshot(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _same(model, before):
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+
+
+# ====================================================================== tensor lr
+@pytest.mark.parametrize("lr, match", [
+    (torch.tensor(float("nan")), "lr=tensor\\(nan\\)"),
+    (torch.tensor(-1.0), "lr=tensor\\(-1.0\\)"),
+    (torch.tensor(float("inf")), "lr=tensor\\(inf\\)"),
+    (torch.tensor([1e-3, 1e-3]), "one floating-point element"),
+    (torch.tensor(1, dtype=torch.int64), "one floating-point element"),
+])
+def test_tensor_lr_is_validated_at_construction(lr, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedFusedAdam(_model().parameters(), lr=lr)
+
+
+@pytest.mark.parametrize("via", ["grad_norm", "step"])
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_tensor_lr_edited_in_place_is_caught_and_nothing_trains(via, bad):
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=torch.tensor(1e-2))
+    _backward(model)
+    opt.param_groups[0]["lr"].fill_(bad)  # as a scheduler writing a device lr would
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: lr"):
+        opt.grad_norm() if via == "grad_norm" else opt.step()
+    with pytest.raises(ValueError, match="param_groups\\[0\\]: lr"):
+        opt.step()
+    assert _same(model, before)
+
+
+def test_tensor_lr_replaced_by_a_bad_one_through_param_groups():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters())
+    _backward(model)
+    opt.param_groups[0]["lr"] = torch.tensor([1e-3, 1e-3])
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="one floating-point element"):
+        opt.step()
+    assert _same(model, before)
+
+
+def test_tensor_lr_in_a_loaded_state_dict_is_validated():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters())
+    _backward(model)
+    opt.step()
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(float("nan"))
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match="lr=tensor\\(nan\\)"):
+        opt.load_state_dict(sd)
+    assert opt.state_dict()["param_groups"][0]["lr"] == before["param_groups"][0]["lr"]
+
+
+# ====================================================================== group options, params
+@pytest.mark.parametrize("key, value", [("maximize", True), ("amsgrad", True), ("foreach", True), ("fused", True),
+                                        ("differentiable", True)])
+def test_unsupported_group_options_raise(key, value):
+    with pytest.raises(ValueError, match=f"param_groups\\[0\\]: {key}=True is not supported"):
+        DistributedFusedAdam([{"params": _model().parameters(), key: value}])
+
+
+def test_unsupported_option_set_later_raises_at_step():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters())
+    _backward(model)
+    opt.param_groups[0]["maximize"] = True
+    with pytest.raises(ValueError, match="maximize=True is not supported"):
+        opt.step()
+
+
+def test_torchs_default_group_keys_are_accepted():
+    """The keys torch.optim.AdamW writes into every group, at their defaults, are not options."""
+    defaults = {k: v for k, v in torch.optim.AdamW([nn.Parameter(torch.zeros(1))]).param_groups[0].items()
+                if k in ("amsgrad", "maximize", "foreach", "differentiable", "fused")}
+    DistributedFusedAdam([{"params": _model().parameters(), **defaults}])
+
+
+def test_a_param_given_twice_raises_naming_it():
+    model = _model()
+    w = model[0].weight
+    with pytest.raises(ValueError, match="parameter 2 \\(shape \\(6, 4\\)\\) is parameter 1 given again"):
+        DistributedFusedAdam([model[0].bias, w, w])
+
+
+def test_zero_numel_params_train_as_torch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 0), nn.Linear(0, 3), nn.Linear(3, 2))
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1, weight_decay=0.01)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, weight_decay=0.01)
+    for step in range(3):
+        x = torch.randn(2, 4)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).sum().backward()
+            o.step()
+            o.zero_grad()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b)
+    sd = opt.state_dict()
+    torch_sd = ref_opt.state_dict()
+    assert sorted(sd["state"]) == sorted(torch_sd["state"])
+    assert all(sd["state"][i]["exp_avg"].shape == torch_sd["state"][i]["exp_avg"].shape for i in sd["state"])
+
+
+def test_deepcopy_and_pickle_raise_naming_state_dict():
+    opt = DistributedFusedAdam(_model().parameters())
+    with pytest.raises(TypeError, match="state_dict\\(\\)"):
+        copy.deepcopy(opt)
+    with pytest.raises(TypeError, match="state_dict\\(\\)"):
+        pickle.dumps(opt)
+
+
+# ====================================================================== loss scale
+def test_loss_scale_zero_skips_the_step():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    scaler.update(new_scale=torch.tensor(0.0))  # a tensor new_scale is not read on the host
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    before = _snapshot(model)
+    scaler.step(opt)
+    scaler.update()
+    assert bool(scaler.last_step_skipped) and _same(model, before)
+
+
+def test_denormal_init_scale_skips_instead_of_nan():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler("cpu", init_scale=1e-45)  # 1 / scale overflows float32
+    scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+    before = _snapshot(model)
+    scaler.step(opt)
+    scaler.update()
+    assert bool(scaler.last_step_skipped) and _same(model, before)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("inv", [float("inf"), float("nan"), 0.0, -1.0])
+def test_unscale_grads_with_a_degenerate_inverse_scale_skips(inv):
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    _backward(model)
+    before = _snapshot(model)
+    found = opt.unscale_grads(torch.tensor(inv))
+    opt.step()
+    assert float(found) == 1.0 and _same(model, before)
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_init_scale_and_new_scale_are_validated(bad):
+    with pytest.raises(ValueError, match="init_scale"):
+        ShardedGradScaler("cpu", init_scale=bad)
+    scaler = ShardedGradScaler("cpu")
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=bad)
+    with pytest.raises(ValueError, match="new_scale"):
+        scaler.update(new_scale=torch.tensor([1.0, 2.0]))
+
+
+# ====================================================================== norms and clipping
+def test_huge_norm_type_is_rejected_naming_inf():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters())
+    _backward(model)
+    with pytest.raises(ValueError, match="norm_type=1000000.0.*float\\('inf'\\)"):
+        opt.clip_grad_norm(1.0, norm_type=1e6)
+    with pytest.raises(ValueError, match="norm_type"):
+        clip_grad_norm_(model.parameters(), 1.0, norm_type=1e6)
+    assert torch.isfinite(opt.grad_norm(64.0))
+
+
+def test_clip_grad_norm_has_torchs_signature():
+    ours = inspect.signature(clip_grad_norm_).parameters
+    theirs = inspect.signature(torch.nn.utils.clip_grad_norm_).parameters
+    assert list(ours) == list(theirs)
+    assert [p.default for p in ours.values()] == [p.default for p in theirs.values()]
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_clip_grad_norm_rejects_negative_and_nan_max_norm(bad):
+    model = _model()
+    DistributedFusedAdam(model.parameters())
+    _backward(model)
+    with pytest.raises(ValueError, match="max_norm"):
+        clip_grad_norm_(model.parameters(), bad)
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_clip_grad_norm_error_if_nonfinite_as_torch(sharded):
+    model = _model()
+    if sharded:
+        DistributedFusedAdam(model.parameters())
+    _backward(model, scale=float("inf"))
+    with pytest.raises(RuntimeError, match="non-finite"):
+        clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    norm = clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=False, foreach=False)
+    assert not torch.isfinite(norm)
+
+
+def test_clip_grad_norm_plain_params_with_foreach_match_torch():
+    a, b = _model(), _model()
+    _backward(a)
+    _backward(b)
+    ours = clip_grad_norm_(a.parameters(), 0.1, foreach=True)
+    theirs = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.1, foreach=True)
+    torch.testing.assert_close(ours, theirs)
+    for p, q in zip(a.parameters(), b.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_scaled_max_norm_idiom_before_unscale_warns_once():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters())
+    scaler = ShardedGradScaler("cpu", init_scale=1024.0)
+    for _ in range(2):
+        opt.zero_grad()
+        scaler.scale(model(torch.randn(3, 4)).sum()).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            clip_grad_norm_(model.parameters(), 1.0 * scaler.get_scale())  # torch's documented idiom
+            scaler.step(opt)
+            scaler.update()
+        messages = [str(w.message) for w in caught if "before unscaling" in str(w.message)]
+        if _ == 0:
+            assert len(messages) == 1 and "unscaled max_norm" in messages[0]
+        else:
+            assert not messages  # once
+
+
+def test_fp16_overflow_without_a_scaler_warns_after_a_few_skips():
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), grad_sync_dtype=torch.float16)
+    before = _snapshot(model)
+    caught_at = None
+    for step in range(6):
+        opt.zero_grad()
+        _backward(model, scale=1e6)  # grads above fp16's 65504: inf in the fp16 reduction
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        if caught_at is None and any("grad_sync_dtype=torch.float32" in str(w.message) for w in caught):
+            caught_at = step
+            assert any("ShardedGradScaler" in str(w.message) for w in caught)
+    assert caught_at == 2  # after three consecutive skips, once
+    assert _same(model, before)
+
+
+# ====================================================================== checkpoints
+def _trained(steps, lr=0.1):
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=lr)
+    for s in range(steps):
+        opt.zero_grad()
+        _backward(model, seed=s)
+        opt.step()
+    return model, opt
+
+
+def _step_count(opt):
+    return float(opt._steps.max())
+
+
+def test_save_killed_midway_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    model, opt = _trained(2)
+    save_sharded(opt, path)
+    for s in range(3):
+        opt.zero_grad()
+        _backward(model, seed=10 + s)
+        opt.step()
+    real_save = checkpoint.dcp.save
+
+    def killed(state, checkpoint_id, **kw):  # writes its files, then dies before returning
+        real_save(state, checkpoint_id=checkpoint_id, **kw)
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(checkpoint.dcp, "save", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_sharded(opt, path)
+    monkeypatch.undo()
+    _, fresh = _trained(0)
+    load_sharded(fresh, path)
+    assert _step_count(fresh) == 2.0  # checkpoint A, not the torn step-5 save
+    staged = atomic_publish.staging_dir(path)
+    assert os.path.isdir(staged)
+    with pytest.raises(ValueError, match="torn or incomplete.*shardamp-complete.json"):
+        load_sharded(fresh, staged)
+    save_sharded(opt, path)  # the next save clears the leftovers and publishes
+    load_sharded(fresh, path)
+    assert _step_count(fresh) == 5.0 and not os.path.exists(staged)
+
+
+def test_a_directory_without_the_marker_is_never_loaded(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _, opt = _trained(1)
+    save_sharded(opt, path)
+    os.remove(os.path.join(path, atomic_publish.MARKER))
+    _, fresh = _trained(0)
+    before = [b.exp_avg.clone() for b in fresh._buffers]
+    with pytest.raises(ValueError, match="torn or incomplete"):
+        load_sharded(fresh, path)
+    assert all(torch.equal(a, b.exp_avg) for a, b in zip(before, fresh._buffers))
+    with pytest.raises(ValueError, match="no checkpoint at"):
+        load_sharded(fresh, str(tmp_path / "missing"))
+
+
+def test_crash_between_the_two_renames_is_named(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _, opt = _trained(1)
+    save_sharded(opt, path)
+    os.rename(path, atomic_publish.old_dir(path))
+    save_sharded(opt, atomic_publish.staging_dir(path))  # a complete new one, not yet published
+    with pytest.raises(ValueError, match="interrupted while publishing"):
+        load_sharded(opt, path)
+
+
+def test_a_flipped_byte_is_detected(tmp_path):
+    path = str(tmp_path / "ckpt")
+    _, opt = _trained(2)
+    save_sharded(opt, path)
+    seg = max(opt._buckets[0].segments.segments, key=lambda s: s.length)
+    piece = opt._buffers[0].exp_avg_sq[seg.start : seg.start + seg.length]
+    needle = piece.contiguous().view(torch.uint8).numpy().tobytes()
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        data = bytearray(open(full, "rb").read())
+        at = data.find(needle)
+        if name.endswith(".distcp") and at >= 0:
+            data[at + 1] ^= 0x10
+            open(full, "wb").write(bytes(data))
+            break
+    else:
+        raise AssertionError("piece not found in the checkpoint files")
+    _, fresh = _trained(0)
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        load_sharded(fresh, path)
+    assert _step_count(fresh) == 0.0
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda opt: opt._buffers[0].exp_avg_sq.__setitem__(0, -1.0), "exp_avg_sq holds negative"),
+    (lambda opt: opt._buffers[0].exp_avg.__setitem__(0, float("nan")), "non-finite"),
+    (lambda opt: opt.param_groups[0].__setitem__("lr", float("nan")), "lr=nan"),
+])
+def test_save_rejects_bad_state_before_writing_anything(tmp_path, damage, match):
+    path = str(tmp_path / "ckpt")
+    _, opt = _trained(1)
+    damage(opt)
+    with pytest.raises(ValueError, match=match):
+        save_sharded(opt, path)
+    assert not os.path.exists(path) and not os.path.exists(atomic_publish.staging_dir(path))
+
+
+def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "weights"
+    path.mkdir()
+    (path / "model.pt").write_bytes(b"precious")
+    _, opt = _trained(1)
+    with pytest.raises(ValueError, match="holds no complete shardamp checkpoint"):
+        save_sharded(opt, path)
+    assert (path / "model.pt").read_bytes() == b"precious"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda sd: sd["state"][0].__setitem__("exp_avg_sq", -sd["state"][0]["exp_avg_sq"] - 1), "negative"),
+    (lambda sd: sd["state"][0].__setitem__("exp_avg", torch.empty(6, 4, device="meta")), "meta device"),
+    (lambda sd: sd["state"][0].__setitem__("step", torch.empty((), device="meta")), "meta device"),
+    (lambda sd: sd["param_groups"][0].__setitem__("lr", float("nan")), "lr=nan"),
+])
+def test_load_state_dict_rejects_bad_state_before_writing(edit, match):
+    _, opt = _trained(2)
+    sd = opt.state_dict()
+    bad = copy.deepcopy(sd)
+    edit(bad)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    for i in sd["state"]:
+        assert torch.equal(sd["state"][i]["exp_avg_sq"], after["state"][i]["exp_avg_sq"])
+    assert not math.isnan(after["param_groups"][0]["lr"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensor_lr_nan_skips_on_the_device_and_raises_at_the_next_step():
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).cuda()
+    opt = DistributedFusedAdam(model.parameters(), lr=torch.tensor(1e-2, device="cuda"), capturable=True)
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    opt.param_groups[0]["lr"].fill_(float("nan"))
+    before = _snapshot(model)
+    opt.step()  # no host read here: the device skips
+    assert _same(model, before)
+    opt.zero_grad()
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    with pytest.raises(ValueError, match="invalid|lr"):
+        opt.step()
