@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from torch import Tensor
@@ -81,6 +81,16 @@ def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
         reference.grad_stats(grad, out, norm_type)
     else:
         ext.grad_stats(grad, out, float(norm_type))
+
+
+def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:
+    """Copy (``accumulate=False``) or add ``grads[i]`` into the view of the flat ``full`` with
+    ``like[i]``'s shape and strides at element ``offsets[i]`` (contract: ``reference.py``)."""
+    ext = _native(full.device)
+    if ext is None or not hasattr(ext, "land_grads"):
+        reference.land_grads(full, grads, like, offsets, accumulate)
+    else:
+        ext.land_grads(full, grads, like, offsets, accumulate)
 
 
 def adam_step(
