@@ -181,7 +181,8 @@ def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
     specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
                               amp=bf16, cl=False, loops=["max_grad_norm in step"])
     count, numel = (64, 256) if small else (1024, 4096)
-    specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((), None),
+    one = torch.ones((), device=device)
+    specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((one,), None),
                                                  loss=lambda out, _t: out, amp=None, cl=False, loops=["plain step"])
     if tv is not None:  # last: compiling takes a while
         specs["compiled resnet18"] = dict(make=lambda: tv.resnet18(), batch=images(32, 128, 1000), loss=cls_loss,
@@ -214,7 +215,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             fns = {"torch": build("torch"), "shardamp": build("shardamp")}
             ms = interleaved(fns, device, args.warmup, args.iters, args.repeats)
             del fns
-            mem = {impl: peak_memory(lambda impl=impl: build(impl), device) for impl in ("torch", "shardamp")}
+            mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
+                   for impl in ("torch", "shardamp")}  # a compiled build would compile again
             row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
                        speed=ms["torch"] / ms["shardamp"], torch_peak=mem["torch"], shardamp_peak=mem["shardamp"])
             rows.append(row)
@@ -240,7 +242,8 @@ def backward_host(impl: str, count: int, numel: int, device: torch.device, iters
     """Median host microseconds of ``loss.backward()`` over ``iters`` backwards of ManyParams."""
     torch.manual_seed(0)
     model = ManyParams(count, numel).to(device=device, dtype=dtype)
-    return _backward_host_model(impl, model, lambda m: m(), device, iters)
+    one = torch.ones((), device=device)
+    return _backward_host_model(impl, model, lambda m: m(one), device, iters)
 
 
 def _backward_host_model(impl: str, model: torch.nn.Module, forward: Callable, device: torch.device,
@@ -348,18 +351,20 @@ def host_step_fns(impl: str, dtype: torch.dtype, count: int, numel: int, device:
     + update, and the pieces of ``full`` by name (for perf_counter around each)."""
     torch.manual_seed(0)
     model = ManyParams(count, numel).to(device=device, dtype=dtype)
+    one = torch.ones((), device=device)
     params = list(model.parameters())
+    scaled = dtype != torch.bfloat16  # torch's GradScaler cannot unscale bf16 grads on CUDA
     if impl == "torch":
         opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
-        scaler = torch.amp.GradScaler(device.type)
+        scaler = torch.amp.GradScaler(device.type, enabled=scaled)
         clip = lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)  # noqa: E731
     else:
         opt = DistributedFusedAdam(params, lr=1e-4)
-        scaler = ShardedGradScaler(device.type)
+        scaler = ShardedGradScaler(device.type, enabled=scaled)
         clip = lambda: opt.clip_grad_norm(1.0)  # noqa: E731
     pieces = {
         "zero_grad": lambda: opt.zero_grad(),
-        "forward+backward": lambda: scaler.scale(model()).backward(),
+        "forward+backward": lambda: scaler.scale(model(one)).backward(),
         "unscale_": lambda: scaler.unscale_(opt),
         "clip": clip,
         "step": lambda: scaler.step(opt),
@@ -373,7 +378,7 @@ def host_step_fns(impl: str, dtype: torch.dtype, count: int, numel: int, device:
 
     def bare():
         opt.zero_grad()
-        scaler.scale(model()).backward()
+        scaler.scale(model(one)).backward()
         if impl == "shardamp":
             opt.grad_sync()  # the grads land as they would before a step
         sync(device)
@@ -385,7 +390,8 @@ def step_rows(args, device: torch.device, wanted) -> List[dict]:
     rows = []
     count, numel = (32, 1024) if args.small else (161, 1 << 16)
     for dtype in (torch.float32, torch.bfloat16):
-        name = f"host-bound step {str(dtype)[6:]} params {count}x{numel}"
+        what = "unscale_+clip+step+update" if dtype != torch.bfloat16 else "clip+step (no scaler)"
+        name = f"host-bound {what} {str(dtype)[6:]} params {count}x{numel}"
         if not wanted(name):
             continue
         fns = {}
@@ -459,7 +465,7 @@ def _fmt(row: dict) -> str:
         return (f"{row['name']:<46} torch {row['torch_us']:9.0f} us  ddp {row['ddp_us']:9.0f} us  shardamp "
                 f"{row['shardamp_us']:9.0f} us  per param over torch: ddp {row['ddp_per_param_us']:+.2f} us, "
                 f"shardamp {row['shardamp_per_param_us']:+.2f} us")
-    return (f"{row['name']:<46} unscale_+clip+step+update: torch {row['torch_ms']:.3f} ms  shardamp "
+    return (f"{row['name']:<46} torch {row['torch_ms']:.3f} ms  shardamp "
             f"{row['shardamp_ms']:.3f} ms  speedup {row['speedup']:.2f}x")
 
 

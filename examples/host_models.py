@@ -158,7 +158,8 @@ class ManyParams(nn.Module):
         self.ps = nn.ParameterList([nn.Parameter(torch.randn(numel) * 0.02) for _ in range(count)])
         self.register_buffer("w", torch.randn(count, numel))
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
         # one StackBackward node hands every param its grad: backward's host time is the
-        # per-param accumulation, which is what the optimizer's hooks add to
-        return (torch.stack(list(self.ps)).float() * self.w).sum()
+        # per-param accumulation, which is what the optimizer's hooks add to. (``scale``: DDP
+        # needs an input to forward.)
+        return (torch.stack(list(self.ps)).float() * self.w).sum() * scale
