@@ -212,8 +212,13 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                 run = _Compiled(model) if compile_ else model
                 return make_iteration(impl, run, spec["batch"], spec["loss"], loop, device, spec["amp"])
 
-            fns = {"torch": build("torch"), "shardamp": build("shardamp")}
-            ms = interleaved(fns, device, args.warmup, args.iters, args.repeats)
+            try:
+                fns = {"torch": build("torch"), "shardamp": build("shardamp")}
+                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats)
+            except Exception as exc:  # noqa: BLE001 - e.g. no compiler for torch.compile
+                print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
+                rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
+                continue
             del fns
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
                    for impl in ("torch", "shardamp")}  # a compiled build would compile again
@@ -458,6 +463,8 @@ def _fmt(row: dict) -> str:
     def mib(b):
         return "-" if b is None else f"{b / 2**30:.2f} GiB"
 
+    if row["kind"] == "error":
+        return f"{row['name']:<46} ERROR {row['error'][:200]}"
     if row["kind"] == "model":
         return (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
@@ -501,22 +508,37 @@ def main() -> None:
         # world 1 over a real process group, as a new user's script under torchrun would be
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg",
                                 rank=0, world_size=1)
-        rows = []
+        rows: List[dict] = []
+        errors: List[str] = []
+
+        def guarded(fn, *fargs):  # one failing part must not cost the other rows
+            try:
+                result = fn(*fargs)
+                return result if result is not None else []
+            except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+                errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
+                print(f"ERROR {errors[-1]}", flush=True)
+                return []
+
         if args.profile:
-            profile(args, device, Path(args.profile))
-        rows += backward_rows(args, device, wanted)
-        rows += step_rows(args, device, wanted)
-        rows += model_rows(args, device, wanted)
+            guarded(profile, args, device, Path(args.profile))
+        rows += guarded(backward_rows, args, device, wanted)
+        rows += guarded(step_rows, args, device, wanted)
+        rows += guarded(model_rows, args, device, wanted)
         dist.destroy_process_group()
     if args.world2 and wanted("world 2"):
-        rows += world2_rows(args)
+        rows += guarded(world2_rows, args)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({args.threads} threads)"
     result = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
-                  rows=rows)
+                  rows=rows, errors=errors)
     (out / "bench_host.json").write_text(json.dumps(result, indent=1))
     print(f"\n== bench_host on {name}, torch {torch.__version__}, {result['date']} ==")
     for row in rows:
         print(_fmt(row))
+    for err in errors:
+        print(f"ERROR {err}")
+    if errors or any(r["kind"] == "error" for r in rows):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

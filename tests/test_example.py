@@ -96,8 +96,9 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
            "--threads", "1", "--world2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads((tmp_path / "bench_host.json").read_text())["rows"]
-    names = [r["name"] for r in rows]
+    result = json.loads((tmp_path / "bench_host.json").read_text())
+    rows, names = result["rows"], [r["name"] for r in result["rows"]]
+    assert not result["errors"] and not any(r["kind"] == "error" for r in rows), result
     for prefix in ("backward host 64x256", "backward host small resnet", "backward host 64x256 world 2 gloo",
                    "host-bound unscale_+clip+step+update float32", "host-bound clip+step (no scaler) bfloat16",
                    "small resnet: scaler+unscale_+clip", "small resnet: max_grad_norm in step",
