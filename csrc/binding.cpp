@@ -180,6 +180,22 @@ void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const st
   }
 }
 
+// The per-step "do the model params still live in the buffers" check (optim/buffers.py) in one
+// call: true iff every params[i] has refs[i]'s data pointer, dtype, sizes and strides and no
+// .grad. (Python re-checks in detail, to name the param, whenever this says false.)
+bool views_intact(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& refs) {
+  if (params.size() != refs.size()) return false;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& r = refs[i];
+    if (p.data_ptr() != r.data_ptr() || p.scalar_type() != r.scalar_type() || p.sizes() != r.sizes() ||
+        p.strides() != r.strides() || p.grad().defined()) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace
 }  // namespace shardamp
 
@@ -196,6 +212,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);
   m.def("land_grads", &shardamp::land_grads, "Copy (or add) grads into their views of a flat bucket buffer",
         py::arg("full"), py::arg("grads"), py::arg("like"), py::arg("offsets"), py::arg("accumulate"));
+  m.def("views_intact", &shardamp::views_intact, "Params still are their buffer views (pointer, dtype, shape, strides) without .grad",
+        py::arg("params"), py::arg("refs"));
   m.attr("CHUNK") = shardamp::kChunk;
   m.attr("CUDA_CHUNK") = shardamp::kCudaChunk;
   m.def("cpu_capability", &shardamp::cpu_capability, "Which CPU kernel build runs here");

@@ -20,6 +20,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from . import kernels
 from .layout import Bucket, ParamSlot
 
 
@@ -125,11 +126,15 @@ def expected_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: 
     return out
 
 
-def check_views(expected: List[tuple], params: Sequence[Tensor]) -> None:
+def check_views(expected: List[tuple], params: Sequence[Tensor], refs: Optional[List[Tensor]] = None) -> None:
     """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``).
 
-    Called every step, so the common case is one cheap pass over data pointers; dtype, shape and
-    strides are compared too (a same-address view of another shape would also be a break)."""
+    Called every step, so the common case is one native pass (``refs``: detached copies of the
+    params' views taken at construction) over data pointers, dtypes, shapes and strides (a
+    same-address view of another shape would also be a break); only a failing or unavailable
+    native check walks the params here, to name the one that broke."""
+    if refs is not None and kernels.views_intact(list(params), refs):
+        return
     for i, (p, (ptr, dtype, shape, stride)) in enumerate(zip(params, expected)):
         if p.grad is not None:
             raise RuntimeError(

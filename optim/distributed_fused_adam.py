@@ -157,6 +157,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for buf in self._buffers:
             init_master(buf, dtype)
         self._expected_views = expected_views(self._buckets, self._buffers, self._params)
+        self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self.process_group, self.world_size,
             overlap_grad_sync,
@@ -417,7 +418,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._param_sync.wait()
-        check_views(self._expected_views, self._params)
+        check_views(self._expected_views, self._params, self._view_refs)
         if not self._grad_sync.grad_since_zero:
             raise RuntimeError(
                 "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "

@@ -93,6 +93,15 @@ def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: L
         ext.land_grads(full, grads, like, offsets, accumulate)
 
 
+def views_intact(params: List[Tensor], refs: List[Tensor]) -> bool:
+    """True if every ``params[i]`` still has ``refs[i]``'s data pointer, dtype, shape and strides
+    and no ``.grad`` (one native call); False means "unknown or not": check in Python."""
+    ext = _native(refs[0].device) if refs else None
+    if ext is None or not hasattr(ext, "views_intact"):
+        return False
+    return ext.views_intact(params, refs)
+
+
 def adam_step(
     grad: Tensor,
     master: Tensor,
