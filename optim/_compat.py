@@ -7,10 +7,11 @@ private. tests/test_compat.py checks each of these on the torch version it runs 
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 __all__ = [
     "reduce_scatter",
@@ -21,6 +22,8 @@ __all__ = [
     "amp_update_scale_",
     "is_dense_non_overlapping",
     "storage_alias",
+    "foreach_copy_",
+    "foreach_add_",
 ]
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -40,6 +43,17 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: Any, async_op: 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished (as DDP does)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def foreach_copy_(dst: List[Tensor], src: List[Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for all i in as few launches as the multi-tensor kernels allow
+    (pairs of equal dtype and strides take the fused route, others a per-tensor copy)."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_add_(dst: List[Tensor], src: List[Tensor]) -> None:
+    """``dst[i].add_(src[i])`` for all i, multi-tensor."""
+    torch._foreach_add_(dst, src)
 
 
 from torch.amp.grad_scaler import OptState  # noqa: E402  (private enum, re-exported on purpose)

@@ -5,7 +5,8 @@ Per bucket, on every rank:
     view of it with the param's own strides, so the all-gather writes the model in place;
   * ``sync``: the whole bucket in ``param_sync_dtype``, only when that differs from the model
     dtype (the one case that needs a cast pass after the all-gather);
-  * ``grad_shard``: this rank's reduced grads (``grad_sync_dtype``);
+  * ``grad_shard``: this rank's reduced grads (``grad_sync_dtype``); at world 1 it is the
+    bucket buffer backward writes into, released at ``zero_grad`` unless capturable;
   * ``master``, ``exp_avg``, ``exp_avg_sq``: this rank's shard in the state dtype. When the model
     dtype equals the state dtype (and no lower-precision all-gather rounds the params),
     ``master`` IS this rank's slice of ``params``: no copy exists.
@@ -19,7 +20,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compat
+from . import _compat, kernels
 from .misuse import ddp_error, find_ddp
 from .layout import Bucket, ParamSlot
 
@@ -41,11 +42,24 @@ def param_alias(buffer: Tensor, slot: ParamSlot) -> Tensor:
 class BucketBuffers:
     params: Tensor
     sync: Optional[Tensor]
-    grad_shard: Tensor
+    grad_store: Optional[Tensor]  # the grad shard, or None while released (see grad_shard)
     master: Tensor
     exp_avg: Tensor
     exp_avg_sq: Tensor
     shard: slice
+    grad_dtype: torch.dtype = torch.float32
+
+    @property
+    def grad_shard(self) -> Tensor:
+        """This rank's reduced grads. A released shard (world 1 between ``zero_grad`` and the
+        next backward: no grads exist, as in torch) comes back as zeros when read."""
+        if self.grad_store is None:
+            n = self.shard.stop - self.shard.start
+            self.grad_store = torch.zeros(n, dtype=self.grad_dtype, device=self.params.device)
+        return self.grad_store
+
+    def release_grad_shard(self) -> None:
+        self.grad_store = None
 
     def model_out(self, world_size: int) -> Optional[Tensor]:
         """Where the step writes the model-dtype copy of the updated master shard, if anywhere."""
@@ -84,11 +98,12 @@ def allocate(
     return BucketBuffers(
         params=flat,
         sync=sync,
-        grad_shard=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
+        grad_store=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
         master=flat[shard] if _master_is_param(bucket.dtype, state_dtype, sync) else torch.empty(0),  # init_master
         exp_avg=torch.zeros(n, dtype=state_dtype, device=dev),
         exp_avg_sq=torch.zeros(n, dtype=state_dtype, device=dev),
         shard=shard,
+        grad_dtype=grad_sync_dtype,
     )
 
 
@@ -120,13 +135,20 @@ def expected_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: 
     return out
 
 
-def check_views(expected: List[tuple], params: Sequence[Tensor], reattach: Callable[[int], bool]) -> None:
+def check_views(
+    expected: List[tuple], params: Sequence[Tensor], reattach: Callable[[int], bool],
+    refs: Optional[List[Tensor]] = None,
+) -> None:
     """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``).
 
-    Called every step, so the common case is one cheap pass over data pointers; dtype, shape and
-    strides are compared too (a same-address view of another shape would also be a break).
-    ``reattach(i)`` is asked first to put param ``i`` back into its bucket when that loses
-    nothing (a ``.to()`` onto the device it already lives on made a copy); it returns success."""
+    Called every step, so the common case is one native pass (``refs``: detached copies of the
+    params' views taken at construction) over data pointers, dtypes, shapes and strides (a
+    same-address view of another shape would also be a break); only a failing or unavailable
+    native check walks the params here, to name the one that broke. ``reattach(i)`` is asked
+    first to put param ``i`` back into its bucket when that loses nothing (a ``.to()`` onto the
+    device it already lives on made a copy); it returns success."""
+    if refs is not None and kernels.views_intact(list(params), refs):
+        return
     for i, (p, (ptr, dtype, shape, stride)) in enumerate(zip(params, expected)):
         if p.grad is not None:
             ddp = find_ddp(params)
@@ -186,7 +208,7 @@ def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict
         aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
         stats["master"] += 0 if aliased else nbytes(buf.master)
         stats["moments"] += nbytes(buf.exp_avg) + nbytes(buf.exp_avg_sq)
-        stats["grad_shards"] += nbytes(buf.grad_shard)
+        stats["grad_shards"] += nbytes(buf.grad_store)
         stats["param_sync"] += nbytes(buf.sync)
     stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)
     stats["total"] = sum(stats.values())

@@ -171,6 +171,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._expected_views = expected_views(self._buckets, self._buffers, self._params)
         kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device,
                         len(self._params), len(self.param_groups))
+        self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self.process_group, self.world_size,
             overlap_grad_sync,
@@ -476,7 +477,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._param_sync.wait()
-        check_views(self._expected_views, self._params, self._reattach)
+        check_views(self._expected_views, self._params, self._reattach, self._view_refs)
         if not self._grad_sync.grad_since_zero:
             raise RuntimeError(
                 "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "

@@ -1,16 +1,20 @@
 """Backward-time gradient plumbing: grads into bucket buffers, buckets reduce-scattered in a
 fixed order.
 
-A post-accumulate-grad hook copies each param's grad into its bucket's full-size buffer and sets
-``param.grad = None``. Buckets are reduce-scattered in index order on every rank: a bucket whose
-params have all produced their grad is launched as soon as every bucket before it has been, so
-the collectives overlap the rest of backward, and the buckets left over (params that got no grad
-on this rank) are flushed by an end-of-backward callback. Every rank therefore issues the same
-collectives in the same order whatever its unused params. The reduced shard lands in
-``BucketBuffers.grad_shard``; a second reduction before the next ``zero_grad`` accumulates into it,
-as ``param.grad`` accumulates in torch.
+A post-accumulate-grad hook takes each param's grad (``param.grad = None``) and STAGES it: the
+grads of a bucket are copied into its full-size buffer together, with one multi-tensor copy
+(``torch._foreach_copy_``) when the bucket is complete (or its staged bytes reach
+``flush_bytes``), not one copy launch and one view per param. Buckets are reduce-scattered in
+index order on every rank: a bucket whose params have all produced their grad is launched as
+soon as every bucket before it has been, so the collectives overlap the rest of backward, and
+the buckets left over (params that got no grad on this rank) are flushed by an end-of-backward
+callback. Every rank therefore issues the same collectives in the same order whatever its
+unused params. The reduced shard lands in ``BucketBuffers.grad_shard``; a second reduction
+before the next ``zero_grad`` accumulates into it, as ``param.grad`` accumulates in torch.
 
-With world size 1 the full-size buffer IS the shard and a "reduction" is a no-op.
+With world size 1 the full-size buffer IS the shard and a "reduction" is a no-op. There the
+buffer exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a
+staged grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's.
 """
 from __future__ import annotations
 
@@ -22,11 +26,14 @@ import torch
 from torch import Tensor
 
 from . import _compat, kernels
-from .buffers import BucketBuffers, param_view
+from .buffers import BucketBuffers
 from .layout import Bucket, ParamSlot
 
 
 MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
+# World > 1: staged (not yet copied) grads a bucket may hold, as a fraction of the bucket, on
+# top of its full-size buffer: ZeRO-2's O(bucket_cap_mb) backward memory grows by at most this.
+STAGE_FRACTION = 4
 
 
 class GradSync:
@@ -46,9 +53,12 @@ class GradSync:
         self.group = process_group
         self.world_size = world_size
         self.overlap = overlap
+        # world 1, not capturable: the shard (= bucket buffer) is released at zero_grad
+        self.release_shards = world_size == 1 and not keep_buffers
         self.keep_buffers = keep_buffers or world_size == 1
         self.on_grad = on_grad  # the optimizer drops its per-step caches when new grads arrive
         self.n_params = len(params)
+        self.params = list(params)  # shape and strides of each param's view in a bucket buffer
 
         self.slots: dict[int, ParamSlot] = {}
         for bucket in buckets:
@@ -66,11 +76,24 @@ class GradSync:
         self.local_touched = [False] * self.n_params
         # grads in a bucket buffer not reduced yet (accumulate vs overwrite)
         self.in_buffer = [False] * self.n_params
+        # staged grads: taken from param.grad, not yet copied into the bucket buffer
+        self.staged_slots: List[List[ParamSlot]] = [[] for _ in buckets]
+        self.staged_grads: List[List[Tensor]] = [[] for _ in buckets]
+        self.staged_bytes = [0] * len(buckets)
+        self.is_staged = [False] * self.n_params
+        self.flush_bytes = [
+            b.numel * buffers[i].grad_dtype.itemsize // (1 if world_size == 1 else STAGE_FRACTION)
+            for i, b in enumerate(buckets)
+        ]
+        self.slot_bytes = {i: s.numel * params[i].element_size() for i, s in self.slots.items()}
         self.shard_valid = [False] * len(buckets)
         self.full: List[Optional[Tensor]] = [None] * len(buckets)
         if world_size == 1:
             for i, buf in enumerate(buffers):
-                self.full[i] = buf.grad_shard  # the shard is the whole bucket
+                if self.release_shards:
+                    buf.release_grad_shard()
+                else:
+                    self.full[i] = buf.grad_shard  # the shard is the whole bucket
         elif keep_buffers:
             for i, b in enumerate(buckets):
                 self.full[i] = self._new_full(i)
@@ -83,11 +106,13 @@ class GradSync:
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.partials = torch.zeros(len(buckets), 2, dtype=torch.float32, device=device)
         self.partial_valid = [False] * len(buckets)
+        self.partials_zeroed = False  # zeroed once per round, not once per bucket
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
         for p in params:
             p._shardamp_owner = self.owner_token
         ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
+        self.slot_of = {id(p): self.slots[i] for i, p in enumerate(params) if i in self.slots}
 
         def hook(param: torch.nn.Parameter) -> None:
             me = ref()
@@ -95,49 +120,82 @@ class GradSync:
                 me._hook(param)
 
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
-        self.index_of = {id(p): i for i, p in enumerate(params)}
 
     # ---------------------------------------------------------------- backward
     def _hook(self, param: torch.nn.Parameter) -> None:
+        # Runs once per param per backward: keep it to a few attribute and list operations.
         grad = param.grad
         if grad is None:
             return
-        if grad.is_sparse:
-            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
         if getattr(param, "_shardamp_owner", None) is not self.owner_token:
             return  # a newer optimizer took this param over; its own hook handles the grad
-        index = self.index_of[id(param)]
-        slot = self.slots[index]
+        if grad.is_sparse:
+            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
         param.grad = None
-        self.on_grad()
-        self.grad_since_zero = True
-        self.add_grad(slot, grad)
-        if not self.enabled:
-            return
-        if not self.callback_queued:
+        if not self.callback_queued:  # first grad of this backward
             self.callback_queued = True
+            self.on_grad()
+            self.grad_since_zero = True
             _compat.queue_backward_callback(self._end_of_backward)
-        self.fired[slot.bucket] += 1
-        if self.overlap:
-            self._launch_ready()
-
-    def add_grad(self, slot: ParamSlot, grad: Tensor) -> None:
+        slot = self.slot_of[id(param)]
         b = slot.bucket
+        if self.is_staged[slot.index]:  # a second grad before the flush: land the first one
+            self._flush(b)
+        self.is_staged[slot.index] = True
+        self.staged_slots[b].append(slot)
+        self.staged_grads[b].append(grad)
+        self.staged_bytes[b] += self.slot_bytes[slot.index]
+        self.local_touched[slot.index] = True
+        self.fired[b] += 1
+        complete = self.fired[b] >= self.expected[b]
+        if complete or self.staged_bytes[b] >= self.flush_bytes[b]:
+            self._flush(b)
+            if complete and self.enabled and self.overlap:
+                self._launch_ready()
+
+    def _writable_full(self, b: int) -> Tensor:
+        """Bucket ``b``'s full-size buffer, allocated (zeros) or zeroed if stale."""
         full = self.full[b]
         if full is None:
-            full = self.full[b] = self._new_full(b)
+            if self.world_size == 1:
+                full = self.full[b] = self.buffers[b].grad_shard  # allocated as zeros if released
+            else:
+                full = self.full[b] = self._new_full(b)
         elif self.dirty[b]:
             full.zero_()
         self.dirty[b] = False
+        return full
+
+    def _flush(self, b: int) -> None:
+        """Copy (or add) bucket ``b``'s staged grads into its buffer: one multi-tensor op each."""
+        slots = self.staged_slots[b]
+        if not slots:
+            return
+        grads = self.staged_grads[b]
+        self.staged_slots[b], self.staged_grads[b], self.staged_bytes[b] = [], [], 0
+        full = self._writable_full(b)
         self.partial_valid[b] = False
-        view = param_view(full, slot)
         # world 1: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
-        if self.in_buffer[slot.index] or (self.world_size == 1 and self.shard_valid[b]):
-            view.add_(grad)
-        else:
-            view.copy_(grad)
-        self.in_buffer[slot.index] = True
-        self.local_touched[slot.index] = True
+        acc_all = self.world_size == 1 and self.shard_valid[b]
+        params, in_buffer, is_staged = self.params, self.in_buffer, self.is_staged
+        copy = ([], [], [])  # grads, like (the param: shape and strides), offsets
+        add = ([], [], [])
+        for slot, grad in zip(slots, grads):
+            i = slot.index
+            is_staged[i] = False
+            lists = add if acc_all or in_buffer[i] else copy
+            in_buffer[i] = True
+            lists[0].append(grad)
+            lists[1].append(params[i])
+            lists[2].append(slot.offset)
+        if copy[0]:
+            kernels.land_grads(full, *copy, accumulate=False)
+        if add[0]:
+            kernels.land_grads(full, *add, accumulate=True)
+
+    def flush_all(self) -> None:
+        for b in range(len(self.buckets)):
+            self._flush(b)
 
     def _new_full(self, b: int) -> Tensor:
         bucket = self.buckets[b]
@@ -149,7 +207,8 @@ class GradSync:
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
-        if self.overlap:
+        self.flush_all()
+        if self.overlap and self.enabled:
             self._finish_round()
         self.fired = [0] * len(self.buckets)
 
@@ -159,19 +218,16 @@ class GradSync:
         self.next_launch = 0
         self.fired = [0] * len(self.buckets)
         self.rounds_since_step += 1
+        self.partials_zeroed = False  # the next round recomputes (and first zeroes) them all
 
     def _launch(self, b: int) -> None:
         """Reduce-scatter bucket ``b`` (every rank calls this for every bucket, in order)."""
         self.next_launch = b + 1
+        self._flush(b)
         bucket = self.buckets[b]
         for s in bucket.slots:
             self.in_buffer[s.index] = False
-        full = self.full[b]
-        if full is None:  # no grad here on this rank: contribute zeros
-            full = self._new_full(b)
-        elif self.dirty[b]:
-            full.zero_()
-            self.dirty[b] = False
+        full = self._writable_full(b)  # no grad here on this rank: contribute zeros
         if self.world_size == 1:
             self.shard_valid[b] = True
             if self.side is not None:
@@ -205,7 +261,9 @@ class GradSync:
                 work.wait()
             if accumulate:
                 shard.add_(out)
-            self.partials[b].zero_()
+            if not self.partials_zeroed:
+                self.partials.zero_()  # every bucket's partial is recomputed in this round
+                self.partials_zeroed = True
             kernels.grad_stats(shard, self.partials[b], 2.0)
         for t in (full, out):
             if t is not None:
@@ -231,6 +289,7 @@ class GradSync:
         A step always consumes at least one complete round, so a rank whose backward touched
         none of the params still joins the collectives the other ranks issued.
         """
+        self.flush_all()
         if self.next_launch > 0 or self.rounds_since_step == 0 or any(self.in_buffer):
             self._finish_round()
         self.wait()
@@ -256,7 +315,7 @@ class GradSync:
 
     def alive_full_buffers(self) -> List[Tensor]:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
-        shard_ptrs = {buf.grad_shard.data_ptr() for buf in self.buffers}
+        shard_ptrs = {buf.grad_store.data_ptr() for buf in self.buffers if buf.grad_store is not None}
         held = [f for f in self.full if f is not None and f.data_ptr() not in shard_ptrs]
         held += [entry[2] for entry in self.pending if entry[2] is not None]
         return list({id(t): t for t in held}.values())
@@ -271,6 +330,12 @@ class GradSync:
         self.fired = [0] * len(self.buckets)
         self.in_buffer = [False] * self.n_params
         self.partial_valid = [False] * len(self.buckets)
+        self.partials_zeroed = False
+        self.callback_queued = False  # a backward that raised never ran its callback
+        self.staged_slots = [[] for _ in self.buckets]
+        self.staged_grads = [[] for _ in self.buckets]
+        self.staged_bytes = [0] * len(self.buckets)
+        self.is_staged = [False] * self.n_params
         if set_to_none:
             self.local_touched = [False] * self.n_params
             self.shard_valid = [False] * len(self.buckets)
@@ -278,7 +343,13 @@ class GradSync:
         else:
             for buf in self.buffers:
                 buf.grad_shard.zero_()
-        if self.keep_buffers:
+        if self.release_shards and set_to_none:
+            # world 1: no grads exist until the next backward, as in torch (peak memory)
+            for buf in self.buffers:
+                buf.release_grad_shard()
+            self.full = [None] * len(self.buckets)
+            self.dirty = [False] * len(self.buckets)
+        elif self.keep_buffers:
             # world 1: the buffer is the shard; zeroed lazily before the next write
             self.dirty = [set_to_none or self.world_size > 1] * len(self.buckets)
         else:

@@ -83,6 +83,25 @@ def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
         ext.grad_stats(grad, out, float(norm_type))
 
 
+def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:
+    """Copy (``accumulate=False``) or add ``grads[i]`` into the view of the flat ``full`` with
+    ``like[i]``'s shape and strides at element ``offsets[i]`` (contract: ``reference.py``)."""
+    ext = _native(full.device)
+    if ext is None or not hasattr(ext, "land_grads"):
+        reference.land_grads(full, grads, like, offsets, accumulate)
+    else:
+        ext.land_grads(full, grads, like, offsets, accumulate)
+
+
+def views_intact(params: List[Tensor], refs: List[Tensor]) -> bool:
+    """True if every ``params[i]`` still has ``refs[i]``'s data pointer, dtype, shape and strides
+    and no ``.grad`` (one native call); False means "unknown or not": check in Python."""
+    ext = _native(refs[0].device) if refs else None
+    if ext is None or not hasattr(ext, "views_intact"):
+        return False
+    return ext.views_intact(params, refs)
+
+
 def adam_step(
     grad: Tensor,
     master: Tensor,

@@ -31,14 +31,21 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
 
     Scalars (bias corrections, ``lr / bc1``, ``1 - lr * wd``) are formed in fp64 as torch.optim
     forms them from Python floats; the element-wise math is fp32.
+
+``land_grads(full, grads, like, offsets, accumulate)``
+    For every i: ``v = full.as_strided(like[i].shape, like[i].stride(), full.storage_offset() +
+    offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
+    are converted to ``full``'s dtype). Nothing else in ``full`` is written.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
+
+from . import _compat
 
 
 def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
@@ -104,3 +111,12 @@ def adam_step(
         exp_avg_sq[sl] = torch.where(skip, exp_avg_sq[sl], v.to(exp_avg_sq.dtype))
         if model_out is not None:
             model_out[sl] = torch.where(skip, model_out[sl], p.to(model_out.dtype))
+
+
+def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:
+    base = full.storage_offset()
+    views = [full.as_strided(t.shape, t.stride(), base + off) for t, off in zip(like, offsets)]
+    if accumulate:
+        _compat.foreach_add_(views, grads)
+    else:
+        _compat.foreach_copy_(views, grads)

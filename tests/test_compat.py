@@ -78,3 +78,18 @@ def test_storage_alias_shares_bytes_but_not_the_storage_object() -> None:
     del flat
     assert alias.sum().item() > 0  # the alias keeps the buffer's memory alive
     assert _compat.storage_alias(torch.zeros(4), 4, 0, (0,), (1,)).numel() == 0
+def test_foreach_copy_and_add_across_layouts_and_dtypes() -> None:
+    """The multi-tensor ops the grad hooks land staged grads with: strided (channels_last) views
+    of a flat buffer, mixed sizes, a dtype conversion."""
+    flat = torch.zeros(200)
+    a = flat[:24].as_strided((2, 3, 2, 2), torch.zeros(2, 3, 2, 2).to(memory_format=torch.channels_last).stride())
+    b = flat[32:37]
+    ga = torch.randn(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    gb = torch.randn(5, dtype=torch.float64)
+    _compat.foreach_copy_([a, b], [ga, gb])
+    torch.testing.assert_close(a, ga)
+    torch.testing.assert_close(b, gb.float())
+    _compat.foreach_add_([a, b], [ga, gb.float()])
+    torch.testing.assert_close(a, 2 * ga)
+    torch.testing.assert_close(b, 2 * gb.float())
+    assert flat[24:32].abs().sum() == 0 and flat[37:].abs().sum() == 0

@@ -11,7 +11,7 @@ from dist_helper import case_values, run_cases, run_distributed
 from parity import ATOL, RTOL
 
 WORLDS = [1, 2, 3, 4]
-PARITY_CASES = [c for c in cases_core.CASES if c not in ("case_grad_memory_bounded", "case_memory_stats")]
+PARITY_CASES = [c for c in cases_core.CASES if c not in cases_core.NOT_PARITY]
 
 
 @functools.lru_cache(maxsize=None)
@@ -35,6 +35,23 @@ def test_memory_stats_is_zero2(world: int) -> None:
         assert 8 * n / world <= stats["moments"] <= 8 * n / world * 1.1  # padding only
         assert 4 * n / world <= stats["grad_shards"] <= 4 * n / world * 1.1
         assert stats["total"] == sum(v for k, v in stats.items() if k != "total")
+
+
+def check_staging_case(results, world: int) -> None:
+    for value in case_values(results, "case_grad_staging_and_release"):
+        for capturable in (False, True):
+            v = value[f"capturable={capturable}"]
+            assert v["buckets"] >= 3 and v["max_over_cap"] <= 0, v
+            for after_zero, after_backward in v["grad_shards"]:
+                assert after_backward > 0, v
+                # world 1: no grad memory between zero_grad and backward, as in torch; the
+                # sharded shards (world > 1) and capturable's static buffers stay
+                assert (after_zero == 0) == (world == 1 and not capturable), v
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grad_staging_bounded_and_world1_release(world: int) -> None:
+    check_staging_case(_results(world), world)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -11,7 +11,7 @@ import torch
 import cases_core
 import cases_scaler
 from dist_helper import case_values, run_cases, run_distributed
-from test_core import check_parity_case
+from test_core import check_parity_case, check_staging_case
 from test_scaler_loops import check_loop_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,9 +57,14 @@ def test_grad_buffers_bounded_cuda(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", [c for c in cases_core.CASES if c not in ("case_grad_memory_bounded", "case_memory_stats")])
+@pytest.mark.parametrize("case", [c for c in cases_core.CASES if c not in cases_core.NOT_PARITY])
 def test_core_parity_cuda(world: int, case: str) -> None:
     check_parity_case(_results(world), case)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grad_staging_bounded_and_world1_release_cuda(world: int) -> None:
+    check_staging_case(_results(world), world)
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -115,6 +115,24 @@ def test_world_size_env_without_process_group_raises(monkeypatch) -> None:
         DistributedFusedAdam(_model().parameters())
     monkeypatch.setenv("WORLD_SIZE", "1")
     DistributedFusedAdam(_model().parameters())  # a single-process launch is fine
+@pytest.mark.parametrize("kernels", ["native", "reference"])
+def test_same_address_view_of_another_layout_breaks_the_view(kernels: str, monkeypatch) -> None:
+    # the native one-call check (and the Python walk without it) compares strides, not only
+    # the data pointer: a transposed view of the same storage is a break too
+    monkeypatch.setenv("SHARDAMP_KERNELS", kernels)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = DistributedFusedAdam(m.parameters())
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()  # intact views pass
+    opt.zero_grad()
+    w = m[0].weight
+    ptr = w.data_ptr()
+    w.data = w.data.t()
+    assert w.data_ptr() == ptr and w.shape == (4, 4)
+    m(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="parameter 0 .* no longer lives in the optimizer's flat buffer"):
+        opt.step()
 
 
 def test_load_state_dict_assign_is_caught() -> None:

@@ -85,3 +85,29 @@ def test_bench_step_cpu_smoke(tmp_path: Path) -> None:
     rows = json.loads((tmp_path / "bench_step.json").read_text())["rows"]
     picked = [r["name"] for r in rows if not r["name"].startswith("roofline")]
     assert len(picked) == 1 and picked[0].startswith("kernels fp32 ("), picked
+
+
+def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
+    """examples/bench_host.py end to end on the CPU (small models, 2 gloo ranks too): every row
+    kind is measured, with positive times on both sides."""
+    bench = TRAIN.parent / "bench_host.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    cmd = [sys.executable, str(bench), "--device", "cpu", "--iters", "1", "--repeats", "1", "--warmup", "1",
+           "--threads", "1", "--world2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "bench_host.json").read_text())
+    rows, names = result["rows"], [r["name"] for r in result["rows"]]
+    assert not result["errors"] and not any(r["kind"] == "error" for r in rows), result
+    for prefix in ("backward host 64x256", "backward host small resnet", "backward host 64x256 world 2 gloo",
+                   "host-bound unscale_+clip+step+update float32", "host-bound clip+step (no scaler) bfloat16",
+                   "small resnet: scaler+unscale_+clip", "small resnet: max_grad_norm in step",
+                   "small resnet: plain step", "unet fp16", "gpt2 bf16", "many params"):
+        assert any(n.startswith(prefix) for n in names), (prefix, names)
+    for r in rows:
+        if r["kind"] == "model":
+            assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0, r
+        elif r["kind"] == "backward":
+            assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
+        else:
+            assert r["torch full_ms"] > 0 and r["shardamp full_ms"] > 0, r

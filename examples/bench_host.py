@@ -1,0 +1,545 @@
+"""Host-overhead benchmark: whole training iterations of real models, shardamp against plain
+torch at world 1, plus the pieces where a Python optimizer pays on the host.
+
+    python examples/bench_host.py --device cuda --out out/host        # GPU: every row
+    python examples/bench_host.py --device cpu --out out/host_cpu     # CPU smoke (small models)
+    python examples/bench_host.py --device cuda --only resnet50 --profile out/prof
+
+torch = ``torch.optim.AdamW(fused=True)`` + ``torch.amp.GradScaler`` + ``clip_grad_norm_``;
+shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_norm``. Rows:
+
+* ``model`` rows: median iteration time (ms) of interleaved repeats (torch, shardamp, shardamp,
+  torch, ...; each repeat ``--iters`` iterations, synchronized at its ends), speed ratio
+  torch / shardamp (>= 1.00 means shardamp is no slower), and peak memory of each alone. Models:
+  ResNet-50 channels_last fp16 in five loops, torch.compile(ResNet-18), a diffusion UNet (fp16
+  and bf16), GPT-2 124M bf16, ``many params`` (1024 x 4096). On the CPU: a small ResNet-like
+  net, a small UNet and GPT, fp32 compute with the scaler still enabled, no torch.compile.
+* ``backward host`` rows: perf_counter around ``loss.backward()`` (host time: the GPU runs
+  behind) for plain autograd, DDP's C++ reducer and shardamp's hooks; overhead per param over
+  plain autograd in microseconds. ``--world2`` adds 2 gloo CPU ranks.
+* ``host-bound step`` rows: a synchronized loop of a cheap backward + unscale_ + clip + step +
+  update, minus the same loop without the four; ratio torch / shardamp (speedup).
+
+The table is printed last; everything goes to ``<out>/bench_host.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
+
+from shardamp.optim import DistributedFusedAdam  # noqa: E402
+from shardamp.scaler import ShardedGradScaler  # noqa: E402
+
+LOOPS = {  # name -> (scaler, unscale_, clip): torch runs exactly this; shardamp its equivalent
+    "scaler+unscale_+clip": (True, True, True),
+    "scaler+unscale_": (True, True, False),
+    "max_grad_norm in step": (True, True, True),  # shardamp: DistributedFusedAdam(max_grad_norm=1)
+    "scaler, no unscale_": (True, False, False),
+    "plain step": (False, False, False),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------ one iteration
+def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: Callable, loop: str,
+                   device: torch.device, amp_dtype: Optional[torch.dtype], lr: float = 1e-4):
+    """Build the optimizer (after the model is final) and return ``one()``: a full iteration."""
+    use_scaler, unscale, clip = LOOPS[loop]
+    use_scaler = use_scaler and amp_dtype is not torch.bfloat16
+    params = [p for p in model.parameters() if p.requires_grad]
+    if impl == "torch":
+        opt = torch.optim.AdamW(params, lr=lr, fused=True) if device.type == "cuda" else torch.optim.AdamW(params, lr=lr)
+        scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        do_clip = (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)) if clip else (lambda: None)
+    else:
+        opt = DistributedFusedAdam(params, lr=lr, max_grad_norm=1.0 if loop == "max_grad_norm in step" else None)
+        scaler = ShardedGradScaler(device.type, enabled=use_scaler)
+        clip = clip and loop != "max_grad_norm in step"
+        unscale = unscale and loop != "max_grad_norm in step"
+        do_clip = (lambda: opt.clip_grad_norm(1.0)) if clip else (lambda: None)
+    autocast = torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+    def one() -> None:
+        opt.zero_grad(set_to_none=True)
+        inputs, target = batch()
+        with autocast:
+            loss = loss_fn(model(*inputs), target)
+        if use_scaler:
+            scaler.scale(loss).backward()
+            if unscale:
+                scaler.unscale_(opt)
+            do_clip()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            do_clip()
+            opt.step()
+
+    one.opt = opt
+    return one
+
+
+def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup: int, iters: int,
+                repeats: int) -> Dict[str, float]:
+    """Median ms per call of each fn, repeats interleaved (the order flips every repeat)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fns[name]()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def peak_memory(build: Callable[[], Callable[[], None]], device: torch.device, iters: int = 3) -> Optional[int]:
+    """Peak bytes allocated while one implementation alone builds and runs ``iters`` iterations."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    one = build()
+    for _ in range(iters):
+        one()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del one
+    return peak
+
+
+# ------------------------------------------------------------------------------ models
+def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
+    """name -> how to build the model, its batch and loss, and its dtype."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    specs: Dict[str, dict] = {}
+
+    def images(b: int, px: int, classes: int):
+        x = torch.randn(b, 3, px, px, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, classes, (b,), generator=gen).to(device)
+        return lambda: ((x,), y)
+
+    cls_loss = F.cross_entropy
+    fp16 = torch.float16 if device.type == "cuda" else None
+    bf16 = torch.bfloat16 if device.type == "cuda" else None
+    tv = None
+    if not small:
+        try:
+            import torchvision.models as tv  # noqa: F811
+        except ImportError:
+            tv = None
+    if tv is not None:
+        specs["resnet50"] = dict(make=lambda: tv.resnet50(), batch=images(64, 160, 1000), loss=cls_loss,
+                                 amp=fp16, cl=True, loops=list(LOOPS))
+    else:
+        specs["small resnet"] = dict(make=lambda: SmallResNet(), batch=images(8 if small else 64, 32, 10),
+                                     loss=cls_loss, amp=fp16, cl=True, loops=list(LOOPS))
+    unet = (lambda: UNet(ch=16, mults=(1, 2), attn_levels=(1,), temb=32)) if small else (lambda: UNet())
+    b, px = (2, 16) if small else (16, 64)
+    lat = torch.randn(b, 4, px, px, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
+    steps = torch.randint(0, 1000, (b,), generator=gen).to(device)
+    noise = torch.randn(b, 4, px, px, generator=gen).to(device)
+    mse = lambda out, target: F.mse_loss(out.float(), target)  # noqa: E731
+    for name, amp in (("unet fp16", fp16), ("unet bf16", bf16)):
+        if name == "unet bf16" and small:
+            continue  # the CPU runs fp32 compute: one UNet row is enough for a smoke test
+        specs[name] = dict(make=unet, batch=lambda: ((lat, steps), noise), loss=mse, amp=amp, cl=True,
+                           loops=["scaler+unscale_+clip"])
+    from gpt import GPT, GPTConfig, loss_fn as gpt_loss
+
+    cfg = GPTConfig(vocab_size=256, seq_len=32, dim=32, layers=2, heads=2) if small else \
+        GPTConfig(vocab_size=50257, seq_len=1024, dim=768, layers=12, heads=12)
+    gb = 2 if small else 8
+    idx = torch.randint(0, cfg.vocab_size, (gb, cfg.seq_len + 1), generator=gen).to(device)
+    specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
+                              amp=bf16, cl=False, loops=["max_grad_norm in step"])
+    count, numel = (64, 256) if small else (1024, 4096)
+    one = torch.ones((), device=device)
+    specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((one,), None),
+                                                 loss=lambda out, _t: out, amp=None, cl=False, loops=["plain step"])
+    if tv is not None:  # last: compiling takes a while
+        specs["compiled resnet18"] = dict(make=lambda: tv.resnet18(), batch=images(32, 128, 1000), loss=cls_loss,
+                                          amp=fp16, cl=True, loops=["scaler+unscale_+clip"], compile=True)
+    return specs
+
+
+def build_model(spec: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = spec["make"]().to(device)
+    if spec.get("cl"):
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> List[dict]:
+    rows = []
+    for mname, spec in model_specs(device, args.small).items():
+        for loop in spec["loops"]:
+            name = f"{mname}: {loop}"
+            if not wanted(name):
+                continue
+            compile_ = spec.get("compile") and device.type == "cuda"
+
+            def build(impl: str, spec=spec, loop=loop, compile_=compile_):
+                model = build_model(spec, device)
+                run = _Compiled(model) if compile_ else model
+                return make_iteration(impl, run, spec["batch"], spec["loss"], loop, device, spec["amp"])
+
+            try:
+                fns = {"torch": build("torch"), "shardamp": build("shardamp")}
+                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats)
+            except Exception as exc:  # noqa: BLE001 - e.g. no compiler for torch.compile
+                print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
+                rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            del fns
+            mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
+                   for impl in ("torch", "shardamp")}  # a compiled build would compile again
+            row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
+                       speed=ms["torch"] / ms["shardamp"], torch_peak=mem["torch"], shardamp_peak=mem["shardamp"])
+            rows.append(row)
+            print(_fmt(row), flush=True)
+    return rows
+
+
+class _Compiled(torch.nn.Module):
+    """Owns ``model`` (so ``.parameters()`` are its params, which the optimizer makes views of)
+    and forwards through ``torch.compile(model)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.__dict__["compiled"] = torch.compile(model)  # not a submodule
+
+    def forward(self, *inputs):
+        return self.compiled(*inputs)
+
+
+# ------------------------------------------------------------------------------ backward host time
+def backward_host(impl: str, count: int, numel: int, device: torch.device, iters: int, dtype=torch.float32):
+    """Median host microseconds of ``loss.backward()`` over ``iters`` backwards of ManyParams."""
+    torch.manual_seed(0)
+    model = ManyParams(count, numel).to(device=device, dtype=dtype)
+    one = torch.ones((), device=device)
+    return _backward_host_model(impl, model, lambda m: m(one), device, iters)
+
+
+def _backward_host_model(impl: str, model: torch.nn.Module, forward: Callable, device: torch.device,
+                         iters: int) -> float:
+    """``impl``: 'torch' (plain autograd into .grad), 'ddp' (DDP's reducer at this world size)
+    or 'shardamp' (DistributedFusedAdam's hooks); ``forward(module)`` returns the loss."""
+    opt = None
+    run = model
+    if impl == "shardamp":
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-4)
+    elif impl == "ddp":
+        ids = [device.index or 0] if device.type == "cuda" else None
+        run = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    times = []
+    for i in range(iters + 3):
+        if opt is not None:
+            opt.zero_grad()
+        else:
+            model.zero_grad(set_to_none=True)
+        loss = forward(run)
+        sync(device)
+        t0 = time.perf_counter()
+        loss.backward()
+        t1 = time.perf_counter()
+        sync(device)
+        if i >= 3:
+            times.append((t1 - t0) * 1e6)
+    if opt is not None:
+        opt.step()  # consumes the round
+    return statistics.median(times)
+
+
+def _backward_row(name: str, n: int, us: Dict[str, List[float]]) -> dict:
+    med = {k: statistics.median(v) for k, v in us.items()}
+    row = dict(kind="backward", name=name, params=n, torch_us=med["torch"], ddp_us=med["ddp"],
+               shardamp_us=med["shardamp"], ddp_per_param_us=(med["ddp"] - med["torch"]) / n,
+               shardamp_per_param_us=(med["shardamp"] - med["torch"]) / n)
+    print(_fmt(row), flush=True)
+    return row
+
+
+IMPLS = ("torch", "ddp", "shardamp")
+
+
+def backward_rows(args, device: torch.device, wanted) -> List[dict]:
+    rows = []
+    count, numel = (64, 256) if args.small else (1024, 4096)
+    name = f"backward host {count}x{numel}"
+    if wanted(name):
+        us: Dict[str, List[float]] = {k: [] for k in IMPLS}
+        for _ in range(args.repeats):  # interleaved repeats
+            for impl in IMPLS:
+                us[impl].append(backward_host(impl, count, numel, device, args.iters * 2))
+        rows.append(_backward_row(name, count, us))
+    specs = model_specs(device, args.small)
+    spec_name = "resnet50" if "resnet50" in specs else "small resnet"
+    name = f"backward host {spec_name}"
+    if wanted(name):
+        spec = specs[spec_name]
+        inputs, target = spec["batch"]()
+        amp = spec["amp"]
+
+        def forward(m):
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                return F.cross_entropy(m(*inputs), target)
+
+        us = {k: [] for k in IMPLS}
+        for _ in range(max(args.repeats // 2, 1)):
+            for impl in IMPLS:
+                model = build_model(spec, device)
+                n = len(list(model.parameters()))
+                us[impl].append(_backward_host_model(impl, model, forward, device, args.iters * 2))
+        rows.append(_backward_row(name, n, us))
+    return rows
+
+
+def _world2_worker(rank: int, tmp: str, count: int, numel: int, iters: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/pg2", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    dev = torch.device("cpu")
+    res: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
+    for _ in range(3):
+        for impl in IMPLS:
+            res[impl].append(backward_host(impl, count, numel, dev, iters))
+            dist.barrier()
+    if rank == 0:
+        Path(out).write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def world2_rows(args) -> List[dict]:
+    import torch.multiprocessing as mp
+
+    count, numel = (64, 256) if args.small else (1024, 4096)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "w2.json")
+        mp.spawn(_world2_worker, args=(tmp, count, numel, args.iters * 2, out), nprocs=2, join=True)
+        us = json.loads(Path(out).read_text())
+    return [_backward_row(f"backward host {count}x{numel} world 2 gloo", count, us)]
+
+
+# ------------------------------------------------------------------------------ host-bound step
+def host_step_fns(impl: str, dtype: torch.dtype, count: int, numel: int, device: torch.device):
+    """(full, bare, pieces): one synchronized iteration with and without unscale_ + clip + step
+    + update, and the pieces of ``full`` by name (for perf_counter around each)."""
+    torch.manual_seed(0)
+    model = ManyParams(count, numel).to(device=device, dtype=dtype)
+    one = torch.ones((), device=device)
+    params = list(model.parameters())
+    scaled = dtype != torch.bfloat16  # torch's GradScaler cannot unscale bf16 grads on CUDA
+    if impl == "torch":
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+        scaler = torch.amp.GradScaler(device.type, enabled=scaled)
+        clip = lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)  # noqa: E731
+    else:
+        opt = DistributedFusedAdam(params, lr=1e-4)
+        scaler = ShardedGradScaler(device.type, enabled=scaled)
+        clip = lambda: opt.clip_grad_norm(1.0)  # noqa: E731
+    pieces = {
+        "zero_grad": lambda: opt.zero_grad(),
+        "forward+backward": lambda: scaler.scale(model(one)).backward(),
+        "unscale_": lambda: scaler.unscale_(opt),
+        "clip": clip,
+        "step": lambda: scaler.step(opt),
+        "update": lambda: scaler.update(),
+        "synchronize": lambda: sync(device),
+    }
+
+    def full():
+        for fn in pieces.values():
+            fn()
+
+    def bare():
+        opt.zero_grad()
+        scaler.scale(model(one)).backward()
+        if impl == "shardamp":
+            opt.grad_sync()  # the grads land as they would before a step
+        sync(device)
+
+    return full, bare, pieces
+
+
+def step_rows(args, device: torch.device, wanted) -> List[dict]:
+    rows = []
+    count, numel = (32, 1024) if args.small else (161, 1 << 16)
+    for dtype in (torch.float32, torch.bfloat16):
+        what = "unscale_+clip+step+update" if dtype != torch.bfloat16 else "clip+step (no scaler)"
+        name = f"host-bound {what} {str(dtype)[6:]} params {count}x{numel}"
+        if not wanted(name):
+            continue
+        fns = {}
+        for impl in ("torch", "shardamp"):
+            fns[f"{impl} full"], fns[f"{impl} bare"], _ = host_step_fns(impl, dtype, count, numel, device)
+        ms = interleaved(fns, device, args.warmup, args.iters * 2, args.repeats)
+        cost = {impl: ms[f"{impl} full"] - ms[f"{impl} bare"] for impl in ("torch", "shardamp")}
+        row = dict(kind="step", name=name, torch_ms=cost["torch"], shardamp_ms=cost["shardamp"],
+                   speedup=cost["torch"] / cost["shardamp"] if cost["shardamp"] > 0 else float("inf"),
+                   **{f"{k}_ms": v for k, v in ms.items()})
+        rows.append(row)
+        print(_fmt(row), flush=True)
+    return rows
+
+
+# ------------------------------------------------------------------------------ profile
+def profile(args, device: torch.device, out: Path) -> None:
+    """Where the time goes: torch.profiler (CPU + CUDA) tables of a few torch and shardamp
+    iterations of the first model row and of the host-bound step loop (fp32, bf16 params), and
+    perf_counter around each piece of the host-bound loop; written under ``out``."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    out.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.type == "cuda" else [])
+
+    def trace(tag: str, fn: Callable[[], None]) -> None:
+        for _ in range(3):
+            fn()
+        sync(device)
+        with tprofile(activities=acts) as prof:
+            for _ in range(5):
+                fn()
+            sync(device)
+        for key in keys:
+            (out / f"{tag}_{key}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=45))
+
+    specs = model_specs(device, args.small)
+    mname = next(iter(specs))
+    spec = specs[mname]
+    for impl in ("torch", "shardamp"):
+        model = build_model(spec, device)
+        trace(f"model_{impl}", make_iteration(impl, model, spec["batch"], spec["loss"], "scaler+unscale_+clip",
+                                             device, spec["amp"]))
+    count, numel = (32, 1024) if args.small else (161, 1 << 16)
+    lines = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for impl in ("torch", "shardamp"):
+            full, _bare, pieces = host_step_fns(impl, dtype, count, numel, device)
+            trace(f"step_{str(dtype)[6:]}_{impl}", full)
+            acc = {k: [] for k in pieces}
+            for _ in range(args.iters * 3):
+                for k, fn in pieces.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    acc[k].append((time.perf_counter() - t0) * 1e6)
+            lines.append(f"{str(dtype)[6:]} {impl}: " + "  ".join(f"{k} {statistics.median(v):.0f}us" for k, v in acc.items()))
+    (out / "pieces.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+# ------------------------------------------------------------------------------ report
+def _fmt(row: dict) -> str:
+    def mib(b):
+        return "-" if b is None else f"{b / 2**30:.2f} GiB"
+
+    if row["kind"] == "error":
+        return f"{row['name']:<46} ERROR {row['error'][:200]}"
+    if row["kind"] == "model":
+        return (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
+                f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
+    if row["kind"] == "backward":
+        return (f"{row['name']:<46} torch {row['torch_us']:9.0f} us  ddp {row['ddp_us']:9.0f} us  shardamp "
+                f"{row['shardamp_us']:9.0f} us  per param over torch: ddp {row['ddp_per_param_us']:+.2f} us, "
+                f"shardamp {row['shardamp_per_param_us']:+.2f} us")
+    return (f"{row['name']:<46} torch {row['torch_ms']:.3f} ms  shardamp "
+            f"{row['shardamp_ms']:.3f} ms  speedup {row['speedup']:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="out/bench_host")
+    ap.add_argument("--iters", type=int, default=None, help="iterations per repeat")
+    ap.add_argument("--repeats", type=int, default=None, help="interleaved repeats (median)")
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads")
+    ap.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
+    ap.add_argument("--profile", default="", help="write torch.profiler tables of the first model here")
+    ap.add_argument("--world2", action="store_true", help="also 2 gloo CPU ranks (backward host rows)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: CUDA is not available")
+    args.small = device.type == "cpu"
+    args.iters = args.iters or (10 if not args.small else 2)
+    args.repeats = args.repeats or (5 if not args.small else 3)
+    args.warmup = args.warmup if args.warmup is not None else (5 if not args.small else 1)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+
+    def wanted(name: str) -> bool:
+        return not only or any(s in name for s in only)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        # world 1 over a real process group, as a new user's script under torchrun would be
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg",
+                                rank=0, world_size=1)
+        rows: List[dict] = []
+        errors: List[str] = []
+
+        def guarded(fn, *fargs):  # one failing part must not cost the other rows
+            try:
+                result = fn(*fargs)
+                return result if result is not None else []
+            except Exception as exc:  # noqa: BLE001 - reported in the table and the JSON
+                errors.append(f"{fn.__name__}: {type(exc).__name__}: {exc}")
+                print(f"ERROR {errors[-1]}", flush=True)
+                return []
+
+        if args.profile:
+            guarded(profile, args, device, Path(args.profile))
+        rows += guarded(backward_rows, args, device, wanted)
+        rows += guarded(step_rows, args, device, wanted)
+        rows += guarded(model_rows, args, device, wanted)
+        dist.destroy_process_group()
+    if args.world2 and wanted("world 2"):
+        rows += guarded(world2_rows, args)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({args.threads} threads)"
+    result = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), command=" ".join(sys.argv),
+                  rows=rows, errors=errors)
+    (out / "bench_host.json").write_text(json.dumps(result, indent=1))
+    print(f"\n== bench_host on {name}, torch {torch.__version__}, {result['date']} ==")
+    for row in rows:
+        print(_fmt(row))
+    for err in errors:
+        print(f"ERROR {err}")
+    if errors or any(r["kind"] == "error" for r in rows):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

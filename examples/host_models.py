@@ -1,0 +1,165 @@
+"""Models for examples/bench_host.py, built from plain torch modules (no torchvision needed).
+
+* ``SmallResNet``: a ResNet-like conv net (conv-bn-relu stem, basic blocks with BatchNorm and
+  strided shortcuts, pooled linear head), the CPU stand-in for torchvision's resnet50/resnet18;
+* ``UNet``: a diffusion-style UNet: residual conv blocks (GroupNorm, SiLU, 3x3 convs) fed a
+  timestep embedding, self-attention blocks at the low resolutions, skip connections;
+* ``ManyParams``: ``count`` separate 1-d params of ``numel`` elements whose backward is one
+  stack node, so backward's host time is almost only the per-param grad accumulation (and the
+  optimizer's hooks on it).
+"""
+from __future__ import annotations
+
+import math
+from typing import List, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.short = None
+        if stride != 1 or cin != cout:
+            self.short = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + (x if self.short is None else self.short(x)))
+
+
+class SmallResNet(nn.Module):
+    def __init__(self, widths: Sequence[int] = (16, 32, 64), blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        layers: List[nn.Module] = []
+        cin = widths[0]
+        for i, w in enumerate(widths):
+            for j in range(blocks):
+                layers.append(BasicBlock(cin, w, 2 if (j == 0 and i > 0) else 1))
+                cin = w
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def _norm(ch: int) -> nn.GroupNorm:
+    return nn.GroupNorm(min(32, ch // 4), ch)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, temb: int) -> None:
+        super().__init__()
+        self.norm1, self.conv1 = _norm(cin), nn.Conv2d(cin, cout, 3, 1, 1)
+        self.temb = nn.Linear(temb, cout)
+        self.norm2, self.conv2 = _norm(cout), nn.Conv2d(cout, cout, 3, 1, 1)
+        self.skip = nn.Conv2d(cin, cout, 1) if cin != cout else nn.Identity()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = h + self.temb(t)[:, :, None, None]
+        h = self.conv2(F.silu(self.norm2(h)))
+        return h + self.skip(x)
+
+
+class AttnBlock(nn.Module):
+    def __init__(self, ch: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = _norm(ch)
+        self.qkv = nn.Conv2d(ch, 3 * ch, 1)
+        self.proj = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(self.norm(x)).reshape(b, 3, self.heads, c // self.heads, h * w).transpose(-1, -2).unbind(1)
+        y = F.scaled_dot_product_attention(q, k, v)  # (b, heads, hw, c/heads)
+        y = y.transpose(-1, -2).reshape(b, c, h, w)
+        return x + self.proj(y)
+
+
+class UNet(nn.Module):
+    """Diffusion-style UNet: ``levels`` resolutions of ``ch * mult`` channels, two residual
+    blocks per level going down and up, attention at the levels in ``attn_levels``."""
+
+    def __init__(self, in_ch: int = 4, ch: int = 128, mults: Sequence[int] = (1, 2, 2, 4),
+                 attn_levels: Sequence[int] = (2, 3), temb: int = 512) -> None:
+        super().__init__()
+        self.ch = ch
+        self.temb = nn.Sequential(nn.Linear(ch, temb), nn.SiLU(), nn.Linear(temb, temb))
+        self.inp = nn.Conv2d(in_ch, ch, 3, 1, 1)
+        self.down = nn.ModuleList()
+        skips, cur = [ch], ch
+        for lvl, m in enumerate(mults):
+            for _ in range(2):
+                block = nn.ModuleList([ResBlock(cur, ch * m, temb)])
+                cur = ch * m
+                if lvl in attn_levels:
+                    block.append(AttnBlock(cur))
+                self.down.append(block)
+                skips.append(cur)
+            if lvl != len(mults) - 1:
+                self.down.append(nn.ModuleList([nn.Conv2d(cur, cur, 3, 2, 1)]))
+                skips.append(cur)
+        self.mid = nn.ModuleList([ResBlock(cur, cur, temb), AttnBlock(cur), ResBlock(cur, cur, temb)])
+        self.up = nn.ModuleList()
+        for lvl, m in reversed(list(enumerate(mults))):
+            for _ in range(3):
+                block = nn.ModuleList([ResBlock(cur + skips.pop(), ch * m, temb)])
+                cur = ch * m
+                if lvl in attn_levels:
+                    block.append(AttnBlock(cur))
+                self.up.append(block)
+            if lvl != 0:
+                self.up.append(nn.ModuleList([nn.Upsample(scale_factor=2.0, mode="nearest"), nn.Conv2d(cur, cur, 3, 1, 1)]))
+        self.out = nn.Sequential(_norm(cur), nn.SiLU(), nn.Conv2d(cur, in_ch, 3, 1, 1))
+
+    def _embed(self, t: torch.Tensor) -> torch.Tensor:
+        half = self.ch // 2
+        freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
+        args = t.float()[:, None] * freqs[None]
+        return self.temb(torch.cat([args.sin(), args.cos()], dim=1))
+
+    @staticmethod
+    def _run(block: nn.ModuleList, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for layer in block:
+            x = layer(x, t) if isinstance(layer, ResBlock) else layer(x)
+        return x
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        temb = self._embed(t)
+        h = self.inp(x)
+        hs = [h]
+        for block in self.down:
+            h = self._run(block, h, temb)
+            hs.append(h)
+        for layer in self.mid:
+            h = layer(h, temb) if isinstance(layer, ResBlock) else layer(h)
+        for block in self.up:
+            if isinstance(block[0], ResBlock):
+                h = torch.cat([h, hs.pop()], dim=1)
+            h = self._run(block, h, temb)
+        return self.out(h)
+
+
+class ManyParams(nn.Module):
+    def __init__(self, count: int, numel: int) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.randn(numel) * 0.02) for _ in range(count)])
+        self.register_buffer("w", torch.randn(count, numel))
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        # one StackBackward node hands every param its grad: backward's host time is the
+        # per-param accumulation, which is what the optimizer's hooks add to. (``scale``: DDP
+        # needs an input to forward.)
+        return (torch.stack(list(self.ps)).float() * self.w).sum() * scale
