@@ -23,6 +23,7 @@ _ENV = "SHARDAMP_KERNELS"
 # the reference. Checked here, before the call: an error raised inside an extension is not
 # always survivable (csrc/NOTES.md).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _native_cache: Dict[str, Any] = {}
 _warned = set()
 
@@ -102,11 +103,13 @@ def adam_step(
     if not segments.segments:
         return
     ext = _native(grad.device)
-    # The kernels keep master params and moments in fp32; any other state dtype takes the
-    # reference path (correct, just not fused).
-    fp32_state = master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+    # The kernels take an fp32 master (or int16 remainders under a bf16 model_out) and fp32 or
+    # bf16 moments; any other state dtype (fp64) takes the reference path (correct, not fused).
+    native_state = (master.dtype == torch.float32 or (
+        master.dtype == torch.int16 and model_out is not None and model_out.dtype == torch.bfloat16)) and (
+        exp_avg.dtype in _MOMENT_DTYPES and exp_avg_sq.dtype in _MOMENT_DTYPES)
     supported = grad.dtype in _NATIVE_DTYPES and (model_out is None or model_out.dtype in _NATIVE_DTYPES)
-    if ext is None or not fp32_state or not supported:
+    if ext is None or not native_state or not supported:
         host = segments.extra.get("host")
         if host is None:
             host = segments.extra["host"] = segments.table.cpu()
