@@ -115,18 +115,39 @@ SHARDAMP_HD SegmentScalars segment_scalars(const double* hp, double step, double
   return s;
 }
 
+// fp32 arithmetic rounded after every operation, never contracted into FMAs: nvcc contracts
+// a * b + c by default, and where it does can differ between template instantiations (seen on an
+// H200: the remainders kernel and the fp32-master kernel disagreed in the last bit), so on the
+// device every operation is an explicitly rounded intrinsic. The host build is ISO C++ with
+// -ffp-contract=off (optim/_build.py): the same operations, the same bits on both devices.
+#if defined(__CUDA_ARCH__)
+#define SHARDAMP_MUL(a, b) __fmul_rn(a, b)
+#define SHARDAMP_ADD(a, b) __fadd_rn(a, b)
+#define SHARDAMP_SUB(a, b) __fsub_rn(a, b)
+#define SHARDAMP_DIV(a, b) __fdiv_rn(a, b)
+#define SHARDAMP_SQRT(a) __fsqrt_rn(a)
+#else
+#define SHARDAMP_MUL(a, b) ((a) * (b))
+#define SHARDAMP_ADD(a, b) ((a) + (b))
+#define SHARDAMP_SUB(a, b) ((a) - (b))
+#define SHARDAMP_DIV(a, b) ((a) / (b))
+#define SHARDAMP_SQRT(a) std::sqrt(a)
+#endif
+
 // One element of the update. The expression order mirrors reference.py (torch.lerp's two
 // formulas included) so that results agree to fp32 round-off.
 SHARDAMP_HD void adam_scalar(float g, float& p, float& m, float& v, const SegmentScalars& s, bool adam_w) {
-  g = g * s.coef;
+  g = SHARDAMP_MUL(g, s.coef);
   if (adam_w) {
-    p = p * s.decay;
+    p = SHARDAMP_MUL(p, s.decay);
   } else {
-    g = g + s.wd * p;
+    g = SHARDAMP_ADD(g, SHARDAMP_MUL(s.wd, p));
   }
-  m = s.w1 < 0.5f ? m + s.w1 * (g - m) : g - (g - m) * (1.0f - s.w1);
-  v = v * s.beta2 + s.one_minus_beta2 * g * g;
-  p = p - s.step_size * (m / (sqrtf(v) / s.bc2_sqrt + s.eps));
+  const float d = SHARDAMP_SUB(g, m);
+  m = s.w1 < 0.5f ? SHARDAMP_ADD(m, SHARDAMP_MUL(s.w1, d)) : SHARDAMP_SUB(g, SHARDAMP_MUL(d, SHARDAMP_SUB(1.0f, s.w1)));
+  v = SHARDAMP_ADD(SHARDAMP_MUL(v, s.beta2), SHARDAMP_MUL(SHARDAMP_MUL(s.one_minus_beta2, g), g));
+  const float denom = SHARDAMP_ADD(SHARDAMP_DIV(SHARDAMP_SQRT(v), s.bc2_sqrt), s.eps);
+  p = SHARDAMP_SUB(p, SHARDAMP_MUL(s.step_size, SHARDAMP_DIV(m, denom)));
 }
 
 // Param remainders (optim/reference.py: join_remainders / split_remainders): the fp32 master's

@@ -62,9 +62,16 @@ struct Params {
   bool adam_w, bias_correction, vec_ok;
 };
 
-// The update of elements [lo, hi) with one set of scalars, by the threads of one block.
+// The update of elements [lo, hi) with the scalars of record `rec`, by the threads of one block.
+// The record is loaded here but first used (its skip flag) only after this thread's first data
+// loads are issued: a block's record fetch overlaps its data fetch instead of preceding it (a
+// chunk is one iteration per thread, so a serial record fetch was a whole extra L2 round trip
+// per block). A skipped segment costs those reads, and writes nothing.
 template <typename G, typename O, typename M, typename V, bool R>
-__device__ __forceinline__ void update_range(const Params& P, const SegmentScalars& s, int64_t lo, int64_t hi) {
+__device__ __forceinline__ void update_range(const Params& P, const float4* rec, int64_t lo, int64_t hi) {
+  const float4 ra = __ldg(rec), rb = __ldg(rec + 1), rd = __ldg(rec + 2);
+  const SegmentScalars s{ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w, rd.x};
+  const bool skip = rd.y != 0.0f;
   using PT = std::conditional_t<R, int16_t, float>;  // the master's storage
   static_assert(!R || std::is_same_v<O, __nv_bfloat16>, "remainders live under a bf16 model_out");
   const bool adam_w = P.adam_w;
@@ -100,6 +107,7 @@ __device__ __forceinline__ void update_range(const Params& P, const SegmentScala
         load8(v + i, rv[u]);
       }
     }
+    if (skip) return;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kStep;
@@ -134,6 +142,7 @@ __device__ __forceinline__ void update_range(const Params& P, const SegmentScala
       if constexpr (!std::is_void_v<O>) o[i] = from_float<O>(pi);
     }
   };
+  if (skip) return;
   for (int64_t i = lo + threadIdx.x; i < vlo; i += kThreads) scalar(i);
   for (int64_t i = vhi + threadIdx.x; i < hi; i += kThreads) scalar(i);
 }
@@ -157,11 +166,7 @@ template <typename G, typename O, typename M, typename V, bool R>
 __global__ void __launch_bounds__(kThreads) adam_kernel(const Params P) {
   const longlong2 row = __ldg(reinterpret_cast<const longlong2*>(P.chunks) + blockIdx.x);
   const float4* rec = reinterpret_cast<const float4*>(P.records) + 3 * chunk_segment(row.y);
-  const float4 d = __ldg(rec + 2);
-  if (d.y != 0.0f) return;
-  const float4 a = __ldg(rec), b = __ldg(rec + 1);
-  const SegmentScalars s{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, d.x};
-  update_range<G, O, M, V, R>(P, s, row.x, row.x + chunk_length(row.y));
+  update_range<G, O, M, V, R>(P, rec, row.x, row.x + chunk_length(row.y));
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
