@@ -258,11 +258,12 @@ def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
 
     out = [None] * len(opt._params)
     for bucket, buf in zip(opt._buckets, opt._buffers):
-        full = torch.empty(bucket.numel, dtype=buf.master.dtype, device=buf.master.device)
+        master = buf.master_values()  # fp32, also reassembled from remainders
+        full = torch.empty(bucket.numel, dtype=master.dtype, device=master.device)
         if opt.world_size > 1:
-            dist.all_gather_into_tensor(full, buf.master.contiguous(), group=opt.process_group)
+            dist.all_gather_into_tensor(full, master.contiguous(), group=opt.process_group)
         else:
-            full.copy_(buf.master)
+            full.copy_(master)
         for slot in bucket.slots:
             out[slot.index] = param_view(full, slot).clone()
     return out
