@@ -174,6 +174,7 @@ def train(
     with torch.no_grad():  # a low-precision model's fp32 master starts from its rounded weights
         for p in ref.parameters():
             p.copy_(p.to(param_dtype).float())
+    init = [p.detach().float().cpu().clone() for p in ref.parameters()]
     model = model.to(param_dtype)
     params = two_groups(model) if groups else model.parameters()
     ref_params = two_groups(ref) if groups else ref.parameters()
@@ -232,6 +233,7 @@ def train(
         "group_ranks": ranks,
         "ours": ours,
         "ref": [p.detach().float().cpu().clone() for p in ref.parameters()],
+        "init": init,
         "model_dtype": [p.dtype for p in model.parameters()],
         "model": [p.detach().cpu().clone() for p in model.parameters()],
         "channels_last": [
