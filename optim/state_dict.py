@@ -199,13 +199,18 @@ def torch_param_groups(opt: Any) -> List[Dict[str, Any]]:
 def extras(opt: Any) -> Dict[str, Any]:
     """What torch's layout has no key for, so a shardamp -> shardamp round trip is exact."""
     name = lambda d: str(d).replace("torch.", "")  # noqa: E731
-    # the storage options are recorded for information; a load converts to the loader's own
-    return dict(
+    out = dict(
         adam_w_mode=opt.adam_w_mode, bias_correction=opt.bias_correction,
         max_grad_norm=opt.max_grad_norm, dtype=name(opt.dtype),
-        exp_avg_dtype=name(opt.exp_avg_dtype), exp_avg_sq_dtype=name(opt.exp_avg_sq_dtype),
-        store_param_remainders=opt.store_param_remainders,
     )
+    # storage options, recorded only where they differ from the default layout (a load converts
+    # everything to the loading optimizer's own storage, so they are informational)
+    for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(opt, k) != opt.dtype:
+            out[k] = name(getattr(opt, k))
+    if opt.store_param_remainders:
+        out["store_param_remainders"] = True
+    return out
 
 
 @dataclass
