@@ -273,7 +273,8 @@ def run(args) -> Dict:
     only = [w for w in args.only.split(",") if w]
 
     def wanted(name: str) -> bool:
-        return not only or any(name.startswith(w) for w in only)
+        # a prefix of whole words: "kernels fp32" does not pick "kernels fp32+bf16 moments"
+        return not only or any(name == w or name.startswith(w + " ") for w in only)
 
     for kind in KINDS:
         if kind in ("fp32", "bf16") and wanted(f"torch {kind}"):

@@ -209,10 +209,10 @@ def case_memory_stats_dtypes(rank, world, **kw):
 
     device = kw.get("device", "cpu")
     out = {}
-    for name, opts in (("fp32", {}), ("bf16_moments", dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)),
+    bf16 = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    for name, opts in (("fp32", {}), ("bf16_moments", bf16),
                        ("remainders", dict(store_param_remainders=True)),
-                       ("both", dict(store_param_remainders=True, exp_avg_dtype=torch.bfloat16,
-                                     exp_avg_sq_dtype=torch.bfloat16))):
+                       ("both", dict(store_param_remainders=True, **bf16))):
         torch.manual_seed(0)
         model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(3)]).to(device).bfloat16()
         opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.01, **opts)
