@@ -40,6 +40,7 @@ void check_flat(const at::Tensor& ref, const at::Tensor& t, const char* name) {
 }
 
 bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+bool is_moment_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; }
 
 // Splits every segment into chunks of at most `chunk` elements (default kChunk): rows (start, seg << 32 | len).
 // Runs on the host from a host copy of the table (kernels.py caches the result per table, so
@@ -105,11 +106,14 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks) {
   SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "adam_step: grad must be fp32/bf16/fp16, got ", grad.scalar_type());
   SHARDAMP_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
-  SHARDAMP_CHECK(master.scalar_type() == at::kFloat && exp_avg.scalar_type() == at::kFloat &&
-                  exp_avg_sq.scalar_type() == at::kFloat,
-              "adam_step: the native kernels keep master params and moments in fp32 only (got ",
-              master.scalar_type(), "/", exp_avg.scalar_type(), "/", exp_avg_sq.scalar_type(),
-              "); other state dtypes go through the reference implementation (optim/kernels.py)");
+  SHARDAMP_CHECK(master.scalar_type() == at::kFloat || master.scalar_type() == at::kShort,
+                 "adam_step: master must be fp32, or int16 remainders under a bf16 model_out (got ",
+                 master.scalar_type(), "); other master dtypes go through the reference (optim/kernels.py)");
+  SHARDAMP_CHECK(is_moment_type(exp_avg.scalar_type()) && is_moment_type(exp_avg_sq.scalar_type()),
+                 "adam_step: exp_avg / exp_avg_sq must be fp32 or bf16 (got ", exp_avg.scalar_type(), "/",
+                 exp_avg_sq.scalar_type(), "); other dtypes go through the reference (optim/kernels.py)");
+  SHARDAMP_CHECK(master.scalar_type() != at::kShort || (model_out && model_out->scalar_type() == at::kBFloat16),
+                 "adam_step: int16 master remainders need model_out in bf16 (the masters' high halves)");
   check_flat(grad, master, "master");
   check_flat(grad, exp_avg, "exp_avg");
   check_flat(grad, exp_avg_sq, "exp_avg_sq");

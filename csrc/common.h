@@ -7,7 +7,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
+#include <type_traits>
 
 #if defined(__CUDACC__)
 #define SHARDAMP_HD __host__ __device__ __forceinline__
@@ -113,18 +115,107 @@ SHARDAMP_HD SegmentScalars segment_scalars(const double* hp, double step, double
   return s;
 }
 
+// fp32 arithmetic rounded after every operation, never contracted into FMAs: nvcc contracts
+// a * b + c by default, and where it does can differ between template instantiations (seen on an
+// H200: the remainders kernel and the fp32-master kernel disagreed in the last bit), so on the
+// device every operation is an explicitly rounded intrinsic. The host build is ISO C++ with
+// -ffp-contract=off (optim/_build.py): the same operations, the same bits on both devices.
+#if defined(__CUDA_ARCH__)
+#define SHARDAMP_MUL(a, b) __fmul_rn(a, b)
+#define SHARDAMP_ADD(a, b) __fadd_rn(a, b)
+#define SHARDAMP_SUB(a, b) __fsub_rn(a, b)
+#define SHARDAMP_DIV(a, b) __fdiv_rn(a, b)
+#define SHARDAMP_SQRT(a) __fsqrt_rn(a)
+#else
+#define SHARDAMP_MUL(a, b) ((a) * (b))
+#define SHARDAMP_ADD(a, b) ((a) + (b))
+#define SHARDAMP_SUB(a, b) ((a) - (b))
+#define SHARDAMP_DIV(a, b) ((a) / (b))
+#define SHARDAMP_SQRT(a) std::sqrt(a)
+#endif
+
 // One element of the update. The expression order mirrors reference.py (torch.lerp's two
 // formulas included) so that results agree to fp32 round-off.
 SHARDAMP_HD void adam_scalar(float g, float& p, float& m, float& v, const SegmentScalars& s, bool adam_w) {
-  g = g * s.coef;
+  g = SHARDAMP_MUL(g, s.coef);
   if (adam_w) {
-    p = p * s.decay;
+    p = SHARDAMP_MUL(p, s.decay);
   } else {
-    g = g + s.wd * p;
+    g = SHARDAMP_ADD(g, SHARDAMP_MUL(s.wd, p));
   }
-  m = s.w1 < 0.5f ? m + s.w1 * (g - m) : g - (g - m) * (1.0f - s.w1);
-  v = v * s.beta2 + s.one_minus_beta2 * g * g;
-  p = p - s.step_size * (m / (sqrtf(v) / s.bc2_sqrt + s.eps));
+  const float d = SHARDAMP_SUB(g, m);
+  m = s.w1 < 0.5f ? SHARDAMP_ADD(m, SHARDAMP_MUL(s.w1, d)) : SHARDAMP_SUB(g, SHARDAMP_MUL(d, SHARDAMP_SUB(1.0f, s.w1)));
+  v = SHARDAMP_ADD(SHARDAMP_MUL(v, s.beta2), SHARDAMP_MUL(SHARDAMP_MUL(s.one_minus_beta2, g), g));
+  const float denom = SHARDAMP_ADD(SHARDAMP_DIV(SHARDAMP_SQRT(v), s.bc2_sqrt), s.eps);
+  p = SHARDAMP_SUB(p, SHARDAMP_MUL(s.step_size, SHARDAMP_DIV(m, denom)));
+}
+
+// Param remainders (optim/reference.py: join_remainders / split_remainders): the fp32 master's
+// bit pattern is (hi << 16) + lo modulo 2^32, hi the bf16 param's bits, lo a signed int16. The
+// split rounds the pattern half-up at bit 16 (to nearest, ties away from zero), so every fp32
+// pattern has exactly one (hi, lo) and the join restores it bit for bit.
+SHARDAMP_HD float join_remainder(uint16_t hi, int16_t lo) {
+  const uint32_t bits = (static_cast<uint32_t>(hi) << 16) + static_cast<uint32_t>(static_cast<int32_t>(lo));
+  float f;
+  memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+SHARDAMP_HD void split_remainder(float p, uint16_t& hi, int16_t& lo) {
+  uint32_t bits;
+  memcpy(&bits, &p, sizeof(bits));
+  hi = static_cast<uint16_t>((bits + 0x8000u) >> 16);
+  lo = static_cast<int16_t>(static_cast<uint16_t>(bits & 0xffffu));
+}
+
+// Compile-time dispatch over the tensor dtypes of adam_step: f(Tag<T>{}) with T the element
+// type for a runtime dtype (BF16 / F16: the device's own 16-bit float types).
+template <typename T>
+struct Tag {
+  using type = T;
+};
+
+template <typename BF16, typename F16, typename F>
+void dispatch_float(at::ScalarType t, const char* what, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(Tag<float>{});
+    case at::kBFloat16: return f(Tag<BF16>{});
+    case at::kHalf: return f(Tag<F16>{});
+    default: SHARDAMP_CHECK(false, "adam_step: unsupported ", what, " dtype ", t);
+  }
+}
+
+// Moments are fp32 or bf16.
+template <typename BF16, typename F>
+void dispatch_moment(at::ScalarType t, const char* what, F&& f) {
+  switch (t) {
+    case at::kFloat: return f(Tag<float>{});
+    case at::kBFloat16: return f(Tag<BF16>{});
+    default: SHARDAMP_CHECK(false, "adam_step: unsupported ", what, " dtype ", t, " (fp32 or bf16)");
+  }
+}
+
+// adam_step's instantiations: G grad, O model_out (void: none), M / V the moments, R: the master
+// is int16 remainders under a bf16 model_out (then O is the bf16 type). Calls
+// launch(Tag<G>, Tag<O>, Tag<M>, Tag<V>, std::bool_constant<R>) once.
+template <typename BF16, typename F16, typename Launch>
+void dispatch_step(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
+                   const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out, Launch&& launch) {
+  const bool remainders = master.scalar_type() == at::kShort;
+  dispatch_float<BF16, F16>(grad.scalar_type(), "grad", [&](auto g) {
+    using G = typename decltype(g)::type;
+    dispatch_moment<BF16>(exp_avg.scalar_type(), "exp_avg", [&](auto m) {
+      using M = typename decltype(m)::type;
+      dispatch_moment<BF16>(exp_avg_sq.scalar_type(), "exp_avg_sq", [&](auto v) {
+        using V = typename decltype(v)::type;
+        if (remainders) return launch(Tag<G>{}, Tag<BF16>{}, Tag<M>{}, Tag<V>{}, std::true_type{});
+        if (!model_out) return launch(Tag<G>{}, Tag<void>{}, Tag<M>{}, Tag<V>{}, std::false_type{});
+        dispatch_float<BF16, F16>(model_out->scalar_type(), "model_out", [&](auto o) {
+          launch(Tag<G>{}, Tag<typename decltype(o)::type>{}, Tag<M>{}, Tag<V>{}, std::false_type{});
+        });
+      });
+    });
+  });
 }
 
 // The validated arguments of adam_step, as the binding hands them to either device.

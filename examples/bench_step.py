@@ -9,9 +9,15 @@ In one run, side by side, over 64 params (256M elements on a GPU, 16M on a CPU):
              fp32: GradScaler.unscale_ + clip_grad_norm_ + AdamW(fused=True) step + update
              bf16: clip_grad_norm_ + AdamW(fused=True) on bf16 params
   kernels    grad_stats + adam_step on raw flat tensors through shardamp.optim.kernels
-  roofline   ideal bytes (fp32: 4 stats + 28 step = 32 B/elem; bf16 grads/params with fp32
-             master/moments: 2 + 2 + 24 + 2 = 30 B/elem) over the device-to-device copy
-             bandwidth measured in the same run (bytes read + written)
+  roofline   ideal bytes over the device-to-device copy bandwidth measured in the same run
+             (bytes read + written). Per element: stats read the grad once (fp32 4, bf16 2); the
+             step reads the grad and reads + writes master, exp_avg, exp_avg_sq (and writes a
+             separate bf16 param copy): KINDS below has every combination's count
+             (fp32: 4 + 28 = 32; bf16 params with fp32 master: 2 + 28 = 30; fp32 with bf16
+             moments: 4 + 20; bf16 params with remainders: 2 + 26; csrc/NOTES.md derives them)
+
+Kinds beyond fp32/bf16 (no torch row: torch.optim has no such storage) use the constructor
+options exp_avg_dtype / exp_avg_sq_dtype = bfloat16 ("bf16 moments") and store_param_remainders.
 
 Variants are interleaved and each reports the median of --iters timings (CUDA events on a GPU,
 perf_counter on a CPU at --threads threads). Prints a table; writes bench_step.json and, with
@@ -42,9 +48,22 @@ import torch
 import torch.distributed as dist
 
 NUM_PARAMS = 64
-BYTES_PER_ELEM = {"fp32": 32, "bf16": 30}
-STEP_BYTES_PER_ELEM = {"fp32": 28, "bf16": 28}  # without the stats pass (4 B / 2 B)
 MAX_NORM = 1.0
+_BF16_MOMENTS = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+# name -> param/grad dtype, optimizer options, bytes per element of the stats pass and the step.
+# Step bytes: grad read (4 / 2) + master read + write (fp32: 8; bf16 param + int16 remainder: 4 + 4)
+# + each moment read + write (fp32: 8, bf16: 4) + a separate bf16 param written (2, when the
+# master is not the param itself and not remainders).
+KINDS = {
+    "fp32": dict(dtype=torch.float32, opts={}, stats=4, step=4 + 8 + 8 + 8),
+    "bf16": dict(dtype=torch.bfloat16, opts={}, stats=2, step=2 + 8 + 8 + 8 + 2),
+    "fp32+bf16 moments": dict(dtype=torch.float32, opts=_BF16_MOMENTS, stats=4, step=4 + 8 + 4 + 4),
+    "bf16+remainders": dict(dtype=torch.bfloat16, opts=dict(store_param_remainders=True), stats=2,
+                            step=2 + 8 + 8 + 8),
+    "bf16+remainders+bf16 moments": dict(dtype=torch.bfloat16, opts=dict(store_param_remainders=True, **_BF16_MOMENTS),
+                                         stats=2, step=2 + 8 + 4 + 4),
+    "bf16+bf16 moments": dict(dtype=torch.bfloat16, opts=_BF16_MOMENTS, stats=2, step=2 + 8 + 4 + 4 + 2),
+}
 
 
 def _sizes(total: int) -> List[int]:
@@ -153,12 +172,13 @@ def shardamp_variant(kind: str, sizes: List[int], device: torch.device, graph: b
     from shardamp.optim import DistributedFusedAdam
     from shardamp.scaler import ShardedGradScaler
 
-    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    dtype = KINDS[kind]["dtype"]
     params = [torch.nn.Parameter(torch.randn(n, device=device).to(dtype)) for n in sizes]
     weights = make_grads(sizes, dtype, device, seed=1)  # d(sum(p * w))/dp = w
     lr = torch.tensor(1e-3, device=device) if graph else 1e-3
-    opt = DistributedFusedAdam(params, lr=lr, weight_decay=0.01, bucket_cap_mb=256.0, capturable=graph)
-    scaler = ShardedGradScaler(device.type, init_scale=2.0**16) if kind == "fp32" else None
+    opt = DistributedFusedAdam(params, lr=lr, weight_decay=0.01, bucket_cap_mb=256.0, capturable=graph,
+                               **KINDS[kind]["opts"])
+    scaler = ShardedGradScaler(device.type, init_scale=2.0**16) if dtype == torch.float32 else None
 
     def prep():
         opt.zero_grad()
@@ -198,7 +218,7 @@ def kernels_variant(kind: str, sizes: List[int], device: torch.device):
     from shardamp.optim import kernels
     from shardamp.optim.layout import ALIGN, Segment, SegmentTable
 
-    gdtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    gdtype, opts = KINDS[kind]["dtype"], KINDS[kind]["opts"]
     segs, start = [], 0
     for i, n in enumerate(sizes):
         segs.append(Segment(start, n, i, 0, 0))
@@ -207,8 +227,13 @@ def kernels_variant(kind: str, sizes: List[int], device: torch.device):
     table = SegmentTable.build(segs, device)
     grad = torch.randn(numel, device=device).mul_(1e-2).to(gdtype)
     master = torch.randn(numel, device=device)
-    m, v = torch.zeros_like(master), torch.zeros_like(master)
-    model_out = torch.empty(numel, device=device, dtype=torch.bfloat16) if kind == "bf16" else None
+    m = torch.randn(numel, device=device).mul_(1e-3).to(opts.get("exp_avg_dtype", torch.float32))
+    v = torch.rand(numel, device=device).mul_(1e-5).to(opts.get("exp_avg_sq_dtype", torch.float32))
+    model_out = torch.empty(numel, device=device, dtype=torch.bfloat16) if gdtype == torch.bfloat16 else None
+    if opts.get("store_param_remainders"):
+        from shardamp.optim.reference import split_remainders
+
+        model_out, master = split_remainders(master)
     hparams = torch.tensor([[1e-3, 0.9, 0.999, 1e-8, 0.01]], dtype=torch.float64, device=device)
     steps = torch.ones(len(sizes), device=device)
     touched = torch.ones(len(sizes), device=device)
@@ -248,10 +273,11 @@ def run(args) -> Dict:
     only = [w for w in args.only.split(",") if w]
 
     def wanted(name: str) -> bool:
-        return not only or any(name.startswith(w) for w in only)
+        # a prefix of whole words: "kernels fp32" does not pick "kernels fp32+bf16 moments"
+        return not only or any(name == w or name.startswith(w + " ") for w in only)
 
-    for kind in ("fp32", "bf16"):
-        if wanted(f"torch {kind}"):
+    for kind in KINDS:
+        if kind in ("fp32", "bf16") and wanted(f"torch {kind}"):
             variants[f"torch {kind}"] = torch_variant(kind, sizes, device)
         try:
             init_world_one(device, tmp)
@@ -293,22 +319,24 @@ def run(args) -> Dict:
 
     rows = []
     for name, ts in times.items():
-        kind = "fp32" if "fp32" in name else "bf16"
-        ideal_ms = BYTES_PER_ELEM[kind] * total / bw * 1e3
+        kind = next(k for k in sorted(KINDS, key=len, reverse=True) if f" {k}" in f" {name} ")
+        ideal_ms = (KINDS[kind]["stats"] + KINDS[kind]["step"]) * total / bw * 1e3
         # On CUDA the optimizer computes the grad stats as each bucket lands, under backward, so
-        # its timed region holds the step alone: report it against the step's 28 B/elem too.
-        step_ms = STEP_BYTES_PER_ELEM[kind] * total / bw * 1e3
+        # its timed region holds the step alone: report it against the step's bytes too.
+        step_ms = KINDS[kind]["step"] * total / bw * 1e3
         hidden = name.startswith("shardamp") and device.type == "cuda"
         idle_ms = statistics.median(idle[name]) if idle[name] else None
         rows.append(dict(name=name, kind=kind, median_ms=statistics.median(ts), min_ms=min(ts),
                          roofline_ms=ideal_ms, fraction_of_roofline=ideal_ms / statistics.median(ts),
-                         stats_hidden_under_backward=hidden,
+                         stats_hidden_under_backward=hidden, step_bytes_per_elem=KINDS[kind]["step"],
                          fraction_of_step_roofline=step_ms / statistics.median(ts) if hidden else None,
                          idle_gpu_median_ms=idle_ms,
                          idle_gpu_fraction_of_roofline=ideal_ms / idle_ms if idle_ms else None))
-    for kind in ("fp32", "bf16"):
-        rows.append(dict(name=f"roofline {kind}", kind=kind, median_ms=BYTES_PER_ELEM[kind] * total / bw * 1e3,
-                         min_ms=None, roofline_ms=BYTES_PER_ELEM[kind] * total / bw * 1e3, fraction_of_roofline=1.0))
+    for kind, spec in KINDS.items():
+        ms = (spec["stats"] + spec["step"]) * total / bw * 1e3
+        rows.append(dict(name=f"roofline {kind}", kind=kind, median_ms=ms, min_ms=None, roofline_ms=ms,
+                         fraction_of_roofline=1.0, step_roofline_ms=spec["step"] * total / bw * 1e3,
+                         step_bytes_per_elem=spec["step"]))
     return dict(device=str(device), device_name=_device_name(device), numel=total, num_params=NUM_PARAMS,
                 threads=args.threads if device.type == "cpu" else None, iters=args.iters,
                 timing="host ahead (GPU busy while the host enqueues) + idle GPU" if timer.cuda else "perf_counter",
@@ -329,17 +357,20 @@ def report(result: Dict, out: Path) -> None:
     if result["device"].startswith("cuda"):
         print(f"device time with the host ahead (as in training); last columns: from an idle GPU. "
               f"Host-ahead timings where the host fell behind: {result['host_late_timings']}")
-    print(f"{'variant':<26}{'median ms':>11}{'min ms':>10}{'vs torch':>10}{'of roofline':>13}{'idle ms':>10}{'idle %':>8}")
+    print(f"{'variant':<40}{'median ms':>11}{'min ms':>10}{'vs torch':>10}{'of roofline':>13}{'idle ms':>10}{'idle %':>8}")
     medians = {r["name"]: r["median_ms"] for r in result["rows"]}
     for r in result["rows"]:
         ref = medians.get(f"torch {r['kind']}")
         speedup = f"{ref / r['median_ms']:.2f}x" if ref else "-"
         mn = f"{r['min_ms']:.3f}" if r["min_ms"] is not None else "-"
         hidden = r.get("fraction_of_step_roofline")
-        extra = f"   {100 * hidden:.1f}% of the 28 B step roofline (stats hidden under backward)" if hidden else ""
+        extra = (f"   {100 * hidden:.1f}% of the {r['step_bytes_per_elem']} B step roofline (stats hidden under backward)"
+                 if hidden else "")
+        if r["name"].startswith("roofline"):
+            extra = f"   step alone ({r['step_bytes_per_elem']} B/elem): {r['step_roofline_ms']:.3f} ms"
         idle_ms = r.get("idle_gpu_median_ms")
         idle_txt = f"{idle_ms:>10.3f}{100 * r['idle_gpu_fraction_of_roofline']:>7.1f}%" if idle_ms else f"{'-':>10}{'-':>8}"
-        print(f"{r['name']:<26}{r['median_ms']:>11.3f}{mn:>10}{speedup:>10}{100 * r['fraction_of_roofline']:>12.1f}%"
+        print(f"{r['name']:<40}{r['median_ms']:>11.3f}{mn:>10}{speedup:>10}{100 * r['fraction_of_roofline']:>12.1f}%"
               f"{idle_txt}{extra}")
     for name, ms in result["kernels_back_to_back_ms"].items():
         print(f"{name}, launched back to back: {ms:.3f} ms per call")

@@ -102,7 +102,9 @@ def load_extension(cuda: bool):
     # -O3 and nothing machine-specific except the vector ISA torch itself uses on this CPU
     # (AVX2+FMA or AVX-512), each under its own module name.
     cap = cpu_capability()
-    cflags = ["-O3", *_CPU_FLAGS[cap]]
+    # -ffp-contract=off: no a * b + c fused into an FMA, so the step's bits are those of the
+    # CUDA build (explicitly rounded intrinsics) and of the reference (csrc/common.h).
+    cflags = ["-O3", "-ffp-contract=off", *_CPU_FLAGS[cap]]
     suffix = "" if cap == "generic" else f"_{cap}"
     kwargs: Dict[str, Any] = {}
     if cuda:

@@ -7,9 +7,13 @@ Per bucket, on every rank:
     dtype (the one case that needs a cast pass after the all-gather);
   * ``grad_shard``: this rank's reduced grads (``grad_sync_dtype``); at world 1 it is the
     bucket buffer backward writes into, released at ``zero_grad`` unless capturable;
-  * ``master``, ``exp_avg``, ``exp_avg_sq``: this rank's shard in the state dtype. When the model
+  * ``master``: this rank's shard of the master params in the state dtype. When the model
     dtype equals the state dtype (and no lower-precision all-gather rounds the params),
-    ``master`` IS this rank's slice of ``params``: no copy exists.
+    ``master`` IS this rank's slice of ``params``: no copy exists. With param remainders
+    (bf16 model, fp32 master) it is int16: the low 16 bits of each fp32 master, whose high 16
+    bits are this rank's slice of ``params`` (``reference.join_remainders``);
+  * ``exp_avg``, ``exp_avg_sq``: this rank's shard of the moments, each in its own dtype
+    (fp32 by default, bf16 on request).
 The full-size grad buffer a bucket fills during backward is managed by ``grad_sync.py``.
 """
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import Tensor
 from . import _compat, kernels
 from .misuse import ddp_error, find_ddp
 from .layout import Bucket, ParamSlot
+from .reference import join_remainders, split_remainders
 
 
 def param_view(buffer: Tensor, slot: ParamSlot) -> Tensor:
@@ -61,6 +66,28 @@ class BucketBuffers:
     def release_grad_shard(self) -> None:
         self.grad_store = None
 
+    @property
+    def remainders(self) -> bool:
+        """The master is stored as int16 low halves under the bf16 param shard."""
+        return self.master.dtype == torch.int16
+
+    def master_values(self) -> Tensor:
+        """This rank's master shard at full precision (a new tensor for remainders)."""
+        if self.remainders:
+            return join_remainders(self.params[self.shard], self.master)
+        return self.master
+
+    def set_master(self, dst: slice, values: Tensor) -> None:
+        """Write full-precision master values into elements ``dst`` of the shard. With
+        remainders this also rewrites those elements of the bf16 param shard (their high
+        halves), so the master is restored bit for bit."""
+        if self.remainders:
+            hi, lo = split_remainders(values.to(device=self.master.device, dtype=torch.float32))
+            self.params[self.shard][dst].copy_(hi)
+            self.master[dst].copy_(lo)
+        else:
+            self.master[dst].copy_(values)
+
     def model_out(self, world_size: int) -> Optional[Tensor]:
         """Where the step writes the model-dtype copy of the updated master shard, if anywhere."""
         if self.sync is not None:
@@ -77,11 +104,14 @@ def allocate(
     state_dtype: torch.dtype,
     grad_sync_dtype: torch.dtype,
     param_sync_dtype: torch.dtype,
+    exp_avg_dtype: Optional[torch.dtype] = None,
+    exp_avg_sq_dtype: Optional[torch.dtype] = None,
 ) -> BucketBuffers:
     """Allocate ``bucket``'s buffers and turn its params into views of the param buffer.
 
     ``params`` is indexed by ``ParamSlot.index``. The params' current values are copied in;
-    the caller broadcasts the buffer so every rank starts from the same weights.
+    the caller broadcasts the buffer so every rank starts from the same weights. The moments
+    default to ``state_dtype``.
     """
     dev = bucket.device
     flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=dev)
@@ -100,8 +130,8 @@ def allocate(
         sync=sync,
         grad_store=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
         master=flat[shard] if _master_is_param(bucket.dtype, state_dtype, sync) else torch.empty(0),  # init_master
-        exp_avg=torch.zeros(n, dtype=state_dtype, device=dev),
-        exp_avg_sq=torch.zeros(n, dtype=state_dtype, device=dev),
+        exp_avg=torch.zeros(n, dtype=exp_avg_dtype or state_dtype, device=dev),
+        exp_avg_sq=torch.zeros(n, dtype=exp_avg_sq_dtype or state_dtype, device=dev),
         shard=shard,
         grad_dtype=grad_sync_dtype,
     )
@@ -114,10 +144,19 @@ def _master_is_param(param_dtype: torch.dtype, state_dtype: torch.dtype, sync: O
     return state_dtype == param_dtype and sync is None
 
 
-def init_master(buffers: BucketBuffers, state_dtype: torch.dtype) -> None:
+def uses_remainders(param_dtype: torch.dtype, state_dtype: torch.dtype, store_param_remainders: bool) -> bool:
+    """A bucket keeps int16 remainders instead of an fp32 master: asked for, and a bf16 model
+    under an fp32 master (the constructor has checked the all-gather dtype)."""
+    return store_param_remainders and param_dtype == torch.bfloat16 and state_dtype == torch.float32
+
+
+def init_master(buffers: BucketBuffers, state_dtype: torch.dtype, store_param_remainders: bool = False) -> None:
     """(Re)create the master shard from the (broadcast) model params."""
     local = buffers.params[buffers.shard]
-    if _master_is_param(buffers.params.dtype, state_dtype, buffers.sync):
+    if uses_remainders(buffers.params.dtype, state_dtype, store_param_remainders):
+        # the master starts as the bf16 weight itself: high half = the param, low half = 0
+        buffers.master = torch.zeros(local.numel(), dtype=torch.int16, device=local.device)
+    elif _master_is_param(buffers.params.dtype, state_dtype, buffers.sync):
         buffers.master = local
     else:
         buffers.master = local.to(state_dtype, copy=True)  # never an alias of the params

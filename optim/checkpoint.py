@@ -77,7 +77,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     for bucket, buf in zip(opt._buckets, opt._buffers):
         sources = [("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)]
         if sd_mod.has_master(opt, bucket.dtype):
-            sources.append((sd_mod.MASTER_KEY, buf.master))
+            sources.append((sd_mod.MASTER_KEY, buf.master_values()))  # fp32, also from remainders
         for seg in bucket.segments.segments:
             if steps[seg.param_index] <= 0:  # never updated: no state, as in torch
                 continue
@@ -211,6 +211,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
         return out
 
     sd_mod.write_state(opt, source, steps)
+    sd_mod.resync_remainder_params(opt)
     sd_mod.apply_hparams(opt, plan)
     if scaler is not None and scaler_state:
         scaler.load_state_dict(scaler_state)

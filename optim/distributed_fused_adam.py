@@ -34,6 +34,33 @@ from .stale_read_guard import StaleReadGuard
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _check_moment_dtypes(dtype: torch.dtype, *moments: Optional[torch.dtype]) -> Tuple[torch.dtype, ...]:
+    """The moments' dtypes, None resolved to the state dtype (today's layout)."""
+    out = []
+    for name, value in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments):
+        if value is not None and value not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{name}={value!r}: expected None (the state dtype), torch.float32 or torch.bfloat16")
+        out.append(value or dtype)
+    return tuple(out)
+
+
+def _check_remainders(dtype: torch.dtype, param_sync_dtype: Optional[torch.dtype], params: List[torch.dtype]) -> None:
+    """store_param_remainders splits an fp32 master into a bf16 param and an int16 low half:
+    only bf16 params under an fp32 master, all-gathered as bf16, can be split that way."""
+    fix = "; or pass store_param_remainders=False"
+    if dtype != torch.float32:
+        raise ValueError(f"store_param_remainders=True needs dtype=torch.float32 (the master), got {dtype}{fix}")
+    if param_sync_dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"store_param_remainders=True needs param_sync_dtype None or torch.bfloat16 (the params are the "
+            f"master's high halves and must be all-gathered as they are), got {param_sync_dtype}{fix}")
+    bad = sorted({str(d) for d in params if d not in (torch.bfloat16, torch.float32)})
+    if bad or torch.bfloat16 not in params:
+        raise ValueError(
+            "store_param_remainders=True needs bfloat16 params (float32 params are their own master and are "
+            f"left as they are); this model has {bad or 'no bfloat16 params'}{fix}")
+
+
 class DistributedFusedAdam(torch.optim.Optimizer):
     """ZeRO-2 sharded Adam/AdamW with fused, scaler-aware unscale, clip and step.
 
@@ -51,8 +78,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     (collective dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
     (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
     (leave the all-gather in flight after ``step``; each module waits for its own params in a
-    forward pre-hook; call ``param_sync()`` before reading params elsewhere) and ``capturable``
-    (lr may be a device tensor, no host syncs: the iteration can be captured in a CUDA graph).
+    forward pre-hook; call ``param_sync()`` before reading params elsewhere), ``capturable``
+    (lr may be a device tensor, no host syncs: the iteration can be captured in a CUDA graph),
+    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32`` or ``torch.bfloat16``; default
+    ``dtype``): the moments' storage dtype, read as fp32 by the step and written back rounded to
+    nearest even, and ``store_param_remainders`` (bf16 params, fp32 master, bf16 param
+    all-gather): keep only the low 16 bits of each fp32 master, whose high 16 bits are the bf16
+    param itself; updates are bitwise those of a separate fp32 master, the bf16 params are the
+    master rounded to nearest with ties away from zero (reference.split_remainders).
 
     The model must be on its final device and dtype before the optimizer is built: its params
     become views into the optimizer's flat buffers, and replacing their storage afterwards is
@@ -92,6 +125,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
         capturable: bool = False,
+        exp_avg_dtype: Optional[torch.dtype] = None,
+        exp_avg_sq_dtype: Optional[torch.dtype] = None,
+        store_param_remainders: bool = False,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay, "")
         for name, value in (
@@ -101,6 +137,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             ("overlap_grad_sync", overlap_grad_sync),
             ("overlap_param_sync", overlap_param_sync),
             ("capturable", capturable),
+            ("store_param_remainders", store_param_remainders),
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"{name}={value!r}: expected True or False")
@@ -113,6 +150,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
             if value is not None and value not in _FLOAT_DTYPES + (torch.float64,):
                 raise ValueError(f"{name}={value!r}: expected None or one of float32, bfloat16, float16, float64")
+        exp_avg_dtype, exp_avg_sq_dtype = _check_moment_dtypes(dtype, exp_avg_dtype, exp_avg_sq_dtype)
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: expected a finite number of megabytes > 0")
 
@@ -153,6 +191,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 raise ValueError(f"params: parameter {i} has dtype {p.dtype}; expected a floating-point dtype")
         self.grad_sync_dtype = grad_sync_dtype
         self.param_sync_dtype = param_sync_dtype
+        self.exp_avg_dtype = exp_avg_dtype
+        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        if store_param_remainders:
+            _check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
+        self.store_param_remainders = store_param_remainders
 
         self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)
         # before anything is allocated or communicated: every rank built the same optimizer
@@ -162,15 +205,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for bucket in self._buckets:
             gdt = grad_sync_dtype or bucket.dtype
             pdt = param_sync_dtype or bucket.dtype
-            self._buffers.append(allocate(bucket, self._params, self.world_size, dtype, gdt, pdt))
+            self._buffers.append(
+                allocate(bucket, self._params, self.world_size, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
         if self.world_size > 1:
             for buf in self._buffers:  # every rank starts from rank 0's weights, as DDP does
                 _compat.broadcast_from_group_rank0(buf.params, self.process_group)
         for buf in self._buffers:
-            init_master(buf, dtype)
+            init_master(buf, dtype, store_param_remainders)
         self._expected_views = expected_views(self._buckets, self._buffers, self._params)
         kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device,
-                        len(self._params), len(self.param_groups))
+                        len(self._params), len(self.param_groups),
+                        [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self.process_group, self.world_size,
@@ -533,7 +578,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     def memory_stats(self) -> Dict[str, int]:
         """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0
-        where the master IS the param shard), ``moments`` (exp_avg + exp_avg_sq),
+        where the master IS the param shard, 2 B/element as int16 remainders), ``moments``
+        (exp_avg + exp_avg_sq, 4 B/element each in fp32, 2 in bf16),
         ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
         lower-precision all-gather buffers), and ``total``."""

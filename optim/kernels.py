@@ -23,6 +23,7 @@ _ENV = "SHARDAMP_KERNELS"
 # the reference. Checked here, before the call: an error raised inside an extension is not
 # always survivable (csrc/NOTES.md).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _native_cache: Dict[str, Any] = {}
 _warned = set()
 
@@ -121,11 +122,13 @@ def adam_step(
     if not segments.segments:
         return
     ext = _native(grad.device)
-    # The kernels keep master params and moments in fp32; any other state dtype takes the
-    # reference path (correct, just not fused).
-    fp32_state = master.dtype == exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+    # The kernels take an fp32 master (or int16 remainders under a bf16 model_out) and fp32 or
+    # bf16 moments; any other state dtype (fp64) takes the reference path (correct, not fused).
+    native_state = (master.dtype == torch.float32 or (
+        master.dtype == torch.int16 and model_out is not None and model_out.dtype == torch.bfloat16)) and (
+        exp_avg.dtype in _MOMENT_DTYPES and exp_avg_sq.dtype in _MOMENT_DTYPES)
     supported = grad.dtype in _NATIVE_DTYPES and (model_out is None or model_out.dtype in _NATIVE_DTYPES)
-    if ext is None or not fp32_state or not supported:
+    if ext is None or not native_state or not supported:
         host = segments.extra.get("host")
         if host is None:  # from the host-side segments: no device-to-host copy
             rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
@@ -138,7 +141,7 @@ def adam_step(
         ext.adam_step(
             grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
             touched, grad_coef, found_inf, adam_w_mode, bias_correction,
-            _chunk_table(ext, segments, grad, steps, hparams),
+            _chunk_table(ext, segments, grad, steps, hparams, light_state(master, exp_avg, exp_avg_sq)),
         )
 
 
@@ -154,11 +157,31 @@ def cuda_chunk(default: int) -> int:
     return int(value)
 
 
-def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor) -> Tensor:
+# Elements per CUDA block for the lighter steps (bf16 moments or param remainders: 18-26 B per
+# element instead of 28). Measured on an H200 (csrc/NOTES.md, same kernel, SHARDAMP_CUDA_CHUNK):
+# remainders 1.985 ms at 4096 -> 1.848 at 8192, fp32 grads + bf16 moments 1.605 -> 1.538,
+# while the fp32 28 B step keeps 4096 (1.935 vs 2.004 at 8192).
+LIGHT_STATE_CUDA_CHUNK = 8192
+
+
+def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
+    """bf16 moments or param remainders: the step moves fewer bytes and takes a larger chunk."""
+    return master.dtype == torch.int16 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32
+
+
+def _chunk_size(ext: Any, device: torch.device, light: bool) -> int:
+    if device.type != "cuda":
+        return ext.CHUNK
+    return cuda_chunk(LIGHT_STATE_CUDA_CHUNK if light else ext.CUDA_CHUNK)
+
+
+def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor,
+                 light_state: bool = False) -> Tensor:
     """The kernels' block-to-chunk map of ``segments``, cached on the table (built at
     construction by ``prepare``; rebuilt from the host-side segments if the chunk size changed):
-    no device-to-host copy and no sync, even on the first step."""
-    size = cuda_chunk(ext.CUDA_CHUNK) if grad.is_cuda else ext.CHUNK
+    no device-to-host copy and no sync, even on the first step. ``light_state``: bf16 moments
+    or remainders (a larger chunk)."""
+    size = _chunk_size(ext, grad.device, light_state)
     key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
     if chunks is None:
@@ -168,14 +191,15 @@ def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, 
 
 
 def prepare(segment_tables: List[SegmentTable], numels: List[int], device: torch.device, n_params: int,
-            n_groups: int) -> None:
+            n_groups: int, light: Optional[List[bool]] = None) -> None:
     """At construction: build every shard's chunk table for the native kernels from the host-side
-    layout and copy it to the device (non-blocking), so no step ever reads the device table."""
+    layout and copy it to the device (non-blocking), so no step ever reads the device table.
+    ``light[i]``: shard ``i`` keeps bf16 moments or remainders (see ``light_state``)."""
     ext = _native(device)
     if ext is None:
         return
-    size = cuda_chunk(ext.CUDA_CHUNK) if device.type == "cuda" else ext.CHUNK
-    for segments, numel in zip(segment_tables, numels):
+    for i, (segments, numel) in enumerate(zip(segment_tables, numels)):
+        size = _chunk_size(ext, device, bool(light[i]) if light is not None else False)
         key = f"native_chunks_{size}_{device}"
         if segments.segments and key not in segments.extra:
             segments.extra[key] = _to_device(chunk_table(segments, numel, n_params, n_groups, size), device)

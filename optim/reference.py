@@ -22,12 +22,21 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     (fp32, already counting this step) and ``g = grad * grad_coef`` (fp32):
 
     * if ``found_inf != 0`` or ``touched[param_index] == 0``: nothing is written;
+    * ``p`` = the fp32 master: ``master`` itself, or, when ``master`` is int16 (param
+      remainders), ``join_remainders(model_out, master)``: ``model_out`` (bf16) holds the high
+      16 bits and ``master`` the low 16 bits of the fp32 master;
     * Adam (``adam_w_mode=False``): ``g += wd * p``; AdamW: ``p *= 1 - lr * wd``;
     * ``m = lerp(m, g, 1 - beta1)``; ``v = v * beta2 + (1 - beta2) * g * g``;
     * with ``bias_correction``: ``bc1 = 1 - beta1**step``, ``bc2 = 1 - beta2**step``, else 1;
     * ``p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)``;
-    * ``master``, ``exp_avg``, ``exp_avg_sq`` (state dtype) are updated in place and, when
-      ``model_out`` is given, ``model_out[i] = p`` rounded to its dtype (round to nearest even).
+    * ``exp_avg`` / ``exp_avg_sq`` (fp32 or bf16 each, read as fp32) are written back rounded
+      to their dtype, to nearest even (``Tensor.to``); the math of a step is fp32 throughout;
+    * with an fp32 ``master``: ``master = p`` and, when ``model_out`` is given,
+      ``model_out[i] = p`` rounded to its dtype (round to nearest even);
+    * with int16 remainders: ``model_out, master = split_remainders(p)`` (exact: the next step
+      reconstructs ``p`` bit for bit). ``model_out`` is then ``p`` rounded to nearest with ties
+      away from zero, which differs from round-to-nearest-even only where the low 16 bits of
+      ``p`` are exactly 0x8000: that is what makes 16 bits enough to restore every fp32 value.
 
     Scalars (bias corrections, ``lr / bc1``, ``1 - lr * wd``) are formed in fp64 as torch.optim
     forms them from Python floats; the element-wise math is fp32.
@@ -36,11 +45,17 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     For every i: ``v = full.as_strided(like[i].shape, like[i].stride(), full.storage_offset() +
     offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
     are converted to ``full``'s dtype). Nothing else in ``full`` is written.
+``join_remainders(hi, lo)`` / ``split_remainders(p)``
+    The fp32 master as a bf16 high half ``hi`` and an int16 low half ``lo``: the master's bit
+    pattern is ``(bits(hi) << 16) + lo`` modulo 2**32 (``lo`` signed), so ``hi`` is the fp32
+    bit pattern rounded half-up at bit 16, i.e. the value rounded to nearest, ties away from
+    zero, and ``lo`` is what that rounding removed. A bijection: every fp32 bit pattern, inf
+    and NaN included, splits and joins back exactly.
 """
 from __future__ import annotations
 
 import math
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -81,6 +96,9 @@ def adam_step(
 ) -> None:
     coef = grad_coef.float()
     skip_all = found_inf != 0
+    remainders = master.dtype == torch.int16
+    if remainders and (model_out is None or model_out.dtype != torch.bfloat16):
+        raise ValueError("adam_step: int16 master remainders need model_out in bfloat16 (the high halves)")
     for start, length, param_index, group in segments.tolist():
         sl = slice(start, start + length)
         lr, beta1, beta2, eps, wd = hparams[group].unbind()
@@ -88,7 +106,7 @@ def adam_step(
         skip = skip_all | (touched[param_index] == 0)
 
         g = grad[sl].float() * coef
-        p = master[sl].float()
+        p = join_remainders(model_out[sl], master[sl]) if remainders else master[sl].float()
         m = exp_avg[sl].float()
         v = exp_avg_sq[sl].float()
         if adam_w_mode:
@@ -106,9 +124,14 @@ def adam_step(
         denom = v.sqrt() / bc2_sqrt.float() + eps.float()
         p = p - step_size * (m / denom)
 
-        master[sl] = torch.where(skip, master[sl], p.to(master.dtype))
         exp_avg[sl] = torch.where(skip, exp_avg[sl], m.to(exp_avg.dtype))
         exp_avg_sq[sl] = torch.where(skip, exp_avg_sq[sl], v.to(exp_avg_sq.dtype))
+        if remainders:
+            hi, lo = split_remainders(p)
+            model_out[sl] = torch.where(skip, model_out[sl], hi)
+            master[sl] = torch.where(skip, master[sl], lo)
+            continue
+        master[sl] = torch.where(skip, master[sl], p.to(master.dtype))
         if model_out is not None:
             model_out[sl] = torch.where(skip, model_out[sl], p.to(model_out.dtype))
 
@@ -120,3 +143,20 @@ def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: L
         _compat.foreach_add_(views, grads)
     else:
         _compat.foreach_copy_(views, grads)
+def _wrap(x: Tensor, bits: int) -> Tensor:
+    """int64 values in [0, 2**bits) as the signed ``bits``-wide integers with the same bits."""
+    return x - ((x >> (bits - 1)) << bits)
+
+
+def join_remainders(hi: Tensor, lo: Tensor) -> Tensor:
+    """The fp32 masters whose high halves are ``hi`` (bf16) and low halves ``lo`` (int16)."""
+    bits = ((hi.view(torch.int16).to(torch.int64) & 0xFFFF) << 16) + lo.to(torch.int64)
+    return _wrap(bits & 0xFFFFFFFF, 32).to(torch.int32).view(torch.float32)
+
+
+def split_remainders(p: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(hi, lo)``: ``p`` (fp32) rounded to bf16 to nearest with ties away from zero, and the
+    int16 remainder that ``join_remainders`` adds back to restore ``p`` exactly."""
+    bits = p.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = ((bits + 0x8000) >> 16) & 0xFFFF
+    return _wrap(hi, 16).to(torch.int16).view(torch.bfloat16), _wrap(bits & 0xFFFF, 16).to(torch.int16)

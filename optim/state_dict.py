@@ -14,14 +14,20 @@ The layout is torch's, key for key::
      "shardamp": {adam_w_mode, bias_correction, max_grad_norm, dtype}}
 
 ``T`` is shaped like its param, in the param's memory format (channels_last stays
-channels_last), in the optimizer's state dtype. torch's ``Optimizer.load_state_dict`` ignores the
-extra top-level ``"shardamp"`` key and the extra ``master_param`` state entry.
+channels_last): ``exp_avg`` / ``exp_avg_sq`` in their storage dtype (fp32, or bf16 with
+``exp_avg_dtype`` / ``exp_avg_sq_dtype``), ``master_param`` in the state dtype (with
+``store_param_remainders`` the fp32 master reassembled from the bf16 param and its remainder, so
+the dict is the same as with a separate master). torch's ``Optimizer.load_state_dict`` ignores
+the extra top-level ``"shardamp"`` key and the extra ``master_param`` state entry, and casts the
+moments to each param's dtype. Loading any dict converts each tensor to this optimizer's storage
+dtype: torch's fp32 moments into bf16 moments round to nearest even.
 
 The helpers below the two entry points (groups, validation, the shard writer) are shared with
 ``checkpoint.py`` so both formats validate and write exactly alike.
 """
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -36,6 +42,7 @@ from . import _compat, agreement
 from .buffers import param_view
 from .hparams import check_hparams
 from .layout import ParamSlot
+from .reference import split_remainders
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER_KEY = "master_param"
@@ -70,11 +77,13 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
         if not live:  # steps are identical on every rank, so every rank skips the same buckets
             continue
         keys = list(STATE_KEYS) + ([MASTER_KEY] if has_master(opt, bucket.dtype) else [])
-        local = torch.stack([buf.exp_avg, buf.exp_avg_sq] + ([buf.master] if MASTER_KEY in keys else []))
-        full = _gather(opt, local, rank0_only)  # [world, keys, shard_numel] or None
+        tensors = [buf.exp_avg, buf.exp_avg_sq] + ([buf.master_values()] if MASTER_KEY in keys else [])
+        # one gather per bucket, in the widest dtype of its states (bf16 -> fp32 -> bf16 is exact)
+        wide = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
+        full = _gather(opt, torch.stack([t.to(wide) for t in tensors]), rank0_only)  # [world, keys, n] or None
         if full is None:
             continue
-        per_key = {k: full[:, j, :].reshape(-1) for j, k in enumerate(keys)}
+        per_key = {k: full[:, j, :].reshape(-1).to(t.dtype) for j, (k, t) in enumerate(zip(keys, tensors))}
         for slot in live:
             entry: Dict[str, Tensor] = {"step": steps[slot.index].clone()}
             for k in keys:
@@ -117,6 +126,15 @@ def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
         return memory_flat(entry[key], slots[index])[lo:hi]
 
     write_state(opt, source, steps)
+    # every rank holds the full dict, so each writes the masters' high halves for ALL elements
+    # (write_state wrote its own shard): the ranks' bf16 params agree before the next all-gather
+    for bucket, buf in zip(opt._buckets, opt._buffers):
+        if buf.remainders:
+            for slot in bucket.slots:
+                full = source(slot.index, MASTER_KEY, 0, slot.numel)
+                if full is not None:
+                    flat = memory_flat(param_view(buf.params, slot), slot)
+                    flat.copy_(split_remainders(full.to(device=flat.device, dtype=torch.float32))[0])
     apply_hparams(opt, plan)
 
 
@@ -205,10 +223,19 @@ def torch_param_groups(opt: Any) -> List[Dict[str, Any]]:
 
 def extras(opt: Any) -> Dict[str, Any]:
     """What torch's layout has no key for, so a shardamp -> shardamp round trip is exact."""
-    return dict(
+    name = lambda d: str(d).replace("torch.", "")  # noqa: E731
+    out = dict(
         adam_w_mode=opt.adam_w_mode, bias_correction=opt.bias_correction,
-        max_grad_norm=opt.max_grad_norm, dtype=str(opt.dtype).replace("torch.", ""),
+        max_grad_norm=opt.max_grad_norm, dtype=name(opt.dtype),
     )
+    # storage options, recorded only where they differ from the default layout (a load converts
+    # everything to the loading optimizer's own storage, so they are informational)
+    for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(opt, k) != opt.dtype:
+            out[k] = name(getattr(opt, k))
+    if opt.store_param_remainders:
+        out["store_param_remainders"] = True
+    return out
 
 
 @dataclass
@@ -326,8 +353,18 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
                     target[dst].copy_(src)
             if separate:  # an aliased master IS the model param: it was loaded with the model
                 src = source(seg.param_index, MASTER_KEY, lo, hi)
-                buf.master[dst].copy_(local_params[dst] if src is None else src)
+                buf.set_master(dst, local_params[dst] if src is None else src)
     opt._steps.copy_(steps.to(opt._steps.device, opt._steps.dtype))
+
+
+def resync_remainder_params(opt: Any) -> None:
+    """After a sharded load: with remainders, each rank rewrote the bf16 params of its own shard
+    (the loaded masters' high halves); all-gather them so every rank holds the same model. A
+    collective (load_sharded is one); nothing happens without remainders."""
+    if opt.world_size == 1 or not any(buf.remainders for buf in opt._buffers):
+        return
+    for buf in opt._buffers:
+        _compat.all_gather(buf.params, buf.params[buf.shard].clone(), opt.process_group, async_op=False)
 
 
 # ====================================================================== internals
@@ -395,6 +432,12 @@ def _warn_what_torch_drops(opt: Any) -> None:
         lost.append(
             f"the {opt.dtype} master weights of the lower-precision params (torch keeps only the "
             "model params; 'master_param' is ignored and the moments are cast to the param dtype)"
+        )
+    low = [k for k in STATE_KEYS if getattr(opt, f"{k}_dtype") == torch.bfloat16]
+    if low:
+        lost.append(
+            f"the bfloat16 storage of {' and '.join(low)} (torch casts them to each param's dtype and "
+            "continues at that precision, so its steps differ from this optimizer's rounded ones)"
         )
     if not opt.bias_correction:
         lost.append("bias_correction=False (torch.optim always bias-corrects)")

@@ -175,9 +175,97 @@ def case_grad_staging_and_release(rank, world, **kw):
             grads.append((after_zero, after_backward))
         out[f"capturable={capturable}"] = {"grad_shards": grads, "max_over_cap": max(worst),
                                           "buckets": len(opt._buckets)}
+def case_bf16_moments(rank, world, **kw):
+    # bf16 exp_avg / exp_avg_sq against fp32 torch.optim.AdamW: close, not round-off (test_core)
+    return train(rank, world, **kw, steps=10, opt_kwargs=dict(
+        exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16, bucket_cap_mb=TINY))
+
+
+def case_bf16_exp_avg_sq_only(rank, world, **kw):
+    return train(rank, world, **kw, steps=10, opt_kwargs=dict(exp_avg_sq_dtype=torch.bfloat16, weight_decay=0.02))
+
+
+def case_bf16_params_remainders(rank, world, **kw):
+    # the fp32 master kept as bf16 param + int16 remainder: the masters match torch's AdamW fed the
+    # same grads to round-off, and the bf16 model is the master's high half (check_parity_case)
+    return train(rank, world, **kw, param_dtype=torch.bfloat16,
+                 opt_kwargs=dict(grad_sync_dtype=torch.float32, store_param_remainders=True, bucket_cap_mb=TINY))
+
+
+def case_remainders_bitwise(rank, world, steps=40, **kw):
+    """Remainders vs a separate fp32 master, many steps, fp32 and bf16 moments: the same grads
+    (a linear loss sum(p * G_t), G_t drawn per rank and step, so the grads do not depend on the
+    params) must give bit-identical masters, moments and step counts, and every bf16 param must
+    be its master's high half. Two param groups, tiny buckets (uneven shards), an inf on the
+    last rank only at step 7 (every rank skips), a param unused on rank 0 at even steps."""
+    from shardamp.optim import DistributedFusedAdam
+    from shardamp.optim.reference import split_remainders
+
+    from parity import _masters
+
+    device = kw.get("device", "cpu")
+    shapes = [(7, 13), (13,), (5, 3, 3), (1,), (31,), (4, 9)]
+    out = {}
+    for moments in (torch.float32, torch.bfloat16):
+        runs = []
+        for remainders in (False, True):
+            torch.manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(s, device=device).bfloat16()) for s in shapes]
+            groups = [{"params": params[:3]}, {"params": params[3:], "lr": 3e-2, "weight_decay": 0.0,
+                                                "betas": (0.8, 0.95)}]
+            opt = DistributedFusedAdam(groups, lr=1e-2, weight_decay=0.1, bucket_cap_mb=TINY,
+                                       exp_avg_dtype=moments, exp_avg_sq_dtype=moments,
+                                       store_param_remainders=remainders)
+            for step in range(steps):
+                g = torch.Generator().manual_seed(1000 * step + rank)
+                loss = 0.0
+                for i, p in enumerate(params):
+                    if i == 4 and rank == 0 and step % 2 == 0:
+                        continue
+                    w = torch.randn(p.shape, generator=g).to(device)
+                    if step == 7 and rank == world - 1 and i == 2:
+                        w[0] = float("inf")
+                    loss = loss + (p.float() * w).sum()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            runs.append((opt, params))
+        (a, pa), (b, pb) = runs
+        masters_a, masters_b = _masters(a), _masters(b)
+        out[str(moments)] = {
+            "masters_equal": all(torch.equal(x.view(torch.int32), y.view(torch.int32))
+                                 for x, y in zip(masters_a, masters_b)),
+            "moments_equal": all(torch.equal(x.exp_avg, y.exp_avg) and torch.equal(x.exp_avg_sq, y.exp_avg_sq)
+                                 for x, y in zip(a._buffers, b._buffers)),
+            "steps_equal": torch.equal(a._steps, b._steps), "steps": b._steps.tolist(),
+            "params_are_high_halves": all(torch.equal(p.view(torch.int16), split_remainders(m)[0].view(torch.int16))
+                                          for p, m in zip(pb, masters_b)),
+        }
+    return out
+
+
+def case_memory_stats_dtypes(rank, world, **kw):
+    """memory_stats() per rank for each storage option over the same bf16 model: bytes per
+    element of this rank's shards (padding included, so the ratios are exact)."""
+    from shardamp.optim import DistributedFusedAdam
+
+    device = kw.get("device", "cpu")
+    out = {}
+    bf16 = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+    for name, opts in (("fp32", {}), ("bf16_moments", bf16),
+                       ("remainders", dict(store_param_remainders=True)),
+                       ("both", dict(store_param_remainders=True, **bf16))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(3)]).to(device).bfloat16()
+        opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.01, **opts)
+        model(torch.randn(2, 48, device=device).bfloat16()).float().sum().backward()
+        opt.step()
+        out[name] = {"stats": opt.memory_stats(), "shard": sum(b.shard_numel for b in opt._buckets),
+                     "n": sum(p.numel() for p in model.parameters())}
     return out
 
 
 CASES = [name for name in dir() if name.startswith("case_")]
 # cases that check bookkeeping (memory, staging), not parity with torch
-NOT_PARITY = ("case_grad_memory_bounded", "case_memory_stats", "case_grad_staging_and_release")
+NOT_PARITY = ("case_grad_memory_bounded", "case_memory_stats", "case_grad_staging_and_release",
+              "case_memory_stats_dtypes", "case_remainders_bitwise", "case_bf16_moments", "case_bf16_exp_avg_sq_only")

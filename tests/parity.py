@@ -174,6 +174,7 @@ def train(
     with torch.no_grad():  # a low-precision model's fp32 master starts from its rounded weights
         for p in ref.parameters():
             p.copy_(p.to(param_dtype).float())
+    init = [p.detach().float().cpu().clone() for p in ref.parameters()]
     model = model.to(param_dtype)
     params = two_groups(model) if groups else model.parameters()
     ref_params = two_groups(ref) if groups else ref.parameters()
@@ -232,6 +233,7 @@ def train(
         "group_ranks": ranks,
         "ours": ours,
         "ref": [p.detach().float().cpu().clone() for p in ref.parameters()],
+        "init": init,
         "model_dtype": [p.dtype for p in model.parameters()],
         "model": [p.detach().cpu().clone() for p in model.parameters()],
         "channels_last": [
@@ -258,11 +260,12 @@ def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
 
     out = [None] * len(opt._params)
     for bucket, buf in zip(opt._buckets, opt._buffers):
-        full = torch.empty(bucket.numel, dtype=buf.master.dtype, device=buf.master.device)
+        master = buf.master_values()  # fp32, also reassembled from remainders
+        full = torch.empty(bucket.numel, dtype=master.dtype, device=master.device)
         if opt.world_size > 1:
-            dist.all_gather_into_tensor(full, buf.master.contiguous(), group=opt.process_group)
+            dist.all_gather_into_tensor(full, master.contiguous(), group=opt.process_group)
         else:
-            full.copy_(buf.master)
+            full.copy_(master)
         for slot in bucket.slots:
             out[slot.index] = param_view(full, slot).clone()
     return out

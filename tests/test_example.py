@@ -77,7 +77,8 @@ def test_bench_step_cpu_smoke(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench_step.json").read_text())
     assert not result["errors"], result["errors"]
     names = [r["name"] for r in result["rows"]]
-    for prefix in ("torch fp32", "shardamp fp32", "kernels fp32", "torch bf16", "shardamp bf16", "kernels bf16"):
+    for prefix in ("torch fp32", "shardamp fp32", "kernels fp32", "torch bf16", "shardamp bf16", "kernels bf16",
+                   "shardamp fp32+bf16 moments", "kernels bf16+remainders", "shardamp bf16+remainders+bf16 moments"):
         assert any(n.startswith(prefix) for n in names), names
     assert all(r["median_ms"] > 0 and r["fraction_of_roofline"] > 0 for r in result["rows"])
     proc = subprocess.run(cmd + ["--only", "kernels fp32"], capture_output=True, text=True, timeout=300, env=env)
@@ -111,3 +112,21 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
             assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
         else:
             assert r["torch full_ms"] > 0 and r["shardamp full_ms"] > 0, r
+def test_train_tiny_with_bf16_storage_options(tmp_path: Path) -> None:
+    """--param-dtype bf16 --store-param-remainders with bf16 moments: trains at world 2, the
+    parity line is informational, and memory_stats per rank shows the smaller master and
+    moments (per model param at world 2: remainders 1 B, bf16 moments 2 B)."""
+    tiny = ["--world-size", "2", "--steps", "6", "--parity-steps", "3", "--model-dim", "32", "--layers", "1",
+            "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--sample-chars", "0", "--log-every", "3",
+            "--param-dtype", "bf16", "--store-param-remainders", "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype",
+            "bf16", "--out", str(tmp_path)]
+    proc = _run(tiny, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "rank 1 memory_stats (B per model param): master" in out and "(informational)" in out, out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    n = metrics["n_params"]
+    for stats in metrics["memory_stats_per_rank"]:
+        assert 1.0 <= stats["master"] / n <= 1.1 and 2.0 <= stats["moments"] / n <= 2.2, stats
+    proc = _run(["--store-param-remainders"], timeout=60)
+    assert proc.returncode == 2 and "--store-param-remainders needs --param-dtype bf16" in proc.stderr

@@ -216,7 +216,7 @@ def test_adam_step_rejects_non_fp32_state(exts, device):
     ext = _ext_for(exts, device)
     state, table, hparams, steps, touched = _shard(device, torch.bfloat16, None)
     state["master"] = state["master"].bfloat16()
-    with pytest.raises(RuntimeError, match="fp32 only"):
+    with pytest.raises(RuntimeError, match="master must be fp32"):
         _run(ext.adam_step, state, table, hparams, steps, touched, torch.ones((), device=device),
              torch.zeros((), device=device), True, True)
 
@@ -307,3 +307,156 @@ def test_cuda_graph_capture(exts):
     _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
     torch.testing.assert_close(stats, ref_stats, rtol=1e-5, atol=0)
     _assert_state_close(state, ref)
+
+
+# ---------------------------------------------------------------- bf16 moments, param remainders
+MOMENT_DTYPES = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)]
+
+
+def _shard_states(device, grad_dtype, out_dtype, m_dtype, v_dtype, remainders=False, seed=0, offset=0):
+    """_shard with the moments in ``m_dtype`` / ``v_dtype`` and, with ``remainders``, the fp32
+    master split into a bf16 ``model_out`` (high halves) and an int16 ``master`` (low halves)."""
+    state, table, hparams, steps, touched = _shard(device, grad_dtype, out_dtype, seed=seed, offset=offset)
+
+    def recast(t, dtype):
+        buf = torch.empty(t.numel() + offset, dtype=dtype, device=device)[offset:]
+        buf.copy_(t)
+        return buf
+
+    state["exp_avg"] = recast(state["exp_avg"], m_dtype)
+    state["exp_avg_sq"] = recast(state["exp_avg_sq"], v_dtype)
+    if remainders:
+        hi, lo = reference.split_remainders(state["master"])
+        state["model_out"], state["master"] = recast(hi, torch.bfloat16), recast(lo, torch.int16)
+    return state, table, hparams, steps, touched
+
+
+def _master_of(state):
+    if state["master"].dtype == torch.int16:
+        return reference.join_remainders(state["model_out"], state["master"])
+    return state["master"]
+
+
+def _assert_moments_close(native, ref):
+    """fp32 moments to round-off; bf16 moments: the same fp32 value rounded, so at most one bf16
+    ulp apart where the fp32 results straddle a rounding boundary, and almost all bitwise."""
+    for key in ("exp_avg", "exp_avg_sq"):
+        a, b = native[key].cpu(), ref[key].cpu()
+        assert a.dtype == b.dtype
+        if a.dtype == torch.float32:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=key)
+        else:
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-6, msg=key)
+            assert (a.view(torch.int16) != b.view(torch.int16)).float().mean() < 1e-3, key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES)
+@pytest.mark.parametrize("m_dtype,v_dtype", MOMENT_DTYPES)
+def test_adam_step_bf16_moments_match_reference(exts, device, grad_dtype, out_dtype, m_dtype, v_dtype):
+    ext = _ext_for(exts, device)
+    state, table, hparams, steps, touched = _shard_states(device, grad_dtype, out_dtype, m_dtype, v_dtype, seed=21)
+    coef, found_inf = torch.tensor(0.37, device=device), torch.zeros((), device=device)
+    before, ref = _clone(state), _clone(state)
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    _run(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, True, True)
+    torch.testing.assert_close(state["master"].cpu(), ref["master"].cpu(), rtol=1e-5, atol=1e-6)
+    _assert_moments_close(state, ref)
+    start, length = SEGMENTS[2][:2]  # the untouched param and the padding stay as they were
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key][start:start + length], before[key][start:start + length])
+        assert torch.equal(state[key][37:48], before[key][37:48])
+        assert not torch.equal(state[key][48:60], before[key][48:60])
+    if out_dtype is not None:
+        out = state["model_out"].cpu()
+        assert torch.equal(out[48:60], state["master"].cpu()[48:60].to(out_dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("m_dtype,v_dtype", [(torch.float32, torch.float32)] + MOMENT_DTYPES)
+@pytest.mark.parametrize("offset", [0, 1])
+def test_adam_step_remainders_bitwise_equal_fp32_master(exts, device, grad_dtype, m_dtype, v_dtype, offset):
+    """The kernel with int16 remainders under a bf16 param computes bit for bit the masters and
+    moments of the same kernel with a separate fp32 master, over several steps; the bf16 param is
+    the master's high half (rounded to nearest, ties away); the reference agrees to round-off.
+    offset=1 puts every array off 16-byte alignment (the scalar path)."""
+    ext = _ext_for(exts, device)
+    rem, table, hparams, steps, touched = _shard_states(
+        device, grad_dtype, torch.bfloat16, m_dtype, v_dtype, remainders=True, seed=23, offset=offset)
+    sep = _clone(rem)
+    sep["master"] = reference.join_remainders(rem["model_out"], rem["master"]).clone()
+    ref = _clone(rem)
+    before = _clone(rem)
+    found_inf = torch.zeros((), device=device)
+    for k in range(4):
+        coef = torch.tensor(0.3 + 0.2 * k, device=device)
+        steps_k = steps + k
+        for st, fn in ((rem, ext.adam_step), (sep, ext.adam_step), (ref, reference.adam_step)):
+            _run(fn, st, table if fn is ext.adam_step else table.cpu(), hparams, steps_k, touched, coef,
+                 found_inf, True, k % 2 == 0)
+    assert torch.equal(_master_of(rem).view(torch.int32), sep["master"].view(torch.int32))
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(rem[key].view(torch.int16 if rem[key].dtype == torch.bfloat16 else torch.int32),
+                           sep[key].view(torch.int16 if sep[key].dtype == torch.bfloat16 else torch.int32)), key
+    hi, _ = reference.split_remainders(sep["master"])
+    assert torch.equal(rem["model_out"].view(torch.int16), hi.view(torch.int16))
+    ours, theirs = _master_of(rem).cpu(), _master_of(ref).cpu()
+    if m_dtype == v_dtype == torch.float32:
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    else:  # a bf16 moment rounded one ulp apart in one step moves that element's later updates
+        assert (~torch.isclose(ours, theirs, rtol=1e-5, atol=1e-6)).float().mean() < 1e-3
+        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-4)
+    start, length = SEGMENTS[2][:2]
+    for key in ("master", "model_out"):  # untouched param and padding: bitwise unchanged
+        assert torch.equal(rem[key][start:start + length], before[key][start:start + length])
+        assert torch.equal(rem[key][37:48], before[key][37:48])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_step_new_states_found_inf_writes_nothing(exts, device):
+    ext = _ext_for(exts, device)
+    for remainders in (False, True):
+        state, table, hparams, steps, touched = _shard_states(
+            device, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16, remainders=remainders, seed=29)
+        before = _clone(state)
+        _run(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device=device),
+             torch.ones((), device=device), True, True)
+        for key, value in state.items():
+            assert torch.equal(value.view(torch.uint8), before[key].view(torch.uint8)), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_adam_step_remainders_need_bf16_model_out(exts, device):
+    ext = _ext_for(exts, device)
+    for out in (None, torch.float16):
+        state, table, hparams, steps, touched = _shard(device, torch.float32, out)
+        state["master"] = torch.zeros(NUMEL, dtype=torch.int16, device=device)
+        with pytest.raises(RuntimeError, match="remainders need model_out in bf16"):
+            _run(ext.adam_step, state, table, hparams, steps, touched, torch.ones((), device=device),
+                 torch.zeros((), device=device), True, True)
+        with pytest.raises(ValueError, match="remainders need model_out in bfloat16"):
+            _run(reference.adam_step, state, table.cpu(), hparams, steps, touched, torch.ones((), device=device),
+                 torch.zeros((), device=device), True, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dispatcher_runs_new_states_natively(exts, device, monkeypatch):
+    """kernels.adam_step sends bf16 moments and int16 remainders to the compiled kernels (not
+    the reference fallback): forced native, the results equal the reference's to round-off."""
+    _ext_for(exts, device)
+    monkeypatch.setenv("SHARDAMP_KERNELS", "native")
+    calls = []
+    monkeypatch.setattr(reference, "adam_step", lambda *a, **k: calls.append(a))
+    state, table, hparams, steps, touched = _shard_states(
+        device, torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.float32, remainders=True, seed=31)
+    segs = SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in SEGMENTS], table)
+    coef, found_inf = torch.tensor(0.5, device=device), torch.zeros((), device=device)
+    ref = _clone(state)
+    _run(kernels.adam_step, state, segs, hparams, steps, touched, coef, found_inf, True, True)
+    assert not calls
+    monkeypatch.undo()
+    _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
+    torch.testing.assert_close(_master_of(state).cpu(), _master_of(ref).cpu(), rtol=1e-5, atol=1e-6)
+    _assert_moments_close(state, ref)

@@ -6,8 +6,8 @@
 // size, not the thread count, decides the summation order of grad_stats, so its result is the
 // same bit for bit on 1 or N threads.
 //
-// optim/_build.py compiles this file for baseline x86-64, or with -mavx2 -mfma and at::vec's
-// CPU_CAPABILITY_AVX2 (256-bit Vectorized) into a separately named module where the CPU has them.
+// optim/_build.py compiles this file for the vector ISA torch itself uses (at::vec's
+// CPU_CAPABILITY_AVX512 / _AVX2) or baseline x86-64, each into a separately named module.
 
 #include "../common.h"
 
@@ -156,9 +156,30 @@ struct Step {
   SegmentScalars sc;
 };
 
-template <typename G, typename O>
-inline void adam_chunk(const G* gp, float* pp, float* mp, float* vp, O* op, int64_t lo, int64_t hi,
+// Param remainders: kV fp32 masters from their bf16 high halves (raw bits) and int16 low halves,
+// and back. Plain loops over a register-sized block: the compiler vectorizes them.
+inline void join_block(const uint16_t* hi, const int16_t* lo, fVec& a, fVec& b) {
+  alignas(64) float buf[kV];
+  for (int64_t k = 0; k < kV; ++k) buf[k] = join_remainder(hi[k], lo[k]);
+  a = fVec::loadu(buf);
+  b = fVec::loadu(buf + kW);
+}
+
+inline void split_block(const fVec& a, const fVec& b, uint16_t* hi, int16_t* lo) {
+  alignas(64) float buf[kV];
+  a.store(buf);
+  b.store(buf + kW);
+  for (int64_t k = 0; k < kV; ++k) split_remainder(buf[k], hi[k], lo[k]);
+}
+
+// One chunk of the update. P: the master storage (float, or int16 remainders when R, with O the
+// bf16 param holding the high halves); M / V: the moments (float or bf16, rounded to nearest
+// even on store). Every dtype choice is a template parameter: the loop has no dtype branches.
+template <typename G, typename O, typename M, typename V, bool R>
+inline void adam_chunk(const G* gp, void* pp_, M* mp, V* vp, O* op, int64_t lo, int64_t hi,
                        const SegmentScalars& s, bool adam_w) {
+  using P = std::conditional_t<R, int16_t, float>;
+  P* pp = static_cast<P*>(pp_);
   const fVec coef(s.coef), decay(s.decay), wd(s.wd), w1(s.w1), b2(s.beta2), omb2(s.one_minus_beta2),
       bc2(s.bc2_sqrt), eps(s.eps), lr(s.step_size), one(1.f);
   // torch.lerp switches formula at weight 0.5; the weight is per segment, so the branch is too.
@@ -170,36 +191,55 @@ inline void adam_chunk(const G* gp, float* pp, float* mp, float* vp, O* op, int6
     v = v * b2 + omb2 * g * g;
     p = p - lr * (m / (v.sqrt() / bc2 + eps));
   };
+  [[maybe_unused]] uint16_t* hbits = nullptr;
+  if constexpr (R) hbits = reinterpret_cast<uint16_t*>(op);
   int64_t i = lo;
   for (; i + kV <= hi; i += kV) {
     fVec g0, g1, p0, p1, m0, m1, v0, v1;
     load2(gp + i, g0, g1);
-    load2(pp + i, p0, p1);
+    if constexpr (R) {
+      join_block(hbits + i, pp + i, p0, p1);
+    } else {
+      load2(pp + i, p0, p1);
+    }
     load2(mp + i, m0, m1);
     load2(vp + i, v0, v1);
     update(g0, p0, m0, v0);
     update(g1, p1, m1, v1);
-    store2(pp + i, p0, p1);
     store2(mp + i, m0, m1);
     store2(vp + i, v0, v1);
-    if constexpr (!std::is_void_v<O>) store2(op + i, p0, p1);
+    if constexpr (R) {
+      split_block(p0, p1, hbits + i, pp + i);
+    } else {
+      store2(pp + i, p0, p1);
+      if constexpr (!std::is_void_v<O>) store2(op + i, p0, p1);
+    }
   }
   for (; i < hi; ++i) {
-    float p = pp[i], m = mp[i], v = vp[i];
+    float p, m = static_cast<float>(mp[i]), v = static_cast<float>(vp[i]);
+    if constexpr (R) {
+      p = join_remainder(hbits[i], pp[i]);
+    } else {
+      p = pp[i];
+    }
     adam_scalar(static_cast<float>(gp[i]), p, m, v, s, adam_w);
-    pp[i] = p;
-    mp[i] = m;
-    vp[i] = v;
-    if constexpr (!std::is_void_v<O>) op[i] = static_cast<O>(p);
+    mp[i] = static_cast<M>(m);
+    vp[i] = static_cast<V>(v);
+    if constexpr (R) {
+      split_remainder(p, hbits[i], pp[i]);
+    } else {
+      pp[i] = p;
+      if constexpr (!std::is_void_v<O>) op[i] = static_cast<O>(p);
+    }
   }
 }
 
-template <typename G, typename O>
+template <typename G, typename O, typename M, typename V, bool R>
 void adam_impl(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* chunks, int64_t nchunks) {
   const G* g = a.grad.data_ptr<G>();
-  float* p = a.master.data_ptr<float>();
-  float* m = a.exp_avg.data_ptr<float>();
-  float* v = a.exp_avg_sq.data_ptr<float>();
+  void* p = a.master.data_ptr();
+  M* m = a.exp_avg.data_ptr<M>();
+  V* v = a.exp_avg_sq.data_ptr<V>();
   O* o = nullptr;
   if constexpr (!std::is_void_v<O>) o = a.model_out->data_ptr<O>();
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
@@ -207,20 +247,9 @@ void adam_impl(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* 
       const int64_t start = chunks[2 * c], packed = chunks[2 * c + 1];
       const Step& s = segs[chunk_segment(packed)];
       if (s.skip) continue;
-      adam_chunk<G, O>(g, p, m, v, o, start, start + chunk_length(packed), s.sc, a.adam_w_mode);
+      adam_chunk<G, O, M, V, R>(g, p, m, v, o, start, start + chunk_length(packed), s.sc, a.adam_w_mode);
     }
   });
-}
-
-template <typename G>
-void adam_dispatch_out(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* chunks, int64_t n) {
-  if (!a.model_out) return adam_impl<G, void>(a, segs, chunks, n);
-  switch (a.model_out->scalar_type()) {
-    case at::kFloat: return adam_impl<G, float>(a, segs, chunks, n);
-    case at::kBFloat16: return adam_impl<G, at::BFloat16>(a, segs, chunks, n);
-    case at::kHalf: return adam_impl<G, at::Half>(a, segs, chunks, n);
-    default: SHARDAMP_CHECK(false, "adam_step: unsupported model_out dtype ", a.model_out->scalar_type());
-  }
 }
 
 void adam_step(const AdamArgs& a, const at::Tensor& chunk_table) {
@@ -244,12 +273,11 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunk_table) {
   const at::Tensor chunks = chunk_table.contiguous();
   const int64_t* c = chunks.data_ptr<int64_t>();
   const int64_t n = chunks.size(0);
-  switch (a.grad.scalar_type()) {
-    case at::kFloat: return adam_dispatch_out<float>(a, segs, c, n);
-    case at::kBFloat16: return adam_dispatch_out<at::BFloat16>(a, segs, c, n);
-    case at::kHalf: return adam_dispatch_out<at::Half>(a, segs, c, n);
-    default: SHARDAMP_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
-  }
+  dispatch_step<at::BFloat16, at::Half>(a.grad, a.master, a.exp_avg, a.exp_avg_sq, a.model_out,
+                                        [&](auto g, auto o, auto m, auto v, auto r) {
+    adam_impl<typename decltype(g)::type, typename decltype(o)::type, typename decltype(m)::type,
+              typename decltype(v)::type, decltype(r)::value>(a, segs, c, n);
+  });
 }
 
 }  // namespace cpu

@@ -7,9 +7,12 @@
 //      segment). Every thread reads its chunk's row and record itself (broadcast loads that hit
 //      L1/L2): no serial set-up by one thread, no barrier, so a block streams from its start.
 // found_inf, grad_coef, steps and touched are read on the device: no host sync, CUDA-graph
-// capturable. Bytes per element (fp32 master/moments): grad read, p/m/v read + written,
-// model_out written. Loads are 16 bytes wide and kUnroll of them per array are issued before
-// any math, so each thread keeps ~4*kUnroll independent requests in flight.
+// capturable. Bytes per element: grad read; master (fp32, or bf16 param + int16 remainder),
+// exp_avg and exp_avg_sq (fp32 or bf16 each) read + written; model_out written (csrc/NOTES.md
+// has the table). Every dtype is a template parameter (G grad, O model_out, M / V moments, R
+// remainders), so no instantiation carries a branch on another's dtype. Loads are 16 bytes wide
+// and kUnroll of them per array are issued before any math, so each thread keeps ~4*kUnroll
+// independent requests in flight.
 
 #include "../common.h"
 #include "vec.cuh"
@@ -43,9 +46,9 @@ static_assert(sizeof(SegmentRecord) == 48, "three float4 per record");
 
 struct Params {
   const void* grad;
-  float* master;
-  float* exp_avg;
-  float* exp_avg_sq;
+  void* master;  // fp32, or int16 remainders (R)
+  void* exp_avg;
+  void* exp_avg_sq;
   void* model_out;
   const int64_t* chunks;
   const int64_t* segments;
@@ -59,14 +62,23 @@ struct Params {
   bool adam_w, bias_correction, vec_ok;
 };
 
-// The update of elements [lo, hi) with one set of scalars, by the threads of one block.
-template <typename G, typename O>
-__device__ __forceinline__ void update_range(const Params& P, const SegmentScalars& s, int64_t lo, int64_t hi) {
+// The update of elements [lo, hi) with the scalars of record `rec`, by the threads of one block.
+// The record is loaded here but first used (its skip flag) only after this thread's first data
+// loads are issued: a block's record fetch overlaps its data fetch instead of preceding it (a
+// chunk is one iteration per thread, so a serial record fetch was a whole extra L2 round trip
+// per block). A skipped segment costs those reads, and writes nothing.
+template <typename G, typename O, typename M, typename V, bool R>
+__device__ __forceinline__ void update_range(const Params& P, const float4* rec, int64_t lo, int64_t hi) {
+  const float4 ra = __ldg(rec), rb = __ldg(rec + 1), rd = __ldg(rec + 2);
+  const SegmentScalars s{ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w, rd.x};
+  const bool skip = rd.y != 0.0f;
+  using PT = std::conditional_t<R, int16_t, float>;  // the master's storage
+  static_assert(!R || std::is_same_v<O, __nv_bfloat16>, "remainders live under a bf16 model_out");
   const bool adam_w = P.adam_w;
   const G* __restrict__ g = static_cast<const G*>(P.grad);
-  float* __restrict__ p = P.master;
-  float* __restrict__ m = P.exp_avg;
-  float* __restrict__ v = P.exp_avg_sq;
+  PT* __restrict__ p = static_cast<PT*>(P.master);
+  M* __restrict__ m = static_cast<M*>(P.exp_avg);
+  V* __restrict__ v = static_cast<V*>(P.exp_avg_sq);
   O* __restrict__ o = static_cast<O*>(P.model_out);
 
   // Vector body [vlo, vhi): starts on a multiple of kVec elements, so 16-byte aligned in every
@@ -86,32 +98,51 @@ __device__ __forceinline__ void update_range(const Params& P, const SegmentScala
       const int64_t i = base + u * kStep;
       if (i < vhi) {
         load8(g + i, rg[u]);
-        load8(p + i, rp[u]);
+        if constexpr (R) {
+          load8_joined(o + i, p + i, rp[u]);
+        } else {
+          load8(p + i, rp[u]);
+        }
         load8(m + i, rm[u]);
         load8(v + i, rv[u]);
       }
     }
+    if (skip) return;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = base + u * kStep;
       if (i < vhi) {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) adam_scalar(rg[u][k], rp[u][k], rm[u][k], rv[u][k], s, adam_w);
-        store8(p + i, rp[u]);
         store8(m + i, rm[u]);
         store8(v + i, rv[u]);
-        if constexpr (!std::is_void_v<O>) store8(o + i, rp[u]);
+        if constexpr (R) {
+          store8_split(o + i, p + i, rp[u]);
+        } else {
+          store8(p + i, rp[u]);
+          if constexpr (!std::is_void_v<O>) store8(o + i, rp[u]);
+        }
       }
     }
   }
   auto scalar = [&](int64_t i) {
-    float pi = p[i], mi = m[i], vi = v[i];
+    float pi, mi = to_float(m[i]), vi = to_float(v[i]);
+    if constexpr (R) {
+      pi = join_remainder(reinterpret_cast<const uint16_t*>(o)[i], p[i]);
+    } else {
+      pi = p[i];
+    }
     adam_scalar(to_float(g[i]), pi, mi, vi, s, adam_w);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (!std::is_void_v<O>) o[i] = from_float<O>(pi);
+    m[i] = from_float<M>(mi);
+    v[i] = from_float<V>(vi);
+    if constexpr (R) {
+      split_remainder(pi, reinterpret_cast<uint16_t*>(o)[i], p[i]);
+    } else {
+      p[i] = pi;
+      if constexpr (!std::is_void_v<O>) o[i] = from_float<O>(pi);
+    }
   };
+  if (skip) return;
   for (int64_t i = lo + threadIdx.x; i < vlo; i += kThreads) scalar(i);
   for (int64_t i = vhi + threadIdx.x; i < hi; i += kThreads) scalar(i);
 }
@@ -131,34 +162,20 @@ __global__ void prepare_kernel(const Params P, int64_t nseg) {
 }
 
 // One block per chunk; the hardware hands a new chunk to each block slot as one finishes.
-template <typename G, typename O>
+template <typename G, typename O, typename M, typename V, bool R>
 __global__ void __launch_bounds__(kThreads) adam_kernel(const Params P) {
   const longlong2 row = __ldg(reinterpret_cast<const longlong2*>(P.chunks) + blockIdx.x);
   const float4* rec = reinterpret_cast<const float4*>(P.records) + 3 * chunk_segment(row.y);
-  const float4 d = __ldg(rec + 2);
-  if (d.y != 0.0f) return;
-  const float4 a = __ldg(rec), b = __ldg(rec + 1);
-  const SegmentScalars s{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w, d.x};
-  update_range<G, O>(P, s, row.x, row.x + chunk_length(row.y));
+  update_range<G, O, M, V, R>(P, rec, row.x, row.x + chunk_length(row.y));
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
-template <typename G, typename O>
+template <typename G, typename O, typename M, typename V, bool R>
 void launch(const Params& P, int64_t nchunks) {
-  adam_kernel<G, O><<<static_cast<unsigned int>(nchunks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(P);
+  adam_kernel<G, O, M, V, R>
+      <<<static_cast<unsigned int>(nchunks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename G>
-void dispatch_out(const Params& P, const c10::optional<at::Tensor>& out, int64_t nchunks) {
-  if (!out) return launch<G, void>(P, nchunks);
-  switch (out->scalar_type()) {
-    case at::kFloat: return launch<G, float>(P, nchunks);
-    case at::kBFloat16: return launch<G, __nv_bfloat16>(P, nchunks);
-    case at::kHalf: return launch<G, __half>(P, nchunks);
-    default: SHARDAMP_CHECK(false, "adam_step: unsupported model_out dtype ", out->scalar_type());
-  }
 }
 
 }  // namespace
@@ -172,9 +189,9 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
   const c10::cuda::CUDAGuard guard(a.grad.device());
   Params P{};
   P.grad = a.grad.data_ptr();
-  P.master = a.master.data_ptr<float>();
-  P.exp_avg = a.exp_avg.data_ptr<float>();
-  P.exp_avg_sq = a.exp_avg_sq.data_ptr<float>();
+  P.master = a.master.data_ptr();
+  P.exp_avg = a.exp_avg.data_ptr();
+  P.exp_avg_sq = a.exp_avg_sq.data_ptr();
   P.model_out = a.model_out ? a.model_out->data_ptr() : nullptr;
   P.chunks = chunks.data_ptr<int64_t>();
   P.segments = a.segments.data_ptr<int64_t>();
@@ -201,12 +218,11 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
   prepare_kernel<<<static_cast<unsigned int>((nseg + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
                    c10::cuda::getCurrentCUDAStream()>>>(P, nseg);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  switch (a.grad.scalar_type()) {
-    case at::kFloat: return dispatch_out<float>(P, a.model_out, nchunks);
-    case at::kBFloat16: return dispatch_out<__nv_bfloat16>(P, a.model_out, nchunks);
-    case at::kHalf: return dispatch_out<__half>(P, a.model_out, nchunks);
-    default: SHARDAMP_CHECK(false, "adam_step: unsupported grad dtype ", a.grad.scalar_type());
-  }
+  dispatch_step<__nv_bfloat16, __half>(a.grad, a.master, a.exp_avg, a.exp_avg_sq, a.model_out,
+                                       [&](auto g, auto o, auto m, auto v, auto r) {
+    launch<typename decltype(g)::type, typename decltype(o)::type, typename decltype(m)::type,
+           typename decltype(v)::type, decltype(r)::value>(P, nchunks);
+  });
 }
 
 }  // namespace cuda

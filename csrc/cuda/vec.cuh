@@ -1,4 +1,5 @@
-// 16-byte global loads/stores of 8 elements, widened to / narrowed from fp32 in registers.
+// 16-byte global loads/stores of 8 elements, widened to / narrowed from fp32 in registers
+// (fp32, bf16, fp16; and fp32 masters split into bf16 high and int16 low halves).
 // Callers guarantee 16-byte alignment for 2-byte types and 32-byte alignment (two float4) for
 // fp32: every base pointer is 16-byte aligned and vector work starts at multiples of 8 elements.
 #pragma once
@@ -79,6 +80,36 @@ __device__ __forceinline__ void store8(T* __restrict__ p, const float (&f)[8]) {
     }
     *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]);
   }
+}
+
+// Param remainders: 8 fp32 masters from 8 bf16 high halves and 8 int16 low halves (one 16-byte
+// load each), and back (common.h: join_remainder / split_remainder, the same bit arithmetic).
+__device__ __forceinline__ void load8_joined(const __nv_bfloat16* __restrict__ hi, const int16_t* __restrict__ lo,
+                                             float (&f)[8]) {
+  const uint4 h = *reinterpret_cast<const uint4*>(hi);
+  const uint4 l = *reinterpret_cast<const uint4*>(lo);
+  const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    // sign-extended low halves, added to the high halves shifted into place (mod 2^32)
+    const uint32_t lo0 = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(lw[k] & 0xffffu)));
+    const uint32_t lo1 = static_cast<uint32_t>(static_cast<int32_t>(lw[k]) >> 16);
+    f[2 * k] = __uint_as_float((hw[k] << 16) + lo0);
+    f[2 * k + 1] = __uint_as_float((hw[k] & 0xffff0000u) + lo1);
+  }
+}
+
+__device__ __forceinline__ void store8_split(__nv_bfloat16* __restrict__ hi, int16_t* __restrict__ lo,
+                                             const float (&f)[8]) {
+  uint32_t hw[4], lw[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t b0 = __float_as_uint(f[2 * k]), b1 = __float_as_uint(f[2 * k + 1]);
+    hw[k] = ((b0 + 0x8000u) >> 16) | ((b1 + 0x8000u) & 0xffff0000u);
+    lw[k] = (b0 & 0xffffu) | (b1 << 16);
+  }
+  *reinterpret_cast<uint4*>(hi) = make_uint4(hw[0], hw[1], hw[2], hw[3]);
+  *reinterpret_cast<uint4*>(lo) = make_uint4(lw[0], lw[1], lw[2], lw[3]);
 }
 
 }  // namespace cuda
