@@ -19,7 +19,7 @@ The full-size grad buffer a bucket fills during backward is managed by ``grad_sy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -142,6 +142,33 @@ def _master_is_param(param_dtype: torch.dtype, state_dtype: torch.dtype, sync: O
     written there: same dtype, and no lower-precision all-gather whose rounded values every
     rank (this one too) must see, so that all ranks hold the same model."""
     return state_dtype == param_dtype and sync is None
+
+
+def check_moment_dtypes(dtype: torch.dtype, *moments: Optional[torch.dtype]) -> Tuple[torch.dtype, ...]:
+    """The moments' dtypes, None resolved to the state dtype (today's layout)."""
+    out = []
+    for name, value in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments):
+        if value is not None and value not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{name}={value!r}: expected None (the state dtype), torch.float32 or torch.bfloat16")
+        out.append(value or dtype)
+    return tuple(out)
+
+
+def check_remainders(dtype: torch.dtype, param_sync_dtype: Optional[torch.dtype], params: List[torch.dtype]) -> None:
+    """store_param_remainders splits an fp32 master into a bf16 param and an int16 low half:
+    only bf16 params under an fp32 master, all-gathered as bf16, can be split that way."""
+    fix = "; or pass store_param_remainders=False"
+    if dtype != torch.float32:
+        raise ValueError(f"store_param_remainders=True needs dtype=torch.float32 (the master), got {dtype}{fix}")
+    if param_sync_dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"store_param_remainders=True needs param_sync_dtype None or torch.bfloat16 (the params are the "
+            f"master's high halves and must be all-gathered as they are), got {param_sync_dtype}{fix}")
+    bad = sorted({str(d) for d in params if d not in (torch.bfloat16, torch.float32)})
+    if bad or torch.bfloat16 not in params:
+        raise ValueError(
+            "store_param_remainders=True needs bfloat16 params (float32 params are their own master and are "
+            f"left as they are); this model has {bad or 'no bfloat16 params'}{fix}")
 
 
 def uses_remainders(param_dtype: torch.dtype, state_dtype: torch.dtype, store_param_remainders: bool) -> bool:

@@ -19,7 +19,8 @@ from torch import Tensor
 from . import _compat, agreement, grad_stats, kernels
 from . import state_dict as _state_dict
 from .buffers import (
-    BucketBuffers, allocate, check_views, expected_views, init_master, memory_stats, reattach_param,
+    BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, expected_views, init_master,
+    memory_stats, reattach_param,
 )
 from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
@@ -32,33 +33,6 @@ from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_moment_dtypes(dtype: torch.dtype, *moments: Optional[torch.dtype]) -> Tuple[torch.dtype, ...]:
-    """The moments' dtypes, None resolved to the state dtype (today's layout)."""
-    out = []
-    for name, value in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments):
-        if value is not None and value not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{name}={value!r}: expected None (the state dtype), torch.float32 or torch.bfloat16")
-        out.append(value or dtype)
-    return tuple(out)
-
-
-def _check_remainders(dtype: torch.dtype, param_sync_dtype: Optional[torch.dtype], params: List[torch.dtype]) -> None:
-    """store_param_remainders splits an fp32 master into a bf16 param and an int16 low half:
-    only bf16 params under an fp32 master, all-gathered as bf16, can be split that way."""
-    fix = "; or pass store_param_remainders=False"
-    if dtype != torch.float32:
-        raise ValueError(f"store_param_remainders=True needs dtype=torch.float32 (the master), got {dtype}{fix}")
-    if param_sync_dtype not in (None, torch.bfloat16):
-        raise ValueError(
-            f"store_param_remainders=True needs param_sync_dtype None or torch.bfloat16 (the params are the "
-            f"master's high halves and must be all-gathered as they are), got {param_sync_dtype}{fix}")
-    bad = sorted({str(d) for d in params if d not in (torch.bfloat16, torch.float32)})
-    if bad or torch.bfloat16 not in params:
-        raise ValueError(
-            "store_param_remainders=True needs bfloat16 params (float32 params are their own master and are "
-            f"left as they are); this model has {bad or 'no bfloat16 params'}{fix}")
 
 
 class DistributedFusedAdam(torch.optim.Optimizer):
@@ -150,7 +124,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
             if value is not None and value not in _FLOAT_DTYPES + (torch.float64,):
                 raise ValueError(f"{name}={value!r}: expected None or one of float32, bfloat16, float16, float64")
-        exp_avg_dtype, exp_avg_sq_dtype = _check_moment_dtypes(dtype, exp_avg_dtype, exp_avg_sq_dtype)
+        exp_avg_dtype, exp_avg_sq_dtype = check_moment_dtypes(dtype, exp_avg_dtype, exp_avg_sq_dtype)
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
             raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: expected a finite number of megabytes > 0")
 
@@ -194,7 +168,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.exp_avg_dtype = exp_avg_dtype
         self.exp_avg_sq_dtype = exp_avg_sq_dtype
         if store_param_remainders:
-            _check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
+            check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
         self.store_param_remainders = store_param_remainders
 
         self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)

@@ -60,7 +60,22 @@ def test_grad_staging_bounded_and_world1_release(world: int) -> None:
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_remainders_bitwise_equal_fp32_master(world: int) -> None:
-    for value in case_values(_results(world), "case_remainders_bitwise"):
+    check_remainders_bitwise(_results(world), world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", ["case_bf16_moments", "case_bf16_exp_avg_sq_only"])
+def test_bf16_moments_close_to_fp32_adamw(world: int, case: str) -> None:
+    check_bf16_moments_case(_results(world), case)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_memory_stats_bf16_moments_and_remainders(world: int) -> None:
+    check_memory_stats_dtypes(_results(world), world)
+
+
+def check_remainders_bitwise(per_rank, world: int) -> None:
+    for value in case_values(per_rank, "case_remainders_bitwise"):
         for moments, v in value.items():
             assert v["masters_equal"] and v["moments_equal"] and v["steps_equal"], (moments, v)
             assert v["params_are_high_halves"], moments
@@ -68,12 +83,10 @@ def test_remainders_bitwise_equal_fp32_master(world: int) -> None:
             assert v["steps"][4] == (39 if world > 1 else 19), v["steps"]  # unused on rank 0 at even steps
 
 
-@pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", ["case_bf16_moments", "case_bf16_exp_avg_sq_only"])
-def test_bf16_moments_close_to_fp32_adamw(world: int, case: str) -> None:
+def check_bf16_moments_case(per_rank, case: str) -> None:
     """Stated tolerance: |ours - torch's fp32 AdamW| <= BF16_MOMENTS_TOL x the largest total
     update of that param (|final - initial|), and not bitwise equal (the rounding is real)."""
-    for value in case_values(_results(world), case):
+    for value in case_values(per_rank, case):
         for i, (ours, ref, init) in enumerate(zip(value["ours"], value["ref"], value["init"])):
             moved = (ref - init).abs().max()
             assert moved > 0
@@ -82,10 +95,9 @@ def test_bf16_moments_close_to_fp32_adamw(world: int, case: str) -> None:
         assert not all(torch.equal(a, b) for a, b in zip(value["ours"], value["ref"]))
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_memory_stats_bf16_moments_and_remainders(world: int) -> None:
+def check_memory_stats_dtypes(per_rank, world: int) -> None:
     """Per rank, per element of its shards: bf16 moments save exactly 4 B, remainders 2 B."""
-    for value in case_values(_results(world), "case_memory_stats_dtypes"):
+    for value in case_values(per_rank, "case_memory_stats_dtypes"):
         n = value["fp32"]["shard"]
         assert all(v["shard"] == n for v in value.values()) and n >= value["fp32"]["n"] / world
         st = {k: v["stats"] for k, v in value.items()}

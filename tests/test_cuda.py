@@ -11,7 +11,8 @@ import torch
 import cases_core
 import cases_scaler
 from dist_helper import case_values, run_cases, run_distributed
-from test_core import check_parity_case, check_staging_case
+from test_core import (PARITY_CASES, check_bf16_moments_case, check_memory_stats_dtypes, check_parity_case,
+                       check_remainders_bitwise, check_staging_case)
 from test_scaler_loops import check_loop_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -57,7 +58,7 @@ def test_grad_buffers_bounded_cuda(world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", [c for c in cases_core.CASES if c not in cases_core.NOT_PARITY])
+@pytest.mark.parametrize("case", PARITY_CASES)
 def test_core_parity_cuda(world: int, case: str) -> None:
     check_parity_case(_results(world), case)
 
@@ -65,6 +66,13 @@ def test_core_parity_cuda(world: int, case: str) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_grad_staging_bounded_and_world1_release_cuda(world: int) -> None:
     check_staging_case(_results(world), world)
+def test_storage_options_cuda(world: int) -> None:
+    """bf16 moments and param remainders through the CUDA kernels: remainders bitwise equal to a
+    separate fp32 master, bf16 moments within the stated tolerance, memory_stats savings."""
+    check_remainders_bitwise(_results(world), world)
+    for case in ("case_bf16_moments", "case_bf16_exp_avg_sq_only"):
+        check_bf16_moments_case(_results(world), case)
+    check_memory_stats_dtypes(_results(world), world)
 
 
 @pytest.mark.parametrize("world", WORLDS)
