@@ -141,7 +141,8 @@ def gather_indices(seen: Sequence[torch.Tensor]) -> Optional[List[List[torch.Ten
     return out
 
 
-def reference(args: argparse.Namespace, per_rank: List[List[torch.Tensor]], device: str) -> Tuple[List[torch.Tensor], List[float]]:
+def reference(args: argparse.Namespace, per_rank: List[List[torch.Tensor]],
+              device: str) -> Tuple[List[torch.Tensor], List[float]]:
     """Unsharded torch.optim.AdamW on ``device`` fed, per step, the union of all ranks' micro-batches."""
     x, y = (t.to(device) for t in data(args))
     model = make_model(args).to(device)

@@ -5,8 +5,9 @@ changed line; the optimizer (DistributedFusedAdam) is built from the TrainingArg
     torchrun --nproc-per-node 2 examples/transformers_train.py
     python examples/transformers_train.py --device cuda --precision fp16   # GPUs (NCCL)
 
-Trains with max_grad_norm, gradient_accumulation_steps, save_steps (then resumes from the middle
-checkpoint and checks the resumed run ends on the same params), checks the result and the logged
+Trains with max_grad_norm and gradient_accumulation_steps, saves one checkpoint (the Trainer's
+_save_checkpoint, as save_steps does) and resumes from it, checking the resumed run ends on the
+same params, checks the result and the logged
 grad_norm against unsharded torch.optim.AdamW, and times the same run with ``Trainer`` (DDP +
 optim="adamw_torch_fused" on CUDA). See framework_common.py.
 """
@@ -50,15 +51,24 @@ class Model(common.Net):
 
 
 class Record(TrainerCallback):
+    """Times the steps, collects the logged grad_norm, and asks for one checkpoint (at
+    ``save_step``, before the timed steps: the Trainer saves after on_step_end)."""
+
     def __init__(self, args) -> None:
-        self.timer, self.norms = common.StepTimer(args), []
+        self.args, self.timer, self.norms = args, common.StepTimer(args), []
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         self.timer.step_done(state.global_step)
+        if state.global_step == save_step(self.args):
+            control.should_save = True
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         if logs and "grad_norm" in logs:
             self.norms.append(float(logs["grad_norm"]))
+
+
+def save_step(args) -> int:
+    return max(1, args.warmup - 1)
 
 
 def train(args, shardamp: bool, resume: Optional[str] = None) -> Dict[str, Any]:
@@ -72,8 +82,8 @@ def train(args, shardamp: bool, resume: Optional[str] = None) -> Dict[str, Any]:
         output_dir=out, per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=args.accumulate,
         max_steps=args.steps, learning_rate=common.LR, adam_beta1=common.BETAS[0], adam_beta2=common.BETAS[1],
         adam_epsilon=common.EPS, weight_decay=common.WD, lr_scheduler_type="constant",
-        max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="steps",
-        save_steps=args.steps // 2, report_to=[], use_cpu=not cuda, bf16=args.precision == "bf16",
+        max_grad_norm=args.max_grad_norm, logging_steps=1, save_strategy="no", report_to=[],
+        use_cpu=not cuda, bf16=args.precision == "bf16",
         fp16=args.precision == "fp16", optim="adamw_torch_fused" if cuda else "adamw_torch",
         dataloader_num_workers=0, seed=0, disable_tqdm=True, ddp_backend=None if cuda else "gloo",
     )
@@ -82,7 +92,7 @@ def train(args, shardamp: bool, resume: Optional[str] = None) -> Dict[str, Any]:
     trainer = cls(model=model, args=targs, train_dataset=Indexed(args), callbacks=[record])
     trainer.train(resume_from_checkpoint=resume)
     return {"params": list(model.parameters()), "seen": model.seen, "norms": record.norms, "ms": record.timer.ms,
-            "ckpt": os.path.join(out, f"checkpoint-{args.steps // 2}")}
+            "ckpt": os.path.join(out, f"checkpoint-{save_step(args)}")}
 
 
 def main() -> None:
@@ -98,7 +108,7 @@ def main() -> None:
     resumed = train(args, shardamp=True, resume=ours["ckpt"])
     same = all(torch.equal(a, b) for a, b in zip(ours["params"], resumed["params"]))
     if common.rank() == 0:
-        print(f"save_steps={args.steps // 2} + resume_from_checkpoint ends on the same params: "
+        print(f"checkpoint at step {save_step(args)} + resume_from_checkpoint ends on the same params: "
               f"{'PASS' if same else 'FAIL'}", flush=True)
     default = None if args.no_baseline else train(args, shardamp=False)["ms"]
     name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import torch
 from accelerate import Accelerator
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # the file names the Trainer resumes from
 
 from shardamp.optim import DistributedFusedAdam
 
@@ -35,7 +36,6 @@ from .accelerate import ShardampAccelerator, _unwrap
 __all__ = ["ShardampTrainer"]
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
-OPTIMIZER_NAME, SCHEDULER_NAME = "optimizer.pt", "scheduler.pt"  # the Trainer's file names
 
 
 class _ZeroShardedGrads(TrainerCallback):

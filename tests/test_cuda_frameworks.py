@@ -36,4 +36,4 @@ def test_example_on_cuda(script, framework, precision, tmp_path) -> None:
     assert parity and all(line.endswith("PASS") for line in parity), out[-5000:]
     assert "step time" in out and "DDP + AdamW(fused)" in out, out[-5000:]
     if framework == "transformers":
-        assert "resume_from_checkpoint ends on the same params: PASS" in out, out[-5000:]
+        assert "+ resume_from_checkpoint ends on the same params: PASS" in out, out[-5000:]
