@@ -120,15 +120,26 @@ def other_live_optimizer(opt: Any) -> bool:
     """Record ``opt`` for its group; True if another live optimizer that has already stepped
     still owns params there (checked by ``agree_on_construction``, so every rank raises alike).
     One that never stepped (built to load or inspect a checkpoint) does not count."""
-    refs = _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
-    mine = {id(p) for p in opt._params}  # rebuilding over the same params takes them over: fine
-    if any(o is not None and _owns_params(o, mine) for o in (r() for r in refs)):
-        import gc
-
-        gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
-    others = any(o is not None and _owns_params(o, mine) for o in (r() for r in refs))
+    refs = _refs(opt)
+    others = another_trains(opt)
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
     return others
+
+
+def another_trains(opt: Any) -> bool:
+    """Another live optimizer over ``opt``'s group has stepped and still owns params ``opt``
+    does not have (rebuilding over the same params takes them over: that is fine)."""
+    mine = {id(p) for p in opt._params}
+    if not any(o is not None and o is not opt and _owns_params(o, mine) for o in (r() for r in _refs(opt))):
+        return False
+    import gc
+
+    gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
+    return any(o is not None and o is not opt and _owns_params(o, mine) for o in (r() for r in _refs(opt)))
+
+
+def _refs(opt: Any) -> List[weakref.ref]:
+    return _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
 
 
 def _owns_params(opt: Any, taken_over: set) -> bool:
@@ -275,8 +286,9 @@ def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], 
                       problem: str = "") -> None:
     if invalid > 0:
         raise ValueError(
-            problem or "DistributedFusedAdam: a hyperparameter is invalid on another rank (that rank's error names "
-            "it; e.g. a tensor lr holding NaN, inf or a negative value); the step was skipped on every rank. Keep every param group's "
+            problem or "DistributedFusedAdam: a hyperparameter is invalid on some rank: a tensor lr holding NaN, "
+            "inf or a negative value (checked on the device), or a value named in the error of the rank that "
+            "has it; the step was skipped on every rank. Keep every param group's "
             "hyperparameters valid (lr finite and >= 0) on every rank."
         )
     if mismatch > 0:

@@ -309,6 +309,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
+            if not (self._step_problem or self._stats_rounds or self.world_size == 1) and agreement.another_trains(self):
+                self._step_problem = agreement.TWO_OPTIMIZERS  # both built before either stepped
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
