@@ -235,7 +235,9 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
     ]
 
 
-def step_entries(opt: Any, norm_type: float, problem: str = "") -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
+def step_entries(
+    opt: Any, norm_type: float, problem: str = ""
+) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
     device with the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
     (None without), and the names of the categories in entry order."""

@@ -4,8 +4,9 @@ After each step the optimizer records ``[mismatch, invalid lr, found_inf]`` here
 values are read at once (reading is free). On CUDA they are copied, non-blocking, into pinned
 memory behind an event, and read at the start of the NEXT step's stats, when that copy finished
 long ago (``event.query()``; only a host that ran a whole step ahead of its GPU waits), and
-every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph capture nothing is recorded (the device
-still skips mismatched steps; only the host-side message is lost).
+every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph
+capture nothing is recorded (the device still skips mismatched steps; only the host-side
+message is lost).
 """
 from __future__ import annotations
 
