@@ -196,16 +196,14 @@ class StepFingerprint:
     def length(self, n_host: int, n_lrs: int) -> int:
         return 1 + 2 * self.chunks * (n_host + n_lrs)
 
-    def check(self, tail: Tensor, use_max: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        """From the reduced entries: (mismatch 0-d float, per-category mismatch flags, invalid)."""
-        invalid = (tail[0] > 0).float()
-        pairs = tail[1:].view(-1, 2, self.chunks)
-        a, b = pairs[:, 0].double(), pairs[:, 1].double()
+    def check(self, tail: Tensor, use_max: bool) -> Tensor:
+        """From the reduced entries: float32 0/1 flags ``[invalid, mismatch per category...]``."""
+        pairs = tail[1:].view(-1, 2, self.chunks).double()  # sums below 2**24: exact
         if use_max:
-            per_cat = (a + b != 0).any(dim=1)
+            diff = pairs[:, 0] + pairs[:, 1]  # max(c) - min(c)
         else:
-            per_cat = ((b * self.world_size - a * a).abs() > 0.5).any(dim=1)
-        return per_cat.any().float(), per_cat, invalid
+            diff = torch.addcmul(pairs[:, 1] * self.world_size, pairs[:, 0], pairs[:, 0], value=-1.0)
+        return (torch.cat([tail[:1].double(), diff.abs().amax(dim=1)]) > 0.5).float()
 
 
 def _number(value: Any) -> Any:
@@ -280,12 +278,12 @@ def stats_buffer(opt: Any, norm_type: float, problem: str) -> Tuple[Tensor, bool
 
 def raise_now(opt: Any, stats: Any) -> None:
     """Where reading is free (CPU): raise right after the all-reduce, before anything trains."""
-    raise_if_disagree(float(stats.mismatch), float(stats.invalid), stats.mismatch_per_category.tolist(),
-                      opt._step_names, opt._step_problem)
+    flags = stats.disagreement.tolist()
+    raise_if_disagree(flags[0], flags[1:], opt._step_names, opt._step_problem)
 
 
-def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], names: List[str],
-                      problem: str = "") -> None:
+def raise_if_disagree(invalid: float, categories: List[float], names: List[str], problem: str = "") -> None:
+    """Raise if the reduced flags say a value was invalid on some rank, or the ranks differ."""
     if invalid > 0:
         raise ValueError(
             problem or "DistributedFusedAdam: a hyperparameter is invalid on some rank: a tensor lr holding NaN, "
@@ -293,8 +291,8 @@ def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], 
             "has it; the step was skipped on every rank. Keep every param group's "
             "hyperparameters valid (lr finite and >= 0) on every rank."
         )
-    if mismatch > 0:
-        differ = [n for n, flag in zip(names, categories) if flag > 0] or ["the per-step values"]
+    differ = [n for n, flag in zip(names, categories) if flag > 0]
+    if differ:
         raise RuntimeError(mismatch_message(differ))
 
 
