@@ -120,15 +120,26 @@ def other_live_optimizer(opt: Any) -> bool:
     """Record ``opt`` for its group; True if another live optimizer that has already stepped
     still owns params there (checked by ``agree_on_construction``, so every rank raises alike).
     One that never stepped (built to load or inspect a checkpoint) does not count."""
-    refs = _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
-    mine = {id(p) for p in opt._params}  # rebuilding over the same params takes them over: fine
-    if any(o is not None and _owns_params(o, mine) for o in (r() for r in refs)):
-        import gc
-
-        gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
-    others = any(o is not None and _owns_params(o, mine) for o in (r() for r in refs))
+    refs = _refs(opt)
+    others = another_trains(opt)
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
     return others
+
+
+def another_trains(opt: Any) -> bool:
+    """Another live optimizer over ``opt``'s group has stepped and still owns params ``opt``
+    does not have (rebuilding over the same params takes them over: that is fine)."""
+    mine = {id(p) for p in opt._params}
+    if not any(o is not None and o is not opt and _owns_params(o, mine) for o in (r() for r in _refs(opt))):
+        return False
+    import gc
+
+    gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
+    return any(o is not None and o is not opt and _owns_params(o, mine) for o in (r() for r in _refs(opt)))
+
+
+def _refs(opt: Any) -> List[weakref.ref]:
+    return _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
 
 
 def _owns_params(opt: Any, taken_over: set) -> bool:
@@ -185,16 +196,14 @@ class StepFingerprint:
     def length(self, n_host: int, n_lrs: int) -> int:
         return 1 + 2 * self.chunks * (n_host + n_lrs)
 
-    def check(self, tail: Tensor, use_max: bool) -> Tuple[Tensor, Tensor, Tensor]:
-        """From the reduced entries: (mismatch 0-d float, per-category mismatch flags, invalid)."""
-        invalid = (tail[0] > 0).float()
-        pairs = tail[1:].view(-1, 2, self.chunks)
-        a, b = pairs[:, 0].double(), pairs[:, 1].double()
+    def check(self, tail: Tensor, use_max: bool) -> Tensor:
+        """From the reduced entries: float32 0/1 flags ``[invalid, mismatch per category...]``."""
+        pairs = tail[1:].view(-1, 2, self.chunks).double()  # sums below 2**24: exact
         if use_max:
-            per_cat = (a + b != 0).any(dim=1)
+            diff = pairs[:, 0] + pairs[:, 1]  # max(c) - min(c)
         else:
-            per_cat = ((b * self.world_size - a * a).abs() > 0.5).any(dim=1)
-        return per_cat.any().float(), per_cat, invalid
+            diff = torch.addcmul(pairs[:, 1] * self.world_size, pairs[:, 0], pairs[:, 0], value=-1.0)
+        return (torch.cat([tail[:1].double(), diff.abs().amax(dim=1)]) > 0.5).float()
 
 
 def _number(value: Any) -> Any:
@@ -224,7 +233,9 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
     ]
 
 
-def step_entries(opt: Any, norm_type: float, problem: str = "") -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
+def step_entries(
+    opt: Any, norm_type: float, problem: str = ""
+) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
     device with the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
     (None without), and the names of the categories in entry order."""
@@ -267,20 +278,21 @@ def stats_buffer(opt: Any, norm_type: float, problem: str) -> Tuple[Tensor, bool
 
 def raise_now(opt: Any, stats: Any) -> None:
     """Where reading is free (CPU): raise right after the all-reduce, before anything trains."""
-    raise_if_disagree(float(stats.mismatch), float(stats.invalid), stats.mismatch_per_category.tolist(),
-                      opt._step_names, opt._step_problem)
+    flags = stats.disagreement.tolist()
+    raise_if_disagree(flags[0], flags[1:], opt._step_names, opt._step_problem)
 
 
-def raise_if_disagree(mismatch: float, invalid: float, categories: List[float], names: List[str],
-                      problem: str = "") -> None:
+def raise_if_disagree(invalid: float, categories: List[float], names: List[str], problem: str = "") -> None:
+    """Raise if the reduced flags say a value was invalid on some rank, or the ranks differ."""
     if invalid > 0:
         raise ValueError(
-            problem or "DistributedFusedAdam: a hyperparameter is invalid on another rank (that rank's error names "
-            "it; e.g. a tensor lr holding NaN, inf or a negative value); the step was skipped on every rank. Keep every param group's "
+            problem or "DistributedFusedAdam: a hyperparameter is invalid on some rank: a tensor lr holding NaN, "
+            "inf or a negative value (checked on the device), or a value named in the error of the rank that "
+            "has it; the step was skipped on every rank. Keep every param group's "
             "hyperparameters valid (lr finite and >= 0) on every rank."
         )
-    if mismatch > 0:
-        differ = [n for n, flag in zip(names, categories) if flag > 0] or ["the per-step values"]
+    differ = [n for n, flag in zip(names, categories) if flag > 0]
+    if differ:
         raise RuntimeError(mismatch_message(differ))
 
 

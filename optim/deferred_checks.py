@@ -1,11 +1,12 @@
 """Host-side reads of per-step device flags without a host sync on the step path.
 
-After each step the optimizer records ``[mismatch, invalid lr, found_inf]`` here. On the CPU the
+After each step the optimizer records ``[found_inf, agreement flags...]`` here. On the CPU the
 values are read at once (reading is free). On CUDA they are copied, non-blocking, into pinned
 memory behind an event, and read at the start of the NEXT step's stats, when that copy finished
 long ago (``event.query()``; only a host that ran a whole step ahead of its GPU waits), and
-every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph capture nothing is recorded (the device
-still skips mismatched steps; only the host-side message is lost).
+every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph
+capture nothing is recorded (the device still skips mismatched steps; only the host-side
+message is lost).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import Tensor
 from . import agreement
 
 SKIPS_BEFORE_WARNING = 3  # consecutive skipped steps without a scaler before the warning
-NAMES = ("mismatch", "invalid", "found_inf")  # then one mismatch flag per agreement category
+
 
 
 class DeferredChecks:
@@ -27,7 +28,8 @@ class DeferredChecks:
         self.pending: Optional[tuple] = None  # (host buffer, event or None, context)
 
     def push(self, flags: Tensor, context: dict) -> None:
-        """Record ``flags`` (float32 ``[3 + categories]`` on the device, ``NAMES`` first)."""
+        """Record ``flags`` (float32 ``[found_inf, invalid, mismatch per category...]`` on the
+        device; only found_inf where nothing was checked)."""
         if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
                 return
@@ -52,20 +54,15 @@ class DeferredChecks:
                 event.synchronize()
         self.pending = None
         values: List[float] = host.tolist()
-        named = dict(zip(NAMES, values))
-        named["categories"] = values[len(NAMES):]
-        return named, context
+        return {"found_inf": values[0], "flags": values[1:]}, context
 
 
 def record_step(opt: Any, stats: Any) -> None:
     """Queue this step's flags for the host (no sync on CUDA), and act on them where readable."""
-    found = stats.found_inf.reshape(1).float()
-    if stats.mismatch is not None:
-        parts = [stats.mismatch.reshape(1), stats.invalid.reshape(1), found, stats.mismatch_per_category.float()]
-    else:
-        parts = [torch.zeros(2, device=opt._device), found]
-    opt._deferred.push(torch.cat(parts), {"scaled": opt._inv_scale is not None, "names": opt._step_names,
-                                          "problem": opt._step_problem})
+    found = stats.found_inf.reshape(1)
+    flags = found if stats.disagreement is None else torch.cat([found, stats.disagreement])
+    opt._deferred.push(flags, {"scaled": opt._inv_scale is not None, "names": opt._step_names,
+                               "problem": opt._step_problem})
     check_last_step(opt, force=False)
 
 
@@ -77,8 +74,8 @@ def check_last_step(opt: Any, force: bool) -> None:
     if got is None:
         return
     values, context = got
-    agreement.raise_if_disagree(values["mismatch"], values["invalid"], values["categories"], context["names"],
-                                context["problem"])
+    if values["flags"]:
+        agreement.raise_if_disagree(values["flags"][0], values["flags"][1:], context["names"], context["problem"])
     if values["found_inf"] > 0 and not context["scaled"]:
         opt._consecutive_skips += 1
     else:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, agreement, grad_stats, kernels
+from . import _compat, agreement, deferred_checks, grad_stats, kernels
 from . import state_dict as _state_dict
 from .buffers import (
     BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, expected_views, init_master,
@@ -25,7 +25,6 @@ from .buffers import (
 from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
 from .grad_sync import GradSync
-from . import deferred_checks
 from .deferred_checks import DeferredChecks
 from .hparams import NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
 from .layout import Bucket, build_layout
@@ -206,7 +205,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
         self._deferred = DeferredChecks(self._device)
-        self._stats_rounds = 0  # stats all-reduces so far: part of the per-step agreement
+        self._stats_rounds = 0  # stats all-reduces so far (> 0: this optimizer trains, see agreement.py)
         self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
         self._step_names: List[str] = []
         self._consecutive_skips = 0
@@ -323,8 +322,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
         ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}, agreement
         entries...]`` (``agreement.py``: what the ranks must agree on this step) and ``op`` is SUM
-        (finite norm types) or MAX (``inf``); reduce all of it. The default reduces over the optimizer's
-        process group. A subclass whose params are also split over another group (tensor or
+        (finite norm types) or MAX (``inf``); reduce all of it. The default reduces over the
+        optimizer's process group. A subclass whose params are also split over another group (tensor or
         pipeline model parallelism) calls ``super()`` and then reduces ``stats[:2]`` over that
         group with the same ``op``, so the norm and found-inf cover the whole model.
         """
@@ -338,6 +337,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
+            first = not (self._step_problem or self._stats_rounds or self.world_size == 1)
+            if first and agreement.another_trains(self):  # both were built before either stepped
+                self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):

@@ -32,9 +32,8 @@ class GradStats:
     found_inf: Tensor  # 0-d float32, exactly 0.0 or 1.0, agreed by every rank
     touched: Tensor  # float32 [P], 1.0 where some rank produced a grad for the param
     norms: dict = field(default_factory=dict)  # norm_type -> true norm tensors handed out
-    mismatch: Optional[Tensor] = None  # 0-d float32: the ranks disagree (agreement.py)
-    mismatch_per_category: Optional[Tensor] = None
-    invalid: Optional[Tensor] = None  # 0-d float32: some rank's tensor lr is NaN, inf or < 0
+    # float32 0/1 [invalid value on some rank, ranks disagree on category 0, 1, ...] (agreement.py)
+    disagreement: Optional[Tensor] = None
 
 
 def reduce_op(norm_type: float):
@@ -66,10 +65,9 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     touched = stats[HEADER:end].clamp_(max=1.0)  # SUM-reduced counts (or MAX-reduced flags) -> 0/1
     if fingerprint is None:
         return GradStats(norm_type, raw, found_inf, touched)
-    mismatch, per_category, invalid = fingerprint.check(stats[end:], math.isinf(norm_type))
-    found_inf = torch.maximum(torch.maximum(found_inf.float(), mismatch), invalid)
-    return GradStats(norm_type, raw, found_inf, touched, mismatch=mismatch, mismatch_per_category=per_category,
-                     invalid=invalid)
+    disagreement = fingerprint.check(stats[end:], math.isinf(norm_type))
+    found_inf = torch.maximum(found_inf, disagreement.amax())
+    return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
 
 
 def clip_coef(max_norm: float, norm: Tensor) -> Tensor:

@@ -185,8 +185,8 @@ def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, 
     key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
     if chunks is None:
-        chunks = segments.extra[key] = _to_device(
-            chunk_table(segments, grad.numel(), steps.numel(), hparams.shape[0], size), grad.device)
+        _store(segments, key, chunk_table(segments, grad.numel(), steps.numel(), hparams.shape[0], size), grad.device)
+        chunks = segments.extra[key]
     return chunks
 
 
@@ -202,7 +202,7 @@ def prepare(segment_tables: List[SegmentTable], numels: List[int], device: torch
         size = _chunk_size(ext, device, bool(light[i]) if light is not None else False)
         key = f"native_chunks_{size}_{device}"
         if segments.segments and key not in segments.extra:
-            segments.extra[key] = _to_device(chunk_table(segments, numel, n_params, n_groups, size), device)
+            _store(segments, key, chunk_table(segments, numel, n_params, n_groups, size), device)
 
 
 def chunk_table(segments: SegmentTable, numel: int, n_params: int, n_groups: int, chunk: int) -> Tensor:
@@ -229,7 +229,11 @@ def chunk_table(segments: SegmentTable, numel: int, n_params: int, n_groups: int
     return torch.stack([torch.cat(starts), torch.cat(codes)], dim=1)
 
 
-def _to_device(t: Tensor, device: torch.device) -> Tensor:
+def _store(segments: SegmentTable, key: str, host: Tensor, device: torch.device) -> None:
+    """Cache ``host`` on ``device`` under ``key``: from pinned memory, non-blocking (no host sync).
+    The pinned copy is kept too: a copy captured in a CUDA graph reads it again at every replay."""
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # no host sync
-    return t
+        pinned = segments.extra[key + "_pinned"] = host.pin_memory()
+        segments.extra[key] = pinned.to(device, non_blocking=True)
+    else:
+        segments.extra[key] = host

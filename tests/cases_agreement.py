@@ -81,7 +81,15 @@ def case_two_optimizers_one_group(rank, world, **kw):
     # rebuilding over the SAME model takes its params over: allowed
     rebuilt = _raised(lambda: DistributedFusedAdam(a.parameters()))
     del opt_a
-    return {"error": error, "rebuilt": rebuilt}
+    # both built before either stepped: the second one's first step raises, on every rank
+    c, d = MLP(), MLP()
+    opt_c, opt_d = DistributedFusedAdam(c.parameters()), DistributedFusedAdam(d.parameters())
+    _backward(c, rank, world)
+    opt_c.step()
+    _backward(d, rank, world)
+    before = _params(d)
+    at_step = _raised(opt_d.step)
+    return {"error": error, "rebuilt": rebuilt, "at_step": at_step, "untouched": _unchanged(d, before)}
 
 
 # ---------------------------------------------------------------- per step
