@@ -77,15 +77,18 @@ class GradSync:
         # grads in a bucket buffer not reduced yet (accumulate vs overwrite)
         self.in_buffer = [False] * self.n_params
         # staged grads: taken from param.grad, not yet copied into the bucket buffer
-        self.staged_slots: List[List[ParamSlot]] = [[] for _ in buckets]
+        self.staged_idx: List[List[int]] = [[] for _ in buckets]
         self.staged_grads: List[List[Tensor]] = [[] for _ in buckets]
+        self.bucket_in_buffer = [False] * len(buckets)  # some in_buffer flag of the bucket is set
         self.staged_bytes = [0] * len(buckets)
         self.is_staged = [False] * self.n_params
         self.flush_bytes = [
             b.numel * buffers[i].grad_dtype.itemsize // (1 if world_size == 1 else STAGE_FRACTION)
             for i, b in enumerate(buckets)
         ]
-        self.slot_bytes = {i: s.numel * params[i].element_size() for i, s in self.slots.items()}
+        self.offsets = [0] * self.n_params
+        for i, slot in self.slots.items():
+            self.offsets[i] = slot.offset
         self.shard_valid = [False] * len(buckets)
         self.full: List[Optional[Tensor]] = [None] * len(buckets)
         if world_size == 1:
@@ -112,7 +115,9 @@ class GradSync:
         for p in params:
             p._shardamp_owner = self.owner_token
         ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
-        self.slot_of = {id(p): self.slots[i] for i, p in enumerate(params) if i in self.slots}
+        # per param, what the hook needs: (index, bucket, bytes its staged grad holds)
+        self.record = {id(p): (i, self.slots[i].bucket, self.slots[i].numel * p.element_size())
+                       for i, p in enumerate(params) if i in self.slots}
 
         def hook(param: torch.nn.Parameter) -> None:
             me = ref()
@@ -137,21 +142,21 @@ class GradSync:
             self.on_grad()
             self.grad_since_zero = True
             _compat.queue_backward_callback(self._end_of_backward)
-        slot = self.slot_of[id(param)]
-        b = slot.bucket
-        if self.is_staged[slot.index]:  # a second grad before the flush: land the first one
+        i, b, nbytes = self.record[id(param)]
+        if self.is_staged[i]:  # a second grad before the flush: land the first one
             self._flush(b)
-        self.is_staged[slot.index] = True
-        self.staged_slots[b].append(slot)
+        self.is_staged[i] = True
+        self.local_touched[i] = True
+        self.staged_idx[b].append(i)
         self.staged_grads[b].append(grad)
-        self.staged_bytes[b] += self.slot_bytes[slot.index]
-        self.local_touched[slot.index] = True
-        self.fired[b] += 1
-        complete = self.fired[b] >= self.expected[b]
-        if complete or self.staged_bytes[b] >= self.flush_bytes[b]:
+        staged = self.staged_bytes[b] = self.staged_bytes[b] + nbytes
+        fired = self.fired[b] = self.fired[b] + 1
+        if fired >= self.expected[b]:
             self._flush(b)
-            if complete and self.enabled and self.overlap:
+            if self.enabled and self.overlap:
                 self._launch_ready()
+        elif staged >= self.flush_bytes[b]:
+            self._flush(b)
 
     def _writable_full(self, b: int) -> Tensor:
         """Bucket ``b``'s full-size buffer, allocated (zeros) or zeroed if stale."""
@@ -168,26 +173,32 @@ class GradSync:
 
     def _flush(self, b: int) -> None:
         """Copy (or add) bucket ``b``'s staged grads into its buffer: one multi-tensor op each."""
-        slots = self.staged_slots[b]
-        if not slots:
+        idx = self.staged_idx[b]
+        if not idx:
             return
         grads = self.staged_grads[b]
-        self.staged_slots[b], self.staged_grads[b], self.staged_bytes[b] = [], [], 0
+        self.staged_idx[b], self.staged_grads[b], self.staged_bytes[b] = [], [], 0
         full = self._writable_full(b)
         self.partial_valid[b] = False
+        params, offsets, in_buffer, is_staged = self.params, self.offsets, self.in_buffer, self.is_staged
+        for i in idx:
+            is_staged[i] = False
         # world 1: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         acc_all = self.world_size == 1 and self.shard_valid[b]
-        params, in_buffer, is_staged = self.params, self.in_buffer, self.is_staged
+        if acc_all or not self.bucket_in_buffer[b]:  # the common cases: all adds, or all copies
+            for i in idx:
+                in_buffer[i] = True
+            self.bucket_in_buffer[b] = True
+            kernels.land_grads(full, grads, [params[i] for i in idx], [offsets[i] for i in idx], accumulate=acc_all)
+            return
         copy = ([], [], [])  # grads, like (the param: shape and strides), offsets
         add = ([], [], [])
-        for slot, grad in zip(slots, grads):
-            i = slot.index
-            is_staged[i] = False
-            lists = add if acc_all or in_buffer[i] else copy
+        for i, grad in zip(idx, grads):
+            lists = add if in_buffer[i] else copy
             in_buffer[i] = True
             lists[0].append(grad)
             lists[1].append(params[i])
-            lists[2].append(slot.offset)
+            lists[2].append(offsets[i])
         if copy[0]:
             kernels.land_grads(full, *copy, accumulate=False)
         if add[0]:
@@ -227,6 +238,7 @@ class GradSync:
         bucket = self.buckets[b]
         for s in bucket.slots:
             self.in_buffer[s.index] = False
+        self.bucket_in_buffer[b] = False
         full = self._writable_full(b)  # no grad here on this rank: contribute zeros
         if self.world_size == 1:
             self.shard_valid[b] = True
@@ -332,8 +344,9 @@ class GradSync:
         self.partial_valid = [False] * len(self.buckets)
         self.partials_zeroed = False
         self.callback_queued = False  # a backward that raised never ran its callback
-        self.staged_slots = [[] for _ in self.buckets]
+        self.staged_idx = [[] for _ in self.buckets]
         self.staged_grads = [[] for _ in self.buckets]
+        self.bucket_in_buffer = [False] * len(self.buckets)
         self.staged_bytes = [0] * len(self.buckets)
         self.is_staged = [False] * self.n_params
         if set_to_none:
