@@ -249,12 +249,18 @@ def reattach_param(buffers: BucketBuffers, slot: ParamSlot, p: Tensor, device: t
     if p.device != device or p.dtype != buffers.params.dtype or tuple(p.shape) != slot.shape \
             or tuple(p.stride()) != slot.stride:
         return False
+    lo = max(slot.offset, buffers.shard.start)
+    hi = min(slot.offset + slot.numel, buffers.shard.stop)
+    before = buffers.params[lo:hi].clone() if buffers.remainders and lo < hi else None
     alias = param_alias(buffers.params, slot)
     alias.copy_(p.detach())
     p.data = alias
-    if buffers.master.data_ptr() != buffers.params[buffers.shard].data_ptr():
-        lo = max(slot.offset, buffers.shard.start)
-        hi = min(slot.offset + slot.numel, buffers.shard.stop)
+    if before is not None:
+        # the bf16 param IS the master's high half: where the value changed, the new bf16 value is
+        # the whole master (remainder 0); unchanged elements keep their low bits
+        remainder = buffers.master[lo - buffers.shard.start:hi - buffers.shard.start]
+        remainder.masked_fill_(buffers.params[lo:hi] != before, 0)
+    elif buffers.master.data_ptr() != buffers.params[buffers.shard].data_ptr():
         if lo < hi:
             master = buffers.master[lo - buffers.shard.start:hi - buffers.shard.start]
             model = buffers.params[lo:hi]
