@@ -52,13 +52,15 @@ def test_to_the_same_device_keeps_training_like_torch(device) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_same_device_copy_of_a_bf16_model_keeps_the_fp32_master() -> None:
-    """bf16 params, fp32 master: a same-device copy loses nothing (the master keeps its full
-    precision); a value written into the copy is taken over, into the master too, as torch's
-    optimizer would go on from the new tensor."""
+@pytest.mark.parametrize("remainders", [False, True])
+def test_same_device_copy_of_a_bf16_model_keeps_the_fp32_master(remainders: bool) -> None:
+    """bf16 params, fp32 master (separate, or bf16 param + int16 remainder): a same-device copy
+    loses nothing (the master keeps its full precision); a value written into the copy is taken
+    over, into the master too, as torch's optimizer would go on from the new tensor."""
     def run(move: bool, write: bool):
         model = _model(torch.bfloat16)
-        opt = DistributedFusedAdam(model.parameters(), lr=0.05, grad_sync_dtype=torch.float32)
+        opt = DistributedFusedAdam(model.parameters(), lr=0.05, grad_sync_dtype=torch.float32,
+                                   store_param_remainders=remainders)
         _train(model, opt, 2)
         if move:
             model.to("cpu:0")
@@ -67,7 +69,7 @@ def test_same_device_copy_of_a_bf16_model_keeps_the_fp32_master() -> None:
                 model[2].bias[0] = 4.0
         _train(model, opt, 2)
         assert _in_buffers(opt)
-        return model, torch.cat([b.master for b in opt._buffers])
+        return model, torch.cat([b.master_values() for b in opt._buffers])
 
     _, plain = run(False, False)
     _, moved = run(True, False)
