@@ -396,7 +396,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             norm = raw_norms[norm_type] * self._avg_factor
             if inv_scale is not None:
                 norm = norm * inv_scale
-            self._last_norms[norm_type] = norm
+            if not self.capturable:  # graph replays rewrite raw_norms without running this code
+                self._last_norms[norm_type] = norm
         return norm
 
     _check_norm_type = staticmethod(check_norm_type)
