@@ -163,8 +163,7 @@ def case_grad_staging_and_release(rank, world, **kw):
         def watch(_p, gs=gs, worst=worst):  # registered after the optimizer's hook: runs after it
             worst.append(max(s - cap for s, cap in zip(gs.staged_bytes, gs.flush_bytes)))
 
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(watch)
+        handles = [p.register_post_accumulate_grad_hook(watch) for p in model.parameters()]
         grads = []
         for _ in range(2):
             opt.zero_grad()
@@ -175,6 +174,11 @@ def case_grad_staging_and_release(rank, world, **kw):
             grads.append((after_zero, after_backward))
         out[f"capturable={capturable}"] = {"grad_shards": grads, "max_over_cap": max(worst),
                                           "buckets": len(opt._buckets)}
+        # one live optimizer per process group: the next one is built over the same group (a hook
+        # held by autograd keeps gs, and through it the optimizer, alive until removed)
+        for h in handles:
+            h.remove()
+        del opt, gs, watch
 def case_bf16_moments(rank, world, **kw):
     # bf16 exp_avg / exp_avg_sq against fp32 torch.optim.AdamW: close, not round-off (test_core)
     return train(rank, world, **kw, steps=10, opt_kwargs=dict(
