@@ -179,6 +179,9 @@ def case_grad_staging_and_release(rank, world, **kw):
         for h in handles:
             h.remove()
         del opt, gs, watch
+    return out
+
+
 def case_bf16_moments(rank, world, **kw):
     # bf16 exp_avg / exp_avg_sq against fp32 torch.optim.AdamW: close, not round-off (test_core)
     return train(rank, world, **kw, steps=10, opt_kwargs=dict(
@@ -233,17 +236,21 @@ def case_remainders_bitwise(rank, world, steps=40, **kw):
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            runs.append((opt, params))
-        (a, pa), (b, pb) = runs
-        masters_a, masters_b = _masters(a), _masters(b)
+            # what is compared, kept; the optimizer itself is dropped before the next one is built
+            # over the same group (one live optimizer per process group)
+            runs.append({"masters": [m.clone() for m in _masters(opt)],
+                         "moments": [(b.exp_avg.clone(), b.exp_avg_sq.clone()) for b in opt._buffers],
+                         "steps": opt._steps.clone(), "params": params})
+            del opt
+        a, b = runs
         out[str(moments)] = {
             "masters_equal": all(torch.equal(x.view(torch.int32), y.view(torch.int32))
-                                 for x, y in zip(masters_a, masters_b)),
-            "moments_equal": all(torch.equal(x.exp_avg, y.exp_avg) and torch.equal(x.exp_avg_sq, y.exp_avg_sq)
-                                 for x, y in zip(a._buffers, b._buffers)),
-            "steps_equal": torch.equal(a._steps, b._steps), "steps": b._steps.tolist(),
+                                 for x, y in zip(a["masters"], b["masters"])),
+            "moments_equal": all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+                                 for x, y in zip(a["moments"], b["moments"])),
+            "steps_equal": torch.equal(a["steps"], b["steps"]), "steps": b["steps"].tolist(),
             "params_are_high_halves": all(torch.equal(p.view(torch.int16), split_remainders(m)[0].view(torch.int16))
-                                          for p, m in zip(pb, masters_b)),
+                                          for p, m in zip(b["params"], b["masters"])),
         }
     return out
 
@@ -266,6 +273,7 @@ def case_memory_stats_dtypes(rank, world, **kw):
         opt.step()
         out[name] = {"stats": opt.memory_stats(), "shard": sum(b.shard_numel for b in opt._buckets),
                      "n": sum(p.numel() for p in model.parameters())}
+        del opt  # one live optimizer per process group
     return out
 
 
