@@ -66,7 +66,6 @@ def describe(opt: Any) -> Dict[str, Any]:
         "bucket_cap_mb": opt.bucket_cap_mb,
         "buckets": [(b.numel, [s.index for s in b.slots]) for b in opt._buckets],
         "device type": opt._device.type,
-        "another DistributedFusedAdam trains over this process group": opt._other_optimizer,
     }
 
 
@@ -82,8 +81,6 @@ def agree_on_construction(opt: Any) -> None:
     table = everyone.view(opt.world_size, len(names)).cpu()
     differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
     if not differ:
-        if opt._other_optimizer:
-            raise RuntimeError(TWO_OPTIMIZERS)
         return
     values: List[Any] = [None] * opt.world_size  # error path only: every rank saw the same table
     dist.all_gather_object(values, {n: fields[n] for n in differ}, group=opt.process_group)
@@ -116,45 +113,48 @@ _by_group: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
 _world: List[weakref.ref] = []
 
 
-def other_live_optimizer(opt: Any) -> bool:
-    """Record ``opt`` for its group; True if another live optimizer that has already stepped
-    still owns params there (checked by ``agree_on_construction``, so every rank raises alike).
-    One that never stepped (built to load or inspect a checkpoint) does not count."""
+def register(opt: Any) -> None:
+    """Record ``opt`` among its group's live optimizers (see ``open_round``)."""
     refs = _refs(opt)
-    others = another_trains(opt)
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
-    return others
+    opt._round_open = False
+    opt._overlapping = False
 
 
-def another_trains(opt: Any) -> bool:
-    """Another live optimizer over ``opt``'s group has stepped and still owns params ``opt``
-    does not have (rebuilding over the same params takes them over: that is fine)."""
-    mine = {id(p) for p in opt._params}
-    if not any(o is not None and o is not opt and _owns_params(o, mine) for o in (r() for r in _refs(opt))):
-        return False
-    import gc
+def open_round(opt: Any) -> None:
+    """``opt`` received its first grad since its last step or ``zero_grad``.
 
-    gc.collect()  # an optimizer kept alive only by a reference cycle is not a second user
-    return any(o is not None and o is not opt and _owns_params(o, mine) for o in (r() for r in _refs(opt)))
+    Two optimizers over one group are safe while their rounds (first grad .. step) follow each
+    other, in any order and however long both live (train one, then another; save, rebuild,
+    resume). They are not when the rounds overlap (one receives grads while the other holds grads
+    it has not stepped on, e.g. one loss backpropagating through both models): their bucket
+    reduce-scatters then interleave in an order that can differ between ranks. Both are flagged;
+    the flag rides in the next step's stats all-reduce, so every rank raises there."""
+    if opt.world_size == 1 or opt._round_open:
+        return
+    opt._round_open = True
+    for other in (r() for r in _refs(opt)):
+        if other is not None and other is not opt and getattr(other, "_round_open", False):
+            other._overlapping = opt._overlapping = True
+
+
+def close_round(opt: Any) -> None:
+    """``opt`` stepped or dropped its grads: its round is over."""
+    opt._round_open = False
+    opt._overlapping = False
 
 
 def _refs(opt: Any) -> List[weakref.ref]:
     return _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
 
 
-def _owns_params(opt: Any, taken_over: set) -> bool:
-    sync = getattr(opt, "_grad_sync", None)
-    if sync is None or not getattr(opt, "_stats_rounds", 0):
-        return False
-    return any(getattr(p, "_shardamp_owner", None) is sync.owner_token and id(p) not in taken_over
-               for p in opt._params)
-
-
 TWO_OPTIMIZERS = (
-    "DistributedFusedAdam: another DistributedFusedAdam already trains params over this process group. "
-    "The two would issue their reduce-scatters and all-reduces in an order that differs between ranks "
-    "(a hang or mixed-up grads). Use ONE optimizer with several param groups, give each optimizer its own "
-    "group (torch.distributed.new_group), or drop the old optimizer first."
+    "DistributedFusedAdam: another DistributedFusedAdam over this process group received gradients "
+    "while this one held gradients it had not stepped on (their backward passes overlap, e.g. one loss "
+    "backpropagating through both models). The two would issue their reduce-scatters in an order that "
+    "can differ between ranks (a hang or mixed-up grads). Use ONE optimizer with several param groups, "
+    "give each optimizer its own group (torch.distributed.new_group), or step and zero_grad one before "
+    "the other's backward."
 )
 
 

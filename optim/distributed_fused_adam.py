@@ -172,7 +172,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
         self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)
         # before anything is allocated or communicated: every rank built the same optimizer
-        self._other_optimizer = agreement.other_live_optimizer(self)
+        agreement.register(self)
         agreement.agree_on_construction(self)
         self._buffers: List[BucketBuffers] = []
         for bucket in self._buckets:
@@ -264,6 +264,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._norm_dependents: List[Callable[[], Any]] = []  # recomputed when norms are unscaled
 
     def _on_new_grad(self) -> None:
+        agreement.open_round(self)
         if self._stats is not None or self._inv_scale is not None or self._last_raw is not None:
             self._reset_round()
             self._last_norms = {}
@@ -314,6 +315,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         updates (weight decay, momentum) every param that had a grad, as torch does."""
         self._grad_sync.zero(set_to_none)
         self._reset_round()  # the last step's norms stay readable (grad_norm) until the next backward
+        agreement.close_round(self)
         self._stepped_without_zero_grad = False
 
     # ------------------------------------------------------------------ stats, unscale, clip
@@ -337,8 +339,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
-            first = not (self._step_problem or self._stats_rounds or self.world_size == 1)
-            if first and agreement.another_trains(self):  # both were built before either stepped
+            if not self._step_problem and self._overlapping:
                 self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
@@ -532,6 +533,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._last_norms = dict(self._norms)
         self._last_raw = (dict(self._raw_norms), self._inv_scale)  # unscaled lazily: no work here
         self._reset_round()
+        agreement.close_round(self)
         self._grad_sync.step_done()
         self._stepped_without_zero_grad = True
         return loss

@@ -77,19 +77,33 @@ def case_two_optimizers_one_group(rank, world, **kw):
     opt_a = DistributedFusedAdam(a.parameters())
     _backward(a, rank, world)
     opt_a.step()
-    error = _raised(lambda: DistributedFusedAdam(b.parameters()))
+    opt_a.zero_grad()
+    # one after the other, both alive (train one, then the other; save, rebuild, resume): fine
+    opt_b = DistributedFusedAdam(b.parameters())
+    sequential = []
+    for step in range(2):
+        for model, opt in ((b, opt_b), (a, opt_a)):
+            _backward(model, rank, world, step=step)
+            sequential.append(_raised(opt.step))
+            opt.zero_grad()
     # rebuilding over the SAME model takes its params over: allowed
     rebuilt = _raised(lambda: DistributedFusedAdam(a.parameters()))
-    del opt_a
-    # both built before either stepped: the second one's first step raises, on every rank
-    c, d = MLP(), MLP()
+    del opt_a, opt_b
+    # overlapping rounds (one loss through both models): each step raises, on every rank,
+    # and nothing trains
+    c, d = MLP(out=12), MLP()
     opt_c, opt_d = DistributedFusedAdam(c.parameters()), DistributedFusedAdam(d.parameters())
-    _backward(c, rank, world)
-    opt_c.step()
-    _backward(d, rank, world)
-    before = _params(d)
-    at_step = _raised(opt_d.step)
-    return {"error": error, "rebuilt": rebuilt, "at_step": at_step, "untouched": _unchanged(d, before)}
+    x, y = batches(0, world)[rank]
+    ((d(c(x)) - y) ** 2).mean().backward()
+    before = _params(c) + _params(d)
+    at_step = [_raised(opt_c.step), _raised(opt_d.step)]
+    untouched = all(torch.equal(p, q) for p, q in zip(list(c.parameters()) + list(d.parameters()), before))
+    opt_c.zero_grad()
+    opt_d.zero_grad()
+    ((c(x) - x) ** 2).mean().backward()  # after zero_grad the rounds are over: c alone trains again
+    after = _raised(opt_c.step)
+    return {"sequential": sequential, "rebuilt": rebuilt, "at_step": at_step, "untouched": untouched,
+            "after": after}
 
 
 # ---------------------------------------------------------------- per step
