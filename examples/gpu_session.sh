@@ -8,9 +8,21 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: a relative $OUT must s
 cd "$(dirname "$0")/.."
 status=0
 source examples/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
-# PARTS picks what runs (default: tests bench overlap): tests (kernels + NCCL + graphs),
-# kernel_tests (kernels only), bench, variants (step chunk sizes side by side), profile, overlap
+# PARTS picks what runs (default: tests bench overlap): tests (every CUDA test file: kernels,
+# NCCL parity and AMP loops, graphs, checkpoints, FSDP2 wrappers, fault cases), frameworks (the
+# examples/*_train.py scripts on CUDA: FRAMEWORK_TESTS picks them, default all), kernel_tests
+# (kernels only), bench, host (examples/bench_host.py: HOST_ROWS, HOST_REPEATS), variants (step
+# chunk sizes side by side), profile, overlap. BUDGET (seconds, default 3000) caps the whole
+# session: each part gets at most what is left of it, so a slow part cannot starve the rest of
+# their logs.
 PARTS="${PARTS:-tests bench overlap}"
+BUDGET="${BUDGET:-3000}"
+started=0  # $SECONDS counts from this script's start: install and build count too
+left() {  # seconds a part may take: its own cap, or what is left of BUDGET (at least 10)
+  local rest=$((BUDGET - (SECONDS - started)))
+  ((rest < 10)) && rest=10
+  echo $(( $1 < rest ? $1 : rest ))
+}
 if [[ " $PARTS " == *" kernel_tests "* ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "not empty_and_cached and not rejects_non_fp32" \
     2>&1 | tail -15 | tee "$OUT/kernel_tests.log" || status=1
@@ -19,11 +31,18 @@ if [[ " $PARTS " == *" tests "* ]]; then
   # The two tests that expect an error FROM the extension are left out: on the GPU image seen so
   # far (torch 2.11 + g++ 13.3) any C++ exception leaving a JIT-built extension kills Python
   # (csrc/NOTES.md); the library itself never relies on one.
-  timeout "${TEST_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py tests/test_cuda_graph.py \
-    -k "not empty_and_cached and not rejects_non_fp32" 2>&1 | tail -60 | tee "$OUT/tests.log" || status=1
+  timeout "$(left "${TEST_TIMEOUT:-420}")" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_kernels.py \
+    tests/test_cuda.py tests/test_cuda_graph.py tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py \
+    tests/test_faults.py -k "not empty_and_cached and not rejects_non_fp32" >"$OUT/tests.log" 2>&1 || status=1
+  tail -40 "$OUT/tests.log"
+fi
+if [[ " $PARTS " == *" frameworks "* ]]; then
+  timeout "$(left "${FRAMEWORK_TIMEOUT:-400}")" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_frameworks.py \
+    -k "${FRAMEWORK_TESTS:-example}" -s >"$OUT/frameworks.log" 2>&1 || status=1
+  grep -E "parity|step time|resume|passed|failed|Error" "$OUT/frameworks.log" | tail -40
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
-  timeout 200 python3 examples/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
+  timeout "$(left 200)" python3 examples/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
 fi
 if [[ " $PARTS " == *" profile "* ]]; then
   timeout 200 python3 examples/profile_step.py --out "$OUT" 2>&1 | tail -80 | tee "$OUT/profile.log" || status=1
@@ -37,7 +56,13 @@ if [[ " $PARTS " == *" variants "* ]]; then
       2>&1 | grep -E "graph|kernels|copy" | tee -a "$OUT/variants.log" || status=1
   done
 fi
+if [[ " $PARTS " == *" host "* ]]; then
+  timeout "$(left "${HOST_TIMEOUT:-300}")" python3 examples/bench_host.py --device cuda --repeats "${HOST_REPEATS:-5}" \
+    ${HOST_ROWS:+--only "$HOST_ROWS"} --out "$OUT" >"$OUT/host.log" 2>&1 || status=1
+  tail -40 "$OUT/host.log"
+fi
 if [[ " $PARTS " == *" overlap "* ]]; then
   timeout 120 python3 examples/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
 fi
+echo "gpu_session: $((SECONDS - started)) s, status $status"
 exit $status

@@ -133,9 +133,17 @@ def open_round(opt: Any) -> None:
     if opt.world_size == 1 or opt._round_open:
         return
     opt._round_open = True
-    for other in (r() for r in _refs(opt)):
-        if other is not None and other is not opt and getattr(other, "_round_open", False):
-            other._overlapping = opt._overlapping = True
+
+    def open_others() -> list:
+        return [o for o in (r() for r in _refs(opt)) if o is not None and o is not opt and getattr(o, "_round_open", False)]
+
+    if not open_others():
+        return
+    import gc
+
+    gc.collect()  # one kept alive only by a reference cycle (dropped, never stepped) is no other user
+    for other in open_others():
+        other._overlapping = opt._overlapping = True
 
 
 def close_round(opt: Any) -> None:
