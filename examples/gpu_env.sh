@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED=1 TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-/tmp/sha
 if ! python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1; then
   echo "pip install -e . failed (install.log): importing from the source tree" | tee -a "$OUT/env.log"
   shim="$(mktemp -d)"; mkdir -p "$shim/shardamp"
-  for pkg in optim scaler csrc; do ln -s "$PWD/$pkg" "$shim/shardamp/$pkg"; done
+  for pkg in optim scaler csrc integrations; do ln -s "$PWD/$pkg" "$shim/shardamp/$pkg"; done
   export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"
 fi
 python3 -c 'import torch; from shardamp.optim import kernels; print("cuda kernels:", kernels.backend(torch.device("cuda")))' 2>&1 | tail -5 | tee -a "$OUT/env.log"

@@ -233,7 +233,7 @@ def _store(segments: SegmentTable, key: str, host: Tensor, device: torch.device)
     """Cache ``host`` on ``device`` under ``key``: from pinned memory, non-blocking (no host sync).
     The pinned copy is kept too: a copy captured in a CUDA graph reads it again at every replay."""
     if device.type == "cuda":
-        pinned = segments.extra[key + "_pinned"] = host.pin_memory()
+        pinned = segments.extra["pinned_" + key] = host.pin_memory()
         segments.extra[key] = pinned.to(device, non_blocking=True)
     else:
         segments.extra[key] = host

@@ -78,6 +78,8 @@ def test_storage_alias_shares_bytes_but_not_the_storage_object() -> None:
     del flat
     assert alias.sum().item() > 0  # the alias keeps the buffer's memory alive
     assert _compat.storage_alias(torch.zeros(4), 4, 0, (0,), (1,)).numel() == 0
+
+
 def test_foreach_copy_and_add_across_layouts_and_dtypes() -> None:
     """The multi-tensor ops the grad hooks land staged grads with: strided (channels_last) views
     of a flat buffer, mixed sizes, a dtype conversion."""

@@ -66,6 +66,9 @@ def test_core_parity_cuda(world: int, case: str) -> None:
 @pytest.mark.parametrize("world", WORLDS)
 def test_grad_staging_bounded_and_world1_release_cuda(world: int) -> None:
     check_staging_case(_results(world), world)
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_storage_options_cuda(world: int) -> None:
     """bf16 moments and param remainders through the CUDA kernels: remainders bitwise equal to a
     separate fp32 master, bf16 moments within the stated tolerance, memory_stats savings."""

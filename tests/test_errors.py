@@ -115,6 +115,8 @@ def test_world_size_env_without_process_group_raises(monkeypatch) -> None:
         DistributedFusedAdam(_model().parameters())
     monkeypatch.setenv("WORLD_SIZE", "1")
     DistributedFusedAdam(_model().parameters())  # a single-process launch is fine
+
+
 @pytest.mark.parametrize("kernels", ["native", "reference"])
 def test_same_address_view_of_another_layout_breaks_the_view(kernels: str, monkeypatch) -> None:
     # the native one-call check (and the Python walk without it) compares strides, not only

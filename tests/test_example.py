@@ -112,6 +112,8 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
             assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
         else:
             assert r["torch full_ms"] > 0 and r["shardamp full_ms"] > 0, r
+
+
 def test_train_tiny_with_bf16_storage_options(tmp_path: Path) -> None:
     """--param-dtype bf16 --store-param-remainders with bf16 moments: trains at world 2, the
     parity line is informational, and memory_stats per rank shows the smaller master and
