@@ -118,7 +118,7 @@ def case_grad_memory_bounded(rank, world, **kw):
     opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.005)
     model(torch.randn(4, 32, device=device)).sum().backward()
     gs = opt._grad_sync
-    held = sum(1 for entry in gs.pending if entry[2] is not None) + sum(f is not None for f in gs.full)
+    held = sum(1 for r in gs.pending if r.full is not None) + sum(f is not None for f in gs.full)
     return {"buckets": len(opt._buckets), "held": held, "limit": MAX_IN_FLIGHT if world > 1 else len(opt._buckets)}
 
 
@@ -163,8 +163,7 @@ def case_grad_staging_and_release(rank, world, **kw):
         def watch(_p, gs=gs, worst=worst):  # registered after the optimizer's hook: runs after it
             worst.append(max(s - cap for s, cap in zip(gs.staged_bytes, gs.flush_bytes)))
 
-        for p in model.parameters():
-            p.register_post_accumulate_grad_hook(watch)
+        handles = [p.register_post_accumulate_grad_hook(watch) for p in model.parameters()]
         grads = []
         for _ in range(2):
             opt.zero_grad()
@@ -175,6 +174,12 @@ def case_grad_staging_and_release(rank, world, **kw):
             grads.append((after_zero, after_backward))
         out[f"capturable={capturable}"] = {"grad_shards": grads, "max_over_cap": max(worst),
                                           "buckets": len(opt._buckets)}
+        for h in handles:  # the next optimizer is over a new model: the old one must not live on
+            h.remove()  # (as a second trainer of the group) through this hook or the names below
+        del opt, gs, watch
+    return out
+
+
 def case_bf16_moments(rank, world, **kw):
     # bf16 exp_avg / exp_avg_sq against fp32 torch.optim.AdamW: close, not round-off (test_core)
     return train(rank, world, **kw, steps=10, opt_kwargs=dict(
@@ -229,15 +234,18 @@ def case_remainders_bitwise(rank, world, steps=40, **kw):
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            runs.append((opt, params))
-        (a, pa), (b, pb) = runs
-        masters_a, masters_b = _masters(a), _masters(b)
+            # a snapshot, and the optimizer dropped: a second live one would train the same group
+            runs.append(([m.clone() for m in _masters(opt)],
+                         [(x.exp_avg.clone(), x.exp_avg_sq.clone()) for x in opt._buffers],
+                         opt._steps.clone(), params))
+            del opt
+        (masters_a, moments_a, steps_a, _pa), (masters_b, moments_b, steps_b, pb) = runs
         out[str(moments)] = {
             "masters_equal": all(torch.equal(x.view(torch.int32), y.view(torch.int32))
                                  for x, y in zip(masters_a, masters_b)),
-            "moments_equal": all(torch.equal(x.exp_avg, y.exp_avg) and torch.equal(x.exp_avg_sq, y.exp_avg_sq)
-                                 for x, y in zip(a._buffers, b._buffers)),
-            "steps_equal": torch.equal(a._steps, b._steps), "steps": b._steps.tolist(),
+            "moments_equal": all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
+                                 for x, y in zip(moments_a, moments_b)),
+            "steps_equal": torch.equal(steps_a, steps_b), "steps": steps_b.tolist(),
             "params_are_high_halves": all(torch.equal(p.view(torch.int16), split_remainders(m)[0].view(torch.int16))
                                           for p, m in zip(pb, masters_b)),
         }
@@ -262,6 +270,7 @@ def case_memory_stats_dtypes(rank, world, **kw):
         opt.step()
         out[name] = {"stats": opt.memory_stats(), "shard": sum(b.shard_numel for b in opt._buckets),
                      "n": sum(p.numel() for p in model.parameters())}
+        del opt  # else it would still train the group while the next one is built
     return out
 
 
