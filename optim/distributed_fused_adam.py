@@ -47,8 +47,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     Args mirror torch.optim.AdamW, plus: ``max_grad_norm`` (clip every step, in-kernel),
     ``process_group`` (the group the state is sharded over; default WORLD, or no communication
-    at all when torch.distributed is not initialised), ``average_grad_sync`` (average or sum grads
-    over the group), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
+    at all when torch.distributed is not initialised), ``device_mesh`` (instead of
+    ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over its ranks as a group does;
+    a 2-D ``(replicate, shard)`` mesh shards over its last dim and keeps one copy of the state
+    per replica: grads are reduce-scattered over the shard dim and the shard all-reduced over
+    the replicate dim, params all-gathered over the shard dim, norm and found-inf agreed over
+    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
     (collective dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
     (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
     (leave the all-gather in flight after ``step``; each module waits for its own params in a
