@@ -118,3 +118,24 @@ def test_mesh_checkpoint_loads_at_world_1() -> None:
         else:
             load_sharded(opt, os.path.join(tmp, "dcp_2x2"))
         cc.assert_sd_equal(opt.state_dict(), saved)
+
+
+def test_scaling_model_rows() -> None:
+    """examples/scaling_model.py (the README's table): inside one node flat and hybrid are the
+    same; across nodes hybrid sends 1/8 of flat's network bytes asymptotically (the 1/8 shard
+    all-reduced, 2S, against reduce-scatter + all-gather of everything, 2S), keeps 12 B/param / 8."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "scaling_model.py")
+    spec = importlib.util.spec_from_file_location("scaling_model", path)
+    sm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sm)
+    size = 672e6 * 4
+    one = sm.model(8, 8, size, 450.0, 50.0, 1.0, 0.0, 47.1)
+    assert one["flat_comm_ms"] == one["hyb_comm_ms"] and one["flat_net_gb"] == one["hyb_net_gb"] == 0.0
+    assert one["flat_nv_gb"] == pytest.approx(2 * 7 / 8 * size / 1e9)
+    big = sm.model(1024, 8, size, 450.0, 50.0, 1.0, 0.0, 47.1)
+    assert big["flat_net_gb"] == pytest.approx(2 * 1023 / 1024 * size / 1e9)
+    assert big["hyb_net_gb"] == pytest.approx(2 * 127 / 128 * size / 8 / 1e9)
+    assert big["hyb_opt_bpp"] == 1.5 and big["flat_opt_bpp"] == 12 / 1024
+    assert big["hyb_step_ms"] < big["flat_step_ms"]
