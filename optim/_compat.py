@@ -16,6 +16,12 @@ from torch import Tensor
 __all__ = [
     "reduce_scatter",
     "all_gather",
+    "all_reduce",
+    "all_reduce_async",
+    "gather_to_group_rank0",
+    "broadcast_from_group_rank0",
+    "is_device_mesh",
+    "flat_mesh_group",
     "queue_backward_callback",
     "OptState",
     "scaler_optimizer_state",
@@ -102,6 +108,30 @@ def is_dense_non_overlapping(t: torch.Tensor) -> bool:
 def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
     """In-place all-reduce (synchronous on the host, asynchronous on CUDA streams)."""
     dist.all_reduce(tensor, op=op, group=group)
+
+
+def all_reduce_async(tensor: torch.Tensor, op: Any, group: Any):
+    """In-place all-reduce, returning its handle (the grad replicas, the per-call agreement)."""
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+
+
+def gather_to_group_rank0(tensor: torch.Tensor, pieces: Optional[List[torch.Tensor]], group: Any) -> None:
+    """Gather every rank's ``tensor`` into ``pieces`` on the group's rank 0 (None elsewhere)."""
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather(tensor, gather_list=pieces, dst=dst, group=group)
+
+
+def is_device_mesh(obj: Any) -> bool:
+    """``obj`` is a ``torch.distributed.device_mesh.DeviceMesh``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return isinstance(obj, DeviceMesh)
+
+
+def flat_mesh_group(mesh: Any) -> Any:
+    """A process group over all ranks of ``mesh`` (a sub-mesh of WORLD): ``DeviceMesh._flatten``
+    is private; it creates (once, cached by the mesh) the group spanning every mesh dim."""
+    return mesh._flatten().get_group()
 
 
 def broadcast_from_group_rank0(tensor: torch.Tensor, group: Any) -> None:

@@ -64,6 +64,7 @@ def describe(opt: Any) -> Dict[str, Any]:
             overlap_param_sync=opt.overlap_param_sync, capturable=opt.capturable,
         ),
         "bucket_cap_mb": opt.bucket_cap_mb,
+        "device mesh (replicate x shard)": opt._comm.describe(),
         "buckets": [(b.numel, [s.index for s in b.slots]) for b in opt._buckets],
         "device type": opt._device.type,
     }
@@ -77,13 +78,13 @@ def agree_on_construction(opt: Any) -> None:
     names = list(fields)
     mine = torch.tensor([crc(fields[n]) for n in names], dtype=torch.int64, device=opt._device)
     everyone = torch.empty(opt.world_size * len(names), dtype=torch.int64, device=opt._device)
-    _compat.all_gather(everyone, mine, opt.process_group, async_op=False)
+    opt._comm.all_gather_span(everyone, mine)
     table = everyone.view(opt.world_size, len(names)).cpu()
     differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
     if not differ:
         return
     values: List[Any] = [None] * opt.world_size  # error path only: every rank saw the same table
-    dist.all_gather_object(values, {n: fields[n] for n in differ}, group=opt.process_group)
+    opt._comm.all_gather_object(values, {n: fields[n] for n in differ})
     details = "; ".join(_first_difference(n, [v[n] for v in values]) for n in differ)
     raise ValueError(
         "DistributedFusedAdam: the ranks of the process group built different optimizers, so their "
@@ -340,7 +341,7 @@ def agree_on_call(opt: Any, name: str, given: Any = None, problem: str = "") -> 
     flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0], dtype=torch.float32, device=opt._device)
     timeout = collective_timeout()
     try:
-        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=opt.process_group, async_op=True)
+        work = opt._comm.all_reduce_async(flag, dist.ReduceOp.MAX)
         if timeout is not None and opt._device.type == "cpu":
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         else:

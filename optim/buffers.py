@@ -88,7 +88,7 @@ class BucketBuffers:
         else:
             self.master[dst].copy_(values)
 
-    def model_out(self, world_size: int) -> Optional[Tensor]:
+    def model_out(self) -> Optional[Tensor]:
         """Where the step writes the model-dtype copy of the updated master shard, if anywhere."""
         if self.sync is not None:
             return self.sync[self.shard]
@@ -100,7 +100,7 @@ class BucketBuffers:
 def allocate(
     bucket: Bucket,
     params: Sequence[torch.nn.Parameter],
-    world_size: int,
+    shard_size: int,
     state_dtype: torch.dtype,
     grad_sync_dtype: torch.dtype,
     param_sync_dtype: torch.dtype,
@@ -122,7 +122,7 @@ def allocate(
         p.data = view
     shard = slice(bucket.shard_start, bucket.shard_start + bucket.shard_numel)
     sync = None
-    if param_sync_dtype != bucket.dtype and world_size > 1:
+    if param_sync_dtype != bucket.dtype and shard_size > 1:
         sync = torch.zeros(bucket.numel, dtype=param_sync_dtype, device=dev)
     n = bucket.shard_numel
     return BucketBuffers(

@@ -78,7 +78,8 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
         sources = [("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)]
         if sd_mod.has_master(opt, bucket.dtype):
             sources.append((sd_mod.MASTER_KEY, buf.master_values()))  # fp32, also from remainders
-        for seg in bucket.segments.segments:
+        # replicas (comm.py's replicate dim) hold the same shard: only the first one writes it
+        for seg in bucket.segments.segments if opt._comm.replicate_rank == 0 else ():
             if steps[seg.param_index] <= 0:  # never updated: no state, as in torch
                 continue
             for key, src in sources:
@@ -233,7 +234,7 @@ def _no_dist() -> bool:
 
 
 def _group(opt: Any) -> Optional[Any]:
-    return None if _no_dist() else opt.process_group
+    return None if _no_dist() else opt._comm.group
 
 
 def _index(path: str) -> Tuple[Dict[Tuple[int, str], List[Tuple[str, int, int]]], Dict[str, torch.dtype], Dict[str, Tuple[int, ...]]]:

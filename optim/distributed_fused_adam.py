@@ -18,6 +18,7 @@ from torch import Tensor
 
 from . import _compat, agreement, deferred_checks, grad_stats, kernels
 from . import state_dict as _state_dict
+from .comm import Comm, make_comm
 from .buffers import (
     BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, expected_views, init_master,
     memory_stats, reattach_param,
@@ -46,8 +47,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     Args mirror torch.optim.AdamW, plus: ``max_grad_norm`` (clip every step, in-kernel),
     ``process_group`` (the group the state is sharded over; default WORLD, or no communication
-    at all when torch.distributed is not initialised), ``average_grad_sync`` (average or sum grads
-    over the group), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
+    at all when torch.distributed is not initialised), ``device_mesh`` (instead of
+    ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over its ranks as a group does;
+    a 2-D ``(replicate, shard)`` mesh shards over its last dim and keeps one copy of the state
+    per replica: grads are reduce-scattered over the shard dim and the shard all-reduced over
+    the replicate dim, params all-gathered over the shard dim, norm and found-inf agreed over
+    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
     (collective dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
     (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
     (leave the all-gather in flight after ``step``; each module waits for its own params in a
@@ -90,6 +95,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         bias_correction: bool = True,
         max_grad_norm: Optional[float] = None,
         process_group: Optional[Any] = None,
+        device_mesh: Optional[Any] = None,
         average_grad_sync: bool = True,
         dtype: torch.dtype = torch.float32,
         grad_sync_dtype: Optional[torch.dtype] = None,
@@ -141,7 +147,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self.overlap_param_sync = overlap_param_sync
         self.bucket_cap_mb = float(bucket_cap_mb)
 
-        self.process_group, self.world_size, self.rank = self._resolve_group(process_group)
+        if process_group is None and device_mesh is None and not (dist.is_available() and dist.is_initialized()):
+            check_launcher_env()
         if dist.is_available() and dist.is_initialized():
             ddp = find_ddp(p for group in self.param_groups for p in group["params"])
             if ddp is not None:
@@ -159,6 +166,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._device = devices.pop()
         if self._device.type == "meta":
             raise ValueError("params: parameters are on the meta device; materialise the model first")
+        self._comm: Comm = make_comm(process_group, device_mesh, self._device)
+        self.process_group = self._comm.group  # the group of every rank the optimizer spans
+        self.device_mesh = device_mesh
+        self.world_size, self.rank = self._comm.world_size, self._comm.rank
         for i, p in enumerate(self._params):
             if not p.is_floating_point() or p.dtype not in _FLOAT_DTYPES + (torch.float64,):
                 raise ValueError(f"params: parameter {i} has dtype {p.dtype}; expected a floating-point dtype")
@@ -170,7 +181,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
         self.store_param_remainders = store_param_remainders
 
-        self._buckets: List[Bucket] = build_layout(indexed, self.bucket_cap_mb, self.world_size, self.rank)
+        self._buckets: List[Bucket] = build_layout(
+            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank)
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.register(self)
         agreement.agree_on_construction(self)
@@ -179,10 +191,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             gdt = grad_sync_dtype or bucket.dtype
             pdt = param_sync_dtype or bucket.dtype
             self._buffers.append(
-                allocate(bucket, self._params, self.world_size, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
-        if self.world_size > 1:
-            for buf in self._buffers:  # every rank starts from rank 0's weights, as DDP does
-                _compat.broadcast_from_group_rank0(buf.params, self.process_group)
+                allocate(bucket, self._params, self._comm.shard_size, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
+        for buf in self._buffers:  # every rank starts from rank 0's weights, as DDP does
+            self._comm.broadcast(buf.params)
         for buf in self._buffers:
             init_master(buf, dtype, store_param_remainders)
         self._expected_views = expected_views(self._buckets, self._buffers, self._params)
@@ -191,13 +202,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                         [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
-            self._buckets, self._buffers, self._params, self.process_group, self.world_size,
-            overlap_grad_sync,
+            self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
             keep_buffers=capturable, on_grad=self._on_new_grad,
         )
         self._param_sync = ParamSync(
-            self._buckets, self._buffers, self._params, self.process_group, self.world_size, overlap_param_sync
-        )
+            self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
@@ -220,20 +229,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
-    @staticmethod
-    def _resolve_group(process_group: Optional[Any]) -> Tuple[Optional[Any], int, int]:
-        if process_group is None:
-            if dist.is_available() and dist.is_initialized():
-                return None, dist.get_world_size(), dist.get_rank()
-            check_launcher_env()
-            return None, 1, 0
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("process_group was given but torch.distributed is not initialised")
-        rank = dist.get_rank(process_group)
-        if rank < 0:
-            raise ValueError("process_group: this rank is not a member of the given group")
-        return process_group, dist.get_world_size(process_group), rank
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if getattr(self, "_initialized", False):
             raise RuntimeError(
@@ -329,8 +324,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         pipeline model parallelism) calls ``super()`` and then reduces ``stats[:2]`` over that
         group with the same ``op``, so the norm and found-inf cover the whole model.
         """
-        if self.world_size > 1:
-            _compat.all_reduce(stats, op, self.process_group)
+        self._comm.all_reduce_stats(stats, op)
 
     def _ensure_stats(self, norm_type: float) -> GradStats:
         if self._stats is None:
@@ -523,7 +517,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for i in reversed(range(len(self._buckets))):  # forward order: see ParamSync.launch
             buf = self._buffers[i]
             kernels.adam_step(
-                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(self.world_size),
+                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
                 self._buckets[i].segments, hparams, self._steps, stats.touched, coef, found_inf,
                 self.adam_w_mode, self.bias_correction,
             )

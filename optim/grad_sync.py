@@ -12,21 +12,28 @@ callback. Every rank therefore issues the same collectives in the same order wha
 unused params. The reduced shard lands in ``BucketBuffers.grad_shard``; a second reduction
 before the next ``zero_grad`` accumulates into it, as ``param.grad`` accumulates in torch.
 
-With world size 1 the full-size buffer IS the shard and a "reduction" is a no-op. There the
-buffer exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a
-staged grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's.
+With hybrid sharding (comm.py: a replicate dim) each reduced shard is then all-reduced over the
+replicas: launched as soon as its reduce-scatter has landed, waited for where the shard is
+consumed (``sync``). Only the shard, 1/shard_size of the bucket, crosses the replicate links.
+
+A single process (comm.py's ``Comm``: nothing to communicate) keeps no separate full-size buffer:
+the bucket buffer IS the shard. It exists only from the first flush of a backward to
+``zero_grad`` (unless capturable): a staged grad is held exactly as torch holds ``param.grad``,
+so peak memory stays torch's.
 """
 from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Callable, Iterator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import _compat, kernels
 from .buffers import BucketBuffers
+from .comm import Comm
 from .layout import Bucket, ParamSlot
 
 
@@ -36,26 +43,38 @@ MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
 STAGE_FRACTION = 4
 
 
+@dataclass
+class Reduction:
+    """One bucket's reduction in flight."""
+
+    bucket: int
+    work: Any  # the collective to wait for: the reduce-scatter, then the replicas' all-reduce
+    full: Optional[Tensor]  # the full-size input, held (CPU) until the reduce-scatter has landed
+    out: Optional[Tensor]  # where the reduced shard lands: the shard, or a temporary to add to it
+    accumulate: bool  # add ``out`` into the shard once landed
+    scattered: bool  # the reduce-scatter has landed (or is waited for on the side stream)
+
+
 class GradSync:
     def __init__(
         self,
         buckets: List[Bucket],
         buffers: List[BucketBuffers],
         params: Sequence[torch.nn.Parameter],
-        process_group,
-        world_size: int,
+        comm: Comm,
         overlap: bool,
         keep_buffers: bool,
         on_grad: Callable[[], None],
     ) -> None:
         self.buckets = buckets
         self.buffers = buffers
-        self.group = process_group
-        self.world_size = world_size
+        self.comm = comm
+        # one process: the bucket buffer is the shard, grads land in it directly
+        self.local = comm.world_size == 1
         self.overlap = overlap
-        # world 1, not capturable: the shard (= bucket buffer) is released at zero_grad
-        self.release_shards = world_size == 1 and not keep_buffers
-        self.keep_buffers = keep_buffers or world_size == 1
+        # one process, not capturable: the shard (= bucket buffer) is released at zero_grad
+        self.release_shards = self.local and not keep_buffers
+        self.keep_buffers = keep_buffers or self.local
         self.on_grad = on_grad  # the optimizer drops its per-step caches when new grads arrive
         self.n_params = len(params)
         self.params = list(params)  # shape and strides of each param's view in a bucket buffer
@@ -83,7 +102,7 @@ class GradSync:
         self.staged_bytes = [0] * len(buckets)
         self.is_staged = [False] * self.n_params
         self.flush_bytes = [
-            b.numel * buffers[i].grad_dtype.itemsize // (1 if world_size == 1 else STAGE_FRACTION)
+            b.numel * buffers[i].grad_dtype.itemsize // (1 if self.local else STAGE_FRACTION)
             for i, b in enumerate(buckets)
         ]
         self.offsets = [0] * self.n_params
@@ -91,7 +110,7 @@ class GradSync:
             self.offsets[i] = slot.offset
         self.shard_valid = [False] * len(buckets)
         self.full: List[Optional[Tensor]] = [None] * len(buckets)
-        if world_size == 1:
+        if self.local:
             for i, buf in enumerate(buffers):
                 if self.release_shards:
                     buf.release_grad_shard()
@@ -101,7 +120,7 @@ class GradSync:
             for i, b in enumerate(buckets):
                 self.full[i] = self._new_full(i)
         self.dirty = [False] * len(buckets)  # full buffer holds stale grads: zero before use
-        self.pending: List[tuple] = []  # (bucket index, work, input, output, accumulate)
+        self.pending: List[Reduction] = []
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
         # backward only the one small all-reduce remains (grad_stats.py sums the partials).
@@ -162,7 +181,7 @@ class GradSync:
         """Bucket ``b``'s full-size buffer, allocated (zeros) or zeroed if stale."""
         full = self.full[b]
         if full is None:
-            if self.world_size == 1:
+            if self.local:
                 full = self.full[b] = self.buffers[b].grad_shard  # allocated as zeros if released
             else:
                 full = self.full[b] = self._new_full(b)
@@ -183,8 +202,8 @@ class GradSync:
         params, offsets, in_buffer, is_staged = self.params, self.offsets, self.in_buffer, self.is_staged
         for i in idx:
             is_staged[i] = False
-        # world 1: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
-        acc_all = self.world_size == 1 and self.shard_valid[b]
+        # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
+        acc_all = self.local and self.shard_valid[b]
         if acc_all or not self.bucket_in_buffer[b]:  # the common cases: all adds, or all copies
             for i in idx:
                 in_buffer[i] = True
@@ -240,20 +259,19 @@ class GradSync:
             self.in_buffer[s.index] = False
         self.bucket_in_buffer[b] = False
         full = self._writable_full(b)  # no grad here on this rank: contribute zeros
-        if self.world_size == 1:
+        if self.local:
             self.shard_valid[b] = True
             if self.side is not None:
                 self._land_on_side_stream(b, None, None, False)
             return
         accumulate = self.shard_valid[b]
         out = torch.empty_like(self.buffers[b].grad_shard) if accumulate else self.buffers[b].grad_shard
-        work = _compat.reduce_scatter(out, full, self.group, async_op=True)
-        landed = self.side is not None
-        if landed:
+        work = self.comm.reduce_scatter(out, full)
+        if self.side is not None:
             self._land_on_side_stream(b, work, out, accumulate, None if self.keep_buffers else full)
-            self.pending.append((b, work, None, None, accumulate, True))
+            self.pending.append(Reduction(b, None, None, None, False, True))
         else:
-            self.pending.append((b, work, full, out, accumulate, False))
+            self.pending.append(Reduction(b, work, full, out, accumulate, False))
             self._retire(MAX_IN_FLIGHT)
         if self.keep_buffers:
             self.dirty[b] = True  # holds this round's grads until the next round overwrites them
@@ -271,6 +289,10 @@ class GradSync:
         with torch.cuda.stream(self.side):
             if work is not None:
                 work.wait()
+                # issued on the side stream: it starts once the reduce-scatter has landed
+                replicas = self.comm.reduce_replicas(out)
+                if replicas is not None:
+                    replicas.wait()
             if accumulate:
                 shard.add_(out)
             if not self.partials_zeroed:
@@ -284,7 +306,7 @@ class GradSync:
                 t.record_stream(self.side)
         self.partial_valid[b] = True
         if work is None:
-            self.pending.append((b, None, None, None, False, True))
+            self.pending.append(Reduction(b, None, None, None, False, True))
 
     def landed_stats(self, out: Tensor) -> bool:
         """Write the summed 2-norm partials of all buckets into ``out[:2]`` if every bucket's
@@ -307,18 +329,28 @@ class GradSync:
         self.wait()
 
     def _retire(self, keep: int) -> None:
-        """Wait (on the host: CPU/gloo) for the oldest reductions until at most ``keep`` hold a
-        full-size buffer, so backward keeps O(bucket_cap_mb) of unreduced grads, not the model's."""
-        held = [i for i, entry in enumerate(self.pending) if not entry[5]]
-        for i in held[: max(len(held) - keep, 0)]:
-            b, work, _full, out, accumulate, _ = self.pending[i]
-            work.wait()
-            if accumulate:
-                self.buffers[b].grad_shard.add_(out)
-            self.pending[i] = (b, None, None, None, False, True)
+        """Wait (on the host: CPU/gloo) for the oldest reduce-scatters until at most ``keep``
+        hold a full-size buffer, so backward keeps O(bucket_cap_mb) of unreduced grads, not the
+        model's. A landed shard's all-reduce over the replicas is launched here, waited in ``wait``."""
+        held = [r for r in self.pending if not r.scattered]
+        for r in held[: max(len(held) - keep, 0)]:
+            r.work.wait()
+            r.full, r.scattered = None, True
+            r.work = self.comm.reduce_replicas(r.out)
+            if r.work is None:
+                self._land(r)
+
+    def _land(self, r: Reduction) -> None:
+        if r.accumulate:
+            self.buffers[r.bucket].grad_shard.add_(r.out)
+        r.work, r.out, r.accumulate = None, None, False
 
     def wait(self) -> None:
         self._retire(0)
+        for r in self.pending:
+            if r.work is not None:
+                r.work.wait()
+                self._land(r)
         if self.side is not None and self.pending:
             # join: the compute stream resumes after every landing; only then may the
             # buffers the side stream read be freed (they are dropped with ``pending``)
@@ -329,7 +361,7 @@ class GradSync:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
         shard_ptrs = {buf.grad_store.data_ptr() for buf in self.buffers if buf.grad_store is not None}
         held = [f for f in self.full if f is not None and f.data_ptr() not in shard_ptrs]
-        held += [entry[2] for entry in self.pending if entry[2] is not None]
+        held += [r.full for r in self.pending if r.full is not None]
         return list({id(t): t for t in held}.values())
 
     def step_done(self) -> None:
@@ -357,14 +389,14 @@ class GradSync:
             for buf in self.buffers:
                 buf.grad_shard.zero_()
         if self.release_shards and set_to_none:
-            # world 1: no grads exist until the next backward, as in torch (peak memory)
+            # one process: no grads exist until the next backward, as in torch (peak memory)
             for buf in self.buffers:
                 buf.release_grad_shard()
             self.full = [None] * len(self.buckets)
             self.dirty = [False] * len(self.buckets)
         elif self.keep_buffers:
-            # world 1: the buffer is the shard; zeroed lazily before the next write
-            self.dirty = [set_to_none or self.world_size > 1] * len(self.buckets)
+            # one process: the buffer is the shard; zeroed lazily before the next write
+            self.dirty = [set_to_none or not self.local] * len(self.buckets)
         else:
             self.full = [None] * len(self.buckets)
 

@@ -69,7 +69,7 @@ class Bucket:
     dtype: torch.dtype
     device: torch.device
     slots: List[ParamSlot]
-    numel: int = 0  # padded: world_size * shard_numel
+    numel: int = 0  # padded: shard_size * shard_numel
     shard_numel: int = 0
     shard_start: int = 0  # this rank's shard: [shard_start, shard_start + shard_numel)
     segments: SegmentTable | None = None
@@ -82,15 +82,16 @@ def _round_up(n: int, m: int) -> int:
 def build_layout(
     params: Sequence[Tuple[torch.Tensor, int]],
     bucket_cap_mb: float,
-    world_size: int,
-    rank: int,
+    shard_size: int,
+    shard_rank: int,
 ) -> List[Bucket]:
     """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets.
 
     Buckets are filled in REVERSE param order, the order in which backward usually produces
     grads, so bucket 0 fills first; a bucket holds one dtype and device and at most
-    ``bucket_cap_mb`` of that dtype (a larger param gets a bucket of its own). The result is
-    identical on every rank, which is what makes the fixed collective order possible.
+    ``bucket_cap_mb`` of that dtype (a larger param gets a bucket of its own); each bucket is
+    split into ``shard_size`` shards (the shard dim of the optimizer's comm.py span). The result
+    is identical on every rank, which is what makes the fixed collective order possible.
     """
     cap_bytes = max(int(bucket_cap_mb * 2**20), 1)
     open_buckets: Dict[Tuple[torch.dtype, torch.device], Bucket] = {}
@@ -121,10 +122,10 @@ def build_layout(
         open_bytes[key] += nbytes
     for bucket in buckets:
         used = _round_up(s_end(bucket.slots[-1]), ALIGN)
-        bucket.shard_numel = _round_up(max(used, 1), ALIGN * world_size) // world_size
-        bucket.numel = bucket.shard_numel * world_size
-        bucket.shard_start = rank * bucket.shard_numel
-        bucket.segments = SegmentTable.build(shard_segments(bucket, rank), bucket.device)
+        bucket.shard_numel = _round_up(max(used, 1), ALIGN * shard_size) // shard_size
+        bucket.numel = bucket.shard_numel * shard_size
+        bucket.shard_start = shard_rank * bucket.shard_numel
+        bucket.segments = SegmentTable.build(shard_segments(bucket, shard_rank), bucket.device)
     return buckets
 
 

@@ -14,8 +14,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from . import _compat
 from .buffers import BucketBuffers
+from .comm import Comm
 from .layout import Bucket
 
 
@@ -25,19 +25,17 @@ class ParamSync:
         buckets: List[Bucket],
         buffers: List[BucketBuffers],
         params: Sequence[torch.nn.Parameter],
-        process_group,
-        world_size: int,
+        comm: Comm,
         overlap: bool,
     ) -> None:
         self.buckets = buckets
         self.buffers = buffers
-        self.group = process_group
-        self.world_size = world_size
+        self.comm = comm
         self.overlap = overlap
         self.pending: Dict[int, object] = {}
         self.bucket_of = {id(params[s.index]): b.index for b in buckets for s in b.slots}
         self.hook_handle = None
-        if overlap and world_size > 1:
+        if overlap and comm.shard_size > 1:  # else nothing is ever in flight
             ref = weakref.ref(self)  # the global hook must not keep the optimizer alive
 
             def pre_forward(module, inputs):
@@ -54,12 +52,13 @@ class ParamSync:
         """All-gather bucket ``i``'s updated shard. The step calls this right after the bucket's
         kernel, in forward order (the LAST bucket holds the first layers), identical on every
         rank: each all-gather overlaps the next bucket's step kernel, and with ``overlap`` the
-        first module's params land first."""
-        if self.world_size == 1:
-            return
+        first module's params land first. Over the shard dim only: replicas computed the same
+        shard."""
         buf = self.buffers[i]
         full = buf.sync if buf.sync is not None else buf.params
-        self.pending[i] = _compat.all_gather(full, full[buf.shard], self.group, async_op=True)
+        work = self.comm.all_gather(full, full[buf.shard])
+        if work is not None:
+            self.pending[i] = work
 
     def launched_all(self) -> None:
         """End of the step: without ``overlap`` the params must be complete when step returns."""

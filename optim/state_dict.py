@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from . import _compat, agreement
@@ -177,7 +176,7 @@ def _validated(opt: Any, state_dict: Any):
 def has_master(opt: Any, model_dtype: torch.dtype) -> bool:
     """A separate master copy exists (and is saved) where the model dtype is not the state
     dtype, or where a lower-precision param all-gather rounds the model (buffers.py)."""
-    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt.world_size > 1
+    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt._comm.shard_size > 1
     return model_dtype != opt.dtype or rounded_sync
 
 
@@ -361,28 +360,17 @@ def resync_remainder_params(opt: Any) -> None:
     """After a sharded load: with remainders, each rank rewrote the bf16 params of its own shard
     (the loaded masters' high halves); all-gather them so every rank holds the same model. A
     collective (load_sharded is one); nothing happens without remainders."""
-    if opt.world_size == 1 or not any(buf.remainders for buf in opt._buffers):
+    if not any(buf.remainders for buf in opt._buffers):
         return
     for buf in opt._buffers:
-        _compat.all_gather(buf.params, buf.params[buf.shard].clone(), opt.process_group, async_op=False)
+        opt._comm.all_gather_shard_sync(buf.params, buf.params[buf.shard].clone())
 
 
 # ====================================================================== internals
 def _gather(opt: Any, local: Tensor, rank0_only: bool) -> Optional[Tensor]:
-    """Every rank's ``local`` ([k, n]) stacked to [world, k, n]; on rank 0 only if asked."""
-    world, (k, n) = opt.world_size, local.shape
-    if world == 1:
-        return local.unsqueeze(0)
-    flat = local.reshape(-1)
-    if not rank0_only:
-        out = torch.empty(world * k * n, dtype=local.dtype, device=local.device)
-        _compat.all_gather(out, flat, opt.process_group, async_op=False)
-        return out.view(world, k, n)
-    group = opt.process_group
-    dst = dist.get_global_rank(group, 0) if group is not None else 0
-    pieces = [torch.empty_like(flat) for _ in range(world)] if opt.rank == 0 else None
-    dist.gather(flat, gather_list=pieces, dst=dst, group=group)
-    return torch.stack(pieces).view(world, k, n) if pieces is not None else None
+    """Every shard's ``local`` ([k, n]) stacked to [shard_size, k, n] (over the shard dim:
+    replicas hold the same state); on the shard dim's rank 0 only if asked."""
+    return opt._comm.gather_shards(local, rank0_only)
 
 
 def _checked_entry(entry: Any, slot: ParamSlot, index: int) -> Dict[str, Any]:

@@ -22,10 +22,9 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from shardamp.optim import _compat
+from shardamp.optim import _compat, comm
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -80,11 +79,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         state["stage"] = _compat.OptState.UNSCALED
 
     def _agree_found_inf(self, state: dict) -> None:
-        group = self.process_group
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-            return
         for found_inf in state["found_inf_per_device"].values():
-            _compat.all_reduce(found_inf, dist.ReduceOp.MAX, group)
+            comm.all_reduce_max(found_inf, self.process_group)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """Unscale if not done yet, then step, skipping the update if any rank overflowed."""

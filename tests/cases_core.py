@@ -118,7 +118,7 @@ def case_grad_memory_bounded(rank, world, **kw):
     opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.005)
     model(torch.randn(4, 32, device=device)).sum().backward()
     gs = opt._grad_sync
-    held = sum(1 for entry in gs.pending if entry[2] is not None) + sum(f is not None for f in gs.full)
+    held = sum(1 for r in gs.pending if r.full is not None) + sum(f is not None for f in gs.full)
     return {"buckets": len(opt._buckets), "held": held, "limit": MAX_IN_FLIGHT if world > 1 else len(opt._buckets)}
 
 

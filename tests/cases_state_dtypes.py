@@ -39,13 +39,16 @@ def case_save(rank: int, world: int, tmp: str) -> Dict[str, Any]:
         cc.train(model, opt, range(cc.SAVE_AT), rank, world)
         sd = opt.state_dict()
         save_sharded(opt, os.path.join(tmp, f"dcp_{name}"))
-        cc._save({"model": model.state_dict(), "opt": sd}, tmp, f"{name}.pt", rank)
+        weights = {k: v.clone() for k, v in model.state_dict().items()}
+        cc._save({"model": weights, "opt": sd}, tmp, f"{name}.pt", rank)
+        cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world)
+        final = cc.params_of(model)
+        del opt  # a second optimizer may be built over the group once the trained one is gone
         model2, opt2 = _build(name, 1000.0)
-        model2.load_state_dict(model.state_dict())
+        model2.load_state_dict(weights)
         opt2.load_state_dict(sd)
         cc.assert_sd_equal(opt2.state_dict(), sd)
-        cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world)
-        out[name] = {"sd": sd, "final": cc.params_of(model), "saved_model": cc.params_of(model2)}
+        out[name] = {"sd": sd, "final": final, "saved_model": cc.params_of(model2)}
     return out
 
 
@@ -61,6 +64,7 @@ def case_resume(rank: int, world: int, tmp: str) -> Dict[str, Any]:
         opt.load_state_dict(saved["opt"])
         sd = opt.state_dict()
         cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world)
+        del opt  # it trained: a second live optimizer over the group is refused
         model_d, opt_d = _build(name, 3 * cc.TINY)
         model_d.load_state_dict(saved["model"])
         load_sharded(opt_d, os.path.join(tmp, f"dcp_{name}"))

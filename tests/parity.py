@@ -262,8 +262,8 @@ def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
     for bucket, buf in zip(opt._buckets, opt._buffers):
         master = buf.master_values()  # fp32, also reassembled from remainders
         full = torch.empty(bucket.numel, dtype=master.dtype, device=master.device)
-        if opt.world_size > 1:
-            dist.all_gather_into_tensor(full, master.contiguous(), group=opt.process_group)
+        if opt._comm.shard_size > 1:  # over the shard dim: replicas hold the same masters
+            dist.all_gather_into_tensor(full, master.contiguous(), group=opt._comm.shard_group)
         else:
             full.copy_(master)
         for slot in bucket.slots:

@@ -18,12 +18,25 @@ def _collectives(rank: int, world: int):
     _compat.all_reduce(t, dist.ReduceOp.MAX, None)
     b = torch.tensor([float(rank + 5)])
     _compat.broadcast_from_group_rank0(b, None)
-    return out, full, t, b
+    s = torch.tensor([float(rank + 1)])
+    _compat.all_reduce_async(s, dist.ReduceOp.SUM, None).wait()
+    pieces = [torch.zeros(1) for _ in range(world)] if rank == 0 else None
+    _compat.gather_to_group_rank0(torch.tensor([float(10 + rank)]), pieces, None)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    flat = _compat.flat_mesh_group(mesh)
+    mesh_checks = (_compat.is_device_mesh(mesh), not _compat.is_device_mesh(object()),
+                   dist.get_world_size(flat), dist.get_rank(flat))
+    return out, full, t, b, s, pieces, mesh_checks
 
 
 def test_collectives_through_compat() -> None:
     world = 2
-    for rank, (out, full, t, b) in enumerate(run_distributed(_collectives, world)):
+    for rank, (out, full, t, b, s, pieces, mesh_checks) in enumerate(run_distributed(_collectives, world)):
+        assert s.item() == world * (world + 1) / 2
+        assert pieces == ([torch.tensor([10.0 + r]) for r in range(world)] if rank == 0 else None)
+        assert mesh_checks == (True, True, world, rank)
         expected = world * (torch.arange(2.0 * world) + (world - 1) / 2)
         torch.testing.assert_close(out, expected[2 * rank: 2 * rank + 2])
         assert full.tolist() == [1.0, 1.0, 2.0, 2.0]

@@ -1,0 +1,188 @@
+"""Hybrid sharding over a DeviceMesh: cases for ONE spawned group of 4 gloo ranks
+(tests/test_mesh.py), each case run for every mesh shape: 1x4 (flat, as a 2-D mesh), 2x2
+(replicate 2, shard 2), 4x1 (pure replication) and the 1-D mesh of 4.
+
+Every parity case compares with unsharded torch fed the union of all 4 ranks' batches, with
+two param groups, tiny buckets (uneven shards) and an inf on one rank only (the AMP loops).
+``run`` also saves a checkpoint on 2x2 and loads it on every other shape; the test loads it
+once more at world 1 in its own process.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Any, Dict, List, Tuple
+
+import torch
+import torch.distributed as dist
+
+import cases_checkpoint as cc
+from amp_loops import run_loop
+from parity import train
+from shardamp.optim import DistributedFusedAdam, _compat
+from shardamp.optim.checkpoint import load_sharded, save_sharded
+from shardamp.scaler import ShardedGradScaler
+
+WORLD = 4
+SHAPES: List[Tuple[int, ...]] = [(1, 4), (2, 2), (4, 1), (4,)]
+PER_STEP = 12  # samples per checkpoint step: divisible by 4 and by 1
+LOOPS = ("A", "B", "C", "D", "E")
+
+
+def shape_name(shape: Tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if len(shape) == 2 else f"1d{shape[0]}"
+
+
+def mesh_of(shape: Tuple[int, ...]):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+
+def _skip(step: int, r: int):
+    # rank 0 never uses b, the others alternate c: different buckets fill on different ranks
+    if r == 0:
+        return ("b",)
+    return ("c",) if (step + r) % 2 else ()
+
+
+class StatsHookAdam(DistributedFusedAdam):
+    """The NeMo-style extension point: ``_reduce_grad_stats`` overridden, calling super()."""
+
+    calls: List[Tuple[str, int]]
+
+    def _reduce_grad_stats(self, stats, op):
+        super()._reduce_grad_stats(stats, op)
+        self.calls = getattr(self, "calls", []) + [(str(op), stats.numel())]
+
+
+def case_parity(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Plain training, unused params per rank, averaged grads: torch AdamW's params."""
+    return train(rank, world, steps=5, skip=_skip, opt_kwargs=dict(device_mesh=mesh, bucket_cap_mb=cc.TINY))
+
+
+def case_parity_sum_micro(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Summed grads (average_grad_sync=False), two micro-batches under no_sync, params in flight
+    after the step (overlap_param_sync)."""
+    return train(rank, world, steps=4, micro_batches=2, sum_grads=True,
+                 opt_kwargs=dict(device_mesh=mesh, bucket_cap_mb=cc.TINY, average_grad_sync=False,
+                                 overlap_param_sync=True))
+
+
+def case_loops(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """The AMP loops (amp_loops.py), an inf on the last rank only at INF_STEP."""
+    return {loop: run_loop(rank, world, loop, device_mesh=mesh) for loop in LOOPS}
+
+
+def case_collectives(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Per step: exactly one stats all-reduce (over all 4 ranks), one replica all-reduce per
+    bucket when there are replicas; the subclass hook sees every stats reduction."""
+    from parity import MLP, batches, two_groups
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = StatsHookAdam(two_groups(model), bucket_cap_mb=cc.TINY, device_mesh=mesh)
+    scaler = ShardedGradScaler("cpu")
+    stats, replicas = [], []
+    original_sync, original_async = _compat.all_reduce, _compat.all_reduce_async
+
+    def counting_sync(tensor, op, group):
+        stats.append(tensor.numel())
+        return original_sync(tensor, op, group)
+
+    def counting_async(tensor, op, group):
+        replicas.append(group)
+        return original_async(tensor, op, group)
+
+    per_step = []
+    _compat.all_reduce, _compat.all_reduce_async = counting_sync, counting_async
+    try:
+        for step in range(3):
+            x, y = batches(step, world)[rank]
+            stats.clear()
+            replicas.clear()
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            scaler.unscale_(opt)
+            opt.clip_grad_norm(1.0)
+            scaler.step(opt)
+            scaler.update()
+            per_step.append({"stats": len(stats), "replicas": len(replicas)})
+            opt.zero_grad()
+    finally:
+        _compat.all_reduce, _compat.all_reduce_async = original_sync, original_async
+    return {"per_step": per_step, "buckets": len(opt._buckets), "hook_calls": len(opt.calls),
+            "replicate": opt._comm.replicate_size, "shard": opt._comm.shard_size}
+
+
+def case_memory(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Optimizer state lives on the shard dim only: 1 / shard_size of every bucket per rank."""
+    from parity import MLP, two_groups
+
+    torch.manual_seed(0)
+    model = MLP()
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=cc.TINY, device_mesh=mesh,
+                               dtype=torch.float32)
+    stats = opt.memory_stats()
+    return {"moments": stats["moments"], "shard_numel": sum(b.shard_numel for b in opt._buckets),
+            "bucket_numel": sum(b.numel for b in opt._buckets),
+            "n": sum(p.numel() for p in model.parameters()), "shard": opt._comm.shard_size}
+
+
+CASES = ["case_parity", "case_parity_sum_micro", "case_loops", "case_collectives", "case_memory"]
+
+
+# ====================================================================== checkpoints across meshes
+def checkpoint_cases(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """Train on 2x2 to SAVE_AT, save a state dict and a DCP checkpoint, train on to TOTAL (the
+    uninterrupted run); then on 1x4, 4x1 and the 1-D mesh: load both, resume, compare."""
+    out: Dict[str, Any] = {}
+    model, opt = cc.build(bucket_cap_mb=cc.TINY, device_mesh=mesh_of((2, 2)))
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    cc.train(model, opt, range(cc.SAVE_AT), rank, world, scaler=scaler, per_step=PER_STEP)
+    sd = opt.state_dict()
+    out["rank0_only"] = opt.state_dict(rank0_only=True)  # gathered over the shard dim, kept on rank 0
+    save_sharded(opt, os.path.join(tmp, "dcp_2x2"), scaler=scaler)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    cc._save({"model": weights, "opt": sd, "scaler": scaler.state_dict()}, tmp, "mesh_2x2.pt", rank)
+    cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world, scaler=scaler, per_step=PER_STEP)
+    out["saved_sd"] = sd
+    out["final"] = cc.params_of(model)
+    del opt
+    for shape in [(1, 4), (4, 1), (4,)]:
+        resumed = {}
+        for how in ("sd", "dcp"):
+            model, opt = cc.build(bucket_cap_mb=2 * cc.TINY, device_mesh=mesh_of(shape))
+            model.load_state_dict(weights)
+            scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+            if how == "sd":
+                opt.load_state_dict(sd)
+                scaler.load_state_dict(cc._load(tmp, "mesh_2x2.pt")["scaler"])
+            else:
+                load_sharded(opt, os.path.join(tmp, "dcp_2x2"), scaler=scaler)
+            loaded = opt.state_dict()
+            cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world, scaler=scaler, per_step=PER_STEP)
+            resumed[how] = {"sd": loaded, "final": cc.params_of(model)}
+            del opt
+        out[shape_name(shape)] = resumed
+    return out
+
+
+def run(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """Every case for every mesh shape (one spawned group), then the checkpoint cases."""
+    out: Dict[str, Any] = {}
+    for shape in SHAPES:
+        mesh = mesh_of(shape)
+        for name in CASES:
+            key = f"{name}[{shape_name(shape)}]"
+            try:
+                out[key] = ("ok", globals()[name](rank, world, mesh))
+            except BaseException:  # noqa: BLE001
+                out[key] = ("error", traceback.format_exc())
+                return out  # the ranks' collectives may be out of step now
+    try:
+        out["checkpoint"] = ("ok", checkpoint_cases(rank, world, tmp))
+    except BaseException:  # noqa: BLE001
+        out["checkpoint"] = ("error", traceback.format_exc())
+    dist.barrier()
+    return out
