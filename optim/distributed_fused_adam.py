@@ -25,6 +25,7 @@ from .buffers import (
 )
 from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
+from .shard_view import ShardView
 from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
@@ -211,6 +212,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
+        self._shard_view = ShardView(self._buckets, self._buffers, self._steps, self._params, self._device,
+                                     self._comm, self._hparam_table)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
@@ -496,6 +499,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Load a full state dict (ours or torch.optim.AdamW/Adam's) into this rank's shard, at
         any world size and bucket layout; validates everything before writing anything."""
         _state_dict.load_state_dict(self, state_dict)
+
+    def shard_view(self) -> ShardView:
+        """This rank's shard and layout, for state-dict and checkpoint code (shard_view.py)."""
+        return self._shard_view
 
     def memory_stats(self) -> Dict[str, int]:
         """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0
