@@ -30,7 +30,7 @@ from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
 from .hparams import NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
-from .layout import Bucket, build_layout
+from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
 
@@ -467,7 +467,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         coef = r.coef()
         found_inf = stats.found_inf
         self._steps.addcmul_(stats.touched, 1.0 - found_inf)
-        for i in reversed(range(len(self._buckets))):  # forward order: see ParamSync.launch
+        for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(
                 buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),

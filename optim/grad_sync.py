@@ -250,6 +250,7 @@ class GradSync:
         return torch.zeros(bucket.numel, dtype=self.buffers[b].grad_shard.dtype, device=bucket.device)
 
     def _launch_ready(self) -> None:
+        # in layout.backward_order: bucket 0 (the last layers) first
         while self.next_launch < len(self.buckets) and self.fired[self.next_launch] >= self.expected[self.next_launch]:
             self._launch(self.next_launch)
 
