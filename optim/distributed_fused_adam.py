@@ -54,8 +54,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     a 2-D ``(replicate, shard)`` mesh shards over its last dim and keeps one copy of the state
     per replica: grads are reduce-scattered over the shard dim and the shard all-reduced over
     the replicate dim, params all-gathered over the shard dim, norm and found-inf agreed over
-    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
-    (collective dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
+    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks),
+    ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype`` (collective
+    dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
     (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
     (leave the all-gather in flight after ``step``; each module waits for its own params in a
     forward pre-hook; call ``param_sync()`` before reading params elsewhere), ``capturable``
