@@ -27,10 +27,10 @@
 
 namespace shardamp {
 
-// Elements per unit of work of adam_step: a CUDA block or a parallel_for task. A chunk never
-// crosses a segment, so each one has a single set of hyperparameters. Measured on an H200
-// (2026-11-29, 256M elements): 16384 beats 65536 (fp32 graph step 2.21 vs 2.39 ms); larger
-// chunks leave the last wave of blocks ragged.
+// Elements per unit of work of the CPU adam_step (one at::parallel_for task), and the default of
+// chunk tables built without an explicit size. A chunk never crosses a segment, so each one has a
+// single set of hyperparameters. (It was the CUDA block's size too until the CUDA step got
+// kCudaChunk below; csrc/NOTES.md has the measurements of both.)
 #ifndef SHARDAMP_CHUNK
 #define SHARDAMP_CHUNK 16384
 #endif

@@ -115,42 +115,44 @@ _world: List[weakref.ref] = []
 
 
 def register(opt: Any) -> None:
-    """Record ``opt`` among its group's live optimizers (see ``open_round``)."""
+    """Record ``opt`` among its group's live optimizers (see ``overlapping``)."""
     refs = _refs(opt)
     refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
-    opt._round_open = False
-    opt._overlapping = False
+    opt._settled_backwards = 0
 
 
-def open_round(opt: Any) -> None:
-    """``opt`` received its first grad since its last step or ``zero_grad``.
+def settle(opt: Any) -> None:
+    """``opt`` stepped or dropped its grads: it holds no grads it has not stepped on."""
+    opt._settled_backwards = opt._grad_sync.backwards
+
+
+def _holds_unstepped_grads(opt: Any) -> bool:
+    sync = getattr(opt, "_grad_sync", None)
+    return sync is not None and sync.backwards != getattr(opt, "_settled_backwards", 0)
+
+
+def overlapping(opt: Any) -> bool:
+    """True if, as ``opt`` steps, another live optimizer over its group holds grads it has not
+    stepped on (nor dropped with ``zero_grad``).
 
     Two optimizers over one group are safe while their rounds (first grad .. step) follow each
     other, in any order and however long both live (train one, then another; save, rebuild,
-    resume). They are not when the rounds overlap (one receives grads while the other holds grads
-    it has not stepped on, e.g. one loss backpropagating through both models): their bucket
-    reduce-scatters then interleave in an order that can differ between ranks. Both are flagged;
-    the flag rides in the next step's stats all-reduce, so every rank raises there."""
-    if opt.world_size == 1 or opt._round_open:
-        return
-    opt._round_open = True
+    resume). They are not when the rounds overlap (e.g. one loss backpropagating through both
+    models): their bucket reduce-scatters then interleave in an order that can differ between
+    ranks. The answer is program order, the same on every rank; it rides in the step's stats
+    all-reduce, so every rank raises."""
+    if opt.world_size == 1:
+        return False
 
-    def open_others() -> list:
-        return [o for o in (r() for r in _refs(opt)) if o is not None and o is not opt and getattr(o, "_round_open", False)]
+    def others() -> list:
+        return [o for o in (r() for r in _refs(opt)) if o is not None and o is not opt and _holds_unstepped_grads(o)]
 
-    if not open_others():
-        return
+    if not others():
+        return False
     import gc
 
     gc.collect()  # one kept alive only by a reference cycle (dropped, never stepped) is no other user
-    for other in open_others():
-        other._overlapping = opt._overlapping = True
-
-
-def close_round(opt: Any) -> None:
-    """``opt`` stepped or dropped its grads: its round is over."""
-    opt._round_open = False
-    opt._overlapping = False
+    return bool(others())
 
 
 def _refs(opt: Any) -> List[weakref.ref]:

@@ -60,7 +60,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     opt.param_sync()
     problem = _save_problem(opt, path)
     agreement.agree_on_call(opt, "save_sharded", given=os.path.abspath(path), problem=problem)
-    steps = opt._steps.detach().to("cpu", copy=True)
+    steps = opt.shard_view().steps.detach().to("cpu", copy=True)
     slots = sd_mod.slots_by_index(opt)
     meta = {
         "format": FORMAT,
@@ -74,12 +74,12 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     meta_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     state: Dict[str, Tensor] = {META_KEY: meta_tensor, STEPS_KEY: steps}
     crcs: Dict[str, int] = {}
-    for bucket, buf in zip(opt._buckets, opt._buffers):
+    for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
         sources = [("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)]
         if sd_mod.has_master(opt, bucket.dtype):
             sources.append((sd_mod.MASTER_KEY, buf.master_values()))  # fp32, also from remainders
         # replicas (comm.py's replicate dim) hold the same shard: only the first one writes it
-        for seg in bucket.segments.segments if opt._comm.replicate_rank == 0 else ():
+        for seg in bucket.segments.segments if opt.shard_view().comm.replicate_rank == 0 else ():
             if steps[seg.param_index] <= 0:  # never updated: no state, as in torch
                 continue
             for key, src in sources:
@@ -113,7 +113,7 @@ def _save_problem(opt: Any, path: str) -> str:
     if not problem:
         problem = validate_groups(opt.param_groups, read_lr=True)
     if not problem:
-        for i, buf in enumerate(opt._buffers):
+        for i, buf in enumerate(opt.shard_view().buffers):
             if not bool(torch.isfinite(buf.exp_avg).all() & torch.isfinite(buf.exp_avg_sq).all()):
                 problem = f"bucket {i}: the moments hold non-finite values"
             elif bool((buf.exp_avg_sq < 0).any()):
@@ -169,7 +169,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     wanted: Dict[Tuple[int, str, int, int], List[Tuple[str, int, int]]] = {}
     needed: Dict[str, Tensor] = {}
     problem = ""
-    for bucket in opt._buckets:
+    for bucket in opt.shard_view().buckets:
         keys = list(sd_mod.STATE_KEYS) + ([sd_mod.MASTER_KEY] if sd_mod.has_master(opt, bucket.dtype) else [])
         for seg in bucket.segments.segments:
             i = seg.param_index
@@ -234,7 +234,7 @@ def _no_dist() -> bool:
 
 
 def _group(opt: Any) -> Optional[Any]:
-    return None if _no_dist() else opt._comm.group
+    return None if _no_dist() else opt.shard_view().comm.group
 
 
 def _index(path: str) -> Tuple[Dict[Tuple[int, str], List[Tuple[str, int, int]]], Dict[str, torch.dtype], Dict[str, Tuple[int, ...]]]:

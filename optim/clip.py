@@ -85,7 +85,7 @@ def clip_grad_norm_(
         # one optimizer's params only: exactly opt.clip_grad_norm, whose norm tensor is divided
         # by the scale in place if unscaling comes later (loop G)
         (opt,) = owned.values()
-        opt._clips.append((max_norm, norms[0]))
+        opt._add_clip(max_norm, norms[0])
         return norms[0]
 
     def combine() -> Tensor:
@@ -93,9 +93,8 @@ def clip_grad_norm_(
 
     total = combine()
     for opt in owned.values():
-        opt._clips.append((max_norm, total))
         # if this optimizer unscales later, its norm changes in place: so must the total
-        opt._norm_dependents.append(lambda: total.copy_(combine()))
+        opt._add_clip(max_norm, total, recompute=lambda: total.copy_(combine()))
     if plain:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, no sync
         for p in plain:

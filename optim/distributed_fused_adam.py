@@ -25,10 +25,12 @@ from .buffers import (
 )
 from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
+from .shard_view import ShardView
+from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
 from .hparams import NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
-from .layout import Bucket, build_layout
+from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
 
@@ -52,8 +54,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     a 2-D ``(replicate, shard)`` mesh shards over its last dim and keeps one copy of the state
     per replica: grads are reduce-scattered over the shard dim and the shard all-reduced over
     the replicate dim, params all-gathered over the shard dim, norm and found-inf agreed over
-    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks), ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype``
-    (collective dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
+    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks),
+    ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype`` (collective
+    dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
     (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
     (leave the all-gather in flight after ``step``; each module waits for its own params in a
     forward pre-hook; call ``param_sync()`` before reading params elsewhere), ``capturable``
@@ -203,13 +206,15 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
-            keep_buffers=capturable, on_grad=self._on_new_grad,
+            keep_buffers=capturable,
         )
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
+        self._shard_view = ShardView(self._buckets, self._buffers, self._steps, self._params, self._device,
+                                     self._comm, self._hparam_table)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
@@ -221,11 +226,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._warned_skips = False
         self._warned_clip_before_unscale = False
         self._warned_unscaled_by_torch = False
-        self._stepped_without_zero_grad = False
-        self._warned_no_zero_grad = False
-        self._reset_round()
-        self._last_norms: Dict[float, Tensor] = {}
-        self._last_raw: Optional[Tuple[Dict[float, Tensor], Optional[Tensor]]] = None
+        self._round: Optional[StepRound] = None  # this step's protocol (step_round.py)
+        self._round_backwards = 0  # GradSync.backwards when it started
+        self._last: Optional[StepRound] = None  # the last step's, readable until the next backward
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
@@ -250,32 +253,25 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             seen[id(p)] = i
 
     # ------------------------------------------------------------------ per-step state
-    def _reset_round(self) -> None:
-        self._stats: Optional[GradStats] = None
-        self._raw_norms: Dict[float, Tensor] = {}
-        self._norms: Dict[float, Tensor] = {}
-        self._inv_scale: Optional[Tensor] = None
-        self._clips: List[Tuple[float, Tensor]] = []
-        self._norm_dependents: List[Callable[[], Any]] = []  # recomputed when norms are unscaled
+    def _current_round(self) -> StepRound:
+        """This step's round. The first grad after a step (a new backward) starts a new one and
+        forgets the last step's norms; zero_grad starts a new one but keeps them."""
+        backwards = self._grad_sync.backwards
+        if backwards != self._round_backwards:
+            self._round_backwards, self._round, self._last = backwards, None, None
+        if self._round is None:
+            self._round = StepRound(self._avg_factor, self._avg_tensor)
+        return self._round
 
-    def _on_new_grad(self) -> None:
-        agreement.open_round(self)
-        if self._stats is not None or self._inv_scale is not None or self._last_raw is not None:
-            self._reset_round()
-            self._last_norms = {}
-            self._last_raw = None
-        if self._stepped_without_zero_grad:
-            self._stepped_without_zero_grad = False
-            if not self._warned_no_zero_grad:
-                self._warned_no_zero_grad = True
-                warnings.warn(
-                    "DistributedFusedAdam: backward after step() without opt.zero_grad(): the new "
-                    "grads are ADDED to the last step's, as torch does when grads are not zeroed. "
-                    "model.zero_grad() cannot clear them (they live in the optimizer's shards, "
-                    "param.grad is None): call opt.zero_grad() every step.",
-                    UserWarning,
-                    stacklevel=2,
-                )
+    @property
+    def _inv_scale(self) -> Optional[Tensor]:
+        """This step's inverse scale, if the scale is known yet (deferred_checks reads it)."""
+        return self._current_round().inv_scale
+
+    def _add_clip(self, max_norm: float, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
+        """Clip this step to ``max_norm`` given ``norm`` (clip.py: a norm over several
+        optimizers, ``recompute`` refreshing it in place when this one unscales)."""
+        self._current_round().add_clip(max_norm, norm, recompute)
 
     @property
     def _avg_factor(self) -> float:
@@ -309,9 +305,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
         updates (weight decay, momentum) every param that had a grad, as torch does."""
         self._grad_sync.zero(set_to_none)
-        self._reset_round()  # the last step's norms stay readable (grad_norm) until the next backward
-        agreement.close_round(self)
-        self._stepped_without_zero_grad = False
+        self._round = None  # the last step's norms stay readable (grad_norm) until the next backward
+        agreement.settle(self)
 
     # ------------------------------------------------------------------ stats, unscale, clip
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
@@ -327,13 +322,14 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._comm.all_reduce_stats(stats, op)
 
     def _ensure_stats(self, norm_type: float) -> GradStats:
-        if self._stats is None:
+        r = self._current_round()
+        if r.stats is None:
             deferred_checks.check_last_step(self, force=True)
             self.grad_sync()
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
-            if not self._step_problem and self._overlapping:
+            if not self._step_problem and agreement.overlapping(self):
                 self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
@@ -342,18 +338,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
             self._stats_rounds += 1
             fingerprint = self._fingerprint if checked else None
-            self._stats = grad_stats.finish(buf, norm_type, len(self._params), fingerprint)
-            self._raw_norms[norm_type] = self._stats.raw_norm
+            r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
-                agreement.raise_now(self, self._stats)
-        elif norm_type not in self._raw_norms:
+                agreement.raise_now(self, r.stats)
+        elif norm_type not in r.raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce
-            buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=self._device)
-            for b in self._buffers:
-                kernels.grad_stats(b.grad_shard, buf, norm_type)
-            self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
-            self._raw_norms[norm_type] = grad_stats.finish(buf, norm_type).raw_norm
-        return self._stats
+            r.add_norm_type(norm_type, [b.grad_shard for b in self._buffers], self._device, self._reduce_grad_stats)
+        return r.stats
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """The global norm of all grads, as ``torch.nn.utils.clip_grad_norm_`` would return it.
@@ -367,33 +358,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         logging). 0-d float32 tensor on the params' device; never reads a value on the host.
         """
         norm_type = self._check_norm_type(norm_type)
-        if self._stats is None and self._last_raw is not None:
-            return self._last_step_norm(norm_type)
+        r = self._current_round()
+        if r.stats is None and self._last is not None:
+            return self._last.norm_after_step(norm_type)
         self._ensure_stats(norm_type)
-        norm = self._norms.get(norm_type)
-        if norm is None:
-            norm = self._raw_norms[norm_type] * self._avg_factor
-            if self._inv_scale is not None:
-                norm = norm * self._inv_scale
-            self._norms[norm_type] = norm
-        return norm
-
-    def _last_step_norm(self, norm_type: float) -> Tensor:
-        norm = self._last_norms.get(norm_type)
-        if norm is None:
-            raw_norms, inv_scale = self._last_raw
-            if norm_type not in raw_norms:
-                raise RuntimeError(
-                    f"grad_norm(norm_type={norm_type}) after step(): that step computed the norm only "
-                    f"for norm_type {sorted(raw_norms)}. Another norm type needs a collective over the "
-                    "grads, which are consumed: ask for it before step() (every rank)."
-                )
-            norm = raw_norms[norm_type] * self._avg_factor
-            if inv_scale is not None:
-                norm = norm * inv_scale
-            if not self.capturable:  # graph replays rewrite raw_norms without running this code
-                self._last_norms[norm_type] = norm
-        return norm
+        return r.norm(norm_type)
 
     _check_norm_type = staticmethod(check_norm_type)
 
@@ -410,7 +379,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if not (isinstance(max_norm, (int, float)) and max_norm >= 0 and not math.isnan(max_norm)):
             raise ValueError(f"max_norm={max_norm!r}: expected a float >= 0")
         norm = self.grad_norm(norm_type)
-        self._clips.append((float(max_norm), norm))
+        self._add_clip(float(max_norm), norm)
         return norm
 
     def unscale_grads(self, inv_scale: Tensor, grad_scaler: Optional[Any] = None) -> Tensor:
@@ -424,16 +393,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """
         if not isinstance(inv_scale, Tensor) or inv_scale.numel() != 1:
             raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
-        if self._inv_scale is not None:
+        r = self._current_round()
+        if r.inv_scale is not None:
             raise RuntimeError("unscale_grads() has already been called since the last step()")
         inv = inv_scale.detach()
         if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
             inv = inv.reshape(()).to(device=self._device, dtype=torch.float32)
-        stats = self._ensure_stats(self._first_norm_type())
+        stats = self._ensure_stats(r.first_norm_type())
         # a loss scale of 0, inf or NaN (underflow, new_scale=0) would make NaN or ascending
         # params: such a step is skipped as any non-finite step is
         stats.found_inf.masked_fill_(~((inv > 0) & (inv < math.inf)), 1.0)
-        if self._clips and not self._warned_clip_before_unscale:
+        if r.clips and not self._warned_clip_before_unscale:
             self._warned_clip_before_unscale = True
             warnings.warn(
                 "DistributedFusedAdam: clip_grad_norm ran before unscaling, while the loss was scaled. Its "
@@ -442,15 +412,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "unscaled max_norm (or clip after scaler.unscale_(opt)).",
                 UserWarning, stacklevel=3,
             )
-        for norm in self._norms.values():
-            norm.mul_(inv)  # norms handed out before unscaling become the true norms
-        self._inv_scale = inv
-        for recompute in self._norm_dependents:  # e.g. clip_grad_norm_'s norm over several optimizers
-            recompute()
+        r.unscale(inv)  # norms handed out before unscaling become the true norms
         return stats.found_inf.to(inv_scale.device)
-
-    def _first_norm_type(self) -> float:
-        return next(iter(self._raw_norms), 2.0)
 
     # ------------------------------------------------------------------ the step
     def _take_torch_scaler(self, scaler: Any) -> None:
@@ -470,19 +433,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 )
             scale = _compat.scaler_scale(scaler)
             self.unscale_grads(scale.double().reciprocal().float(), grad_scaler=scaler)
-        found_inf = self._stats.found_inf
+        found_inf = self._current_round().stats.found_inf
         scale_device = _compat.scaler_scale(scaler).device
         state["found_inf_per_device"] = {scale_device: found_inf.to(scale_device)}
-
-    def _grad_coef(self) -> Tensor:
-        coef = self._avg_tensor
-        if self._inv_scale is not None:
-            coef = self._inv_scale if self._avg_factor == 1.0 else self._inv_scale * self._avg_factor
-        clip = None
-        for max_norm, norm in self._clips:  # clipping twice clips the already-clipped grads
-            c = grad_stats.clip_coef(max_norm, norm if clip is None else norm * clip)
-            clip = c if clip is None else clip * c
-        return coef if clip is None else coef * clip
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler: Optional[Any] = None) -> Any:
@@ -505,16 +458,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
         if grad_scaler is not None:
             self._take_torch_scaler(grad_scaler)
-        stats = self._ensure_stats(self._first_norm_type())
+        r = self._current_round()
+        stats = self._ensure_stats(r.first_norm_type())
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
         hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups)
         if self.max_grad_norm is not None:
-            self._clips.append((self.max_grad_norm, self.grad_norm(2.0)))
-        coef = self._grad_coef()
+            r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
+        coef = r.coef()
         found_inf = stats.found_inf
         self._steps.addcmul_(stats.touched, 1.0 - found_inf)
-        for i in reversed(range(len(self._buckets))):  # forward order: see ParamSync.launch
+        for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(
                 buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
@@ -524,12 +478,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._param_sync.launch(i)
         self._param_sync.launched_all()
         deferred_checks.record_step(self, stats)
-        self._last_norms = dict(self._norms)
-        self._last_raw = (dict(self._raw_norms), self._inv_scale)  # unscaled lazily: no work here
-        self._reset_round()
-        agreement.close_round(self)
+        r.cache_after_step = not self.capturable  # graph replays rewrite its raw norms
+        r.done()
+        self._last, self._round = r, None  # its norms are unscaled lazily: no work here
+        agreement.settle(self)
         self._grad_sync.step_done()
-        self._stepped_without_zero_grad = True
         return loss
 
     def _reattach(self, index: int) -> bool:
@@ -548,6 +501,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """Load a full state dict (ours or torch.optim.AdamW/Adam's) into this rank's shard, at
         any world size and bucket layout; validates everything before writing anything."""
         _state_dict.load_state_dict(self, state_dict)
+
+    def shard_view(self) -> ShardView:
+        """This rank's shard and layout, for state-dict and checkpoint code (shard_view.py)."""
+        return self._shard_view
 
     def memory_stats(self) -> Dict[str, int]:
         """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0

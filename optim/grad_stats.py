@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
@@ -31,7 +31,6 @@ class GradStats:
     raw_norm: Tensor  # norm of the grad shards as stored: before averaging and unscaling
     found_inf: Tensor  # 0-d float32, exactly 0.0 or 1.0, agreed by every rank
     touched: Tensor  # float32 [P], 1.0 where some rank produced a grad for the param
-    norms: dict = field(default_factory=dict)  # norm_type -> true norm tensors handed out
     # float32 0/1 [invalid value on some rank, ranks disagree on category 0, 1, ...] (agreement.py)
     disagreement: Optional[Tensor] = None
 

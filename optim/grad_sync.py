@@ -24,9 +24,10 @@ so peak memory stays torch's.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -64,7 +65,6 @@ class GradSync:
         comm: Comm,
         overlap: bool,
         keep_buffers: bool,
-        on_grad: Callable[[], None],
     ) -> None:
         self.buckets = buckets
         self.buffers = buffers
@@ -75,7 +75,10 @@ class GradSync:
         # one process, not capturable: the shard (= bucket buffer) is released at zero_grad
         self.release_shards = self.local and not keep_buffers
         self.keep_buffers = keep_buffers or self.local
-        self.on_grad = on_grad  # the optimizer drops its per-step caches when new grads arrive
+        # backwards begun so far: a new one starts the optimizer's next step round (it compares)
+        self.backwards = 0
+        self.stepped_since_zero = False  # a backward now adds to the grads the last step used
+        self.warned_no_zero_grad = False
         self.n_params = len(params)
         self.params = list(params)  # shape and strides of each param's view in a bucket buffer
 
@@ -158,7 +161,9 @@ class GradSync:
         param.grad = None
         if not self.callback_queued:  # first grad of this backward
             self.callback_queued = True
-            self.on_grad()
+            self.backwards += 1
+            if self.stepped_since_zero:
+                self._warn_no_zero_grad()
             self.grad_since_zero = True
             _compat.queue_backward_callback(self._end_of_backward)
         i, b, nbytes = self.record[id(param)]
@@ -176,6 +181,19 @@ class GradSync:
                 self._launch_ready()
         elif staged >= self.flush_bytes[b]:
             self._flush(b)
+
+    def _warn_no_zero_grad(self) -> None:
+        self.stepped_since_zero = False
+        if not self.warned_no_zero_grad:
+            self.warned_no_zero_grad = True
+            warnings.warn(
+                "DistributedFusedAdam: backward after step() without opt.zero_grad(): the new "
+                "grads are ADDED to the last step's, as torch does when grads are not zeroed. "
+                "model.zero_grad() cannot clear them (they live in the optimizer's shards, "
+                "param.grad is None): call opt.zero_grad() every step.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def _writable_full(self, b: int) -> Tensor:
         """Bucket ``b``'s full-size buffer, allocated (zeros) or zeroed if stale."""
@@ -232,6 +250,7 @@ class GradSync:
         return torch.zeros(bucket.numel, dtype=self.buffers[b].grad_shard.dtype, device=bucket.device)
 
     def _launch_ready(self) -> None:
+        # in layout.backward_order: bucket 0 (the last layers) first
         while self.next_launch < len(self.buckets) and self.fired[self.next_launch] >= self.expected[self.next_launch]:
             self._launch(self.next_launch)
 
@@ -366,10 +385,12 @@ class GradSync:
 
     def step_done(self) -> None:
         self.rounds_since_step = 0
+        self.stepped_since_zero = True
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.wait()
+        self.stepped_since_zero = False
         self.next_launch = 0
         self.fired = [0] * len(self.buckets)
         self.in_buffer = [False] * self.n_params

@@ -6,6 +6,15 @@ elements in its own MEMORY order (what ``as_strided(buffer, shape, stride, offse
 so a channels_last weight is stored exactly as it lies in memory and never needs ``.view(-1)``.
 Every param starts at a multiple of ``ALIGN`` elements and every shard is a multiple of
 ``ALIGN`` long, so vectorised kernels see aligned segment starts; the padding is never updated.
+
+Two steps: :func:`plan_buckets` is the bucket POLICY (which params share a bucket, in which
+order), :func:`pack` the mechanics (offsets, alignment, shards, segment tables). A new policy
+touches only the first.
+
+THE ORDER (stated here only): buckets are planned in BACKWARD order, the reverse of param_groups
+order, which is the order backward usually produces grads; so bucket 0 fills first and is
+reduced first (:func:`backward_order`), and the LAST bucket holds the first layers. The step
+updates and all-gathers buckets in :func:`forward_order`, so the first module's params land first.
 """
 from __future__ import annotations
 
@@ -79,47 +88,73 @@ def _round_up(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def backward_order(n_buckets: int) -> range:
+    """The order buckets fill and are reduced in (bucket 0 first)."""
+    return range(n_buckets)
+
+
+def forward_order(n_buckets: int) -> range:
+    """The order the step updates and all-gathers buckets in (the first layers' bucket first)."""
+    return range(n_buckets - 1, -1, -1)
+
+
+def plan_buckets(params: Sequence[Tuple[torch.Tensor, int]], bucket_cap_mb: float) -> List[List[int]]:
+    """The bucket policy: param indices per bucket, each in backward order (see the module
+    docstring). A bucket holds one dtype and device and at most ``bucket_cap_mb`` of it (a
+    larger param gets a bucket of its own)."""
+    cap_bytes = max(int(bucket_cap_mb * 2**20), 1)
+    open_plan: Dict[Tuple[torch.dtype, torch.device], int] = {}  # key -> plan index
+    open_bytes: Dict[Tuple[torch.dtype, torch.device], int] = {}
+    plan: List[List[int]] = []
+    for index in reversed(range(len(params))):
+        p, _group = params[index]
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        b = open_plan.get(key)
+        if b is not None and open_bytes[key] + nbytes > cap_bytes:
+            b = None
+        if b is None:
+            b = open_plan[key] = len(plan)
+            plan.append([])
+            open_bytes[key] = 0
+        plan[b].append(index)
+        open_bytes[key] += nbytes
+    return plan
+
+
 def build_layout(
     params: Sequence[Tuple[torch.Tensor, int]],
     bucket_cap_mb: float,
     shard_size: int,
     shard_rank: int,
 ) -> List[Bucket]:
-    """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets.
-
-    Buckets are filled in REVERSE param order, the order in which backward usually produces
-    grads, so bucket 0 fills first; a bucket holds one dtype and device and at most
-    ``bucket_cap_mb`` of that dtype (a larger param gets a bucket of its own); each bucket is
-    split into ``shard_size`` shards (the shard dim of the optimizer's comm.py span). The result
-    is identical on every rank, which is what makes the fixed collective order possible.
-    """
-    cap_bytes = max(int(bucket_cap_mb * 2**20), 1)
-    open_buckets: Dict[Tuple[torch.dtype, torch.device], Bucket] = {}
-    open_bytes: Dict[Tuple[torch.dtype, torch.device], int] = {}
-    buckets: List[Bucket] = []
-    for index in reversed(range(len(params))):
-        p, group = params[index]
+    """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets
+    (:func:`plan_buckets`) and pack them (:func:`pack`). The result is identical on every rank,
+    which is what makes the fixed collective order possible."""
+    for index, (p, _group) in enumerate(params):
         if not is_dense_non_overlapping(p):
             raise ValueError(
                 f"params: parameter {index} (shape {tuple(p.shape)}, stride {p.stride()}) is not "
                 "dense and non-overlapping; make it contiguous (or channels_last) before building "
                 "the optimizer"
             )
-        key = (p.dtype, p.device)
-        nbytes = p.numel() * p.element_size()
-        bucket = open_buckets.get(key)
-        if bucket is not None and bucket.slots and open_bytes[key] + nbytes > cap_bytes:
-            bucket = None
-        if bucket is None:
-            bucket = Bucket(index=len(buckets), dtype=p.dtype, device=p.device, slots=[])
-            buckets.append(bucket)
-            open_buckets[key] = bucket
-            open_bytes[key] = 0
-        offset = _round_up(sum(s_end(s) for s in bucket.slots[-1:]), ALIGN)
-        bucket.slots.append(
-            ParamSlot(index, group, bucket.index, offset, p.numel(), tuple(p.shape), tuple(p.stride()), p.requires_grad)
-        )
-        open_bytes[key] += nbytes
+    return pack(plan_buckets(params, bucket_cap_mb), params, shard_size, shard_rank)
+
+
+def pack(plan: List[List[int]], params: Sequence[Tuple[torch.Tensor, int]], shard_size: int,
+         shard_rank: int) -> List[Bucket]:
+    """Lay out each planned bucket: aligned offsets in plan order, split into ``shard_size``
+    shards (the shard dim of the optimizer's comm.py span); this rank's segment table."""
+    buckets: List[Bucket] = []
+    for indices in plan:
+        first = params[indices[0]][0]
+        bucket = Bucket(index=len(buckets), dtype=first.dtype, device=first.device, slots=[])
+        buckets.append(bucket)
+        for index in indices:
+            p, group = params[index]
+            offset = _round_up(sum(s_end(s) for s in bucket.slots[-1:]), ALIGN)
+            bucket.slots.append(ParamSlot(index, group, bucket.index, offset, p.numel(), tuple(p.shape),
+                                          tuple(p.stride()), p.requires_grad))
     for bucket in buckets:
         used = _round_up(s_end(bucket.slots[-1]), ALIGN)
         bucket.shard_numel = _round_up(max(used, 1), ALIGN * shard_size) // shard_size

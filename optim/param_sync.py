@@ -50,10 +50,9 @@ class ParamSync:
 
     def launch(self, i: int) -> None:
         """All-gather bucket ``i``'s updated shard. The step calls this right after the bucket's
-        kernel, in forward order (the LAST bucket holds the first layers), identical on every
-        rank: each all-gather overlaps the next bucket's step kernel, and with ``overlap`` the
-        first module's params land first. Over the shard dim only: replicas computed the same
-        shard."""
+        kernel, in ``layout.forward_order``, identical on every rank: each all-gather overlaps
+        the next bucket's step kernel, and with ``overlap`` the first module's params land
+        first. Over the shard dim only: replicas computed the same shard."""
         buf = self.buffers[i]
         full = buf.sync if buf.sync is not None else buf.params
         work = self.comm.all_gather(full, full[buf.shard])

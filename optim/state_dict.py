@@ -23,7 +23,8 @@ moments to each param's dtype. Loading any dict converts each tensor to this opt
 dtype: torch's fp32 moments into bf16 moments round to nearest even.
 
 The helpers below the two entry points (groups, validation, the shard writer) are shared with
-``checkpoint.py`` so both formats validate and write exactly alike.
+``checkpoint.py`` so both formats validate and write exactly alike. Both reach the optimizer
+through its public API and ``opt.shard_view()`` (shard_view.py), not its private fields.
 """
 from __future__ import annotations
 
@@ -67,11 +68,11 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
     agreement.agree_on_call(opt, "state_dict", given=(rank0_only, cpu_offload))
     opt.param_sync()  # a pending all-gather may still be writing an aliased master shard
     _warn_what_torch_drops(opt)
-    steps = opt._steps.detach().to("cpu", copy=True)
-    out_device = torch.device("cpu") if cpu_offload else opt._device
+    steps = opt.shard_view().steps.detach().to("cpu", copy=True)
+    out_device = torch.device("cpu") if cpu_offload else opt.shard_view().device
     receives = not rank0_only or opt.rank == 0
     state: Dict[int, Dict[str, Tensor]] = {}
-    for bucket, buf in zip(opt._buckets, opt._buffers):
+    for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
         live = [s for s in bucket.slots if steps[s.index] > 0]
         if not live:  # steps are identical on every rank, so every rank skips the same buckets
             continue
@@ -127,7 +128,7 @@ def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
     write_state(opt, source, steps)
     # every rank holds the full dict, so each writes the masters' high halves for ALL elements
     # (write_state wrote its own shard): the ranks' bf16 params agree before the next all-gather
-    for bucket, buf in zip(opt._buckets, opt._buffers):
+    for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
         if buf.remainders:
             for slot in bucket.slots:
                 full = source(slot.index, MASTER_KEY, 0, slot.numel)
@@ -176,13 +177,13 @@ def _validated(opt: Any, state_dict: Any):
 def has_master(opt: Any, model_dtype: torch.dtype) -> bool:
     """A separate master copy exists (and is saved) where the model dtype is not the state
     dtype, or where a lower-precision param all-gather rounds the model (buffers.py)."""
-    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt._comm.shard_size > 1
+    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt.shard_view().comm.shard_size > 1
     return model_dtype != opt.dtype or rounded_sync
 
 
 def slots_by_index(opt: Any) -> List[ParamSlot]:
-    slots: List[Optional[ParamSlot]] = [None] * len(opt._params)
-    for bucket in opt._buckets:
+    slots: List[Optional[ParamSlot]] = [None] * len(opt.shard_view().params)
+    for bucket in opt.shard_view().buckets:
         for slot in bucket.slots:
             slots[slot.index] = slot
     return slots  # type: ignore[return-value]
@@ -257,9 +258,10 @@ def plan_hparams(opt: Any, saved_groups: Any, saved_extras: Optional[Mapping[str
             f"{len(opt.param_groups)}"
         )
     total_saved = sum(len(g.get("params", ())) for g in saved_groups)
-    if total_saved != len(opt._params):
+    if total_saved != len(opt.shard_view().params):
         raise ValueError(
-            f"load_state_dict: the state dict covers {total_saved} params, the optimizer has {len(opt._params)}"
+            f"load_state_dict: the state dict covers {total_saved} params, the optimizer has "
+            f"{len(opt.shard_view().params)}"
         )
     new_groups, decoupled = [], set()
     for g, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
@@ -281,7 +283,7 @@ def plan_hparams(opt: Any, saved_groups: Any, saved_extras: Optional[Mapping[str
         new = {k: v for k, v in saved.items() if k not in TORCH_ONLY_DEFAULTS and k != "params"}
         new["betas"] = tuple(new["betas"]) if isinstance(new["betas"], (list, tuple)) else new["betas"]
         if isinstance(new["lr"], Tensor):
-            new["lr"] = new["lr"].detach().to(opt._device, copy=True)
+            new["lr"] = new["lr"].detach().to(opt.shard_view().device, copy=True)
         check_hparams(new["lr"], new["betas"], new["eps"], new["weight_decay"], f"{where}: ")
         new_groups.append(new)
     if len(decoupled) > 1:
@@ -330,7 +332,7 @@ def apply_hparams(opt: Any, plan: HparamPlan) -> None:
             group["lr"] = old_lr
     for k, v in plan.options.items():
         setattr(opt, k, v)
-    opt._hparam_table.invalidate()  # re-upload the hyperparameter table at the next step
+    opt.shard_view().hparams.invalidate()  # re-upload the hyperparameter table at the next step
 
 
 def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor]], steps: Tensor) -> None:
@@ -338,7 +340,7 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
     returns elements ``[lo, hi)`` of that param's state ``key`` in memory order, or None: zeros
     for the moments, the model's current weights for the master. Call only after validation."""
     opt.param_sync()
-    for bucket, buf in zip(opt._buckets, opt._buffers):
+    for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
         separate = buf.master.data_ptr() != buf.params[buf.shard].data_ptr()
         local_params = buf.params[buf.shard]
         for seg in bucket.segments.segments:
@@ -353,24 +355,24 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
             if separate:  # an aliased master IS the model param: it was loaded with the model
                 src = source(seg.param_index, MASTER_KEY, lo, hi)
                 buf.set_master(dst, local_params[dst] if src is None else src)
-    opt._steps.copy_(steps.to(opt._steps.device, opt._steps.dtype))
+    opt.shard_view().steps.copy_(steps.to(opt.shard_view().steps.device, opt.shard_view().steps.dtype))
 
 
 def resync_remainder_params(opt: Any) -> None:
     """After a sharded load: with remainders, each rank rewrote the bf16 params of its own shard
     (the loaded masters' high halves); all-gather them so every rank holds the same model. A
     collective (load_sharded is one); nothing happens without remainders."""
-    if not any(buf.remainders for buf in opt._buffers):
+    if not any(buf.remainders for buf in opt.shard_view().buffers):
         return
-    for buf in opt._buffers:
-        opt._comm.all_gather_shard_sync(buf.params, buf.params[buf.shard].clone())
+    for buf in opt.shard_view().buffers:
+        opt.shard_view().comm.all_gather_shard_sync(buf.params, buf.params[buf.shard].clone())
 
 
 # ====================================================================== internals
 def _gather(opt: Any, local: Tensor, rank0_only: bool) -> Optional[Tensor]:
     """Every shard's ``local`` ([k, n]) stacked to [shard_size, k, n] (over the shard dim:
     replicas hold the same state); on the shard dim's rank 0 only if asked."""
-    return opt._comm.gather_shards(local, rank0_only)
+    return opt.shard_view().comm.gather_shards(local, rank0_only)
 
 
 def _checked_entry(entry: Any, slot: ParamSlot, index: int) -> Dict[str, Any]:
@@ -416,7 +418,7 @@ def _warn_what_torch_drops(opt: Any) -> None:
     if opt in _warned:
         return
     lost = []
-    if any(has_master(opt, b.dtype) for b in opt._buckets):
+    if any(has_master(opt, b.dtype) for b in opt.shard_view().buckets):
         lost.append(
             f"the {opt.dtype} master weights of the lower-precision params (torch keeps only the "
             "model params; 'master_param' is ignored and the moments are cast to the param dtype)"

@@ -129,7 +129,16 @@ def case_memory(rank: int, world: int, mesh) -> Dict[str, Any]:
             "n": sum(p.numel() for p in model.parameters()), "shard": opt._comm.shard_size}
 
 
-CASES = ["case_parity", "case_parity_sum_micro", "case_loops", "case_collectives", "case_memory"]
+def case_norm_types(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """grad_norm for p = 1, 3 (second norm types: one more all-reduce each) and inf (MAX) against
+    torch's on the union's grads; clipping by the inf-norm."""
+    import cases_scaler
+
+    return cases_scaler.case_norm_types(rank, world, opt_kwargs=dict(device_mesh=mesh))
+
+
+CASES = ["case_parity", "case_parity_sum_micro", "case_loops", "case_collectives", "case_memory",
+         "case_norm_types"]
 
 
 # ====================================================================== checkpoints across meshes

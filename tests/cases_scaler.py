@@ -120,7 +120,7 @@ def case_foreign_optimizer_agrees(rank, world, device="cpu", **kw):
     return scales
 
 
-def case_norm_types(rank, world, device="cpu", **kw):
+def case_norm_types(rank, world, device="cpu", opt_kwargs=None, **kw):
     """grad_norm for p = 1, 3 and inf (MAX all-reduce) against torch's clip_grad_norm_ on the
     unsharded grads, and clipping by the inf-norm matches torch's."""
     import copy
@@ -132,7 +132,7 @@ def case_norm_types(rank, world, device="cpu", **kw):
     torch.manual_seed(0)
     model = MLP().to(device)
     ref = copy.deepcopy(model)
-    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004, **(opt_kwargs or {}))
     ropt = torch.optim.AdamW(two_groups(ref))
     out = {"ours": [], "ref": []}
     for step in range(3):

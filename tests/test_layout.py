@@ -73,3 +73,31 @@ def test_params_lie_in_memory_order(seed: int) -> None:
         assert view.stride() == p.stride()
         memory_order = p.as_strided((p.numel(),), (1,), p.storage_offset()) if p.numel() else p.reshape(-1)
         assert torch.equal(flat[slot.offset: slot.offset + slot.numel], memory_order)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
+    """plan_buckets: every param once, in backward order, one dtype per bucket, under the cap
+    unless alone; build_layout is exactly pack(plan_buckets(...)); the step order is the reverse."""
+    from shardamp.optim.layout import backward_order, forward_order, pack, plan_buckets
+
+    rng = random.Random(200 + seed)
+    params = _random_params(rng)
+    if rng.random() < 0.5:  # a second dtype: its params get buckets of their own
+        params = [(p.double(), g) if rng.random() < 0.5 else (p, g) for p, g in params]
+    cap = rng.choice([0.0001, 0.001, 0.01, 100.0])
+    plan = plan_buckets(params, cap)
+    flat = [i for bucket in plan for i in bucket]
+    assert sorted(flat) == list(range(len(params)))
+    for bucket in plan:
+        assert bucket == sorted(bucket, reverse=True)  # backward order inside a bucket
+        assert len({params[i][0].dtype for i in bucket}) == 1
+        nbytes = sum(params[i][0].numel() * params[i][0].element_size() for i in bucket)
+        assert len(bucket) == 1 or nbytes <= max(int(cap * 2**20), 1)
+    for world in (1, 3):
+        a, b = build_layout(params, cap, world, world - 1), pack(plan, params, world, world - 1)
+        assert [[(s.index, s.offset) for s in x.slots] for x in a] == [[(s.index, s.offset) for s in x.slots] for x in b]
+        assert [x.shard_numel for x in a] == [x.shard_numel for x in b]
+    assert list(forward_order(len(plan))) == list(reversed(backward_order(len(plan))))
+    if len(plan) > 1 and len({p.dtype for p, _ in params}) == 1:  # the last bucket holds the first params
+        assert min(plan[-1]) == 0 and max(plan[0]) == len(params) - 1

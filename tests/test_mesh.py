@@ -68,6 +68,16 @@ def test_mesh_state_lives_on_the_shard_dim(shape: str) -> None:
         assert value["n"] / shard <= value["shard_numel"] <= value["n"] / shard + 16 * 8
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mesh_norm_types(shape: str) -> None:
+    for value in _case(f"case_norm_types[{shape}]"):
+        for ours, ref in zip(value["ours"], value["ref"]):
+            for a, b in zip(ours, ref):
+                assert a == pytest.approx(b, rel=1e-4)
+        for a, b in zip(value["params"], value["ref_params"]):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
 def test_process_group_and_device_mesh_exclude_each_other() -> None:
     model = torch.nn.Linear(3, 2)
     with pytest.raises(ValueError, match="process_group and device_mesh were both given"):

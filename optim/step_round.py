@@ -1,0 +1,112 @@
+"""One step's protocol: from the first grad after a step to the step that consumes it.
+
+A :class:`StepRound` holds what the scaler / clip / step protocol builds up over one step: the
+global stats (grad_stats.GradStats, from the one all-reduce), the norm per norm type (raw, and
+as handed out: averaged and, once known, unscaled), the inverse scale, the clips and the values
+derived from handed-out norms (``clip_grad_norm_``'s total over several optimizers). It resolves
+the step's grad coefficient ``avg * inv_scale * clip`` on the device.
+
+It is handed what it needs (the averaging factor, the device, the reduction to use for a second
+norm type) and holds no reference to the optimizer. After the step it stays readable as the
+LAST round: ``grad_norm()`` after ``step`` reads its norms without a collective.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import grad_stats, kernels
+from .grad_stats import GradStats
+
+
+class StepRound:
+    def __init__(self, avg_factor: float, avg_tensor: Tensor) -> None:
+        self.avg_factor = avg_factor
+        self.avg_tensor = avg_tensor  # 0-d device tensor holding avg_factor (no per-step H2D)
+        self.stats: Optional[GradStats] = None
+        self.raw_norms: Dict[float, Tensor] = {}  # before averaging and unscaling
+        self.norms: Dict[float, Tensor] = {}  # handed out; unscaled in place when the scale is known
+        self.inv_scale: Optional[Tensor] = None
+        self.clips: List[Tuple[float, Tensor]] = []
+        self.dependents: List[Callable[[], Any]] = []  # recomputed when the norms are unscaled
+        self.cache_after_step = True  # False (capturable): graph replays rewrite the raw norms
+
+    # ------------------------------------------------------------ stats
+    def set_stats(self, stats: GradStats) -> None:
+        """The step's global stats (the first norm type's all-reduce)."""
+        self.stats = stats
+        self.raw_norms[stats.norm_type] = stats.raw_norm
+
+    def add_norm_type(self, norm_type: float, shards: Sequence[Tensor], device: torch.device,
+                      reduce: Callable[[Tensor, Any], None]) -> None:
+        """A second norm type in one step: its partial over ``shards``, one more (tiny) ``reduce``."""
+        buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=device)
+        for shard in shards:
+            kernels.grad_stats(shard, buf, norm_type)
+        reduce(buf, grad_stats.reduce_op(norm_type))
+        self.raw_norms[norm_type] = grad_stats.finish(buf, norm_type).raw_norm
+
+    def first_norm_type(self) -> float:
+        return next(iter(self.raw_norms), 2.0)
+
+    # ------------------------------------------------------------ norms, unscale, clips
+    def norm(self, norm_type: float) -> Tensor:
+        """The norm as handed out: averaged, unscaled as far as the scale is known (the SAME
+        tensor is divided in place by ``unscale``)."""
+        norm = self.norms.get(norm_type)
+        if norm is None:
+            norm = self._derived(norm_type)
+            self.norms[norm_type] = norm
+        return norm
+
+    def norm_after_step(self, norm_type: float) -> Tensor:
+        """After the step consumed this round: the unscaled norm that step used, no collective."""
+        norm = self.norms.get(norm_type)  # handed out during the step, unscaled by it
+        if norm is None:
+            if norm_type not in self.raw_norms:
+                raise RuntimeError(
+                    f"grad_norm(norm_type={norm_type}) after step(): that step computed the norm only "
+                    f"for norm_type {sorted(self.raw_norms)}. Another norm type needs a collective over the "
+                    "grads, which are consumed: ask for it before step() (every rank)."
+                )
+            norm = self._derived(norm_type)
+            if self.cache_after_step:
+                self.norms[norm_type] = norm
+        return norm
+
+    def _derived(self, norm_type: float) -> Tensor:
+        norm = self.raw_norms[norm_type] * self.avg_factor
+        return norm if self.inv_scale is None else norm * self.inv_scale
+
+    def add_clip(self, max_norm: float, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
+        """Clip to ``max_norm`` given ``norm`` (resolved at the step). ``recompute``: refreshes
+        ``norm`` in place when this round's norms are unscaled (a norm derived from them)."""
+        self.clips.append((float(max_norm), norm))
+        if recompute is not None:
+            self.dependents.append(recompute)
+
+    def unscale(self, inv: Tensor) -> None:
+        """The scale is known: norms handed out become the true norms, in place."""
+        for norm in self.norms.values():
+            norm.mul_(inv)
+        self.inv_scale = inv
+        for recompute in self.dependents:
+            recompute()
+
+    def coef(self) -> Tensor:
+        """``avg * inv_scale * clip``: the one device scalar the step kernel multiplies grads by."""
+        coef = self.avg_tensor
+        if self.inv_scale is not None:
+            coef = self.inv_scale if self.avg_factor == 1.0 else self.inv_scale * self.avg_factor
+        clip = None
+        for max_norm, norm in self.clips:  # clipping twice clips the already-clipped grads
+            c = grad_stats.clip_coef(max_norm, norm if clip is None else norm * clip)
+            clip = c if clip is None else clip * c
+        return coef if clip is None else coef * clip
+
+    def done(self) -> None:
+        """The step consumed this round: keep only what ``norm_after_step`` reads."""
+        self.stats = None
+        self.clips, self.dependents = [], []
