@@ -70,6 +70,21 @@ def case_parity_sum_micro(rank: int, world: int, mesh) -> Dict[str, Any]:
                                  overlap_param_sync=True))
 
 
+def case_parity_reduce_each_micro(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Three backwards per step, each reduced (reduce-scatter, then the replicas' all-reduce):
+    the reduced shards accumulate, as param.grad does in torch."""
+    return train(rank, world, steps=3, micro_batches=3, reduce_each_micro=True, skip=_skip,
+                 opt_kwargs=dict(device_mesh=mesh, bucket_cap_mb=cc.TINY))
+
+
+def case_parity_capturable_no_overlap(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Grads reduced at step (overlap_grad_sync=False), buffers kept (capturable), two reduced
+    micro-batches."""
+    return train(rank, world, steps=3, micro_batches=2, reduce_each_micro=True,
+                 opt_kwargs=dict(device_mesh=mesh, bucket_cap_mb=cc.TINY, overlap_grad_sync=False,
+                                 capturable=True))
+
+
 def case_loops(rank: int, world: int, mesh) -> Dict[str, Any]:
     """The AMP loops (amp_loops.py), an inf on the last rank only at INF_STEP."""
     return {loop: run_loop(rank, world, loop, device_mesh=mesh) for loop in LOOPS}
@@ -137,7 +152,8 @@ def case_norm_types(rank: int, world: int, mesh) -> Dict[str, Any]:
     return cases_scaler.case_norm_types(rank, world, opt_kwargs=dict(device_mesh=mesh))
 
 
-CASES = ["case_parity", "case_parity_sum_micro", "case_loops", "case_collectives", "case_memory",
+CASES = ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
+         "case_parity_capturable_no_overlap", "case_loops", "case_collectives", "case_memory",
          "case_norm_types"]
 
 

@@ -144,10 +144,12 @@ def train(
     subgroups: int = 1,
     shadow_ref: bool = False,
     attach: bool = False,
+    reduce_each_micro: bool = False,
 ) -> Dict[str, Any]:
     """Run both trainings; return {"ours": [...], "ref": [...]} (fp32 CPU tensors, by param).
 
-    ``subgroups=k`` splits the ranks into k contiguous process groups, each sharding its own
+    ``reduce_each_micro``: every micro-batch's backward reduces (no ``no_sync``), so the
+    reduced shards accumulate. ``subgroups=k`` splits the ranks into k contiguous process groups, each sharding its own
     optimizer (its reference sees only its group's batches). ``shadow_ref`` feeds the reference
     the grads the sharded model itself produced (for low-precision params or param all-gathers)
     and compares the fp32 masters.
@@ -217,7 +219,7 @@ def train(
         for m in range(micro_batches):
             x, y = data[m][rank]
             last = m == micro_batches - 1
-            ctx = opt.no_sync() if not last else _nullcontext()
+            ctx = opt.no_sync() if not (last or reduce_each_micro) else _nullcontext()
             with ctx:
                 out = model(x.to(param_dtype), skip=skip(step, rank))
                 loss_fn(out.float(), y).backward()

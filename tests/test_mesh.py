@@ -33,7 +33,8 @@ def _case(name: str):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("case", ["case_parity", "case_parity_sum_micro"])
+@pytest.mark.parametrize("case", ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
+                                  "case_parity_capturable_no_overlap"])
 def test_mesh_parity_with_torch_adamw(shape: str, case: str) -> None:
     check_parity_case(_results()[1], f"{case}[{shape}]")
 
