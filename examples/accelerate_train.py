@@ -12,7 +12,6 @@ save_state), checked against unsharded torch.optim.AdamW and timed against the s
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Dict
 
 import torch
@@ -63,22 +62,12 @@ def train(args, shardamp: bool) -> Dict[str, Any]:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if args.precision == "fp16" and args.device == "cpu":
-        sys.exit("--precision fp16 needs --device cuda: accelerate has no fp16 autocast or grad scaler on "
-                 "the CPU (it would silently train in fp32)")
-    common.relaunch_with_torchrun(args)
-    if args.device == "cpu":
-        torch.set_num_threads(1)
+    args = common.start(__doc__.splitlines()[0], torchrun=True)
     ours = train(args, shardamp=True)
     ok = common.report_parity(args, "accelerate ShardampAccelerator", ours["params"], ours["seen"], ours["norms"])
     if common.rank() == 0:
         print(f"save_state wrote: {ours['files']}", flush=True)
-    default = None if args.no_baseline else train(args, shardamp=False)["ms"]
-    name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"
-    common.report_time(args, "accelerate", ours["ms"], default, name)
-    common.clean(args.out)
-    sys.exit(0 if ok else 1)
+    common.finish(args, "accelerate", ours["ms"], lambda: train(args, shardamp=False)["ms"], ok)
 
 
 if __name__ == "__main__":

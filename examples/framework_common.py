@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -231,3 +231,26 @@ def report_time(args: argparse.Namespace, framework: str, ours: float, default: 
 def clean(path: str) -> None:
     if rank() == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def start(description: str, torchrun: bool) -> argparse.Namespace:
+    """Parse the flags; accelerate and the Trainer (``torchrun=True``) have no fp16 on the CPU and
+    relaunch themselves under torchrun for several ranks (Lightning launches on its own)."""
+    args = parse_args(description)
+    if torchrun:
+        if args.precision == "fp16" and args.device == "cpu":
+            sys.exit("--precision fp16 needs --device cuda: accelerate has no fp16 autocast or grad scaler on "
+                     "the CPU (it would silently train in fp32)")
+        relaunch_with_torchrun(args)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+    return args
+
+
+def finish(args: argparse.Namespace, framework: str, ours_ms: float, baseline: Callable[[], float], ok: bool) -> None:
+    """Time the framework's own default (unless ``--no-baseline``), report, clean up, exit 0 iff ``ok``."""
+    default = None if args.no_baseline else baseline()
+    name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"
+    report_time(args, framework, ours_ms, default, name)
+    clean(args.out)
+    sys.exit(0 if ok else 1)

@@ -11,7 +11,6 @@ the result against unsharded torch.optim.AdamW, then times the same run with Lig
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Dict, List
 
 import lightning.pytorch as pl
@@ -90,18 +89,12 @@ def fit(args, shardamp: bool) -> Dict[str, Any]:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if args.device == "cpu":
-        torch.set_num_threads(1)
+    args = common.start(__doc__.splitlines()[0], torchrun=False)
     ours = fit(args, shardamp=True)
     ok = common.report_parity(args, "Lightning ShardampStrategy", ours["params"], ours["seen"])
     if common.rank() == 0:
         print(f"checkpoint written by ModelCheckpoint: {sorted(ours['ckpts'])}", flush=True)
-    default = None if args.no_baseline else fit(args, shardamp=False)["ms"]
-    name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"
-    common.report_time(args, "Lightning", ours["ms"], default, name)
-    common.clean(args.out)
-    sys.exit(0 if ok else 1)
+    common.finish(args, "Lightning", ours["ms"], lambda: fit(args, shardamp=False)["ms"], ok)
 
 
 if __name__ == "__main__":

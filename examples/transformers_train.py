@@ -14,7 +14,6 @@ optim="adamw_torch_fused" on CUDA). See framework_common.py.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -96,13 +95,7 @@ def train(args, shardamp: bool, resume: Optional[str] = None) -> Dict[str, Any]:
 
 
 def main() -> None:
-    args = common.parse_args(__doc__.splitlines()[0])
-    if args.precision == "fp16" and args.device == "cpu":
-        sys.exit("--precision fp16 needs --device cuda: accelerate has no fp16 autocast or grad scaler on "
-                 "the CPU (it would silently train in fp32)")
-    common.relaunch_with_torchrun(args)
-    if args.device == "cpu":
-        torch.set_num_threads(1)
+    args = common.start(__doc__.splitlines()[0], torchrun=True)
     ours = train(args, shardamp=True)
     ok = common.report_parity(args, "transformers ShardampTrainer", ours["params"], ours["seen"], ours["norms"])
     resumed = train(args, shardamp=True, resume=ours["ckpt"])
@@ -110,11 +103,7 @@ def main() -> None:
     if common.rank() == 0:
         print(f"checkpoint at step {save_step(args)} + resume_from_checkpoint ends on the same params: "
               f"{'PASS' if same else 'FAIL'}", flush=True)
-    default = None if args.no_baseline else train(args, shardamp=False)["ms"]
-    name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"
-    common.report_time(args, "transformers", ours["ms"], default, name)
-    common.clean(args.out)
-    sys.exit(0 if ok and same else 1)
+    common.finish(args, "transformers", ours["ms"], lambda: train(args, shardamp=False)["ms"], ok and same)
 
 
 if __name__ == "__main__":
