@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -106,3 +107,20 @@ def assert_params_close(ours: Sequence[torch.Tensor], ref: Sequence[torch.Tensor
     assert len(ours) == len(ref)
     for i, (a, b) in enumerate(zip(ours, ref)):
         torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=lambda m: f"param {i}: {m}")
+
+
+def check_run(values, n_steps: int, norm_key: str, autocast_dtype=None, accumulate: int = 1, lr_lambda=None):
+    """Every rank's run of a framework case against unsharded AdamW fed the union of the ranks'
+    batches: clipping engaged on every step, params within tolerance, the norms under
+    ``norm_key`` (returned, logged or read after each step) equal torch's, and every rank holding
+    the same model. Returns ``values`` for case-specific checks."""
+    union = union_steps([v["seen"] for v in values], accumulate)
+    assert len(union) == n_steps
+    params, norms = reference(union, autocast_dtype=autocast_dtype, lr_lambda=lr_lambda)
+    assert min(norms) > MAX_NORM, norms  # clipping engaged on every step
+    for v in values:
+        assert_params_close(v["params"], params, bf16=autocast_dtype is not None)
+        assert v[norm_key] == pytest.approx(norms, rel=1e-4), norm_key
+    for a, b in zip(values[0]["params"], values[1]["params"]):
+        assert torch.equal(a, b)  # every rank holds the same model
+    return values
