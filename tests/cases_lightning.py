@@ -107,22 +107,7 @@ def case_fp16_sharded_scaler(rank, world, **kw):
 
 
 def case_accumulate_no_sync(rank, world, **kw):
-    from shardamp.optim import _compat
-
-    calls = {"n": 0}
-    original = _compat.reduce_scatter
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    _compat.reduce_scatter = counting  # the optimizer module reads it through _compat at call time
-    try:
-        out = _fit(rank, world, accumulate=3)
-    finally:
-        _compat.reduce_scatter = original
-    out["reduce_scatters"] = calls["n"]
-    return out
+    return ref.count_reduce_scatters(lambda: _fit(rank, world, accumulate=3))
 
 
 def case_checkpoint_resume(rank, world, tmp: str = "", **kw):

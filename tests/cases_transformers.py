@@ -91,22 +91,7 @@ def case_linear_schedule(rank, world, tmp: str = "", **kw):
 
 
 def case_accumulate_no_sync(rank, world, tmp: str = "", **kw):
-    from shardamp.optim import _compat
-
-    calls = {"n": 0}
-    original = _compat.reduce_scatter
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    _compat.reduce_scatter = counting
-    try:
-        out = _train(rank, world, os.path.join(tmp, "hf_accum"), accumulate=3)
-    finally:
-        _compat.reduce_scatter = original
-    out["reduce_scatters"] = calls["n"]
-    return out
+    return ref.count_reduce_scatters(lambda: _train(rank, world, os.path.join(tmp, "hf_accum"), accumulate=3))
 
 
 def case_save_steps_resume(rank, world, tmp: str = "", **kw):

@@ -124,3 +124,24 @@ def check_run(values, n_steps: int, norm_key: str, autocast_dtype=None, accumula
     for a, b in zip(values[0]["params"], values[1]["params"]):
         assert torch.equal(a, b)  # every rank holds the same model
     return values
+
+
+def count_reduce_scatters(run: Callable[[], Dict]) -> Dict:
+    """``run()``'s result, with ``"reduce_scatters"``: how many grad reduce-scatters it issued
+    (counted where every one passes, shardamp.optim._compat; read there at call time)."""
+    from shardamp.optim import _compat
+
+    calls = {"n": 0}
+    original = _compat.reduce_scatter
+
+    def counting(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    _compat.reduce_scatter = counting
+    try:
+        out = run()
+    finally:
+        _compat.reduce_scatter = original
+    out["reduce_scatters"] = calls["n"]
+    return out
