@@ -29,7 +29,7 @@ from .shard_view import ShardView
 from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
-from .hparams import NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
+from .hparams import check_options, NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
 from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -112,29 +112,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         store_param_remainders: bool = False,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay, "")
-        for name, value in (
-            ("adam_w_mode", adam_w_mode),
-            ("bias_correction", bias_correction),
-            ("average_grad_sync", average_grad_sync),
-            ("overlap_grad_sync", overlap_grad_sync),
-            ("overlap_param_sync", overlap_param_sync),
-            ("capturable", capturable),
-            ("store_param_remainders", store_param_remainders),
-        ):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name}={value!r}: expected True or False")
-        if max_grad_norm is not None and not (
-            isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0 and math.isfinite(max_grad_norm)
-        ):
-            raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected None or a finite float > 0")
-        if dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"dtype={dtype!r}: the master-param/state dtype must be torch.float32 or torch.float64")
-        for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
-            if value is not None and value not in _FLOAT_DTYPES + (torch.float64,):
-                raise ValueError(f"{name}={value!r}: expected None or one of float32, bfloat16, float16, float64")
+        check_options(
+            dict(adam_w_mode=adam_w_mode, bias_correction=bias_correction, average_grad_sync=average_grad_sync,
+                 overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync, capturable=capturable,
+                 store_param_remainders=store_param_remainders),
+            max_grad_norm, dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb,
+        )
         exp_avg_dtype, exp_avg_sq_dtype = check_moment_dtypes(dtype, exp_avg_dtype, exp_avg_sq_dtype)
-        if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
-            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: expected a finite number of megabytes > 0")
 
         self._initialized = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)

@@ -129,3 +129,24 @@ class HparamTable:
             if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
                 self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
         return self.table
+
+
+_SYNC_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def check_options(flags: dict, max_grad_norm, dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb) -> None:
+    """The constructor's options other than the hyperparameters: ValueError naming the argument."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}={value!r}: expected True or False")
+    if max_grad_norm is not None and not (
+        isinstance(max_grad_norm, (int, float)) and max_grad_norm > 0 and math.isfinite(max_grad_norm)
+    ):
+        raise ValueError(f"max_grad_norm={max_grad_norm!r}: expected None or a finite float > 0")
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype={dtype!r}: the master-param/state dtype must be torch.float32 or torch.float64")
+    for name, value in (("grad_sync_dtype", grad_sync_dtype), ("param_sync_dtype", param_sync_dtype)):
+        if value is not None and value not in _SYNC_DTYPES:
+            raise ValueError(f"{name}={value!r}: expected None or one of float32, bfloat16, float16, float64")
+    if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
+        raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: expected a finite number of megabytes > 0")

@@ -74,8 +74,12 @@ def test_one_all_reduce_per_step(world: int) -> None:
     for value in _case(world, "case_one_all_reduce"):
         for calls in value["counts"]:
             assert len(calls) == 1, calls
-            assert calls[0] == 2 + value["n_params"] + value["agreement_entries"]
-            assert value["agreement_entries"] <= 2 + 8 * 4  # a few floats, whatever the model size
+            # the one all-reduce carries exactly: norm partial + non-finite flag (2), a touched flag
+            # per param (7 for this MLP) and 25 agreement floats (hyperparameters of the one group,
+            # norm type, step options, reductions since the last step: agreement.py), whatever
+            # the model size; written out here, not computed by the code under test
+            assert value["n_params"] == 7
+            assert calls[0] == 2 + 7 + 25, calls
 
 
 @pytest.mark.parametrize("world", WORLDS)
