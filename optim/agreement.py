@@ -237,7 +237,7 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
         ("norm_type", float(norm_type)),
         ("options (max_grad_norm, adam_w_mode, bias_correction)",
          (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)),
-        # not the step count: it changes every step, so these entries (cached on the device with
+        # not the step count: it changes every step, so these entries (cached on the device beside
         # the touched pattern) would be re-uploaded every step, also inside a CUDA-graph capture
         ("gradient reductions since the last step (a rank ran another number of backward passes or "
          "accumulated differently)", opt._grad_sync.rounds_since_step),
@@ -248,7 +248,7 @@ def step_entries(
     opt: Any, norm_type: float, problem: str = ""
 ) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
-    device with the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
+    device beside the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
     (None without), and the names of the categories in entry order."""
     use_max = math.isinf(norm_type)
     fp = opt._fingerprint
@@ -277,10 +277,10 @@ def stats_buffer(opt: Any, norm_type: float, problem: str) -> Tuple[Tensor, bool
 
     host, dev, opt._step_names = step_entries(opt, norm_type, problem)
     n = len(opt._params)
-    pattern = opt._touched_patterns.get(opt._grad_sync.local_touched, host)
     extra = 0 if dev is None else dev[1].numel()
     buf = torch.empty(HEADER + n + len(host) + extra, dtype=torch.float32, device=opt._device)
-    buf[HEADER : HEADER + n + len(host)].copy_(pattern)
+    buf[HEADER : HEADER + n].copy_(opt._touched_patterns.get(opt._grad_sync.local_touched))
+    buf[HEADER + n : HEADER + n + len(host)].copy_(opt._touched_patterns.get_tail(host))
     if dev is not None:
         buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
         buf[HEADER + n + len(host) :].copy_(dev[1])

@@ -203,7 +203,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
         self._deferred = DeferredChecks(self._device)
-        self._stats_rounds = 0  # stats all-reduces so far (> 0: this optimizer trains, see agreement.py)
         self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
         self._step_names: List[str] = []
         self._consecutive_skips = 0
@@ -320,7 +319,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
-            self._stats_rounds += 1
             fingerprint = self._fingerprint if checked else None
             r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,29 +76,38 @@ def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
 
 
 class TouchedPatterns:
-    """Device copies of the host-side "got a grad" masks, cached so that a training loop whose
-    pattern repeats copies nothing to the device after its first step (no sync, capturable)."""
+    """Device copies of the host-side "got a grad" masks and of the step's agreement entries,
+    each cached on its own, so that a training loop whose mask repeats copies nothing to the
+    device after its first step (no sync, capturable), and a float lr changing every step (an LR
+    scheduler) re-uploads only its few agreement floats, not the mask of every param."""
 
     def __init__(self, device: torch.device, capacity: int = 8) -> None:
         self.device = device
         self.capacity = capacity
-        self.cache: "OrderedDict[tuple, Tensor]" = OrderedDict()
+        self.masks: "OrderedDict[bytes, Tensor]" = OrderedDict()
+        self.tails: "OrderedDict[tuple, Tensor]" = OrderedDict()
 
-    def get(self, mask: List[bool], tail: Sequence[float] = ()) -> Tensor:
-        """``mask`` as float32 0/1, followed by ``tail`` (the step's agreement entries)."""
-        key = (bytes(mask), tuple(tail))
-        t = self.cache.get(key)
+    def get(self, mask: List[bool]) -> Tensor:
+        """``mask`` as float32 0/1 on the device."""
+        return self._cached(self.masks, bytes(mask), lambda: [float(m) for m in mask])
+
+    def get_tail(self, tail: Sequence[float]) -> Tensor:
+        """The agreement entries ``tail`` as float32 on the device."""
+        return self._cached(self.tails, tuple(tail), lambda: list(tail))
+
+    def _cached(self, cache: "OrderedDict", key: Any, values: Any) -> Tensor:
+        t = cache.get(key)
         if t is None:
-            host = torch.tensor([float(m) for m in mask] + list(tail), dtype=torch.float32)
+            host = torch.tensor(values(), dtype=torch.float32)
             if self.device.type == "cuda":
                 # pinned + non_blocking: a new pattern (e.g. MoE routing) costs no host sync; the
                 # caching host allocator keeps the pinned buffer alive until the copy is done
                 t = host.pin_memory().to(self.device, non_blocking=True)
             else:
                 t = host
-            self.cache[key] = t
-            if len(self.cache) > self.capacity:
-                self.cache.popitem(last=False)
+            cache[key] = t
+            if len(cache) > self.capacity:
+                cache.popitem(last=False)
         else:
-            self.cache.move_to_end(key)
+            cache.move_to_end(key)
         return t

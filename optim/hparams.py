@@ -100,7 +100,6 @@ class HparamTable:
         self.device = device
         self.table = torch.zeros(num_groups, 5, dtype=torch.float64, device=device)
         self._host: Optional[List[Tuple]] = None
-        self.tensor_lrs: List[Tensor] = []
 
     def invalidate(self) -> None:
         """Force a re-upload at the next refresh (after param_groups were replaced wholesale)."""
@@ -124,7 +123,6 @@ class HparamTable:
                 table = table.pin_memory()
             self.table.copy_(table, non_blocking=True)
             self._host = host
-        self.tensor_lrs = [group["lr"] for group in param_groups if isinstance(group["lr"], Tensor)]
         for i, group in enumerate(param_groups):
             if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
                 self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import grad_stats, kernels
+from . import grad_stats
 from .grad_stats import GradStats
 
 
@@ -42,9 +42,8 @@ class StepRound:
     def add_norm_type(self, norm_type: float, shards: Sequence[Tensor], device: torch.device,
                       reduce: Callable[[Tensor, Any], None]) -> None:
         """A second norm type in one step: its partial over ``shards``, one more (tiny) ``reduce``."""
-        buf = torch.zeros(grad_stats.HEADER, dtype=torch.float32, device=device)
-        for shard in shards:
-            kernels.grad_stats(shard, buf, norm_type)
+        buf = torch.empty(grad_stats.HEADER, dtype=torch.float32, device=device)
+        grad_stats.local_stats(shards, norm_type, buf)
         reduce(buf, grad_stats.reduce_op(norm_type))
         self.raw_norms[norm_type] = grad_stats.finish(buf, norm_type).raw_norm
 
