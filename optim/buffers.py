@@ -191,20 +191,7 @@ def init_master(buffers: BucketBuffers, state_dtype: torch.dtype, store_param_re
         buffers.sync.copy_(buffers.params)
 
 
-def expected_views(buckets: List[Bucket], buffers: List[BucketBuffers], params: Sequence[Tensor]) -> List[tuple]:
-    """Per param (in index order): the (data_ptr, dtype, shape, stride) its view must keep."""
-    out: List[tuple] = [()] * len(params)
-    for bucket, buf in zip(buckets, buffers):
-        base, esize = buf.params.data_ptr(), buf.params.element_size()
-        for slot in bucket.slots:
-            out[slot.index] = (base + slot.offset * esize, bucket.dtype, slot.shape, slot.stride)
-    return out
-
-
-def check_views(
-    expected: List[tuple], params: Sequence[Tensor], reattach: Callable[[int], bool],
-    refs: Optional[List[Tensor]] = None,
-) -> None:
+def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable[[int], bool]) -> None:
     """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``).
 
     Called every step, so the common case is one native pass (``refs``: detached copies of the
@@ -213,9 +200,9 @@ def check_views(
     native check walks the params here, to name the one that broke. ``reattach(i)`` is asked
     first to put param ``i`` back into its bucket when that loses nothing (a ``.to()`` onto the
     device it already lives on made a copy); it returns success."""
-    if refs is not None and kernels.views_intact(list(params), refs):
+    if kernels.views_intact(list(params), refs):
         return
-    for i, (p, (ptr, dtype, shape, stride)) in enumerate(zip(params, expected)):
+    for i, (p, ref) in enumerate(zip(params, refs)):
         if p.grad is not None:
             ddp = find_ddp(params)
             if ddp is not None:
@@ -228,8 +215,8 @@ def check_views(
                 "group instead), and do not assign param.grad by hand."
             )
         # a zero-element param has no storage to compare (its data_ptr is 0): shape and dtype only
-        moved = p.data_ptr() != ptr and p.numel() > 0
-        if moved or p.dtype != dtype or p.shape != shape or p.stride() != stride:
+        moved = p.data_ptr() != ref.data_ptr() and p.numel() > 0
+        if moved or p.dtype != ref.dtype or p.shape != ref.shape or p.stride() != ref.stride():
             if reattach(i):
                 continue
             raise RuntimeError(

@@ -20,7 +20,7 @@ from . import _compat, agreement, deferred_checks, grad_stats, kernels
 from . import state_dict as _state_dict
 from .comm import Comm, make_comm
 from .buffers import (
-    BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, expected_views, init_master,
+    BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, init_master,
     memory_stats, reattach_param,
 )
 from .misuse import check_launcher_env, ddp_error, find_ddp
@@ -183,7 +183,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._comm.broadcast(buf.params)
         for buf in self._buffers:
             init_master(buf, dtype, store_param_remainders)
-        self._expected_views = expected_views(self._buckets, self._buffers, self._params)
         kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device,
                         len(self._params), len(self.param_groups),
                         [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq) for b in self._buffers])
@@ -429,7 +428,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._param_sync.wait()
-        check_views(self._expected_views, self._params, self._reattach, self._view_refs)
+        check_views(self._params, self._view_refs, self._reattach)
         if not self._grad_sync.grad_since_zero:
             raise RuntimeError(
                 "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "

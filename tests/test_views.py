@@ -27,8 +27,13 @@ def _loss(m, step):
 
 
 def _in_buffers(opt) -> bool:
-    ptrs = {p.data_ptr() for p in opt._params}
-    return ptrs == {e[0] for e in opt._expected_views}
+    """Every param's data is at its slot of its bucket's flat param buffer."""
+    for bucket, buf in zip(opt._buckets, opt._buffers):
+        base, esize = buf.params.data_ptr(), buf.params.element_size()
+        for slot in bucket.slots:
+            if opt._params[slot.index].data_ptr() != base + slot.offset * esize:
+                return False
+    return True
 
 
 def _train(model, opt, steps, between=None):
