@@ -1,0 +1,107 @@
+"""One training iteration of plain torch or of shardamp in each AMP loop of examples/bench_host.py,
+and how that benchmark times and measures them: repeats interleaved, median, peak memory of one
+implementation alone.
+
+torch = ``torch.optim.AdamW(fused=True)`` + ``torch.amp.GradScaler`` + ``clip_grad_norm_``;
+shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_norm``.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from shardamp.optim import DistributedFusedAdam
+from shardamp.scaler import ShardedGradScaler
+
+LOOPS = {  # name -> (scaler, unscale_, clip): torch runs exactly this; shardamp its equivalent
+    "scaler+unscale_+clip": (True, True, True),
+    "scaler+unscale_": (True, True, False),
+    "max_grad_norm in step": (True, True, True),  # shardamp: DistributedFusedAdam(max_grad_norm=1)
+    "scaler, no unscale_": (True, False, False),
+    "plain step": (False, False, False),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------ one iteration
+def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: Callable, loop: str,
+                   device: torch.device, amp_dtype: Optional[torch.dtype], lr: float = 1e-4):
+    """Build the optimizer (after the model is final) and return ``one()``: a full iteration."""
+    use_scaler, unscale, clip = LOOPS[loop]
+    use_scaler = use_scaler and amp_dtype is not torch.bfloat16
+    params = [p for p in model.parameters() if p.requires_grad]
+    if impl == "torch":
+        opt = torch.optim.AdamW(params, lr=lr, fused=True) if device.type == "cuda" else torch.optim.AdamW(params, lr=lr)
+        scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
+        do_clip = (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)) if clip else (lambda: None)
+    else:
+        opt = DistributedFusedAdam(params, lr=lr, max_grad_norm=1.0 if loop == "max_grad_norm in step" else None)
+        scaler = ShardedGradScaler(device.type, enabled=use_scaler)
+        clip = clip and loop != "max_grad_norm in step"
+        unscale = unscale and loop != "max_grad_norm in step"
+        do_clip = (lambda: opt.clip_grad_norm(1.0)) if clip else (lambda: None)
+    autocast = torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
+
+    def one() -> None:
+        opt.zero_grad(set_to_none=True)
+        inputs, target = batch()
+        with autocast:
+            loss = loss_fn(model(*inputs), target)
+        if use_scaler:
+            scaler.scale(loss).backward()
+            if unscale:
+                scaler.unscale_(opt)
+            do_clip()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            do_clip()
+            opt.step()
+
+    one.opt = opt
+    return one
+
+
+def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup: int, iters: int,
+                repeats: int) -> Dict[str, float]:
+    """Median ms per call of each fn, repeats interleaved (the order flips every repeat)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    sync(device)
+    times: Dict[str, List[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            sync(device)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fns[name]()
+            sync(device)
+            times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def peak_memory(build: Callable[[], Callable[[], None]], device: torch.device, iters: int = 3) -> Optional[int]:
+    """Peak bytes allocated while one implementation alone builds and runs ``iters`` iterations."""
+    if device.type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    one = build()
+    for _ in range(iters):
+        one()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del one
+    return peak
