@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, agreement, deferred_checks, grad_stats, kernels
+from . import _compat, agreement, torch_scaler, deferred_checks, grad_stats, kernels
 from . import state_dict as _state_dict
 from .comm import Comm, make_comm
 from .buffers import (
@@ -397,27 +397,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         return stats.found_inf.to(inv_scale.device)
 
     # ------------------------------------------------------------------ the step
-    def _take_torch_scaler(self, scaler: Any) -> None:
-        """Loop A/F: ``torch.amp.GradScaler.step`` handed itself over (``grad_scaler=``)."""
-        state = _compat.scaler_optimizer_state(scaler, self)
-        if self._inv_scale is None:
-            if state["stage"] is _compat.OptState.UNSCALED and not self._warned_unscaled_by_torch:
-                self._warned_unscaled_by_torch = True
-                warnings.warn(
-                    "torch.amp.GradScaler.unscale_ found no gradients to unscale: DistributedFusedAdam "
-                    "keeps only reduce-scattered shards and leaves param.grad None, so torch's "
-                    "clip_grad_norm_ clipped nothing. The step unscales correctly but is NOT clipped. "
-                    "To clip, use shardamp.scaler.ShardedGradScaler with opt.clip_grad_norm() or "
-                    "shardamp.optim.clip_grad_norm_(), or pass max_grad_norm= to the optimizer.",
-                    UserWarning,
-                    stacklevel=4,
-                )
-            scale = _compat.scaler_scale(scaler)
-            self.unscale_grads(scale.double().reciprocal().float(), grad_scaler=scaler)
-        found_inf = self._current_round().stats.found_inf
-        scale_device = _compat.scaler_scale(scaler).device
-        state["found_inf_per_device"] = {scale_device: found_inf.to(scale_device)}
-
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler: Optional[Any] = None) -> Any:
         """Update the params from the reduced grads; skip on the device if any grad (or the
@@ -438,7 +417,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 "parameters."
             )
         if grad_scaler is not None:
-            self._take_torch_scaler(grad_scaler)
+            torch_scaler.take_over(self, grad_scaler)
         r = self._current_round()
         stats = self._ensure_stats(r.first_norm_type())
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
