@@ -7,12 +7,12 @@ gradient per step.
 from __future__ import annotations
 
 import os
-import traceback
 from typing import Any, Dict, List
 
 import torch
 
 import cases_checkpoint as cc
+from dist_helper import run_cases
 from shardamp.optim.checkpoint import load_sharded, save_sharded
 
 BF16 = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
@@ -90,12 +90,5 @@ W2_CASES = ["case_resume"]
 
 
 def run(rank: int, world: int, tmp: str, names: List[str]) -> Dict[str, Any]:
-    """cases_checkpoint.run for this module's cases (CPU, its default batch)."""
-    out: Dict[str, Any] = {}
-    for name in names:
-        try:
-            out[name] = ("ok", globals()[name](rank, world, tmp))
-        except BaseException:  # noqa: BLE001
-            out[name] = ("error", traceback.format_exc())
-            break
-    return out
+    """This module's cases in one spawned group, sharing the temp dir ``tmp``."""
+    return run_cases(rank, world, __name__, names, {"tmp": tmp})
