@@ -82,21 +82,61 @@ __device__ __forceinline__ void store8(T* __restrict__ p, const float (&f)[8]) {
   }
 }
 
-// Param remainders: 8 fp32 masters from 8 bf16 high halves and 8 int16 low halves (one 16-byte
-// load each), and back (common.h: join_remainder / split_remainder, the same bit arithmetic).
-__device__ __forceinline__ void load8_joined(const __nv_bfloat16* __restrict__ hi, const int16_t* __restrict__ lo,
-                                             float (&f)[8]) {
-  const uint4 h = *reinterpret_cast<const uint4*>(hi);
-  const uint4 l = *reinterpret_cast<const uint4*>(lo);
+// Staging through shared memory (cp.async, sm_80+): a thread copies its own 16-byte words into
+// its own slots and reads them back after waiting on its own copies, so no barrier is needed and
+// the bytes in flight hold no registers. Slots of one word index are kThreads apart (a warp's
+// 16-byte accesses are consecutive: no bank conflicts). Words per 8 elements: fp32 2, 16-bit 1.
+template <typename T>
+constexpr int kWords = static_cast<int>(sizeof(T)) / 2;
+
+__device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+}
+
+template <typename T>
+__device__ __forceinline__ void stage8(uint4* dst, int stride, const T* __restrict__ src) {
+#pragma unroll
+  for (int w = 0; w < kWords<T>; ++w) cp_async16(dst + w * stride, reinterpret_cast<const uint4*>(src) + w);
+}
+
+template <typename T>
+__device__ __forceinline__ void unstage8(const uint4* s, int stride, float (&f)[8]) {
+  if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const uint4 r = s[w * stride];
+      f[4 * w] = __uint_as_float(r.x);
+      f[4 * w + 1] = __uint_as_float(r.y);
+      f[4 * w + 2] = __uint_as_float(r.z);
+      f[4 * w + 3] = __uint_as_float(r.w);
+    }
+  } else {
+    unpack(s[0], static_cast<const T*>(nullptr), f);
+  }
+}
+
+// 8 fp32 masters from 8 bf16 high halves and 8 int16 low halves: sign-extended low halves added
+// to the high halves shifted into place (mod 2^32).
+__device__ __forceinline__ void join8(const uint4& h, const uint4& l, float (&f)[8]) {
   const uint32_t hw[4] = {h.x, h.y, h.z, h.w}, lw[4] = {l.x, l.y, l.z, l.w};
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    // sign-extended low halves, added to the high halves shifted into place (mod 2^32)
     const uint32_t lo0 = static_cast<uint32_t>(static_cast<int32_t>(static_cast<int16_t>(lw[k] & 0xffffu)));
     const uint32_t lo1 = static_cast<uint32_t>(static_cast<int32_t>(lw[k]) >> 16);
     f[2 * k] = __uint_as_float((hw[k] << 16) + lo0);
     f[2 * k + 1] = __uint_as_float((hw[k] & 0xffff0000u) + lo1);
   }
+}
+
+// Param remainders: 8 fp32 masters from 8 bf16 high halves and 8 int16 low halves (one 16-byte
+// load each), and back (common.h: join_remainder / split_remainder, the same bit arithmetic).
+__device__ __forceinline__ void load8_joined(const __nv_bfloat16* __restrict__ hi, const int16_t* __restrict__ lo,
+                                             float (&f)[8]) {
+  join8(*reinterpret_cast<const uint4*>(hi), *reinterpret_cast<const uint4*>(lo), f);
 }
 
 __device__ __forceinline__ void store8_split(__nv_bfloat16* __restrict__ hi, int16_t* __restrict__ lo,
