@@ -157,16 +157,20 @@ def cuda_chunk(default: int) -> int:
     return int(value)
 
 
-# Elements per CUDA block for the lighter steps (bf16 moments or param remainders: 18-26 B per
-# element instead of 28). Measured on an H200 (csrc/NOTES.md, same kernel, SHARDAMP_CUDA_CHUNK):
-# remainders 1.985 ms at 4096 -> 1.848 at 8192, fp32 grads + bf16 moments 1.605 -> 1.538,
-# while the fp32 28 B step keeps 4096 (1.935 vs 2.004 at 8192).
+# Elements per CUDA block for the steps with one bf16 moment and one fp32 (their kernels keep the
+# fp32 step's shape: 2 vector steps per thread). Both moments bf16, or remainders with fp32
+# moments, have shapes of their own (csrc/cuda/adam_step.cu: staged loads, 3 or 4 blocks per SM)
+# that were fastest at the fp32 step's CUDA_CHUNK (4096). Measured on an H200 (csrc/NOTES.md,
+# examples/tune_step.py): with the 2-step shape, fp32 grads + bf16 moments 1.570 ms at 4096 ->
+# 1.490 at 8192, while the fp32 28 B step keeps 4096.
 LIGHT_STATE_CUDA_CHUNK = 8192
 
 
 def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
-    """bf16 moments or param remainders: the step moves fewer bytes and takes a larger chunk."""
-    return master.dtype == torch.int16 or exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32
+    """The state kinds whose CUDA step takes the larger ``LIGHT_STATE_CUDA_CHUNK``: exactly one
+    moment in bf16 (``master`` does not matter: remainders or fp32 alike)."""
+    del master  # the same for fp32 masters and remainders
+    return exp_avg.dtype != exp_avg_sq.dtype
 
 
 def _chunk_size(ext: Any, device: torch.device, light: bool) -> int:
@@ -179,8 +183,8 @@ def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, 
                  light_state: bool = False) -> Tensor:
     """The kernels' block-to-chunk map of ``segments``, cached on the table (built at
     construction by ``prepare``; rebuilt from the host-side segments if the chunk size changed):
-    no device-to-host copy and no sync, even on the first step. ``light_state``: bf16 moments
-    or remainders (a larger chunk)."""
+    no device-to-host copy and no sync, even on the first step. ``light_state``: one bf16 moment
+    (a larger chunk, see ``light_state``)."""
     size = _chunk_size(ext, grad.device, light_state)
     key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
@@ -194,7 +198,7 @@ def prepare(segment_tables: List[SegmentTable], numels: List[int], device: torch
             n_groups: int, light: Optional[List[bool]] = None) -> None:
     """At construction: build every shard's chunk table for the native kernels from the host-side
     layout and copy it to the device (non-blocking), so no step ever reads the device table.
-    ``light[i]``: shard ``i`` keeps bf16 moments or remainders (see ``light_state``)."""
+    ``light[i]``: shard ``i``'s kind takes the larger chunk (see ``light_state``)."""
     ext = _native(device)
     if ext is None:
         return

@@ -107,33 +107,38 @@ __device__ __forceinline__ void update_range(const Params& P, const float4* rec,
   }
   constexpr int64_t kStep = int64_t(kThreads) * kVec;
   if constexpr (kStaged) {
+    // Loads staged in shared memory: [kUnroll * W][kThreads] 16-byte slots, slot (k, t) read back
+    // by thread t only. A warp iterates as one (its copies feed all its lanes) and copies each
+    // array's 32 x 8 elements with instructions that cover contiguous bytes (stage8_warp).
     constexpr int W = kStepWords<G, M, V, R>;
-    extern __shared__ uint4 stage[];  // [kUnroll * W][kThreads]
-    for (int64_t base = vlo + threadIdx.x * kVec; base < vhi; base += kUnroll * kStep) {
+    extern __shared__ uint4 stage[];
+    const int lane = threadIdx.x & 31;
+    const int warp0 = threadIdx.x - lane;
+    for (int64_t wbase = vlo + int64_t(warp0) * kVec; wbase < vhi; wbase += kUnroll * kStep) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * kStep;
-        uint4* sl = stage + u * W * kThreads + threadIdx.x;
-        if (i < vhi) {
-          stage8(sl, kThreads, g + i);
-          sl += kWords<G> * kThreads;
-          if constexpr (R) {
-            cp_async16(sl, o + i);
-            cp_async16(sl + kThreads, p + i);
-          } else {
-            stage8(sl, kThreads, p + i);
-          }
-          sl += 2 * kThreads;
-          stage8(sl, kThreads, m + i);
-          sl += kWords<M> * kThreads;
-          stage8(sl, kThreads, v + i);
+        const int64_t i0 = wbase + u * kStep;  // the warp's first element of this step
+        const int64_t room = vhi - i0;         // a lane c has work if c * kVec < room
+        uint4* rows = stage + u * W * kThreads + warp0;
+        stage8_warp<kThreads>(rows, g + i0, lane, room);
+        rows += kWords<G> * kThreads;
+        if constexpr (R) {
+          stage8_warp<kThreads>(rows, o + i0, lane, room);
+          stage8_warp<kThreads>(rows + kThreads, p + i0, lane, room);
+        } else {
+          stage8_warp<kThreads>(rows, p + i0, lane, room);
         }
+        rows += 2 * kThreads;
+        stage8_warp<kThreads>(rows, m + i0, lane, room);
+        rows += kWords<M> * kThreads;
+        stage8_warp<kThreads>(rows, v + i0, lane, room);
       }
-      cp_async_wait_all();
+      cp_async_wait_all();  // this lane's copies landed ...
+      __syncwarp();         // ... and every lane's are visible to the warp
       if (skip) return;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = base + u * kStep;
+        const int64_t i = wbase + u * kStep + lane * kVec;
         if (i < vhi) {
           const uint4* sl = stage + u * W * kThreads + threadIdx.x;
           float rg[kVec], rp[kVec], rm[kVec], rv[kVec];
@@ -160,6 +165,7 @@ __device__ __forceinline__ void update_range(const Params& P, const float4* rec,
           }
         }
       }
+      __syncwarp();  // every lane has read its slots before the next copies overwrite them
     }
   }
   for (int64_t base = vlo + threadIdx.x * kVec; !kStaged && base < vhi; base += kUnroll * kStep) {
@@ -259,22 +265,38 @@ void launch_shape(const Params& P, int64_t nchunks) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Tuning (csrc/NOTES.md): SHARDAMP_CUDA_STEP=UxB picks another shape for the light kinds that the
-// benchmark measures; anything else (or unset) is the default. Read at every launch.
+using bf16 = __nv_bfloat16;
+
+// The shape of each kind, measured on an H200 (csrc/NOTES.md, examples/tune_step.py; step alone,
+// 256M elements, copy bandwidth 4161 GB/s):
+// * both moments bf16: loads staged through shared memory, 2 steps per thread, 4 blocks per SM
+//   (<= 64 registers): bf16 params + remainders + bf16 moments 1.465 -> 1.205 ms (96% of its
+//   18-byte floor);
+// * remainders with fp32 moments and 16-bit grads: registers, 2 steps, 3 blocks per SM (<= 80
+//   registers, no spills; fp32 grads would spill): 1.825 -> 1.720 ms (97.5% of its 26-byte floor);
+// * the rest (fp32 states: 95.9% of the 28-byte floor; mixed moments): 2 steps, as before.
+// optim/kernels.py picks each kind's chunk size to match (4096 elements for all but mixed moments).
+template <typename G, typename M, typename V, bool R>
+using KindShape = std::conditional_t<
+    std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<2, 4, true>,
+    std::conditional_t<R && sizeof(G) == 2 && std::is_same_v<M, float> && std::is_same_v<V, float>, Shape<2, 3>,
+                       DefaultShape>>;
+
+// Tuning: SHARDAMP_CUDA_STEP picks another shape for the kinds the benchmark measures ("2x1",
+// "2x3": registers, U steps x B blocks; "c2x4", "c2x3", "c4x2": staged); unset or anything else:
+// the kind's own. Read at every launch (examples/tune_step.py switches it between launches).
 int step_variant() {
   const char* s = std::getenv("SHARDAMP_CUDA_STEP");
   if (s == nullptr) return 0;
   const std::string v(s);
-  if (v == "4x2") return 1;
-  if (v == "3x2") return 2;
-  if (v == "2x3") return 3;
-  if (v == "c4x2") return 4;
-  if (v == "c2x3") return 5;
-  if (v == "c2x4") return 6;
+  if (v == "2x1") return 1;
+  if (v == "2x3") return 2;
+  if (v == "c2x4") return 3;
+  if (v == "c2x3") return 4;
+  if (v == "c4x2") return 5;
   return 0;
 }
 
-using bf16 = __nv_bfloat16;
 template <typename G, typename O, typename M, typename V, bool R>
 constexpr bool kTuned = (std::is_same_v<G, float> && std::is_void_v<O> && std::is_same_v<M, bf16> &&
                          std::is_same_v<V, bf16> && !R) ||
@@ -286,16 +308,15 @@ template <typename G, typename O, typename M, typename V, bool R>
 void launch(const Params& P, int64_t nchunks) {
   if constexpr (kTuned<G, O, M, V, R>) {
     switch (step_variant()) {
-      case 1: return launch_shape<G, O, M, V, R, Shape<4, 2>>(P, nchunks);
-      case 2: return launch_shape<G, O, M, V, R, Shape<3, 2>>(P, nchunks);
-      case 3: return launch_shape<G, O, M, V, R, Shape<2, 3>>(P, nchunks);
-      case 4: return launch_shape<G, O, M, V, R, Shape<4, 2, true>>(P, nchunks);
-      case 5: return launch_shape<G, O, M, V, R, Shape<2, 3, true>>(P, nchunks);
-      case 6: return launch_shape<G, O, M, V, R, Shape<2, 4, true>>(P, nchunks);
+      case 1: return launch_shape<G, O, M, V, R, Shape<2, 1>>(P, nchunks);
+      case 2: return launch_shape<G, O, M, V, R, Shape<2, 3>>(P, nchunks);
+      case 3: return launch_shape<G, O, M, V, R, Shape<2, 4, true>>(P, nchunks);
+      case 4: return launch_shape<G, O, M, V, R, Shape<2, 3, true>>(P, nchunks);
+      case 5: return launch_shape<G, O, M, V, R, Shape<4, 2, true>>(P, nchunks);
       default: break;
     }
   }
-  launch_shape<G, O, M, V, R, DefaultShape>(P, nchunks);
+  launch_shape<G, O, M, V, R, KindShape<G, M, V, R>>(P, nchunks);
 }
 
 }  // namespace
