@@ -27,12 +27,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
 
-# "default": SHARDAMP_CUDA_STEP unset (each kind's own shape, csrc/cuda/adam_step.cu); "UxB": U
-# vector steps per thread held in registers, B blocks per SM; a "c" prefix: loads staged through
-# shared memory.
-SHAPES = ["default", "2x1", "2x3", "c2x4", "c2x3", "c4x2"]
-CHUNKS = {"default": [4096, 8192], "2x1": [8192, 16384], "2x3": [4096], "c2x4": [4096, 8192], "c2x3": [4096],
-          "c4x2": [8192]}
+# "default": SHARDAMP_CUDA_STEP and SHARDAMP_CUDA_CHUNK unset (each kind's own shape and chunk:
+# csrc/cuda/adam_step.cu, optim/kernels.py); "UxB": U vector steps per thread held in registers,
+# B blocks per SM; "c2x4": loads staged through shared memory. Chunk 0: the kind's own.
+SHAPES = ["default", "2x1", "2x3", "c2x4"]
+CHUNKS = {"default": [0], "2x1": [8192, 16384], "2x3": [4096], "c2x4": [4096, 8192]}
 LIGHT = ["fp32+bf16 moments", "bf16+remainders", "bf16+remainders+bf16 moments", "bf16+bf16 moments"]
 
 
@@ -76,7 +75,10 @@ def set_config(shape: str, chunk: int) -> None:
         os.environ.pop("SHARDAMP_CUDA_STEP", None)
     else:
         os.environ["SHARDAMP_CUDA_STEP"] = shape
-    os.environ["SHARDAMP_CUDA_CHUNK"] = str(chunk)
+    if chunk:
+        os.environ["SHARDAMP_CUDA_CHUNK"] = str(chunk)
+    else:
+        os.environ.pop("SHARDAMP_CUDA_CHUNK", None)
 
 
 def bits(t):
@@ -120,7 +122,7 @@ def main() -> None:
 
     sizes = bs._sizes(args.numel)
     kinds = [k for k in args.kinds.split(",") if k]
-    configs = [(k, s, c) for k in kinds for s in SHAPES for c in CHUNKS[s]] + [("fp32", "default", 4096)]
+    configs = [(k, s, c) for k in kinds for s in SHAPES for c in CHUNKS[s]] + [("fp32", "default", 0)]
     states = {k: make_state(k, sizes, device, seed=1) for k in {c[0] for c in configs}}
     from shardamp.optim import kernels
 

@@ -157,34 +157,43 @@ def cuda_chunk(default: int) -> int:
     return int(value)
 
 
-# Elements per CUDA block for the steps with one bf16 moment and one fp32 (their kernels keep the
-# fp32 step's shape: 2 vector steps per thread). Both moments bf16, or remainders with fp32
-# moments, have shapes of their own (csrc/cuda/adam_step.cu: staged loads, 3 or 4 blocks per SM)
-# that were fastest at the fp32 step's CUDA_CHUNK (4096). Measured on an H200 (csrc/NOTES.md,
-# examples/tune_step.py): with the 2-step shape, fp32 grads + bf16 moments 1.570 ms at 4096 ->
-# 1.490 at 8192, while the fp32 28 B step keeps 4096.
+# Elements per CUDA block (chunk) of the lighter steps, by state kind: each kind's step has its
+# own shape (csrc/cuda/adam_step.cu, KindShape), and each was timed at several chunk sizes on an
+# H200 (csrc/NOTES.md, examples/tune_step.py, the step alone over 256M elements):
+# * fp32 master + bf16 moments (2 steps per thread): 1.570 ms at 4096, 1.490 at 8192, 1.474 at 16384;
+# * remainders + bf16 moments (staged loads): 1.205 at 4096, 1.274 at 8192;
+# * remainders + fp32 moments (3 blocks per SM): 1.720 at 4096, 1.852 at 8192;
+# * one bf16 moment and one fp32 (2 steps per thread, untimed here): 8192, as session 3 measured
+#   for the 2-step shape on the light kinds. fp32 master and moments keep ext.CUDA_CHUNK (4096).
 LIGHT_STATE_CUDA_CHUNK = 8192
+BF16_MOMENTS_CUDA_CHUNK = 16384
+REMAINDERS_CUDA_CHUNK = 4096
 
 
-def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
-    """The state kinds whose CUDA step takes the larger ``LIGHT_STATE_CUDA_CHUNK``: exactly one
-    moment in bf16 (``master`` does not matter: remainders or fp32 alike)."""
-    del master  # the same for fp32 masters and remainders
-    return exp_avg.dtype != exp_avg_sq.dtype
+def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> int:
+    """The CUDA chunk size the step of this state kind was tuned for (bf16 moments or int16
+    remainders), or 0 for fp32 master and moments (the kernels' own ``CUDA_CHUNK``). Truthy for
+    exactly the lighter kinds."""
+    fp32_moments = exp_avg.dtype == exp_avg_sq.dtype == torch.float32
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        return LIGHT_STATE_CUDA_CHUNK
+    if master.dtype == torch.int16:
+        return REMAINDERS_CUDA_CHUNK
+    return 0 if fp32_moments else BF16_MOMENTS_CUDA_CHUNK
 
 
-def _chunk_size(ext: Any, device: torch.device, light: bool) -> int:
+def _chunk_size(ext: Any, device: torch.device, light: int) -> int:
     if device.type != "cuda":
         return ext.CHUNK
-    return cuda_chunk(LIGHT_STATE_CUDA_CHUNK if light else ext.CUDA_CHUNK)
+    return cuda_chunk(int(light) if light else ext.CUDA_CHUNK)
 
 
 def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor,
-                 light_state: bool = False) -> Tensor:
+                 light_state: int = 0) -> Tensor:
     """The kernels' block-to-chunk map of ``segments``, cached on the table (built at
     construction by ``prepare``; rebuilt from the host-side segments if the chunk size changed):
-    no device-to-host copy and no sync, even on the first step. ``light_state``: one bf16 moment
-    (a larger chunk, see ``light_state``)."""
+    no device-to-host copy and no sync, even on the first step. ``light_state``: the kind's chunk
+    size from ``light_state()`` (0: the fp32 states' ``CUDA_CHUNK``)."""
     size = _chunk_size(ext, grad.device, light_state)
     key = f"native_chunks_{size}_{grad.device}"
     chunks = segments.extra.get(key)
@@ -195,15 +204,15 @@ def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, 
 
 
 def prepare(segment_tables: List[SegmentTable], numels: List[int], device: torch.device, n_params: int,
-            n_groups: int, light: Optional[List[bool]] = None) -> None:
+            n_groups: int, light: Optional[List[int]] = None) -> None:
     """At construction: build every shard's chunk table for the native kernels from the host-side
     layout and copy it to the device (non-blocking), so no step ever reads the device table.
-    ``light[i]``: shard ``i``'s kind takes the larger chunk (see ``light_state``)."""
+    ``light[i]``: ``light_state()`` of shard ``i`` (its kind's chunk size, 0 for fp32 states)."""
     ext = _native(device)
     if ext is None:
         return
     for i, (segments, numel) in enumerate(zip(segment_tables, numels)):
-        size = _chunk_size(ext, device, bool(light[i]) if light is not None else False)
+        size = _chunk_size(ext, device, light[i] if light is not None else 0)
         key = f"native_chunks_{size}_{device}"
         if segments.segments and key not in segments.extra:
             _store(segments, key, chunk_table(segments, numel, n_params, n_groups, size), device)

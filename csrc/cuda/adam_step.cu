@@ -11,8 +11,9 @@
 // exp_avg and exp_avg_sq (fp32 or bf16 each) read + written; model_out written (csrc/NOTES.md
 // has the table). Every dtype is a template parameter (G grad, O model_out, M / V moments, R
 // remainders), so no instantiation carries a branch on another's dtype. Loads are 16 bytes wide
-// and kUnroll of them per array are issued before any math, so each thread keeps ~4*kUnroll
-// independent requests in flight.
+// and all of a thread's loads of an iteration (U vector steps of 8 elements) are issued before any
+// math; each kind has a launch shape (KindShape below): steps per thread, blocks per SM, and for
+// all-16-bit kinds loads staged through shared memory instead of registers.
 
 #include "../common.h"
 #include "vec.cuh"
@@ -107,38 +108,35 @@ __device__ __forceinline__ void update_range(const Params& P, const float4* rec,
   }
   constexpr int64_t kStep = int64_t(kThreads) * kVec;
   if constexpr (kStaged) {
-    // Loads staged in shared memory: [kUnroll * W][kThreads] 16-byte slots, slot (k, t) read back
-    // by thread t only. A warp iterates as one (its copies feed all its lanes) and copies each
-    // array's 32 x 8 elements with instructions that cover contiguous bytes (stage8_warp).
+    // Loads staged in shared memory: [kUnroll * W][kThreads] 16-byte slots; thread t copies its
+    // own words into slots (k, t) and reads them back after waiting on its own copies.
     constexpr int W = kStepWords<G, M, V, R>;
     extern __shared__ uint4 stage[];
-    const int lane = threadIdx.x & 31;
-    const int warp0 = threadIdx.x - lane;
-    for (int64_t wbase = vlo + int64_t(warp0) * kVec; wbase < vhi; wbase += kUnroll * kStep) {
+    for (int64_t base = vlo + threadIdx.x * kVec; base < vhi; base += kUnroll * kStep) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i0 = wbase + u * kStep;  // the warp's first element of this step
-        const int64_t room = vhi - i0;         // a lane c has work if c * kVec < room
-        uint4* rows = stage + u * W * kThreads + warp0;
-        stage8_warp<kThreads>(rows, g + i0, lane, room);
-        rows += kWords<G> * kThreads;
-        if constexpr (R) {
-          stage8_warp<kThreads>(rows, o + i0, lane, room);
-          stage8_warp<kThreads>(rows + kThreads, p + i0, lane, room);
-        } else {
-          stage8_warp<kThreads>(rows, p + i0, lane, room);
+        const int64_t i = base + u * kStep;
+        uint4* sl = stage + u * W * kThreads + threadIdx.x;
+        if (i < vhi) {
+          stage8(sl, kThreads, g + i);
+          sl += kWords<G> * kThreads;
+          if constexpr (R) {
+            cp_async16(sl, o + i);
+            cp_async16(sl + kThreads, p + i);
+          } else {
+            stage8(sl, kThreads, p + i);
+          }
+          sl += 2 * kThreads;
+          stage8(sl, kThreads, m + i);
+          sl += kWords<M> * kThreads;
+          stage8(sl, kThreads, v + i);
         }
-        rows += 2 * kThreads;
-        stage8_warp<kThreads>(rows, m + i0, lane, room);
-        rows += kWords<M> * kThreads;
-        stage8_warp<kThreads>(rows, v + i0, lane, room);
       }
-      cp_async_wait_all();  // this lane's copies landed ...
-      __syncwarp();         // ... and every lane's are visible to the warp
+      cp_async_wait_all();
       if (skip) return;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = wbase + u * kStep + lane * kVec;
+        const int64_t i = base + u * kStep;
         if (i < vhi) {
           const uint4* sl = stage + u * W * kThreads + threadIdx.x;
           float rg[kVec], rp[kVec], rm[kVec], rv[kVec];
@@ -165,7 +163,6 @@ __device__ __forceinline__ void update_range(const Params& P, const float4* rec,
           }
         }
       }
-      __syncwarp();  // every lane has read its slots before the next copies overwrite them
     }
   }
   for (int64_t base = vlo + threadIdx.x * kVec; !kStaged && base < vhi; base += kUnroll * kStep) {
@@ -267,24 +264,25 @@ void launch_shape(const Params& P, int64_t nchunks) {
 
 using bf16 = __nv_bfloat16;
 
-// The shape of each kind, measured on an H200 (csrc/NOTES.md, examples/tune_step.py; step alone,
-// 256M elements, copy bandwidth 4161 GB/s):
-// * both moments bf16: loads staged through shared memory, 2 steps per thread, 4 blocks per SM
-//   (<= 64 registers): bf16 params + remainders + bf16 moments 1.465 -> 1.205 ms (96% of its
-//   18-byte floor);
+// The shape of each kind, measured on an H200 (csrc/NOTES.md, examples/tune_step.py; the step
+// alone, 256M elements, copy bandwidth 4161-4194 GB/s):
+// * remainders with bf16 moments and 16-bit grads (every array 16-bit): loads staged through
+//   shared memory, 2 steps per thread, 4 blocks per SM (<= 64 registers): 1.465 -> 1.205 ms
+//   (96% of its 18-byte floor);
 // * remainders with fp32 moments and 16-bit grads: registers, 2 steps, 3 blocks per SM (<= 80
-//   registers, no spills; fp32 grads would spill): 1.825 -> 1.720 ms (97.5% of its 26-byte floor);
-// * the rest (fp32 states: 95.9% of the 28-byte floor; mixed moments): 2 steps, as before.
-// optim/kernels.py picks each kind's chunk size to match (4096 elements for all but mixed moments).
+//   registers, no spills; fp32 grads would spill): 1.825 -> 1.720-1.730 ms (96-97.5% of 26 B);
+// * the rest: 2 steps in registers, no bound (fp32 states: 95% of the 28-byte floor; fp32 master
+//   with bf16 moments: 87%, best of every shape tried, see NOTES).
+// optim/kernels.py picks each kind's chunk size to match (kernels.light_state).
 template <typename G, typename M, typename V, bool R>
 using KindShape = std::conditional_t<
-    std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<2, 4, true>,
+    R && sizeof(G) == 2 && std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<2, 4, true>,
     std::conditional_t<R && sizeof(G) == 2 && std::is_same_v<M, float> && std::is_same_v<V, float>, Shape<2, 3>,
                        DefaultShape>>;
 
 // Tuning: SHARDAMP_CUDA_STEP picks another shape for the kinds the benchmark measures ("2x1",
-// "2x3": registers, U steps x B blocks; "c2x4", "c2x3", "c4x2": staged); unset or anything else:
-// the kind's own. Read at every launch (examples/tune_step.py switches it between launches).
+// "2x3": registers, U steps x B blocks; "c2x4": staged); unset or anything else: the kind's
+// own. Read at every launch (examples/tune_step.py switches it between launches).
 int step_variant() {
   const char* s = std::getenv("SHARDAMP_CUDA_STEP");
   if (s == nullptr) return 0;
@@ -292,8 +290,6 @@ int step_variant() {
   if (v == "2x1") return 1;
   if (v == "2x3") return 2;
   if (v == "c2x4") return 3;
-  if (v == "c2x3") return 4;
-  if (v == "c4x2") return 5;
   return 0;
 }
 
@@ -311,8 +307,6 @@ void launch(const Params& P, int64_t nchunks) {
       case 1: return launch_shape<G, O, M, V, R, Shape<2, 1>>(P, nchunks);
       case 2: return launch_shape<G, O, M, V, R, Shape<2, 3>>(P, nchunks);
       case 3: return launch_shape<G, O, M, V, R, Shape<2, 4, true>>(P, nchunks);
-      case 4: return launch_shape<G, O, M, V, R, Shape<2, 3, true>>(P, nchunks);
-      case 5: return launch_shape<G, O, M, V, R, Shape<4, 2, true>>(P, nchunks);
       default: break;
     }
   }

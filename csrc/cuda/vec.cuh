@@ -82,11 +82,12 @@ __device__ __forceinline__ void store8(T* __restrict__ p, const float (&f)[8]) {
   }
 }
 
-// Staging through shared memory (cp.async, sm_80+): the bytes in flight hold no registers. A
-// warp copies its lanes' 16-byte words, waits for its own copies and meets at __syncwarp (no
-// block barrier); each lane then reads its slots back. Slots of one word index are kThreads apart
-// (a warp's 16-byte reads are consecutive: no bank conflicts). Words per 8 elements: fp32 2,
-// 16-bit 1.
+// Staging through shared memory (cp.async, sm_80+): a thread copies its own 16-byte words into
+// its own slots and reads them back after waiting on its own copies, so no barrier is needed and
+// the bytes in flight hold no registers. Slots of one word index are kThreads apart (a warp's
+// 16-byte accesses are consecutive: no bank conflicts). Words per 8 elements: fp32 2, 16-bit 1.
+// Used for kinds whose arrays are all 16-bit: with fp32 arrays staging ran slower than the
+// register path, also with warp-coalesced copies (csrc/NOTES.md; the cause is not established).
 template <typename T>
 constexpr int kWords = static_cast<int>(sizeof(T)) / 2;
 
@@ -98,25 +99,10 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// A warp's copy of 32 lanes x 8 elements of one array starting at `src` (the warp's first
-// element), into the slots `rows[w * kStride + c]` that lane c reads back (word w of its 8
-// elements). 16-bit arrays: each lane copies its own word (the warp covers 512 contiguous
-// bytes). fp32: lane copies words q = lane and 32 + lane of the warp's 64 in order, so each
-// instruction covers 512 contiguous bytes too (one word per lane at a 32-byte stride would
-// fetch every 32-byte sector twice through L2, as cp.async.cg does not keep it in L1).
-// Lane c has work if c * 8 < room.
-template <int kStride, typename T>
-__device__ __forceinline__ void stage8_warp(uint4* rows, const T* __restrict__ src, int lane, int64_t room) {
-  const uint4* words = reinterpret_cast<const uint4*>(src);
-  if constexpr (kWords<T> == 2) {
+template <typename T>
+__device__ __forceinline__ void stage8(uint4* dst, int stride, const T* __restrict__ src) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int q = 32 * j + lane, c = q >> 1;
-      if (int64_t(c) * 8 < room) cp_async16(rows + (q & 1) * kStride + c, words + q);
-    }
-  } else {
-    if (int64_t(lane) * 8 < room) cp_async16(rows + lane, words + lane);
-  }
+  for (int w = 0; w < kWords<T>; ++w) cp_async16(dst + w * stride, reinterpret_cast<const uint4*>(src) + w);
 }
 
 template <typename T>
