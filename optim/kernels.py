@@ -182,9 +182,24 @@ def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> int:
     return 0 if fp32_moments else BF16_MOMENTS_CUDA_CHUNK
 
 
+# The launch shapes SHARDAMP_CUDA_STEP may pick (csrc/cuda/adam_step.cu reads it at each launch).
+CUDA_STEP_SHAPES = ("2x1", "2x3", "c2x4")
+
+
+def cuda_step_shape() -> str:
+    """The tuning knob ``SHARDAMP_CUDA_STEP`` ('' when unset): another launch shape for the
+    light-state kinds the benchmark measures (csrc/NOTES.md, examples/tune_step.py)."""
+    value = os.environ.get("SHARDAMP_CUDA_STEP", "")
+    if value and value not in CUDA_STEP_SHAPES:
+        raise ValueError(f"SHARDAMP_CUDA_STEP={value!r}: expected one of {', '.join(CUDA_STEP_SHAPES)}, "
+                         "or unset for each kind's own shape")
+    return value
+
+
 def _chunk_size(ext: Any, device: torch.device, light: int) -> int:
     if device.type != "cuda":
         return ext.CHUNK
+    cuda_step_shape()  # a mistyped knob is an error, not the default shape
     return cuda_chunk(int(light) if light else ext.CUDA_CHUNK)
 
 
