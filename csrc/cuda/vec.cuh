@@ -91,12 +91,20 @@ __device__ __forceinline__ void store8(T* __restrict__ p, const float (&f)[8]) {
 template <typename T>
 constexpr int kWords = static_cast<int>(sizeof(T)) / 2;
 
+// Below sm_80 (no cp.async: builds with SHARDAMP_CUDA_ARCH naming older targets) the copy is a
+// plain load and store: the same result, without the asynchrony.
 __device__ __forceinline__ void cp_async16(uint4* dst, const void* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+  *dst = *static_cast<const uint4*>(src);
+#else
   const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(addr), "l"(src) : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_async_wait_all() {
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+#endif
 }
 
 template <typename T>
