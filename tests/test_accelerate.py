@@ -65,3 +65,31 @@ def test_other_optimizers_behave_as_accelerator(world) -> None:
 def test_optimizer_prepared_without_its_model_raises(world) -> None:
     for message in case_values(_results(world), "case_model_not_prepared_raises"):
         assert message is not None and "was not prepared" in message
+
+
+def test_step_was_skipped_reads_the_device_verdict_lazily_once_per_step() -> None:
+    from shardamp.integrations.accelerate import _ShardampAcceleratedOptimizer
+
+    class Verdict:  # stands for the scaler's 0-d device tensor; counts the host reads
+        reads = 0
+
+        def __init__(self, value: bool) -> None:
+            self.value = value
+
+        def __bool__(self) -> bool:
+            Verdict.reads += 1
+            return self.value
+
+    class Scaler:
+        last_step_skipped = None
+
+    opt = _ShardampAcceleratedOptimizer.__new__(_ShardampAcceleratedOptimizer)
+    opt.scaler = Scaler()
+    assert opt.step_was_skipped is False and Verdict.reads == 0  # before the first update
+    opt.scaler.last_step_skipped = Verdict(True)
+    assert Verdict.reads == 0  # nothing reads it until asked
+    assert opt.step_was_skipped and opt.step_was_skipped and Verdict.reads == 1  # scheduler + Trainer
+    opt.scaler.last_step_skipped = Verdict(False)  # the next update's verdict
+    assert not opt.step_was_skipped and not opt.step_was_skipped and Verdict.reads == 2
+    opt.scaler = None  # fp32 / bf16: no scaler, nothing to read
+    assert opt.step_was_skipped is False
