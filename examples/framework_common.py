@@ -15,7 +15,8 @@ The parity criterion. Training is chaotic at the CUDA default (33M params, lr 1e
 every step, grad norm 18 -> 450 -> 3): an ulp of difference at step 1 grows to far beyond any
 fixed tolerance, for torch against itself too (measured on the CPU: its fused AdamW against its
 foreach one, same norm, 116x the fp32 tolerance after 40 steps; its fused or fp64-norm variants
-against its default, 1.6-2.3x the bf16 tolerance after 6 bf16 steps and 98-114x after 40).
+against its default, 1.6-2.3x the bf16 tolerance after 6 bf16 steps and 98-114x after 40;
+examples/parity_floor.py measures it).
 So the check measures that noise floor
 in the same run, from three more reference runs that round the same math differently (AdamW
 ``fused=True``; the clipping norm summed in fp64; both), and two wrong ones (lr x1.01, clipping
