@@ -40,7 +40,7 @@ def train(args, shardamp: bool) -> Dict[str, Any]:
     x, y = common.data(args)
     loader = DataLoader(TensorDataset(torch.arange(len(x)), x, y), batch_size=args.batch_size, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
-    timer, seen, norms, steps = common.StepTimer(args), [], [], 0
+    timer, snapshots, seen, norms, steps = common.StepTimer(args), common.Snapshots(), [], [], 0
     for idx, xb, yb in loader:
         with acc.accumulate(model):
             seen.append(idx)
@@ -52,19 +52,22 @@ def train(args, shardamp: bool) -> Dict[str, Any]:
         if acc.sync_gradients:
             steps += 1
             timer.step_done(steps)
+            snapshots.step_done(steps, acc.unwrap_model(model).parameters())
             if steps == args.steps:
                 break
     path = os.path.join(args.out, "shardamp" if shardamp else "default")
     acc.save_state(path)  # model weights (safetensors), optimizer (every rank), RNG
     files = sorted(os.listdir(path)) if acc.is_main_process else []
     return {"params": list(acc.unwrap_model(model).parameters()), "seen": seen,
-            "norms": [float(n) for n in norms], "ms": timer.ms, "files": files}
+            "norms": [float(n) for n in norms], "ms": timer.ms, "files": files,
+            "snapshots": snapshots.params}
 
 
 def main() -> None:
     args = common.start(__doc__.splitlines()[0], torchrun=True)
     ours = train(args, shardamp=True)
-    ok = common.report_parity(args, "accelerate ShardampAccelerator", ours["params"], ours["seen"], ours["norms"])
+    ok = common.report_parity(args, "accelerate ShardampAccelerator", ours["params"], ours["seen"], ours["norms"],
+                              ours["snapshots"])
     if common.rank() == 0:
         print(f"save_state wrote: {ours['files']}", flush=True)
     common.finish(args, "accelerate", ours["ms"], lambda: train(args, shardamp=False)["ms"], ok)

@@ -57,11 +57,12 @@ class Timer(pl.Callback):
     """Runs before ModelCheckpoint (Lightning orders checkpoint callbacks last): saves are not timed."""
 
     def __init__(self, args) -> None:
-        self.args, self.timer = args, common.StepTimer(args)
+        self.args, self.timer, self.snapshots = args, common.StepTimer(args), common.Snapshots()
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         if (batch_idx + 1) % self.args.accumulate == 0:
             self.timer.step_done(trainer.global_step)
+            self.snapshots.step_done(trainer.global_step, module.net.parameters())
 
 
 def fit(args, shardamp: bool) -> Dict[str, Any]:
@@ -85,13 +86,15 @@ def fit(args, shardamp: bool) -> Dict[str, Any]:
     )
     trainer.fit(module, DataLoader(Indexed(args), batch_size=args.batch_size, shuffle=False))
     return {"params": list(module.net.parameters()), "seen": module.seen, "ms": timer.timer.ms,
+            "snapshots": timer.snapshots.params,
             "ckpts": os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []}
 
 
 def main() -> None:
     args = common.start(__doc__.splitlines()[0], torchrun=False)
     ours = fit(args, shardamp=True)
-    ok = common.report_parity(args, "Lightning ShardampStrategy", ours["params"], ours["seen"])
+    ok = common.report_parity(args, "Lightning ShardampStrategy", ours["params"], ours["seen"],
+                              snapshots=ours["snapshots"])
     if common.rank() == 0:
         print(f"checkpoint written by ModelCheckpoint: {sorted(ours['ckpts'])}", flush=True)
     common.finish(args, "Lightning", ours["ms"], lambda: fit(args, shardamp=False)["ms"], ok)

@@ -50,14 +50,16 @@ class Model(common.Net):
 
 
 class Record(TrainerCallback):
-    """Times the steps, collects the logged grad_norm, and asks for one checkpoint (at
-    ``save_step``, before the timed steps: the Trainer saves after on_step_end)."""
+    """Times the steps, keeps the early snapshots and the logged grad_norm, and asks for one
+    checkpoint (at ``save_step``, before the timed steps: the Trainer saves after on_step_end)."""
 
-    def __init__(self, args) -> None:
-        self.args, self.timer, self.norms = args, common.StepTimer(args), []
+    def __init__(self, args, model) -> None:
+        self.args, self.model, self.timer, self.norms = args, model, common.StepTimer(args), []
+        self.snapshots = common.Snapshots()
 
     def on_step_end(self, args, state, control, **kwargs) -> None:
         self.timer.step_done(state.global_step)
+        self.snapshots.step_done(state.global_step, self.model.parameters())
         if state.global_step == save_step(self.args):
             control.should_save = True
 
@@ -86,18 +88,21 @@ def train(args, shardamp: bool, resume: Optional[str] = None) -> Dict[str, Any]:
         fp16=args.precision == "fp16", optim="adamw_torch_fused" if cuda else "adamw_torch",
         dataloader_num_workers=0, seed=0, disable_tqdm=True, ddp_backend=None if cuda else "gloo",
     )
-    model, record = Model(args), Record(args)
+    model = Model(args)
+    record = Record(args, model)
     cls = ShardampTrainer if shardamp else Trainer
     trainer = cls(model=model, args=targs, train_dataset=Indexed(args), callbacks=[record])
     trainer.train(resume_from_checkpoint=resume)
     return {"params": list(model.parameters()), "seen": model.seen, "norms": record.norms, "ms": record.timer.ms,
+            "snapshots": record.snapshots.params,
             "ckpt": os.path.join(out, f"checkpoint-{save_step(args)}")}
 
 
 def main() -> None:
     args = common.start(__doc__.splitlines()[0], torchrun=True)
     ours = train(args, shardamp=True)
-    ok = common.report_parity(args, "transformers ShardampTrainer", ours["params"], ours["seen"], ours["norms"])
+    ok = common.report_parity(args, "transformers ShardampTrainer", ours["params"], ours["seen"], ours["norms"],
+                              ours["snapshots"])
     resumed = train(args, shardamp=True, resume=ours["ckpt"])
     same = all(torch.equal(a, b) for a, b in zip(ours["params"], resumed["params"]))
     if common.rank() == 0:

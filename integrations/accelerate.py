@@ -7,7 +7,8 @@ With a ``DistributedFusedAdam`` among the prepared optimizers:
   device) and the mixed-precision autocast; the model must be prepared with (or before) the
   optimizer, else autocast and ``save_state``'s weights would silently not apply to it;
 * ``mixed_precision="fp16"`` uses ``ShardedGradScaler``, and ``step_was_skipped`` reports its
-  device-side skip (so a prepared LR scheduler skips with it, as accelerate does for torch);
+  device-side skip (so a prepared LR scheduler skips with it, as accelerate does for torch),
+  read on the host only when asked and once per step;
 * ``clip_grad_norm_`` clips through ``shardamp.optim.clip_grad_norm_`` (inside the step kernel)
   and returns the true global norm; ``clip_grad_value_`` raises (the grads are sharded);
 * ``no_sync``/``accumulate`` keep the grads local through ``opt.no_sync()``;
@@ -48,8 +49,20 @@ class _ShardampAcceleratedOptimizer(AcceleratedOptimizer):
 
     @property
     def step_was_skipped(self) -> bool:
+        """The host read of the device-side verdict happens only here, lazily: the step itself
+        never syncs. Without a scaler (fp32, bf16) there is nothing to read. With fp16 it is read
+        when asked, at most once per step (cached per verdict tensor, which ``update`` replaces):
+        by a prepared LR scheduler's ``step`` and ``Accelerator.optimizer_step_was_skipped`` (the
+        Trainer asks both every step). It cannot be avoided there: torch's schedulers decide on
+        the host whether to advance the lr; with torch's GradScaler that same loop syncs inside
+        every ``scaler.step`` instead."""
         skipped = getattr(self.scaler, "last_step_skipped", None)
-        return bool(skipped) if skipped is not None else False  # a host read, as torch's skip does
+        if skipped is None:
+            return False
+        cached = getattr(self, "_shardamp_skip_read", None)
+        if cached is None or cached[0] is not skipped:
+            cached = self._shardamp_skip_read = (skipped, bool(skipped))
+        return cached[1]
 
 
 class ShardampAccelerator(Accelerator):
@@ -121,7 +134,7 @@ class ShardampAccelerator(Accelerator):
         # no device placement: its state already lives with the params (and placing it would be
         # a state_dict round trip, a collective)
         prepared = super().prepare_optimizer(optimizer, device_placement=False)
-        prepared.__class__ = _ShardampAcceleratedOptimizer  # adds a property, no state
+        prepared.__class__ = _ShardampAcceleratedOptimizer  # adds a property (and its cached read)
         return prepared
 
     # ------------------------------------------------------------------ clipping, accumulation

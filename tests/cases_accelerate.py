@@ -25,7 +25,8 @@ def _env(rank: int, world: int) -> None:
 
 
 def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int = 1, steps: int = N_STEPS,
-           save: Optional[str] = None, load: Optional[str] = None, skip_steps: int = 0) -> Dict[str, Any]:
+           save: Optional[str] = None, load: Optional[str] = None, skip_steps: int = 0,
+           poison_step: Optional[int] = None) -> Dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from shardamp.integrations.accelerate import ShardampAccelerator
@@ -33,6 +34,10 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
 
     _env(rank, world)
     acc = ShardampAccelerator(mixed_precision=mixed_precision, gradient_accumulation_steps=accumulate, cpu=True)
+    if mixed_precision == "fp16":
+        # accelerate applies no fp16 on the CPU; switch on its CUDA fp16 path (autocast + a torch
+        # GradScaler that prepare must replace) as Accelerator.__init__ does on a GPU
+        acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
     model = ref.make_model()
     opt = DistributedFusedAdam(ref.decay_groups(model), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
                                bucket_cap_mb=0.0004)
@@ -42,9 +47,12 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
     if load is not None:
         acc.load_state(load)
         loader = acc.skip_first_batches(loader, skip_steps * accumulate)
-    seen, norms, reduce_scatters = [], [], 0
+    seen, norms, skipped, reduce_scatters = [], [], [], 0
     done = skip_steps
     for xb, yb in loader:
+        if done == poison_step and rank == 0:
+            xb = xb.clone()
+            xb[0, 0] = 1e6  # inf in fp16: an overflow on this rank only
         with acc.accumulate(model):
             seen.append((xb.clone(), yb.clone()))
             loss = ref.loss_fn(model(xb), yb)
@@ -54,6 +62,7 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
             opt.step()
             opt.zero_grad()
         if acc.sync_gradients:
+            skipped.append(acc.optimizer_step_was_skipped)
             done += 1
             if save is not None and done == N_STEPS // 2:
                 acc.save_state(save)
@@ -62,7 +71,7 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
     inner = opt.optimizer
     return {
         "params": [p.detach().clone() for p in model.parameters()],
-        "seen": seen, "norms": norms, "wrapped": type(model).__name__,
+        "seen": seen, "norms": norms, "skipped": skipped, "wrapped": type(model).__name__,
         "scaler": type(acc.scaler).__name__ if acc.scaler is not None else None,
         "world": inner.world_size, "buckets": len(inner._buckets),
         "files": sorted(os.listdir(save)) if save is not None else [],
@@ -75,6 +84,10 @@ def case_fp32_clip(rank, world, **kw):
 
 def case_bf16_clip(rank, world, **kw):
     return _train(rank, world, mixed_precision="bf16")
+
+
+def case_fp16_sharded_grad_scaler(rank, world, **kw):
+    return _train(rank, world, mixed_precision="fp16", poison_step=1)
 
 
 def case_accumulate_no_sync(rank, world, **kw):

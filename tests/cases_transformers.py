@@ -28,7 +28,7 @@ class _Data(torch.utils.data.Dataset):
 
 def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int = 1, max_steps: int = N_STEPS,
            save_steps: Optional[int] = None, resume: Optional[str] = None, max_grad_norm: float = ref.MAX_NORM,
-           schedule: str = "constant") -> Dict[str, Any]:
+           schedule: str = "constant", fp16: bool = False, poison_step: Optional[int] = None) -> Dict[str, Any]:
     from accelerate.state import AcceleratorState, GradientState
     from transformers import TrainerCallback, TrainingArguments
 
@@ -42,6 +42,9 @@ def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int 
 
     class Net(ref.TinyNet):
         def forward(self, x, labels=None):
+            if self.training and len(seen) == poison_step and rank == 0:
+                x = x.clone()
+                x[0, 0] = 1e6  # inf in fp16: an overflow on this rank only
             seen.append((x.detach().clone(), labels.detach().clone()))
             out = super().forward(x)
             return {"loss": ref.loss_fn(out, labels), "logits": out}
@@ -60,11 +63,17 @@ def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int 
         max_steps=max_steps, learning_rate=ref.LR, adam_beta1=ref.BETAS[0], adam_beta2=ref.BETAS[1],
         adam_epsilon=ref.EPS, weight_decay=ref.WD, lr_scheduler_type=schedule, max_grad_norm=max_grad_norm,
         logging_steps=1, save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        report_to=[], use_cpu=True, bf16=bf16, dataloader_num_workers=0, seed=0, data_seed=0,
+        report_to=[], use_cpu=True, bf16=bf16, fp16=fp16, dataloader_num_workers=0, seed=0, data_seed=0,
         disable_tqdm=True, ddp_backend="gloo",
     )
-    trainer = ShardampTrainer(model=model, args=args, train_dataset=_Data(2 * N_STEPS * world * BATCH * accumulate),
-                              callbacks=[Logs()])
+    class Trainer(ShardampTrainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if fp16:  # accelerate applies no fp16 on the CPU: switch on its GPU path (autocast + GradScaler)
+                self.accelerator.native_amp, self.accelerator.scaler = True, torch.amp.GradScaler("cpu")
+
+    trainer = Trainer(model=model, args=args, train_dataset=_Data(2 * N_STEPS * world * BATCH * accumulate),
+                      callbacks=[Logs()])
     trainer.train(resume_from_checkpoint=resume)
     opt = trainer.optimizer.optimizer
     scaler = trainer.accelerator.scaler
@@ -84,6 +93,10 @@ def case_fp32_max_grad_norm(rank, world, tmp: str = "", **kw):
 
 def case_bf16_max_grad_norm(rank, world, tmp: str = "", **kw):
     return _train(rank, world, os.path.join(tmp, "hf_bf16"), bf16=True)
+
+
+def case_fp16_max_grad_norm(rank, world, tmp: str = "", **kw):
+    return _train(rank, world, os.path.join(tmp, "hf_fp16"), fp16=True, poison_step=1)
 
 
 def case_linear_schedule(rank, world, tmp: str = "", **kw):

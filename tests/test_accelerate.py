@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import tempfile
 
 import pytest
@@ -40,6 +41,25 @@ def test_bf16_autocast_applies_without_ddp(world) -> None:
 
 
 @pytest.mark.parametrize("world", [WORLD])
+def test_fp16_uses_sharded_grad_scaler_and_skips_an_overflow_on_one_rank(world) -> None:
+    values = case_values(_results(world), "case_fp16_sharded_grad_scaler")
+    union = ref.union_steps([v["seen"] for v in values], 1)
+    params, norms = ref.reference(union, autocast_dtype=torch.float16)
+    finite = [math.isfinite(n) for n in norms]
+    assert finite == [True, False] + [True] * (cases.N_STEPS - 2), norms  # torch skips step 2 too
+    assert all(n > ref.MAX_NORM for n, f in zip(norms, finite) if f)  # clipping engaged
+    for v in values:
+        assert v["scaler"] == "ShardedGradScaler"
+        assert v["skipped"] == [not f for f in finite]  # optimizer_step_was_skipped on both ranks
+        assert [math.isfinite(n) for n in v["norms"]] == finite
+        assert [n for n in v["norms"] if math.isfinite(n)] == pytest.approx([n for n in norms if math.isfinite(n)],
+                                                                            rel=1e-4)
+        ref.assert_params_close(v["params"], params, bf16=True)
+    for a, b in zip(values[0]["params"], values[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("world", [WORLD])
 def test_accumulate_uses_no_sync(world) -> None:
     values = _check_run(case_values(_results(world), "case_accumulate_no_sync"), accumulate=3)
     for v in values:
@@ -65,3 +85,31 @@ def test_other_optimizers_behave_as_accelerator(world) -> None:
 def test_optimizer_prepared_without_its_model_raises(world) -> None:
     for message in case_values(_results(world), "case_model_not_prepared_raises"):
         assert message is not None and "was not prepared" in message
+
+
+def test_step_was_skipped_reads_the_device_verdict_lazily_once_per_step() -> None:
+    from shardamp.integrations.accelerate import _ShardampAcceleratedOptimizer
+
+    class Verdict:  # stands for the scaler's 0-d device tensor; counts the host reads
+        reads = 0
+
+        def __init__(self, value: bool) -> None:
+            self.value = value
+
+        def __bool__(self) -> bool:
+            Verdict.reads += 1
+            return self.value
+
+    class Scaler:
+        last_step_skipped = None
+
+    opt = _ShardampAcceleratedOptimizer.__new__(_ShardampAcceleratedOptimizer)
+    opt.scaler = Scaler()
+    assert opt.step_was_skipped is False and Verdict.reads == 0  # before the first update
+    opt.scaler.last_step_skipped = Verdict(True)
+    assert Verdict.reads == 0  # nothing reads it until asked
+    assert opt.step_was_skipped and opt.step_was_skipped and Verdict.reads == 1  # scheduler + Trainer
+    opt.scaler.last_step_skipped = Verdict(False)  # the next update's verdict
+    assert not opt.step_was_skipped and not opt.step_was_skipped and Verdict.reads == 2
+    opt.scaler = None  # fp32 / bf16: no scaler, nothing to read
+    assert opt.step_was_skipped is False

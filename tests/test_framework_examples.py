@@ -28,3 +28,24 @@ def test_lightning_example_launches_two_ranks_and_passes_parity(tmp_path) -> Non
     assert proc.returncode == 0, out[-5000:]
     assert "MEMBER: 2/2" in out, out[-5000:]  # Lightning started the second process
     assert "world 2, clipped every step: yes" in out and "PASS" in out, out[-5000:]
+
+
+@pytest.mark.parametrize("run, passes", [
+    ({}, True), ({"fused": True}, True), ({"exact_norm": True}, True),  # torch itself, rounded otherwise
+    ({"lr_scale": 1.01}, False), ({"clip": False}, False),  # wrong training
+])
+def test_parity_check_passes_torch_and_fails_a_wrong_lr_or_no_clipping(run, passes, capsys) -> None:
+    import argparse
+
+    import torch
+
+    sys.path.insert(0, str(EXAMPLES))
+    import framework_common as common
+
+    args = argparse.Namespace(device="cpu", precision="fp32", world_size=1, steps=8, accumulate=2, batch_size=8,
+                              dim=32, depth=2, max_grad_norm=0.05)
+    seen = [torch.arange(i * 8, (i + 1) * 8) for i in range(16)]  # one rank, 8 steps of 2 micro-batches
+    params, norms, snapshots = common.reference(args, [seen], "cpu", **run)
+    assert common.report_parity(args, "check", params, seen, norms, snapshots) is passes
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("parity"))
+    assert line.endswith("PASS" if passes else "FAIL"), line

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import tempfile
 
 import pytest
@@ -44,6 +45,24 @@ def test_linear_schedule(world) -> None:  # the Trainer's default schedule: line
 @pytest.mark.parametrize("world", [WORLD])
 def test_bf16(world) -> None:
     _check_run(case_values(_results(world), "case_bf16_max_grad_norm"), autocast_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_fp16_uses_sharded_grad_scaler_and_skips_an_overflow_on_one_rank(world) -> None:
+    values = case_values(_results(world), "case_fp16_max_grad_norm")
+    union = ref.union_steps([v["seen"] for v in values], 1)
+    params, norms = ref.reference(union, autocast_dtype=torch.float16)
+    finite = [math.isfinite(n) for n in norms]
+    assert finite == [True, False] + [True] * (cases.N_STEPS - 2), norms  # torch skips step 2 too
+    assert all(n > ref.MAX_NORM for n, f in zip(norms, finite) if f)  # clipping engaged
+    for v in values:
+        assert v["scaler"] == "ShardedGradScaler" and v["opt"] == "DistributedFusedAdam"
+        assert [math.isfinite(n) for n in v["grad_norms"]] == finite  # the logged norm is the true one
+        assert [n for n in v["grad_norms"] if math.isfinite(n)] == pytest.approx(
+            [n for n in norms if math.isfinite(n)], rel=1e-4)
+        ref.assert_params_close(v["params"], params, bf16=True)
+    for a, b in zip(values[0]["params"], values[1]["params"]):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("world", [WORLD])
