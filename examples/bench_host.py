@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_iteration import LOOPS, interleaved, make_iteration, peak_memory, sync  # noqa: E402
+from host_iteration import LOOPS, PHASES, interleaved, make_iteration, peak_memory, sync  # noqa: E402
 from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam  # noqa: E402
@@ -133,7 +133,9 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
                    for impl in ("torch", "shardamp")}  # a compiled build would compile again
             row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
-                       speed=ms["torch"] / ms["shardamp"], torch_peak=mem["torch"], shardamp_peak=mem["shardamp"])
+                       speed=ms["torch"] / ms["shardamp"],
+                       **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
+                       **{f"{impl}_memory": m for impl, m in mem.items()})
             rows.append(row)
             print(_fmt(row), flush=True)
     return rows
@@ -376,8 +378,14 @@ def _fmt(row: dict) -> str:
     if row["kind"] == "error":
         return f"{row['name']:<46} ERROR {row['error'][:200]}"
     if row["kind"] == "model":
-        return (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
+        text = (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
+        for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
+            m = row.get(f"{impl}_memory")
+            if m:
+                text += (f"\n    {impl:<8} peak by phase: " + ", ".join(f"{k} {mib(m[k])}" for k in PHASES)
+                         + f"; left to the gc {mib(m['garbage'])}")
+        return text
     if row["kind"] == "backward":
         return (f"{row['name']:<46} torch {row['torch_us']:9.0f} us  ddp {row['ddp_us']:9.0f} us  shardamp "
                 f"{row['shardamp_us']:9.0f} us  per param over torch: ddp {row['ddp_per_param_us']:+.2f} us, "
