@@ -29,7 +29,10 @@ from .shard_view import ShardView
 from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
-from .hparams import check_options, NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
+from .hparams import (
+    check_options, NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, tensor_lrs,
+    validate_groups,
+)
 from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -314,7 +317,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if not self._step_problem and agreement.overlapping(self):
                 self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
+            # every tensor lr read once (one device tensor, no host sync): the entries and the table take it
+            r.lrs = tensor_lrs(self.param_groups, self._device)
+            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
@@ -422,7 +427,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         stats = self._ensure_stats(r.first_norm_type())
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
-        hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups)
+        hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups, r.lrs)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         coef = r.coef()

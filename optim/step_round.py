@@ -32,6 +32,7 @@ class StepRound:
         self.clips: List[Tuple[float, Tensor]] = []
         self.dependents: List[Callable[[], Any]] = []  # recomputed when the norms are unscaled
         self.cache_after_step = True  # False (capturable): graph replays rewrite the raw norms
+        self.lrs: Optional[Any] = None  # hparams.TensorLrs: this step's tensor lrs, read once with the stats
 
     # ------------------------------------------------------------ stats
     def set_stats(self, stats: GradStats) -> None:
