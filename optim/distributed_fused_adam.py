@@ -203,6 +203,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                      self._comm, self._hparam_table)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
+        self._coef = torch.empty((), dtype=torch.float32, device=self._device)  # the step's grad coefficient
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
         self._deferred = DeferredChecks(self._device)
         self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
@@ -388,7 +389,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         stats = self._ensure_stats(r.first_norm_type())
         # a loss scale of 0, inf or NaN (underflow, new_scale=0) would make NaN or ascending
         # params: such a step is skipped as any non-finite step is
-        stats.found_inf.masked_fill_(~((inv > 0) & (inv < math.inf)), 1.0)
+        # (three launches: found + 0 * log(inv) is NaN unless 0 < inv < inf, and NaN != 0)
+        stats.found_inf.add_(inv.log(), alpha=0.0).ne_(0.0)
         if r.clips and not self._warned_clip_before_unscale:
             self._warned_clip_before_unscale = True
             warnings.warn(
@@ -430,9 +432,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups, r.lrs)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
-        coef = r.coef()
         found_inf = stats.found_inf
-        self._steps.addcmul_(stats.touched, 1.0 - found_inf)
+        # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
+        coef = self._coef
+        base, scale, clip_norm, max_norm = r.coef_parts()
+        kernels.step_scalars(coef, base, scale, clip_norm, max_norm, found_inf, self._steps, stats.touched)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(
