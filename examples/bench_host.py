@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_iteration import LOOPS, PHASES, interleaved, make_iteration, peak_memory, sync  # noqa: E402
+from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iteration, peak_memory, sync  # noqa: E402
 from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam  # noqa: E402
@@ -328,7 +328,8 @@ def step_rows(args, device: torch.device, wanted) -> List[dict]:
 def profile(args, device: torch.device, out: Path) -> None:
     """Where the time goes: torch.profiler (CPU + CUDA) tables of a few torch and shardamp
     iterations of the first model row and of the host-bound step loop (fp32, bf16 params), and
-    perf_counter around each piece of the host-bound loop; written under ``out``."""
+    perf_counter around each piece of the first model's iteration (two loops) and of the
+    host-bound loop; written under ``out``."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     out.mkdir(parents=True, exist_ok=True)
@@ -349,12 +350,18 @@ def profile(args, device: torch.device, out: Path) -> None:
     specs = model_specs(device, args.small)
     mname = next(iter(specs))
     spec = specs[mname]
-    for impl in ("torch", "shardamp"):
-        model = build_model(spec, device)
-        trace(f"model_{impl}", make_iteration(impl, model, spec["batch"], spec["loss"], "scaler+unscale_+clip",
-                                             device, spec["amp"]))
-    count, numel = (32, 1024) if args.small else (161, 1 << 16)
     lines = []
+    for loop in ("scaler+unscale_+clip", "plain step"):
+        for impl in ("torch", "shardamp"):
+            model = build_model(spec, device)
+            one = make_iteration(impl, model, spec["batch"], spec["loss"], loop, device, spec["amp"])
+            if loop == "scaler+unscale_+clip":
+                trace(f"model_{impl}", one)
+            pieces = host_pieces(one, args.iters * 3)
+            lines.append(f"{mname} {loop} {impl}: " + "  ".join(f"{k} {v:.0f}us" for k, v in pieces.items())
+                         + f"  total {sum(pieces.values()):.0f}us")
+            del one, model
+    count, numel = (32, 1024) if args.small else (161, 1 << 16)
     for dtype in (torch.float32, torch.bfloat16):
         for impl in ("torch", "shardamp"):
             full, _bare, pieces = host_step_fns(impl, dtype, count, numel, device)

@@ -62,15 +62,21 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
             mark("backward")
             if unscale:
                 scaler.unscale_(opt)
+            mark("unscale_")
             do_clip()
+            mark("clip")
             scaler.step(opt)
+            mark("step")
             scaler.update()
         else:
             loss.backward()
             mark("backward")
+            mark("unscale_")
             do_clip()
+            mark("clip")
             opt.step()
-        mark("optimizer")
+            mark("step")
+        mark("update")
 
     one.opt = opt
     return one
@@ -96,14 +102,31 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-PHASES = ("build", "zero_grad", "forward", "backward", "optimizer")
+PHASES = ("build", "zero_grad", "forward", "backward", "unscale_", "clip", "step", "update")
+
+
+def host_pieces(one: Callable[..., None], iters: int) -> Dict[str, float]:
+    """Median host microseconds of each piece of ``one()`` (zero_grad, forward, backward,
+    unscale_, clip, step, update; perf_counter between its marks, no synchronization: what the
+    host spends issuing the work)."""
+    times: Dict[str, List[float]] = {}
+    for _ in range(iters):
+        last = [time.perf_counter()]
+
+        def mark(phase: str) -> None:
+            now = time.perf_counter()
+            times.setdefault(phase, []).append((now - last[0]) * 1e6)
+            last[0] = now
+
+        one(mark)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def peak_memory(build: Callable[[], Callable[..., None]], device: torch.device,
                 iters: int = 3) -> Optional[Dict[str, int]]:
     """Peak bytes allocated while one implementation alone builds and runs ``iters`` iterations:
     ``{"peak": ..., <phase>: ...}``, the phases' peaks (build, then per iteration zero_grad,
-    forward, backward, optimizer = unscale_ + clip + step + update) over all iterations, and
+    forward, backward, unscale_, clip, step, update) over all iterations, and
     ``"garbage"``: bytes still allocated once the iteration is dropped, before a gc collection
     (reference cycles that keep buffers alive until Python's collector runs).
 
