@@ -29,10 +29,8 @@ from .shard_view import ShardView
 from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
-from .hparams import (
-    check_options, NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, tensor_lrs,
-    validate_groups,
-)
+from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, check_options,
+                      tensor_lrs, validate_groups)
 from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -318,8 +316,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if not self._step_problem and agreement.overlapping(self):
                 self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-            # every tensor lr read once (one device tensor, no host sync): the entries and the table take it
-            r.lrs = tensor_lrs(self.param_groups, self._device)
+            r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
@@ -432,11 +429,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups, r.lrs)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
-        found_inf = stats.found_inf
+        found_inf, coef = stats.found_inf, self._coef
         # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
-        coef = self._coef
-        base, scale, clip_norm, max_norm = r.coef_parts()
-        kernels.step_scalars(coef, base, scale, clip_norm, max_norm, found_inf, self._steps, stats.touched)
+        kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(
