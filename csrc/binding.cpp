@@ -10,12 +10,16 @@ namespace shardamp {
 namespace cpu {
 void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
 void adam_step(const AdamArgs& args, const at::Tensor& chunks);
+void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
 }  // namespace cpu
 
 #if defined(SHARDAMP_WITH_CUDA)
 namespace cuda {
 void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
 void adam_step(const AdamArgs& args, const at::Tensor& chunks);
+void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
 }  // namespace cuda
 #endif
 
@@ -162,6 +166,32 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   cpu::adam_step(args, table);
 }
 
+// The step's scalars in one launch (optim/kernels.py checks dtypes and devices before calling:
+// fp32 everywhere, one device; these checks are the backstop).
+void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
+                  double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched) {
+  auto check = [&](const at::Tensor& t, const char* name, int64_t numel) {
+    SHARDAMP_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == coef_out.device(),
+                   "step_scalars: ", name, " must be a contiguous fp32 tensor on ", coef_out.device());
+    SHARDAMP_CHECK(numel < 0 || t.numel() == numel, "step_scalars: ", name, " must hold ", numel, " element(s)");
+  };
+  check(coef_out, "coef_out", 1);
+  check(base, "base", 1);
+  if (norm) check(*norm, "norm", 1);
+  check(found_inf, "found_inf", 1);
+  check(steps, "steps", -1);
+  check(touched, "touched", steps.numel());
+  if (coef_out.is_cuda()) {
+#if defined(SHARDAMP_WITH_CUDA)
+    return cuda::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
+#else
+    SHARDAMP_CHECK(false, "step_scalars: this build of the shardamp kernels has no CUDA support");
+#endif
+  }
+  SHARDAMP_CHECK(coef_out.is_cpu(), "step_scalars: unsupported device ", coef_out.device());
+  cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
+}
+
 // Backward's grad landing (optim/grad_sync.py): view ``full`` as each param (``like[i]``'s
 // sizes and strides at element ``offsets[i]``) and copy (or add) ``grads[i]`` into it with one
 // multi-tensor op. The views cost a C++ loop, not one Python as_strided call per param.
@@ -216,6 +246,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);
   m.def("land_grads", &shardamp::land_grads, "Copy (or add) grads into their views of a flat bucket buffer",
         py::arg("full"), py::arg("grads"), py::arg("like"), py::arg("offsets"), py::arg("accumulate"));
+  m.def("step_scalars", &shardamp::step_scalars,
+        "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - found_inf)",
+        py::arg("coef_out"), py::arg("base"), py::arg("scale"), py::arg("norm"), py::arg("max_norm"),
+        py::arg("found_inf"), py::arg("steps"), py::arg("touched"));
   m.def("views_intact", &shardamp::views_intact, "Params still are their buffer views (pointer, dtype, shape, strides) without .grad",
         py::arg("params"), py::arg("refs"));
   m.attr("CHUNK") = shardamp::kChunk;

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_iteration import LOOPS, interleaved, make_iteration, peak_memory, sync  # noqa: E402
+from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iteration, peak_memory, sync  # noqa: E402
 from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam  # noqa: E402
@@ -133,7 +133,9 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
                    for impl in ("torch", "shardamp")}  # a compiled build would compile again
             row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
-                       speed=ms["torch"] / ms["shardamp"], torch_peak=mem["torch"], shardamp_peak=mem["shardamp"])
+                       speed=ms["torch"] / ms["shardamp"],
+                       **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
+                       **{f"{impl}_memory": m for impl, m in mem.items()})
             rows.append(row)
             print(_fmt(row), flush=True)
     return rows
@@ -326,7 +328,8 @@ def step_rows(args, device: torch.device, wanted) -> List[dict]:
 def profile(args, device: torch.device, out: Path) -> None:
     """Where the time goes: torch.profiler (CPU + CUDA) tables of a few torch and shardamp
     iterations of the first model row and of the host-bound step loop (fp32, bf16 params), and
-    perf_counter around each piece of the host-bound loop; written under ``out``."""
+    perf_counter around each piece of the first model's iteration (two loops) and of the
+    host-bound loop; written under ``out``."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     out.mkdir(parents=True, exist_ok=True)
@@ -347,12 +350,18 @@ def profile(args, device: torch.device, out: Path) -> None:
     specs = model_specs(device, args.small)
     mname = next(iter(specs))
     spec = specs[mname]
-    for impl in ("torch", "shardamp"):
-        model = build_model(spec, device)
-        trace(f"model_{impl}", make_iteration(impl, model, spec["batch"], spec["loss"], "scaler+unscale_+clip",
-                                             device, spec["amp"]))
-    count, numel = (32, 1024) if args.small else (161, 1 << 16)
     lines = []
+    for loop in ("scaler+unscale_+clip", "plain step"):
+        for impl in ("torch", "shardamp"):
+            model = build_model(spec, device)
+            one = make_iteration(impl, model, spec["batch"], spec["loss"], loop, device, spec["amp"])
+            if loop == "scaler+unscale_+clip":
+                trace(f"model_{impl}", one)
+            pieces = host_pieces(one, args.iters * 3)
+            lines.append(f"{mname} {loop} {impl}: " + "  ".join(f"{k} {v:.0f}us" for k, v in pieces.items())
+                         + f"  total {sum(pieces.values()):.0f}us")
+            del one, model
+    count, numel = (32, 1024) if args.small else (161, 1 << 16)
     for dtype in (torch.float32, torch.bfloat16):
         for impl in ("torch", "shardamp"):
             full, _bare, pieces = host_step_fns(impl, dtype, count, numel, device)
@@ -376,8 +385,14 @@ def _fmt(row: dict) -> str:
     if row["kind"] == "error":
         return f"{row['name']:<46} ERROR {row['error'][:200]}"
     if row["kind"] == "model":
-        return (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
+        text = (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
+        for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
+            m = row.get(f"{impl}_memory")
+            if m:
+                text += (f"\n    {impl:<8} peak by phase: " + ", ".join(f"{k} {mib(m[k])}" for k in PHASES)
+                         + f"; left to the gc {mib(m['garbage'])}")
+        return text
     if row["kind"] == "backward":
         return (f"{row['name']:<46} torch {row['torch_us']:9.0f} us  ddp {row['ddp_us']:9.0f} us  shardamp "
                 f"{row['shardamp_us']:9.0f} us  per param over torch: ddp {row['ddp_per_param_us']:+.2f} us, "

@@ -7,6 +7,7 @@ shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_no
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from typing import Callable, Dict, List, Optional
@@ -49,22 +50,33 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
         do_clip = (lambda: opt.clip_grad_norm(1.0)) if clip else (lambda: None)
     autocast = torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
 
-    def one() -> None:
+    def one(mark: Callable[[str], None] = lambda _phase: None) -> None:
         opt.zero_grad(set_to_none=True)
+        mark("zero_grad")
         inputs, target = batch()
         with autocast:
             loss = loss_fn(model(*inputs), target)
+        mark("forward")
         if use_scaler:
             scaler.scale(loss).backward()
+            mark("backward")
             if unscale:
                 scaler.unscale_(opt)
+            mark("unscale_")
             do_clip()
+            mark("clip")
             scaler.step(opt)
+            mark("step")
             scaler.update()
         else:
             loss.backward()
+            mark("backward")
+            mark("unscale_")
             do_clip()
+            mark("clip")
             opt.step()
+            mark("step")
+        mark("update")
 
     one.opt = opt
     return one
@@ -90,18 +102,64 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def peak_memory(build: Callable[[], Callable[[], None]], device: torch.device, iters: int = 3) -> Optional[int]:
-    """Peak bytes allocated while one implementation alone builds and runs ``iters`` iterations."""
+PHASES = ("build", "zero_grad", "forward", "backward", "unscale_", "clip", "step", "update")
+
+
+def host_pieces(one: Callable[..., None], iters: int) -> Dict[str, float]:
+    """Median host microseconds of each piece of ``one()`` (zero_grad, forward, backward,
+    unscale_, clip, step, update; perf_counter between its marks, no synchronization: what the
+    host spends issuing the work)."""
+    times: Dict[str, List[float]] = {}
+    for _ in range(iters):
+        last = [time.perf_counter()]
+
+        def mark(phase: str) -> None:
+            now = time.perf_counter()
+            times.setdefault(phase, []).append((now - last[0]) * 1e6)
+            last[0] = now
+
+        one(mark)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def peak_memory(build: Callable[[], Callable[..., None]], device: torch.device,
+                iters: int = 3) -> Optional[Dict[str, int]]:
+    """Peak bytes allocated while one implementation alone builds and runs ``iters`` iterations:
+    ``{"peak": ..., <phase>: ...}``, the phases' peaks (build, then per iteration zero_grad,
+    forward, backward, unscale_, clip, step, update) over all iterations, and
+    ``"garbage"``: bytes still allocated once the iteration is dropped, before a gc collection
+    (reference cycles that keep buffers alive until Python's collector runs).
+
+    ``gc.collect()`` first: garbage of an earlier build (reference cycles of torch's lazy imports,
+    DDP) freed by the collector in the middle of this measurement would otherwise lower it by its
+    size, e.g. by 4x the param bytes (params, two moments, grads) of the model measured before."""
     if device.type != "cuda":
         return None
+    gc.collect()
     sync(device)
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
+    phases: Dict[str, int] = dict.fromkeys(PHASES, 0)
+
+    def mark(phase: str) -> None:
+        sync(device)
+        phases[phase] = max(phases[phase], torch.cuda.max_memory_allocated(device) - base)
+        torch.cuda.reset_peak_memory_stats(device)
+
     one = build()
+    mark("build")
     for _ in range(iters):
-        one()
+        one(mark)
     sync(device)
-    peak = torch.cuda.max_memory_allocated(device) - base
-    del one
-    return peak
+    was = gc.isenabled()
+    gc.disable()  # what refcounting alone frees
+    try:
+        del one
+        sync(device)
+        garbage = torch.cuda.memory_allocated(device) - base
+    finally:
+        if was:
+            gc.enable()
+    gc.collect()
+    return dict(peak=max(phases.values()), **phases, garbage=max(garbage, 0))

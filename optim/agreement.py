@@ -245,37 +245,36 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
 
 
 def step_entries(
-    opt: Any, norm_type: float, problem: str = ""
+    opt: Any, norm_type: float, problem: str = "", lrs: Optional[Any] = None
 ) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
-    device beside the touched pattern), for tensor lrs the device part ``(invalid flag, chunks)``
-    (None without), and the names of the categories in entry order."""
+    device beside the touched pattern), for tensor lrs (``lrs``: hparams.TensorLrs, read once
+    this step) the device part ``(invalid flag, chunks)`` (None without), and the names of the
+    categories in entry order."""
     use_max = math.isinf(norm_type)
     fp = opt._fingerprint
     host = fp.host_entries(host_categories(opt, norm_type), use_max)
     host[0] = 1.0 if problem else 0.0
     names = list(fp.host_names)
-    lrs = [(i, g["lr"]) for i, g in enumerate(opt.param_groups) if isinstance(g.get("lr"), Tensor)]
-    if not lrs:
+    if lrs is None:
         return host, None, names
-    # a malformed lr (flagged in ``problem``) still contributes one entry: every rank's stats
-    # keep the same length
-    values = torch.stack([(lr.detach().reshape(()) if lr.numel() == 1 else torch.tensor(math.nan))
-                          .to(opt._device, torch.float32) for _, lr in lrs])
+    # a malformed lr (flagged in ``problem``) still contributes one entry (NaN): every rank's
+    # stats keep the same length
+    values = lrs.values
     invalid = (~(torch.isfinite(values) & (values >= 0))).any().float().reshape(1)
     if problem:
         invalid.fill_(1.0)
-    names += [f"the value of the tensor lr of param_groups[{i}]" for i, _ in lrs]
+    names += [f"the value of the tensor lr of param_groups[{i}]" for i in lrs.groups]
     return host, (invalid, fp.device_entries(values, use_max)), names
 
 
-def stats_buffer(opt: Any, norm_type: float, problem: str) -> Tuple[Tensor, bool]:
+def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = None) -> Tuple[Tensor, bool]:
     """The step's stats tensor with the touched pattern and agreement entries filled in (the
     norm header is the caller's), and whether the entries must be checked after the reduction
     (one rank alone has nothing to disagree with; a tensor lr's value is still checked)."""
     from .grad_stats import HEADER
 
-    host, dev, opt._step_names = step_entries(opt, norm_type, problem)
+    host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
     n = len(opt._params)
     extra = 0 if dev is None else dev[1].numel()
     buf = torch.empty(HEADER + n + len(host) + extra, dtype=torch.float32, device=opt._device)

@@ -29,7 +29,8 @@ from .shard_view import ShardView
 from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
-from .hparams import check_options, NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, validate_groups
+from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, check_options,
+                      tensor_lrs, validate_groups)
 from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -200,6 +201,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                                      self._comm, self._hparam_table)
         self._touched_patterns = TouchedPatterns(self._device)
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
+        self._coef = torch.empty((), dtype=torch.float32, device=self._device)  # the step's grad coefficient
         self._fingerprint = agreement.StepFingerprint(self.world_size, self._device)
         self._deferred = DeferredChecks(self._device)
         self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
@@ -314,7 +316,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if not self._step_problem and agreement.overlapping(self):
                 self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
+            r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
+            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
             self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
@@ -383,7 +386,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         stats = self._ensure_stats(r.first_norm_type())
         # a loss scale of 0, inf or NaN (underflow, new_scale=0) would make NaN or ascending
         # params: such a step is skipped as any non-finite step is
-        stats.found_inf.masked_fill_(~((inv > 0) & (inv < math.inf)), 1.0)
+        # (three launches: found + 0 * log(inv) is NaN unless 0 < inv < inf, and NaN != 0)
+        stats.found_inf.add_(inv.log(), alpha=0.0).ne_(0.0)
         if r.clips and not self._warned_clip_before_unscale:
             self._warned_clip_before_unscale = True
             warnings.warn(
@@ -422,12 +426,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         stats = self._ensure_stats(r.first_norm_type())
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
-        hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups)
+        hparams = self._hparam_table.table if self._step_problem else self._hparam_table.refresh(self.param_groups, r.lrs)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
-        coef = r.coef()
-        found_inf = stats.found_inf
-        self._steps.addcmul_(stats.touched, 1.0 - found_inf)
+        found_inf, coef = stats.found_inf, self._coef
+        # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
+        kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
+from . import kernels, reference
 
 HEADER = 2  # norm partial, non-finite flag
 
@@ -69,10 +69,7 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
 
 
-def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
-    """torch.nn.utils.clip_grad_norm_'s coefficient, but never NaN: 0-d float32 in [0, 1]."""
-    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
-    return torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
+clip_coef = reference.clip_coef  # torch.nn.utils.clip_grad_norm_'s coefficient, never NaN
 
 
 class TouchedPatterns:

@@ -2,13 +2,14 @@
 fp64 ``[G, 5]`` table (lr, beta1, beta2, eps, weight_decay) the step kernels read.
 
 Re-uploaded only when a value changed (from pinned memory, non-blocking: no host sync), so LR
-schedulers and edits take effect at the next step; a tensor lr (capturable) is copied on the
-device every step, so CUDA graphs that replay the step read its current value.
+schedulers and edits take effect at the next step; a tensor lr (capturable) is read every step,
+so CUDA graphs that replay the step read its current value: once per step into one device tensor
+(``tensor_lrs``), which both the agreement entries and the table take.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -95,6 +96,40 @@ def validate_groups(param_groups: Sequence[dict], read_lr: bool) -> str:
     return ""
 
 
+class TensorLrs(NamedTuple):
+    """This step's tensor lrs: the groups that have one, and their values (fp64, on the device)."""
+
+    groups: List[int]
+    values: Tensor
+
+
+def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[TensorLrs]:
+    """Read every tensor lr once: one fp64 device tensor, in group order (None if no group has
+    one). A malformed lr (not one element; flagged by the validation) reads as NaN. Host (CPU)
+    lrs for CUDA params travel together through pinned memory, non-blocking: no host sync."""
+    groups = [i for i, g in enumerate(param_groups) if isinstance(g.get("lr"), Tensor)]
+    if not groups:
+        return None
+    values = []
+    for i in groups:
+        lr = param_groups[i]["lr"].detach()
+        values.append(lr.reshape(()) if lr.numel() == 1 else torch.tensor(math.nan, device=lr.device))
+    on_host = [v.device.type == "cpu" for v in values]
+    if device.type == "cpu" or not any(on_host):
+        out = torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
+    elif all(on_host):
+        host = torch.stack([v.to(torch.float64) for v in values]).pin_memory()
+        out = host.to(device, non_blocking=True)
+    else:
+        host = torch.stack([v.to(torch.float64) if h else torch.zeros((), dtype=torch.float64)
+                            for v, h in zip(values, on_host)]).pin_memory()
+        out = host.to(device, non_blocking=True)
+        for k, (v, h) in enumerate(zip(values, on_host)):
+            if not h:
+                out[k].copy_(v)
+    return TensorLrs(groups, out)
+
+
 class HparamTable:
     def __init__(self, num_groups: int, device: torch.device) -> None:
         self.device = device
@@ -105,8 +140,9 @@ class HparamTable:
         """Force a re-upload at the next refresh (after param_groups were replaced wholesale)."""
         self._host = None
 
-    def refresh(self, param_groups: Sequence[dict]) -> Tensor:
-        """Validate ``param_groups`` and bring the device table up to date; return it."""
+    def refresh(self, param_groups: Sequence[dict], lrs: Optional[TensorLrs] = None) -> Tensor:
+        """Validate ``param_groups`` and bring the device table up to date; return it. ``lrs``:
+        this step's tensor lrs as already read (``tensor_lrs``); read here if not given."""
         host = []
         for i, group in enumerate(param_groups):
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ",
@@ -123,9 +159,15 @@ class HparamTable:
                 table = table.pin_memory()
             self.table.copy_(table, non_blocking=True)
             self._host = host
-        for i, group in enumerate(param_groups):
-            if isinstance(group["lr"], Tensor):  # capturable: read on the device, every step
-                self.table[i, 0].copy_(group["lr"].detach().reshape(()), non_blocking=True)
+        if lrs is None:
+            lrs = tensor_lrs(param_groups, self.device)
+        if lrs is not None:  # capturable: copied on the device, every step
+            first, n = lrs.groups[0], len(lrs.groups)
+            if lrs.groups == list(range(first, first + n)):
+                self.table[first:first + n, 0].copy_(lrs.values)
+            else:
+                for k, i in enumerate(lrs.groups):
+                    self.table[i, 0].copy_(lrs.values[k])
         return self.table
 
 

@@ -94,6 +94,22 @@ def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: L
         ext.land_grads(full, grads, like, offsets, accumulate)
 
 
+def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Tensor], max_norm: float,
+                 found_inf: Tensor, steps: Tensor, touched: Tensor) -> None:
+    """``coef_out = base * scale * clip_coef(max_norm, norm)`` (no clip without ``norm``) and
+    ``steps += touched * (1 - found_inf)``, in one launch (contract: ``reference.py``)."""
+    ext = _native(coef_out.device)
+    tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm])
+    native = ext is not None and hasattr(ext, "step_scalars") and all(
+        t.dtype == torch.float32 and t.device == coef_out.device and t.is_contiguous() for t in tensors) and (
+        coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
+        and touched.numel() == steps.numel())
+    if native:
+        ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched)
+    else:
+        reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched)
+
+
 def views_intact(params: List[Tensor], refs: List[Tensor]) -> bool:
     """True if every ``params[i]`` still has ``refs[i]``'s data pointer, dtype, shape and strides
     and no ``.grad`` (one native call); False means "unknown or not": check in Python."""

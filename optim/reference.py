@@ -45,6 +45,11 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     For every i: ``v = full.as_strided(like[i].shape, like[i].stride(), full.storage_offset() +
     offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
     are converted to ``full``'s dtype). Nothing else in ``full`` is written.
+``step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched)``
+    All fp32 on one device. ``coef_out[0] = base * scale`` times, with ``norm`` given,
+    ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` formed as torch forms
+    it (``(norm + 1e-6).reciprocal() * max_norm``), NaN and infinities read as 1; then
+    ``steps += touched * (1 - found_inf)``. One launch for the ~9 scalar ops this replaces.
 ``join_remainders(hi, lo)`` / ``split_remainders(p)``
     The fp32 master as a bf16 high half ``hi`` and an int16 low half ``lo``: the master's bit
     pattern is ``(bits(hi) << 16) + lo`` modulo 2**32 (``lo`` signed), so ``hi`` is the fp32
@@ -134,6 +139,21 @@ def adam_step(
         master[sl] = torch.where(skip, master[sl], p.to(master.dtype))
         if model_out is not None:
             model_out[sl] = torch.where(skip, model_out[sl], p.to(model_out.dtype))
+
+
+def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, but never NaN: 0-d float32 in [0, 1]."""
+    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
+    return torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
+
+
+def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Tensor], max_norm: float,
+                 found_inf: Tensor, steps: Tensor, touched: Tensor) -> None:
+    coef = base * scale
+    if norm is not None:
+        coef = coef * clip_coef(max_norm, norm)
+    coef_out.copy_(coef.reshape(coef_out.shape))
+    steps.addcmul_(touched, 1.0 - found_inf)
 
 
 def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:

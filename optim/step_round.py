@@ -32,6 +32,7 @@ class StepRound:
         self.clips: List[Tuple[float, Tensor]] = []
         self.dependents: List[Callable[[], Any]] = []  # recomputed when the norms are unscaled
         self.cache_after_step = True  # False (capturable): graph replays rewrite the raw norms
+        self.lrs: Optional[Any] = None  # hparams.TensorLrs: this step's tensor lrs, read once with the stats
 
     # ------------------------------------------------------------ stats
     def set_stats(self, stats: GradStats) -> None:
@@ -76,8 +77,11 @@ class StepRound:
         return norm
 
     def _derived(self, norm_type: float) -> Tensor:
-        norm = self.raw_norms[norm_type] * self.avg_factor
-        return norm if self.inv_scale is None else norm * self.inv_scale
+        # a new tensor in every case: ``unscale`` multiplies a handed-out norm in place
+        raw = self.raw_norms[norm_type]
+        if self.inv_scale is None:
+            return raw * self.avg_factor
+        return raw * self.inv_scale if self.avg_factor == 1.0 else raw * self.avg_factor * self.inv_scale
 
     def add_clip(self, max_norm: float, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
         """Clip to ``max_norm`` given ``norm`` (resolved at the step). ``recompute``: refreshes
@@ -93,6 +97,22 @@ class StepRound:
         self.inv_scale = inv
         for recompute in self.dependents:
             recompute()
+
+    def coef_parts(self) -> Tuple[Tensor, float, Optional[Tensor], float]:
+        """``(base, scale, norm, max_norm)``: the step's grad coefficient is ``base * scale *
+        clip_coef(max_norm, norm)`` (no clip when ``norm`` is None), formed on the device in
+        one launch with the step counts (``kernels.step_scalars``). Several clips are folded
+        into ``base`` here (``coef``)."""
+        if len(self.clips) > 1:
+            return self.coef(), 1.0, None, 0.0
+        if self.inv_scale is not None:
+            base, scale = self.inv_scale, self.avg_factor
+        else:
+            base, scale = self.avg_tensor, 1.0
+        if not self.clips:
+            return base, scale, None, 0.0
+        max_norm, norm = self.clips[0]
+        return base, scale, norm, max_norm
 
     def coef(self) -> Tensor:
         """``avg * inv_scale * clip``: the one device scalar the step kernel multiplies grads by."""

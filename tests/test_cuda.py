@@ -82,3 +82,43 @@ def test_storage_options_cuda(world: int) -> None:
 @pytest.mark.parametrize("case", [c for c in cases_scaler.CASES if c.startswith("case_loop_")])
 def test_amp_loops_cuda(world: int, case: str) -> None:
     check_loop_case(_results(world), case)
+
+
+def test_cpu_tensor_lr_for_cuda_params_no_host_sync() -> None:
+    """A CPU tensor lr (as a scheduler may keep it) for CUDA params is read once per step through
+    pinned memory: no blocking copy under sync-debug "error", and the step is torch's with that lr."""
+    import torch.nn as nn
+
+    from shardamp.optim import DistributedFusedAdam
+    from shardamp.scaler import ShardedGradScaler
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).cuda()
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).cuda()
+    ref.load_state_dict(model.state_dict())
+    lr = torch.tensor(3e-3)  # on the CPU
+    opt = DistributedFusedAdam([{"params": model[0].parameters(), "lr": lr}, {"params": model[2].parameters()}],
+                               lr=1e-3, weight_decay=0.01)
+    ropt = torch.optim.AdamW([{"params": ref[0].parameters(), "lr": 3e-3}, {"params": ref[2].parameters()}],
+                             lr=1e-3, weight_decay=0.01)
+    scaler = ShardedGradScaler("cuda")
+    for step in range(4):
+        x = torch.randn(4, 8, device="cuda", generator=torch.Generator("cuda").manual_seed(step))
+        opt.zero_grad()
+        scaler.scale(model(x).square().sum()).backward()
+        torch.cuda.synchronize()
+        if step > 0:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.unscale_(opt)
+            opt.clip_grad_norm(1.0)
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        ropt.zero_grad()
+        ref(x).square().sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ropt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -481,3 +481,31 @@ def test_dispatcher_runs_new_states_natively(exts, device, monkeypatch):
     _run(reference.adam_step, ref, table.cpu(), hparams, steps, touched, coef, found_inf, True, True)
     torch.testing.assert_close(_master_of(state).cpu(), _master_of(ref).cpu(), rtol=1e-5, atol=1e-6)
     _assert_moments_close(state, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_scalars_match_reference_bitwise(exts, device):
+    """The grad coefficient (base * scale * clip) and the step counts in one launch: bit for bit
+    the reference's torch ops, for norms below, at and above max_norm, zero, inf and NaN, with
+    and without a clip and a found-inf."""
+    ext = _ext_for(exts, device)
+    g = torch.Generator().manual_seed(3)
+    touched = (torch.rand(37, generator=g) > 0.3).float().to(device)
+    for norm_value in (0.0, 0.3, 1.0, 1.0 + 1e-7, 7.5, 3e38, math.inf, math.nan):
+        for clip in (True, False):
+            for found in (0.0, 1.0):
+                for base_value, scale in ((1 / 65536, 1.0), (1 / 65536, 0.25), (0.5, 1.0 / 3.0)):
+                    base = torch.tensor(base_value, device=device)
+                    norm = torch.tensor(norm_value, device=device) if clip else None
+                    found_inf = torch.tensor(found, device=device)
+                    steps = torch.arange(37, dtype=torch.float32, device=device)
+                    outs = []
+                    for fn in (ext.step_scalars, reference.step_scalars):
+                        coef, s = torch.empty((), device=device), steps.clone()
+                        fn(coef, base, scale, norm, 0.7, found_inf, s, touched)
+                        outs.append((coef, s))
+                    (c_n, s_n), (c_r, s_r) = outs
+                    assert torch.equal(s_n, s_r)
+                    assert (math.isnan(c_r.item()) and math.isnan(c_n.item())) or c_n.item() == c_r.item(), \
+                        (norm_value, clip, base_value, scale, c_n.item(), c_r.item())
+                    assert 0.0 <= c_n.item() <= base_value * scale * (1 + 1e-6)

@@ -1,0 +1,43 @@
+// step_scalars on CUDA: one small launch instead of the ~9 scalar ops that formed the grad
+// coefficient and advanced the step counts before the step kernel (contract: optim/reference.py;
+// arithmetic: step_scalars.h). Graph-capturable: no host reads, no allocation.
+
+#include "../step_scalars.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+namespace shardamp {
+namespace cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void step_scalars_kernel(float* coef_out, const float* base, float scale, const float* norm,
+                                    float max_norm, const float* found_inf, float* steps, const float* touched,
+                                    int64_t count) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (first == 0) *coef_out = grad_coefficient(*base, scale, norm, max_norm);
+  const float live = 1.0f - *found_inf;
+  for (int64_t i = first; i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    steps[i] += touched[i] * live;
+  }
+}
+
+}  // namespace
+
+void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched) {
+  const c10::cuda::CUDAGuard guard(coef_out.device());
+  const int64_t count = steps.numel();
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, 64)));
+  step_scalars_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      coef_out.data_ptr<float>(), base.data_ptr<float>(), static_cast<float>(scale),
+      norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(max_norm), found_inf.data_ptr<float>(),
+      steps.data_ptr<float>(), touched.data_ptr<float>(), count);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace cuda
+}  // namespace shardamp
