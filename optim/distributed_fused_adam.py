@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, agreement, torch_scaler, deferred_checks, grad_stats, kernels
+from . import _compat, agreement, torch_scaler, deferred_checks, grad_stats, kernels, norms
 from . import state_dict as _state_dict
 from .comm import Comm, make_comm
 from .buffers import (
@@ -178,7 +178,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             gdt = grad_sync_dtype or bucket.dtype
             pdt = param_sync_dtype or bucket.dtype
             self._buffers.append(
-                allocate(bucket, self._params, self._comm.shard_size, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
+                allocate(bucket, self._params, self._comm.gathers_params, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
         for buf in self._buffers:  # every rank starts from rank 0's weights, as DDP does
             self._comm.broadcast(buf.params)
         for buf in self._buffers:
@@ -316,8 +316,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
-                grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
-            self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
+                norms.partial([b.grad_shard for b in self._buffers], norm_type, buf)
+            self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             fingerprint = self._fingerprint if checked else None
             r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains

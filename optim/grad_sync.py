@@ -32,7 +32,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compat, kernels
+from . import _compat, kernels, norms
 from .buffers import BucketBuffers
 from .comm import Comm
 from .layout import Bucket, ParamSlot
@@ -114,12 +114,12 @@ class GradSync:
         self.buckets = buckets
         self.buffers = buffers
         self.comm = comm
-        # one process: the bucket buffer is the shard, grads land in it directly
-        self.local = comm.world_size == 1
+        # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
+        self.in_place = not comm.reduces_grads
         self.overlap = overlap
         # one process, not capturable: the shard (= bucket buffer) is released at zero_grad
-        self.release_shards = self.local and not keep_buffers
-        self.keep_buffers = keep_buffers or self.local
+        self.release_shards = self.in_place and not keep_buffers
+        self.keep_buffers = keep_buffers or self.in_place
         # backwards begun so far: a new one starts the optimizer's next step round (it compares)
         self.backwards = 0
         self.stepped_since_zero = False  # a backward now adds to the grads the last step used
@@ -139,12 +139,12 @@ class GradSync:
         self.local_touched = [False] * self.n_params
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
-        # backward only the one small all-reduce remains (grad_stats.py sums the partials).
+        # backward only the one small all-reduce remains (norms.sum_partials sums them).
         device = buckets[0].device if buckets else torch.device("cpu")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.partials = torch.zeros(len(buckets), 2, dtype=torch.float32, device=device)
         self.partials_zeroed = False  # zeroed once per round, not once per bucket
-        divisor = 1 if self.local else STAGE_FRACTION
+        divisor = 1 if self.in_place else STAGE_FRACTION
         self.states = [
             BucketGrads(i, b, buffers[i], expected=sum(s.requires_grad for s in b.slots),
                         flush_bytes=b.numel * buffers[i].grad_dtype.itemsize // divisor, partial=self.partials[i])
@@ -160,7 +160,7 @@ class GradSync:
                 state.params.append(entry)
                 self.record[id(p)] = entry
         for s in self.states:
-            if self.local:
+            if self.in_place:
                 if self.release_shards:
                     s.buffers.release_grad_shard()
                 else:
@@ -233,7 +233,7 @@ class GradSync:
         """Bucket ``s``'s full-size buffer, allocated (zeros) or zeroed if stale."""
         full = s.full
         if full is None:
-            if self.local:
+            if self.in_place:
                 full = s.full = s.buffers.grad_shard  # allocated as zeros if released
             else:
                 full = s.full = self._new_full(s)
@@ -254,7 +254,7 @@ class GradSync:
         for p in staged:
             p.staged = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
-        acc_all = self.local and s.shard_valid
+        acc_all = self.in_place and s.shard_valid
         if acc_all or not s.any_in_buffer:  # the common cases: all adds, or all copies
             for p in staged:
                 p.in_buffer = True
@@ -317,7 +317,7 @@ class GradSync:
                 p.in_buffer = False
             s.any_in_buffer = False
         full = self._writable_full(s)  # no grad here on this rank: contribute zeros
-        if self.local:
+        if self.in_place:
             s.shard_valid = True
             if self.side is not None:
                 self._land_on_side_stream(s, None, None, False)
@@ -356,7 +356,7 @@ class GradSync:
             if not self.partials_zeroed:
                 self.partials.zero_()  # every bucket's partial is recomputed in this round
                 self.partials_zeroed = True
-            kernels.grad_stats(shard, s.partial, 2.0)
+            norms.accumulate_partial(shard, s.partial, 2.0)
         for t in (full, out):
             if t is not None:
                 # freed by the caller right away: the allocator reuses the memory only once the
@@ -371,7 +371,7 @@ class GradSync:
         partial is current (then return True); the caller computes them itself otherwise."""
         if self.side is None or not all(s.partial_valid for s in self.states):
             return False
-        torch.sum(self.partials, dim=0, out=out[:2])  # a sum of 0/1 flags is still "any" (> 0)
+        norms.sum_partials(self.partials, out)  # a sum of 0/1 flags is still "any" (> 0)
         return True
 
     # ---------------------------------------------------------------- explicit sync
@@ -450,7 +450,7 @@ class GradSync:
                 s.full, s.dirty = None, False
         elif self.keep_buffers:
             # one process: the buffer is the shard; zeroed lazily before the next write
-            dirty = set_to_none or not self.local
+            dirty = set_to_none or not self.in_place
             for s in self.states:
                 s.dirty = dirty
         else:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import grad_stats
+from . import norms
 from .grad_stats import GradStats
 
 
@@ -42,10 +42,10 @@ class StepRound:
     def add_norm_type(self, norm_type: float, shards: Sequence[Tensor], device: torch.device,
                       reduce: Callable[[Tensor, Any], None]) -> None:
         """A second norm type in one step: its partial over ``shards``, one more (tiny) ``reduce``."""
-        buf = torch.empty(grad_stats.HEADER, dtype=torch.float32, device=device)
-        grad_stats.local_stats(shards, norm_type, buf)
-        reduce(buf, grad_stats.reduce_op(norm_type))
-        self.raw_norms[norm_type] = grad_stats.finish(buf, norm_type).raw_norm
+        buf = torch.empty(norms.PARTIAL, dtype=torch.float32, device=device)
+        norms.partial(shards, norm_type, buf)
+        reduce(buf, norms.reduce_op(norm_type))
+        self.raw_norms[norm_type] = norms.root(buf[0], norm_type)
 
     def first_norm_type(self) -> float:
         return next(iter(self.raw_norms), 2.0)
@@ -99,10 +99,7 @@ class StepRound:
         coef = self.avg_tensor
         if self.inv_scale is not None:
             coef = self.inv_scale if self.avg_factor == 1.0 else self.inv_scale * self.avg_factor
-        clip = None
-        for max_norm, norm in self.clips:  # clipping twice clips the already-clipped grads
-            c = grad_stats.clip_coef(max_norm, norm if clip is None else norm * clip)
-            clip = c if clip is None else clip * c
+        clip = norms.chained_clip_coef(self.clips)
         return coef if clip is None else coef * clip
 
     def done(self) -> None:
