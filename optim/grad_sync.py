@@ -16,10 +16,10 @@ With hybrid sharding (comm.py: a replicate dim) each reduced shard is then all-r
 replicas: launched as soon as its reduce-scatter has landed, waited for where the shard is
 consumed (``sync``). Only the shard, 1/shard_size of the bucket, crosses the replicate links.
 
-A single process (comm.py's ``Comm``: nothing to communicate) keeps no separate full-size buffer:
-the bucket buffer IS the shard. It exists only from the first flush of a backward to
-``zero_grad`` (unless capturable): a staged grad is held exactly as torch holds ``param.grad``,
-so peak memory stays torch's.
+Where nothing is reduced (``Comm.reduces_grads`` False: a single process) there is no separate
+full-size buffer: the bucket buffer IS the shard, and backward sums grads into it in place. It
+exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a staged
+grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class BucketGrads:
     expected: int  # params that fire in a backward (those requiring grad)
     flush_bytes: int  # staged bytes that trigger a copy into the buffer
     partial: Tensor  # its row of GradSync.partials: [sum g^2, non-finite flag] of the shard
-    params: List[ParamGrad] = field(default_factory=list)
+    params: List[ParamGrad] = field(default_factory=list)  # every param of the bucket
     fired: int = 0  # params that produced their grad in the current backward
     staged: List[ParamGrad] = field(default_factory=list)  # in hook order, with staged_grads
     staged_grads: List[Tensor] = field(default_factory=list)
@@ -102,6 +102,11 @@ class Reduction:
 
 
 class GradSync:
+    """The backward plumbing of one optimizer: a :class:`ParamGrad` per param (what its hook
+    needs), a :class:`BucketGrads` per bucket (``states``, in reduction order), the reductions
+    in flight (``pending``), and the round counters the optimizer and agreement.py read
+    (``backwards``, ``rounds_since_step``, ``local_touched``, ``grad_since_zero``)."""
+
     def __init__(
         self,
         buckets: List[Bucket],
@@ -111,8 +116,6 @@ class GradSync:
         overlap: bool,
         keep_buffers: bool,
     ) -> None:
-        self.buckets = buckets
-        self.buffers = buffers
         self.comm = comm
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
         self.in_place = not comm.reduces_grads
@@ -417,7 +420,7 @@ class GradSync:
 
     def alive_full_buffers(self) -> List[Tensor]:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
-        shard_ptrs = {buf.grad_store.data_ptr() for buf in self.buffers if buf.grad_store is not None}
+        shard_ptrs = {s.buffers.grad_store.data_ptr() for s in self.states if s.buffers.grad_store is not None}
         held = [s.full for s in self.states if s.full is not None and s.full.data_ptr() not in shard_ptrs]
         held += [r.full for r in self.pending if r.full is not None]
         return list({id(t): t for t in held}.values())
