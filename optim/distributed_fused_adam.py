@@ -323,8 +323,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
                 agreement.raise_now(self, r.stats)
         elif norm_type not in r.raw_norms:
-            # a second norm type in one step costs a second (tiny) all-reduce
-            r.add_norm_type(norm_type, [b.grad_shard for b in self._buffers], self._device, self._reduce_grad_stats)
+            # a second norm type in one step costs a second (tiny) all-reduce, as extensible as the first
+            buf = torch.empty(norms.PARTIAL, dtype=torch.float32, device=self._device)
+            norms.partial([b.grad_shard for b in self._buffers], norm_type, buf)
+            self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
+            r.add_norm_type(norm_type, norms.root(buf[0], norm_type))
         return r.stats
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
