@@ -1,8 +1,8 @@
 """DistributedFusedAdam: ZeRO-2 Adam/AdamW whose unscale, clip and step agree with unsharded torch.
 
-This class keeps the state and the protocol; who owns which slice lives in ``layout.py``, the
-buffers in ``buffers.py``, the communication in ``grad_sync.py`` / ``param_sync.py``, the one
-all-reduce in ``grad_stats.py`` and the math in ``reference.py`` / csrc (through ``kernels.py``).
+State and protocol (one step's: step_round.py); slices: layout.py; buffers: buffers.py; collectives:
+comm.py, used by grad_sync.py / param_sync.py; the one all-reduce: grad_stats.py; norms: norms.py;
+the step's math: reference.py / csrc (through kernels.py).
 """
 from __future__ import annotations
 
