@@ -324,8 +324,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 agreement.raise_now(self, r.stats)
         elif norm_type not in r.raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce, as extensible as the first
-            buf = torch.empty(norms.PARTIAL, dtype=torch.float32, device=self._device)
-            norms.partial([b.grad_shard for b in self._buffers], norm_type, buf)
+            buf = norms.partial([b.grad_shard for b in self._buffers], norm_type, device=self._device)
             self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             r.add_norm_type(norm_type, norms.root(buf[0], norm_type))
         return r.stats

@@ -38,11 +38,16 @@ def accumulate_partial(shard: Tensor, out: Tensor, norm_type: float) -> None:
     kernels.grad_stats(shard, out, norm_type)
 
 
-def partial(shards: Sequence[Tensor], norm_type: float, out: Tensor) -> None:
-    """Fill ``out[:PARTIAL]`` with the partial of all ``shards`` (this rank's)."""
+def partial(shards: Sequence[Tensor], norm_type: float, out: Optional[Tensor] = None,
+            device: Optional[torch.device] = None) -> Tensor:
+    """Fill ``out[:PARTIAL]`` (a new float32 tensor on ``device`` if None) with the partial of
+    all ``shards`` (this rank's); return ``out``."""
+    if out is None:
+        out = torch.empty(PARTIAL, dtype=torch.float32, device=device)
     out[:PARTIAL].zero_()
     for g in shards:
         kernels.grad_stats(g, out[:PARTIAL], norm_type)
+    return out
 
 
 def sum_partials(partials: Tensor, out: Tensor) -> None:
