@@ -44,7 +44,7 @@ MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
 STAGE_FRACTION = 4
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)
 class ParamGrad:
     """One param's backward state: where its grad lands, and whether it is staged or landed."""
 
@@ -57,7 +57,7 @@ class ParamGrad:
     in_buffer: bool = False  # a grad of it is in the bucket buffer, not reduced yet (add, not copy)
 
 
-@dataclass(eq=False, slots=True)
+@dataclass(eq=False)
 class BucketGrads:
     """One bucket's backward state: readiness, staged grads, its full-size buffer, its shard."""
 
