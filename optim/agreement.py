@@ -72,7 +72,7 @@ def describe(opt: Any) -> Dict[str, Any]:
 
 def agree_on_construction(opt: Any) -> None:
     """Raise ``ValueError`` on every rank if the ranks built different optimizers."""
-    if opt.world_size == 1:
+    if not opt._comm.has_peers:
         return
     fields = describe(opt)
     names = list(fields)
@@ -141,7 +141,7 @@ def overlapping(opt: Any) -> bool:
     models): their bucket reduce-scatters then interleave in an order that can differ between
     ranks. The answer is program order, the same on every rank; it rides in the step's stats
     all-reduce, so every rank raises."""
-    if opt.world_size == 1:
+    if not opt._comm.has_peers:
         return False
 
     def others() -> list:
@@ -283,7 +283,7 @@ def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = 
     if dev is not None:
         buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
         buf[HEADER + n + len(host) :].copy_(dev[1])
-    return buf, opt.world_size > 1 or dev is not None or bool(problem)
+    return buf, opt._comm.has_peers or dev is not None or bool(problem)
 
 
 def raise_now(opt: Any, stats: Any) -> None:
@@ -328,22 +328,23 @@ def collective_timeout() -> Optional[float]:
     return seconds
 
 
-def agree_on_call(opt: Any, name: str, given: Any = None, problem: str = "") -> None:
-    """The first thing a collective entry point does: one all-reduce of
+def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "") -> None:
+    """The first thing a collective entry point does (``view``: the optimizer's
+    ``shard_view()``, for its comm and device): one all-reduce of
     ``[call id, -call id, hash of given, -hash, problem flag]`` (MAX). Raise on every rank that
     took part if the ranks are not all in the same call with the same input, or if any rank
     reported ``problem``; a rank left waiting raises after the timeout, naming the call."""
     message = problem if problem.startswith(name) else f"{name}: {problem}"
-    if opt.world_size == 1:
+    if not view.comm.has_peers:
         if problem:
             raise ValueError(message)
         return
     call, arg = float(crc(name) & 0xFFFFFF), float(crc(given) & 0xFFFFFF)
-    flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0], dtype=torch.float32, device=opt._device)
+    flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0], dtype=torch.float32, device=view.device)
     timeout = collective_timeout()
     try:
-        work = opt._comm.all_reduce_async(flag, dist.ReduceOp.MAX)
-        if timeout is not None and opt._device.type == "cpu":
+        work = view.comm.all_reduce_async(flag, dist.ReduceOp.MAX)
+        if timeout is not None and view.device.type == "cpu":
             work.wait(timeout=datetime.timedelta(seconds=timeout))
         else:
             work.wait()

@@ -100,7 +100,7 @@ class BucketBuffers:
 def allocate(
     bucket: Bucket,
     params: Sequence[torch.nn.Parameter],
-    shard_size: int,
+    gathers_params: bool,
     state_dtype: torch.dtype,
     grad_sync_dtype: torch.dtype,
     param_sync_dtype: torch.dtype,
@@ -111,7 +111,8 @@ def allocate(
 
     ``params`` is indexed by ``ParamSlot.index``. The params' current values are copied in;
     the caller broadcasts the buffer so every rank starts from the same weights. The moments
-    default to ``state_dtype``.
+    default to ``state_dtype``. ``gathers_params`` (``Comm.gathers_params``): params are
+    all-gathered after the step, so a ``param_sync_dtype`` other than the bucket's gets a buffer.
     """
     dev = bucket.device
     flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=dev)
@@ -122,7 +123,7 @@ def allocate(
         p.data = view
     shard = slice(bucket.shard_start, bucket.shard_start + bucket.shard_numel)
     sync = None
-    if param_sync_dtype != bucket.dtype and shard_size > 1:
+    if param_sync_dtype != bucket.dtype and gathers_params:  # comm.py: the shard is not the bucket
         sync = torch.zeros(bucket.numel, dtype=param_sync_dtype, device=dev)
     n = bucket.shard_numel
     return BucketBuffers(

@@ -59,7 +59,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     path = os.fspath(path)
     opt.param_sync()
     problem = _save_problem(opt, path)
-    agreement.agree_on_call(opt, "save_sharded", given=os.path.abspath(path), problem=problem)
+    agreement.agree_on_call(opt.shard_view(), "save_sharded", given=os.path.abspath(path), problem=problem)
     steps = opt.shard_view().steps.detach().to("cpu", copy=True)
     slots = sd_mod.slots_by_index(opt)
     meta = {
@@ -96,7 +96,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
             atomic_publish.prepare(path)
         except OSError as exc:
             failure = f"cannot create {staged}: {exc}"
-    agreement.agree_on_call(opt, "save_sharded (staging)", problem=failure)
+    agreement.agree_on_call(opt.shard_view(), "save_sharded (staging)", problem=failure)
     with _single_process_quiet():
         dcp.save(state, checkpoint_id=staged, process_group=_group(opt), no_dist=_no_dist())
     if opt.rank == 0:  # DCP returns on every rank once all shards and its metadata are written
@@ -105,7 +105,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                                           "meta_crc": atomic_publish.tensor_crc(meta_tensor)})
         except OSError as exc:
             failure = f"could not publish {staged} as {path}: {exc}"
-    agreement.agree_on_call(opt, "save_sharded (publish)", problem=failure)
+    agreement.agree_on_call(opt.shard_view(), "save_sharded (publish)", problem=failure)
 
 
 def _save_problem(opt: Any, path: str) -> str:
@@ -136,7 +136,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
         pieces, dtypes, sizes = _index(path)
         problem = next((f"{path} is not a shardamp checkpoint (no '{key}')"
                         for key in (META_KEY, STEPS_KEY) if key not in sizes), "")
-    agreement.agree_on_call(opt, "load_sharded", given=os.path.abspath(path), problem=problem)
+    agreement.agree_on_call(opt.shard_view(), "load_sharded", given=os.path.abspath(path), problem=problem)
     crc_keys = [k for k in sizes if k.startswith(CRC_PREFIX)]
     head = {META_KEY: torch.empty(sizes[META_KEY], dtype=torch.uint8),
             STEPS_KEY: torch.empty(sizes[STEPS_KEY], dtype=torch.float32)}
@@ -187,7 +187,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                         needed[name] = torch.empty(n, dtype=dtypes[name])
                 elif not problem:
                     problem = f"incomplete checkpoint: param {i} '{key}' elements [{lo}, {hi}) are missing"
-    agreement.agree_on_call(opt, "load_sharded (plan)", problem=problem)
+    agreement.agree_on_call(opt.shard_view(), "load_sharded (plan)", problem=problem)
 
     # ---- read (into temporaries: a failure here leaves the optimizer untouched), check, then write
     with _single_process_quiet():
@@ -198,7 +198,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
             problem = f"'{name}' holds non-finite values"
         if not problem and "/exp_avg_sq/" in name and bool((needed[name] < 0).any()):
             problem = f"'{name}' holds negative values (a second moment is >= 0)"
-    agreement.agree_on_call(opt, "load_sharded (read)", problem=f"{path}: {problem}" if problem else "")
+    agreement.agree_on_call(opt.shard_view(), "load_sharded (read)", problem=f"{path}: {problem}" if problem else "")
     scaler_state = meta.get("scaler")
 
     def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:

@@ -3,12 +3,12 @@ params a DistributedFusedAdam manages (whose ``.grad`` is None: their grads live
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import Tensor
 
+from . import norms as norm_math
 from .distributed_fused_adam import DistributedFusedAdam
 
 
@@ -74,7 +74,7 @@ def clip_grad_norm_(
     if not norms:
         return torch.tensor(0.0)
     if error_if_nonfinite:
-        total_now = norms[0] if len(norms) == 1 else _combine(norms, norm_type, device)
+        total_now = norms[0] if len(norms) == 1 else norm_math.combine(norms, norm_type, device)
         if not bool(torch.isfinite(total_now)):
             raise RuntimeError(
                 f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
@@ -89,22 +89,17 @@ def clip_grad_norm_(
         return norms[0]
 
     def combine() -> Tensor:
-        return _combine(norms, norm_type, device)
+        return norm_math.combine(norms, norm_type, device)
 
     total = combine()
     for opt in owned.values():
         # if this optimizer unscales later, its norm changes in place: so must the total
         opt._add_clip(max_norm, total, recompute=lambda: total.copy_(combine()))
     if plain:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's formula, no sync
+        coef = norm_math.torch_clip_coef(max_norm, total)  # no sync
         for p in plain:
             p.grad.mul_(coef.to(p.grad.device, p.grad.dtype))
     return total
-
-
-def _combine(norms: List[Tensor], norm_type: float, device: torch.device) -> Tensor:
-    stacked = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    return stacked.max() if math.isinf(norm_type) else stacked.pow(norm_type).sum().pow(1.0 / norm_type)
 
 
 def _check_max_norm(max_norm: Any) -> float:

@@ -58,6 +58,19 @@ class Comm:
     group: Optional[Any] = None
     shard_group: Optional[Any] = None
     replicate_group: Optional[Any] = None
+    # Policies that follow from having nothing to communicate (asked by callers instead of
+    # comparing world sizes):
+    # ``reduces_grads``: grads are reduced across ranks. False: a grad bucket IS its shard;
+    # backward sums grads into it in place, with no separate full-size buffer and no staging
+    # limit (grad_sync.py), and the shard is released at zero_grad as torch drops param.grad.
+    reduces_grads = False
+    # ``has_peers``: other ranks exist that must build and step identically: the agreement
+    # checks (construction, per step, per collective call) and the order of collectives
+    # between optimizers over one group matter (agreement.py). False: nothing to disagree with.
+    has_peers = False
+    # ``gathers_params``: the shard dim splits buckets, so params are all-gathered after the step
+    # (and a lower-precision param_sync_dtype needs a buffer of its own); False: the shard is the bucket.
+    gathers_params = False
 
     def describe(self) -> str:
         return f"{self.replicate_size}x{self.shard_size}" if self.replicate_size > 1 else str(self.shard_size)
@@ -100,6 +113,9 @@ class Comm:
         """Async all-reduce over the whole span (the per-call agreement flags)."""
         return DONE
 
+    def all_reduce_max(self, tensor: Tensor) -> None:
+        """Synchronous MAX all-reduce over the whole span, in place (a found-inf flag)."""
+
     def gather_shards(self, local: Tensor, to_first: bool) -> Optional[Tensor]:
         """Every shard-dim rank's ``local`` stacked to ``[shard_size, *local.shape]``; with
         ``to_first`` only on shard rank 0 (the others get None). Replicas hold the same shards,
@@ -129,6 +145,8 @@ class GroupComm(Comm):
         self.shard_rank = dist.get_rank(shard_group) if self.shard_size > 1 else 0
         self.replicate_size = replicate_size
         self.replicate_rank = dist.get_rank(replicate_group) if replicate_size > 1 else 0
+        self.reduces_grads = self.has_peers = self.world_size > 1  # make_comm builds a Comm for one rank
+        self.gathers_params = self.shard_size > 1
         if self.shard_size * self.replicate_size != self.world_size:
             raise ValueError(f"device_mesh: {self.replicate_size} x {self.shard_size} ranks do not make the "
                              f"{self.world_size} ranks of the mesh")
@@ -164,6 +182,9 @@ class GroupComm(Comm):
 
     def all_reduce_async(self, tensor: Tensor, op: Any) -> Any:
         return _compat.all_reduce_async(tensor, op, self.group)
+
+    def all_reduce_max(self, tensor: Tensor) -> None:
+        _compat.all_reduce(tensor, dist.ReduceOp.MAX, self.group)
 
     def gather_shards(self, local: Tensor, to_first: bool) -> Optional[Tensor]:
         if self.shard_size == 1:
@@ -231,7 +252,7 @@ def _mesh_comm(mesh: Any, device: Optional[torch.device], initialised: bool) -> 
 
 
 def all_reduce_max(tensor: Tensor, group: Optional[Any]) -> None:
-    """MAX all-reduce over ``group`` where one exists (the scaler's found-inf for optimizers
-    other than shardamp's); nothing without torch.distributed or on a group of one."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        _compat.all_reduce(tensor, dist.ReduceOp.MAX, group)
+    """MAX all-reduce over ``group`` (the scaler's found-inf for optimizers other than
+    shardamp's), through the :class:`Comm` ``make_comm`` builds for it: nothing without
+    torch.distributed or on a group of one."""
+    make_comm(group).all_reduce_max(tensor)

@@ -1,8 +1,8 @@
 """DistributedFusedAdam: ZeRO-2 Adam/AdamW whose unscale, clip and step agree with unsharded torch.
 
-This class keeps the state and the protocol; who owns which slice lives in ``layout.py``, the
-buffers in ``buffers.py``, the communication in ``grad_sync.py`` / ``param_sync.py``, the one
-all-reduce in ``grad_stats.py`` and the math in ``reference.py`` / csrc (through ``kernels.py``).
+State and protocol (one step's: step_round.py); slices: layout.py; buffers: buffers.py; collectives:
+comm.py, used by grad_sync.py / param_sync.py; the one all-reduce: grad_stats.py; norms: norms.py;
+the step's math: reference.py / csrc (through kernels.py).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, agreement, torch_scaler, deferred_checks, grad_stats, kernels
+from . import _compat, agreement, torch_scaler, deferred_checks, grad_stats, kernels, norms
 from . import state_dict as _state_dict
 from .comm import Comm, make_comm
 from .buffers import (
@@ -179,7 +179,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             gdt = grad_sync_dtype or bucket.dtype
             pdt = param_sync_dtype or bucket.dtype
             self._buffers.append(
-                allocate(bucket, self._params, self._comm.shard_size, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
+                allocate(bucket, self._params, self._comm.gathers_params, dtype, gdt, pdt, exp_avg_dtype, exp_avg_sq_dtype))
         for buf in self._buffers:  # every rank starts from rank 0's weights, as DDP does
             self._comm.broadcast(buf.params)
         for buf in self._buffers:
@@ -319,15 +319,17 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
-                grad_stats.local_stats([b.grad_shard for b in self._buffers], norm_type, buf)
-            self._reduce_grad_stats(buf, grad_stats.reduce_op(norm_type))
+                norms.partial([b.grad_shard for b in self._buffers], norm_type, buf)
+            self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             fingerprint = self._fingerprint if checked else None
             r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
                 agreement.raise_now(self, r.stats)
         elif norm_type not in r.raw_norms:
-            # a second norm type in one step costs a second (tiny) all-reduce
-            r.add_norm_type(norm_type, [b.grad_shard for b in self._buffers], self._device, self._reduce_grad_stats)
+            # a second norm type in one step costs a second (tiny) all-reduce, as extensible as the first
+            buf = norms.partial([b.grad_shard for b in self._buffers], norm_type, device=self._device)
+            self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
+            r.add_norm_type(norm_type, norms.root(buf[0], norm_type))
         return r.stats
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:

@@ -5,7 +5,7 @@ partial norm of its grad shards (``sum |g|^p``, or ``max |g|`` for ``p = inf``) 
 non-finite flag in one pass per shard, plus which params got a grad on this rank. ONE
 all-reduce (SUM for finite ``p``; MAX for ``inf``, where a max of 0/1 flags is still the "any")
 gives the global norm, the global found-inf and the set of params touched on some rank.
-Everything stays on the device.
+Everything stays on the device. The norm math (partials, root, clip coefficients) is norms.py's.
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels, reference
+from . import norms
 
-HEADER = 2  # norm partial, non-finite flag
+HEADER = norms.PARTIAL  # norm partial, non-finite flag
 
 
 @dataclass
@@ -35,29 +34,13 @@ class GradStats:
     disagreement: Optional[Tensor] = None
 
 
-def reduce_op(norm_type: float):
-    return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-
-
-def local_stats(shards: Sequence[Tensor], norm_type: float, out: Tensor) -> None:
-    """Fill ``out[:HEADER]`` with this rank's partial norm and non-finite flag."""
-    out[:HEADER].zero_()
-    for g in shards:
-        kernels.grad_stats(g, out[:HEADER], norm_type)
-
-
 def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fingerprint=None) -> GradStats:
     """Turn the all-reduced ``stats`` into a :class:`GradStats`. With ``fingerprint``
     (agreement.StepFingerprint), ``stats[HEADER + n_params:]`` holds its entries: a mismatch or
     an invalid lr sets found-inf, so the kernel skips the step on every rank."""
     # Few, in-place ops: on a GPU each is a launch the host pays for before the step kernel.
     partial = stats[0]
-    if math.isinf(norm_type):
-        raw = partial
-    elif norm_type == 2.0:
-        raw = partial.sqrt()
-    else:
-        raw = partial.pow(1.0 / norm_type)
+    raw = norms.root(partial, norm_type)
     # flag + 0 * partial is NaN when the partial is inf/NaN, so "!= 0" covers both causes
     found_inf = torch.add(stats[1], partial, alpha=0.0).ne_(0.0)
     end = stats.numel() if n_params is None else HEADER + n_params
@@ -67,9 +50,6 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     disagreement = fingerprint.check(stats[end:], math.isinf(norm_type))
     found_inf = torch.maximum(found_inf, disagreement.amax())
     return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
-
-
-clip_coef = reference.clip_coef  # torch.nn.utils.clip_grad_norm_'s coefficient, never NaN
 
 
 class TouchedPatterns:

@@ -16,23 +16,23 @@ With hybrid sharding (comm.py: a replicate dim) each reduced shard is then all-r
 replicas: launched as soon as its reduce-scatter has landed, waited for where the shard is
 consumed (``sync``). Only the shard, 1/shard_size of the bucket, crosses the replicate links.
 
-A single process (comm.py's ``Comm``: nothing to communicate) keeps no separate full-size buffer:
-the bucket buffer IS the shard. It exists only from the first flush of a backward to
-``zero_grad`` (unless capturable): a staged grad is held exactly as torch holds ``param.grad``,
-so peak memory stays torch's.
+Where nothing is reduced (``Comm.reduces_grads`` False: a single process) there is no separate
+full-size buffer: the bucket buffer IS the shard, and backward sums grads into it in place. It
+exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a staged
+grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's.
 """
 from __future__ import annotations
 
 import contextlib
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import _compat, kernels
+from . import _compat, kernels, norms
 from .buffers import BucketBuffers
 from .comm import Comm
 from .layout import Bucket, ParamSlot
@@ -44,11 +44,56 @@ MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
 STAGE_FRACTION = 4
 
 
-@dataclass
+@dataclass(eq=False)
+class ParamGrad:
+    """One param's backward state: where its grad lands, and whether it is staged or landed."""
+
+    index: int  # in the optimizer's param order
+    param: torch.nn.Parameter  # shape and strides of its view in the bucket buffer
+    offset: int  # its first element in the bucket buffer
+    nbytes: int  # bytes its staged grad holds
+    bucket: "BucketGrads"
+    staged: bool = False  # taken from param.grad, not yet copied into the bucket buffer
+    in_buffer: bool = False  # a grad of it is in the bucket buffer, not reduced yet (add, not copy)
+
+
+@dataclass(eq=False)
+class BucketGrads:
+    """One bucket's backward state: readiness, staged grads, its full-size buffer, its shard."""
+
+    index: int  # position in the reduction order (layout.backward_order)
+    bucket: Bucket
+    buffers: BucketBuffers  # ``grad_shard``: where the reduced shard lands
+    expected: int  # params that fire in a backward (those requiring grad)
+    flush_bytes: int  # staged bytes that trigger a copy into the buffer
+    partial: Tensor  # its row of GradSync.partials: [sum g^2, non-finite flag] of the shard
+    params: List[ParamGrad] = field(default_factory=list)  # every param of the bucket
+    fired: int = 0  # params that produced their grad in the current backward
+    staged: List[ParamGrad] = field(default_factory=list)  # in hook order, with staged_grads
+    staged_grads: List[Tensor] = field(default_factory=list)
+    staged_bytes: int = 0
+    any_in_buffer: bool = False  # the ``in_buffer`` flag of some param of the bucket is set
+    full: Optional[Tensor] = None  # the full-size grad buffer (one process: the shard itself)
+    dirty: bool = False  # ``full`` holds stale grads: zero before use
+    shard_valid: bool = False  # the shard holds grads since zero_grad (a reduction adds to them)
+    partial_valid: bool = False  # ``partial`` is current for the shard
+
+    def clear_round(self) -> None:
+        """Forget this backward's readiness and staging (zero_grad)."""
+        for p in self.staged:
+            p.staged = False
+        if self.any_in_buffer:
+            for p in self.params:
+                p.in_buffer = False
+        self.fired, self.staged, self.staged_grads, self.staged_bytes = 0, [], [], 0
+        self.any_in_buffer = self.partial_valid = False
+
+
+@dataclass(eq=False)
 class Reduction:
     """One bucket's reduction in flight."""
 
-    bucket: int
+    bucket: BucketGrads
     work: Any  # the collective to wait for: the reduce-scatter, then the replicas' all-reduce
     full: Optional[Tensor]  # the full-size input, held (CPU) until the reduce-scatter has landed
     out: Optional[Tensor]  # where the reduced shard lands: the shard, or a temporary to add to it
@@ -57,6 +102,11 @@ class Reduction:
 
 
 class GradSync:
+    """The backward plumbing of one optimizer: a :class:`ParamGrad` per param (what its hook
+    needs), a :class:`BucketGrads` per bucket (``states``, in reduction order), the reductions
+    in flight (``pending``), and the round counters the optimizer and agreement.py read
+    (``backwards``, ``rounds_since_step``, ``local_touched``, ``grad_since_zero``)."""
+
     def __init__(
         self,
         buckets: List[Bucket],
@@ -66,29 +116,23 @@ class GradSync:
         overlap: bool,
         keep_buffers: bool,
     ) -> None:
-        self.buckets = buckets
-        self.buffers = buffers
         self.comm = comm
-        # one process: the bucket buffer is the shard, grads land in it directly
-        self.local = comm.world_size == 1
+        # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
+        self.in_place = not comm.reduces_grads
         self.overlap = overlap
         # one process, not capturable: the shard (= bucket buffer) is released at zero_grad
-        self.release_shards = self.local and not keep_buffers
-        self.keep_buffers = keep_buffers or self.local
+        self.release_shards = self.in_place and not keep_buffers
+        self.keep_buffers = keep_buffers or self.in_place
         # backwards begun so far: a new one starts the optimizer's next step round (it compares)
         self.backwards = 0
         self.stepped_since_zero = False  # a backward now adds to the grads the last step used
         self.warned_no_zero_grad = False
         self.n_params = len(params)
-        self.params = list(params)  # shape and strides of each param's view in a bucket buffer
 
         self.slots: dict[int, ParamSlot] = {}
         for bucket in buckets:
             for slot in bucket.slots:
                 self.slots[slot.index] = slot
-        # backward readiness: params still to fire in the current backward, per bucket
-        self.expected = [sum(s.requires_grad for s in b.slots) for b in buckets]
-        self.fired = [0] * len(buckets)
         self.next_launch = 0  # buckets [0, next_launch) have been launched in the current round
         self.enabled = True  # False inside no_sync()
         self.callback_queued = False
@@ -96,50 +140,42 @@ class GradSync:
         self.grad_since_zero = False
         # host-side truth of "this param got a grad on this rank since zero_grad"
         self.local_touched = [False] * self.n_params
-        # grads in a bucket buffer not reduced yet (accumulate vs overwrite)
-        self.in_buffer = [False] * self.n_params
-        # staged grads: taken from param.grad, not yet copied into the bucket buffer
-        self.staged_idx: List[List[int]] = [[] for _ in buckets]
-        self.staged_grads: List[List[Tensor]] = [[] for _ in buckets]
-        self.bucket_in_buffer = [False] * len(buckets)  # some in_buffer flag of the bucket is set
-        self.staged_bytes = [0] * len(buckets)
-        self.is_staged = [False] * self.n_params
-        self.flush_bytes = [
-            b.numel * buffers[i].grad_dtype.itemsize // (1 if self.local else STAGE_FRACTION)
-            for i, b in enumerate(buckets)
-        ]
-        self.offsets = [0] * self.n_params
-        for i, slot in self.slots.items():
-            self.offsets[i] = slot.offset
-        self.shard_valid = [False] * len(buckets)
-        self.full: List[Optional[Tensor]] = [None] * len(buckets)
-        if self.local:
-            for i, buf in enumerate(buffers):
-                if self.release_shards:
-                    buf.release_grad_shard()
-                else:
-                    self.full[i] = buf.grad_shard  # the shard is the whole bucket
-        elif keep_buffers:
-            for i, b in enumerate(buckets):
-                self.full[i] = self._new_full(i)
-        self.dirty = [False] * len(buckets)  # full buffer holds stale grads: zero before use
-        self.pending: List[Reduction] = []
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
-        # backward only the one small all-reduce remains (grad_stats.py sums the partials).
+        # backward only the one small all-reduce remains (norms.sum_partials sums them).
         device = buckets[0].device if buckets else torch.device("cpu")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.partials = torch.zeros(len(buckets), 2, dtype=torch.float32, device=device)
-        self.partial_valid = [False] * len(buckets)
         self.partials_zeroed = False  # zeroed once per round, not once per bucket
+        divisor = 1 if self.in_place else STAGE_FRACTION
+        self.states = [
+            BucketGrads(i, b, buffers[i], expected=sum(s.requires_grad for s in b.slots),
+                        flush_bytes=b.numel * buffers[i].grad_dtype.itemsize // divisor, partial=self.partials[i])
+            for i, b in enumerate(buckets)
+        ]
+        # per param, what the hook needs
+        self.record: dict[int, ParamGrad] = {}
+        for i, p in enumerate(params):
+            if i in self.slots:
+                slot = self.slots[i]
+                state = self.states[slot.bucket]
+                entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state)
+                state.params.append(entry)
+                self.record[id(p)] = entry
+        for s in self.states:
+            if self.in_place:
+                if self.release_shards:
+                    s.buffers.release_grad_shard()
+                else:
+                    s.full = s.buffers.grad_shard  # the shard is the whole bucket
+            elif keep_buffers:
+                s.full = self._new_full(s)
+        self.pending: List[Reduction] = []
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
         for p in params:
             p._shardamp_owner = self.owner_token
         ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
-        # per param, what the hook needs: (index, bucket, bytes its staged grad holds)
-        self.record = {id(p): (i, self.slots[i].bucket, self.slots[i].numel * p.element_size())
-                       for i, p in enumerate(params) if i in self.slots}
 
         def hook(param: torch.nn.Parameter) -> None:
             me = ref()
@@ -166,21 +202,22 @@ class GradSync:
                 self._warn_no_zero_grad()
             self.grad_since_zero = True
             _compat.queue_backward_callback(self._end_of_backward)
-        i, b, nbytes = self.record[id(param)]
-        if self.is_staged[i]:  # a second grad before the flush: land the first one
-            self._flush(b)
-        self.is_staged[i] = True
-        self.local_touched[i] = True
-        self.staged_idx[b].append(i)
-        self.staged_grads[b].append(grad)
-        staged = self.staged_bytes[b] = self.staged_bytes[b] + nbytes
-        fired = self.fired[b] = self.fired[b] + 1
-        if fired >= self.expected[b]:
-            self._flush(b)
+        entry = self.record[id(param)]
+        s = entry.bucket
+        if entry.staged:  # a second grad before the flush: land the first one
+            self._flush(s)
+        entry.staged = True
+        self.local_touched[entry.index] = True
+        s.staged.append(entry)
+        s.staged_grads.append(grad)
+        s.staged_bytes += entry.nbytes
+        s.fired += 1
+        if s.fired >= s.expected:
+            self._flush(s)
             if self.enabled and self.overlap:
                 self._launch_ready()
-        elif staged >= self.flush_bytes[b]:
-            self._flush(b)
+        elif s.staged_bytes >= s.flush_bytes:
+            self._flush(s)
 
     def _warn_no_zero_grad(self) -> None:
         self.stepped_since_zero = False
@@ -195,116 +232,121 @@ class GradSync:
                 stacklevel=2,
             )
 
-    def _writable_full(self, b: int) -> Tensor:
-        """Bucket ``b``'s full-size buffer, allocated (zeros) or zeroed if stale."""
-        full = self.full[b]
+    def _writable_full(self, s: BucketGrads) -> Tensor:
+        """Bucket ``s``'s full-size buffer, allocated (zeros) or zeroed if stale."""
+        full = s.full
         if full is None:
-            if self.local:
-                full = self.full[b] = self.buffers[b].grad_shard  # allocated as zeros if released
+            if self.in_place:
+                full = s.full = s.buffers.grad_shard  # allocated as zeros if released
             else:
-                full = self.full[b] = self._new_full(b)
-        elif self.dirty[b]:
+                full = s.full = self._new_full(s)
+        elif s.dirty:
             full.zero_()
-        self.dirty[b] = False
+        s.dirty = False
         return full
 
-    def _flush(self, b: int) -> None:
-        """Copy (or add) bucket ``b``'s staged grads into its buffer: one multi-tensor op each."""
-        idx = self.staged_idx[b]
-        if not idx:
+    def _flush(self, s: BucketGrads) -> None:
+        """Copy (or add) bucket ``s``'s staged grads into its buffer: one multi-tensor op each."""
+        staged = s.staged
+        if not staged:
             return
-        grads = self.staged_grads[b]
-        self.staged_idx[b], self.staged_grads[b], self.staged_bytes[b] = [], [], 0
-        full = self._writable_full(b)
-        self.partial_valid[b] = False
-        params, offsets, in_buffer, is_staged = self.params, self.offsets, self.in_buffer, self.is_staged
-        for i in idx:
-            is_staged[i] = False
+        grads = s.staged_grads
+        s.staged, s.staged_grads, s.staged_bytes = [], [], 0
+        full = self._writable_full(s)
+        s.partial_valid = False
+        for p in staged:
+            p.staged = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
-        acc_all = self.local and self.shard_valid[b]
-        if acc_all or not self.bucket_in_buffer[b]:  # the common cases: all adds, or all copies
-            for i in idx:
-                in_buffer[i] = True
-            self.bucket_in_buffer[b] = True
-            kernels.land_grads(full, grads, [params[i] for i in idx], [offsets[i] for i in idx], accumulate=acc_all)
+        acc_all = self.in_place and s.shard_valid
+        if acc_all or not s.any_in_buffer:  # the common cases: all adds, or all copies
+            for p in staged:
+                p.in_buffer = True
+            s.any_in_buffer = True
+            _land_grads(full, staged, grads, accumulate=acc_all)
             return
-        copy = ([], [], [])  # grads, like (the param: shape and strides), offsets
-        add = ([], [], [])
-        for i, grad in zip(idx, grads):
-            lists = add if in_buffer[i] else copy
-            in_buffer[i] = True
-            lists[0].append(grad)
-            lists[1].append(params[i])
-            lists[2].append(offsets[i])
-        if copy[0]:
-            kernels.land_grads(full, *copy, accumulate=False)
-        if add[0]:
-            kernels.land_grads(full, *add, accumulate=True)
+        copies: List[ParamGrad] = []
+        copy_grads: List[Tensor] = []
+        adds: List[ParamGrad] = []
+        add_grads: List[Tensor] = []
+        for p, grad in zip(staged, grads):
+            if p.in_buffer:
+                adds.append(p)
+                add_grads.append(grad)
+            else:
+                copies.append(p)
+                copy_grads.append(grad)
+            p.in_buffer = True
+        if copies:
+            _land_grads(full, copies, copy_grads, accumulate=False)
+        if adds:
+            _land_grads(full, adds, add_grads, accumulate=True)
 
     def flush_all(self) -> None:
-        for b in range(len(self.buckets)):
-            self._flush(b)
+        for s in self.states:
+            self._flush(s)
 
-    def _new_full(self, b: int) -> Tensor:
-        bucket = self.buckets[b]
-        return torch.zeros(bucket.numel, dtype=self.buffers[b].grad_shard.dtype, device=bucket.device)
+    def _new_full(self, s: BucketGrads) -> Tensor:
+        return torch.zeros(s.bucket.numel, dtype=s.buffers.grad_shard.dtype, device=s.bucket.device)
 
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
-        while self.next_launch < len(self.buckets) and self.fired[self.next_launch] >= self.expected[self.next_launch]:
-            self._launch(self.next_launch)
+        states = self.states
+        while self.next_launch < len(states) and states[self.next_launch].fired >= states[self.next_launch].expected:
+            self._launch(states[self.next_launch])
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
         self.flush_all()
         if self.overlap and self.enabled:
             self._finish_round()
-        self.fired = [0] * len(self.buckets)
+        for s in self.states:
+            s.fired = 0
 
     def _finish_round(self) -> None:
-        while self.next_launch < len(self.buckets):
-            self._launch(self.next_launch)
+        while self.next_launch < len(self.states):
+            self._launch(self.states[self.next_launch])
         self.next_launch = 0
-        self.fired = [0] * len(self.buckets)
+        for s in self.states:
+            s.fired = 0
         self.rounds_since_step += 1
         self.partials_zeroed = False  # the next round recomputes (and first zeroes) them all
 
-    def _launch(self, b: int) -> None:
-        """Reduce-scatter bucket ``b`` (every rank calls this for every bucket, in order)."""
-        self.next_launch = b + 1
-        self._flush(b)
-        bucket = self.buckets[b]
-        for s in bucket.slots:
-            self.in_buffer[s.index] = False
-        self.bucket_in_buffer[b] = False
-        full = self._writable_full(b)  # no grad here on this rank: contribute zeros
-        if self.local:
-            self.shard_valid[b] = True
+    def _launch(self, s: BucketGrads) -> None:
+        """Reduce-scatter bucket ``s`` (every rank calls this for every bucket, in order)."""
+        self.next_launch = s.index + 1
+        self._flush(s)
+        if s.any_in_buffer:
+            for p in s.params:
+                p.in_buffer = False
+            s.any_in_buffer = False
+        full = self._writable_full(s)  # no grad here on this rank: contribute zeros
+        if self.in_place:
+            s.shard_valid = True
             if self.side is not None:
-                self._land_on_side_stream(b, None, None, False)
+                self._land_on_side_stream(s, None, None, False)
             return
-        accumulate = self.shard_valid[b]
-        out = torch.empty_like(self.buffers[b].grad_shard) if accumulate else self.buffers[b].grad_shard
+        accumulate = s.shard_valid
+        out = torch.empty_like(s.buffers.grad_shard) if accumulate else s.buffers.grad_shard
         work = self.comm.reduce_scatter(out, full)
         if self.side is not None:
-            self._land_on_side_stream(b, work, out, accumulate, None if self.keep_buffers else full)
-            self.pending.append(Reduction(b, None, None, None, False, True))
+            self._land_on_side_stream(s, work, out, accumulate, None if self.keep_buffers else full)
+            self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
         else:
-            self.pending.append(Reduction(b, work, full, out, accumulate, False))
+            self.pending.append(Reduction(s, work=work, full=full, out=out, accumulate=accumulate, scattered=False))
             self._retire(MAX_IN_FLIGHT)
         if self.keep_buffers:
-            self.dirty[b] = True  # holds this round's grads until the next round overwrites them
+            s.dirty = True  # holds this round's grads until the next round overwrites them
         else:
-            self.full[b] = None  # freed once the reduction has been waited for
-        self.shard_valid[b] = True
+            s.full = None  # freed once the reduction has been waited for
+        s.shard_valid = True
 
     def _land_on_side_stream(
-        self, b: int, work, out: Optional[Tensor], accumulate: bool, full: Optional[Tensor] = None
+        self, s: BucketGrads, work, out: Optional[Tensor], accumulate: bool, full: Optional[Tensor] = None
     ) -> None:
-        """Queue, on the side stream: wait for bucket ``b``'s reduction, accumulate it, and
+        """Queue, on the side stream: wait for bucket ``s``'s reduction, accumulate it, and
         compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
         self.side.wait_stream(torch.cuda.current_stream())
-        shard = self.buffers[b].grad_shard
+        shard = s.buffers.grad_shard
         with torch.cuda.stream(self.side):
             if work is not None:
                 work.wait()
@@ -317,22 +359,22 @@ class GradSync:
             if not self.partials_zeroed:
                 self.partials.zero_()  # every bucket's partial is recomputed in this round
                 self.partials_zeroed = True
-            kernels.grad_stats(shard, self.partials[b], 2.0)
+            norms.accumulate_partial(shard, s.partial, 2.0)
         for t in (full, out):
             if t is not None:
                 # freed by the caller right away: the allocator reuses the memory only once the
                 # side stream (which waited for the collective) has passed this point
                 t.record_stream(self.side)
-        self.partial_valid[b] = True
+        s.partial_valid = True
         if work is None:
-            self.pending.append(Reduction(b, None, None, None, False, True))
+            self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
 
     def landed_stats(self, out: Tensor) -> bool:
         """Write the summed 2-norm partials of all buckets into ``out[:2]`` if every bucket's
         partial is current (then return True); the caller computes them itself otherwise."""
-        if self.side is None or not all(self.partial_valid):
+        if self.side is None or not all(s.partial_valid for s in self.states):
             return False
-        torch.sum(self.partials, dim=0, out=out[:2])  # a sum of 0/1 flags is still "any" (> 0)
+        norms.sum_partials(self.partials, out)  # a sum of 0/1 flags is still "any" (> 0)
         return True
 
     # ---------------------------------------------------------------- explicit sync
@@ -343,7 +385,7 @@ class GradSync:
         none of the params still joins the collectives the other ranks issued.
         """
         self.flush_all()
-        if self.next_launch > 0 or self.rounds_since_step == 0 or any(self.in_buffer):
+        if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.any_in_buffer for s in self.states):
             self._finish_round()
         self.wait()
 
@@ -361,7 +403,7 @@ class GradSync:
 
     def _land(self, r: Reduction) -> None:
         if r.accumulate:
-            self.buffers[r.bucket].grad_shard.add_(r.out)
+            r.bucket.buffers.grad_shard.add_(r.out)
         r.work, r.out, r.accumulate = None, None, False
 
     def wait(self) -> None:
@@ -378,8 +420,8 @@ class GradSync:
 
     def alive_full_buffers(self) -> List[Tensor]:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
-        shard_ptrs = {buf.grad_store.data_ptr() for buf in self.buffers if buf.grad_store is not None}
-        held = [f for f in self.full if f is not None and f.data_ptr() not in shard_ptrs]
+        shard_ptrs = {s.buffers.grad_store.data_ptr() for s in self.states if s.buffers.grad_store is not None}
+        held = [s.full for s in self.states if s.full is not None and s.full.data_ptr() not in shard_ptrs]
         held += [r.full for r in self.pending if r.full is not None]
         return list({id(t): t for t in held}.values())
 
@@ -392,34 +434,31 @@ class GradSync:
         self.wait()
         self.stepped_since_zero = False
         self.next_launch = 0
-        self.fired = [0] * len(self.buckets)
-        self.in_buffer = [False] * self.n_params
-        self.partial_valid = [False] * len(self.buckets)
         self.partials_zeroed = False
         self.callback_queued = False  # a backward that raised never ran its callback
-        self.staged_idx = [[] for _ in self.buckets]
-        self.staged_grads = [[] for _ in self.buckets]
-        self.bucket_in_buffer = [False] * len(self.buckets)
-        self.staged_bytes = [0] * len(self.buckets)
-        self.is_staged = [False] * self.n_params
+        for s in self.states:
+            s.clear_round()
         if set_to_none:
             self.local_touched = [False] * self.n_params
-            self.shard_valid = [False] * len(self.buckets)
+            for s in self.states:
+                s.shard_valid = False
             self.grad_since_zero = False
         else:
-            for buf in self.buffers:
-                buf.grad_shard.zero_()
+            for s in self.states:
+                s.buffers.grad_shard.zero_()
         if self.release_shards and set_to_none:
             # one process: no grads exist until the next backward, as in torch (peak memory)
-            for buf in self.buffers:
-                buf.release_grad_shard()
-            self.full = [None] * len(self.buckets)
-            self.dirty = [False] * len(self.buckets)
+            for s in self.states:
+                s.buffers.release_grad_shard()
+                s.full, s.dirty = None, False
         elif self.keep_buffers:
             # one process: the buffer is the shard; zeroed lazily before the next write
-            self.dirty = [set_to_none or not self.local] * len(self.buckets)
+            dirty = set_to_none or not self.in_place
+            for s in self.states:
+                s.dirty = dirty
         else:
-            self.full = [None] * len(self.buckets)
+            for s in self.states:
+                s.full = None
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -436,3 +475,8 @@ class GradSync:
         for h in self.handles:
             h.remove()
         self.handles = []
+
+
+def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:
+    """Copy (or add) ``grads`` into ``params``' views of the flat bucket buffer ``full``."""
+    kernels.land_grads(full, grads, [p.param for p in params], [p.offset for p in params], accumulate=accumulate)

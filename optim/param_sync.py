@@ -35,7 +35,7 @@ class ParamSync:
         self.pending: Dict[int, object] = {}
         self.bucket_of = {id(params[s.index]): b.index for b in buckets for s in b.slots}
         self.hook_handle = None
-        if overlap and comm.shard_size > 1:  # else nothing is ever in flight
+        if overlap and comm.gathers_params:  # else nothing is ever in flight
             ref = weakref.ref(self)  # the global hook must not keep the optimizer alive
 
             def pre_forward(module, inputs):

@@ -66,6 +66,7 @@ import torch
 from torch import Tensor
 
 from . import _compat
+from .norms import clip_coef  # torch's coefficient, never NaN: the kernels' spec too
 
 
 def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
@@ -139,12 +140,6 @@ def adam_step(
         master[sl] = torch.where(skip, master[sl], p.to(master.dtype))
         if model_out is not None:
             model_out[sl] = torch.where(skip, model_out[sl], p.to(model_out.dtype))
-
-
-def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
-    """torch.nn.utils.clip_grad_norm_'s coefficient, but never NaN: 0-d float32 in [0, 1]."""
-    coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
-    return torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
 
 
 def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Tensor], max_norm: float,

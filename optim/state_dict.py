@@ -65,7 +65,7 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
     only (the others return ``None`` and never hold more than one bucket's gather buffer). With
     ``cpu_offload=True`` (default) the tensors are on the CPU, otherwise on the params' device.
     """
-    agreement.agree_on_call(opt, "state_dict", given=(rank0_only, cpu_offload))
+    agreement.agree_on_call(opt.shard_view(), "state_dict", given=(rank0_only, cpu_offload))
     opt.param_sync()  # a pending all-gather may still be writing an aliased master shard
     _warn_what_torch_drops(opt)
     steps = opt.shard_view().steps.detach().to("cpu", copy=True)
@@ -116,7 +116,7 @@ def load_state_dict(opt: Any, state_dict: Mapping[str, Any]) -> None:
     except (ValueError, TypeError, KeyError) as exc:  # raised on every rank below, not here alone
         entries, steps, plan, problem = {}, None, None, str(exc)
     given = None if problem else _summary(state_dict, steps)
-    agreement.agree_on_call(opt, "load_state_dict", given=given, problem=problem)
+    agreement.agree_on_call(opt.shard_view(), "load_state_dict", given=given, problem=problem)
     slots = slots_by_index(opt)
 
     def source(index: int, key: str, lo: int, hi: int) -> Optional[Tensor]:
@@ -177,7 +177,7 @@ def _validated(opt: Any, state_dict: Any):
 def has_master(opt: Any, model_dtype: torch.dtype) -> bool:
     """A separate master copy exists (and is saved) where the model dtype is not the state
     dtype, or where a lower-precision param all-gather rounds the model (buffers.py)."""
-    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt.shard_view().comm.shard_size > 1
+    rounded_sync = opt.param_sync_dtype not in (None, model_dtype) and opt.shard_view().comm.gathers_params
     return model_dtype != opt.dtype or rounded_sync
 
 

@@ -6,18 +6,17 @@ as handed out: averaged and, once known, unscaled), the inverse scale, the clips
 derived from handed-out norms (``clip_grad_norm_``'s total over several optimizers). It resolves
 the step's grad coefficient ``avg * inv_scale * clip`` on the device.
 
-It is handed what it needs (the averaging factor, the device, the reduction to use for a second
-norm type) and holds no reference to the optimizer. After the step it stays readable as the
+It is handed what it needs (the averaging factor, the stats, the norms) and holds no reference
+to the optimizer, nor calls into it. After the step it stays readable as the
 LAST round: ``grad_norm()`` after ``step`` reads its norms without a collective.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-import torch
 from torch import Tensor
 
-from . import grad_stats
+from . import norms
 from .grad_stats import GradStats
 
 
@@ -40,13 +39,10 @@ class StepRound:
         self.stats = stats
         self.raw_norms[stats.norm_type] = stats.raw_norm
 
-    def add_norm_type(self, norm_type: float, shards: Sequence[Tensor], device: torch.device,
-                      reduce: Callable[[Tensor, Any], None]) -> None:
-        """A second norm type in one step: its partial over ``shards``, one more (tiny) ``reduce``."""
-        buf = torch.empty(grad_stats.HEADER, dtype=torch.float32, device=device)
-        grad_stats.local_stats(shards, norm_type, buf)
-        reduce(buf, grad_stats.reduce_op(norm_type))
-        self.raw_norms[norm_type] = grad_stats.finish(buf, norm_type).raw_norm
+    def add_norm_type(self, norm_type: float, raw_norm: Tensor) -> None:
+        """A second norm type in one step: its global norm, before averaging and unscaling (the
+        caller reduced its partial: norms.py)."""
+        self.raw_norms[norm_type] = raw_norm
 
     def first_norm_type(self) -> float:
         return next(iter(self.raw_norms), 2.0)
@@ -119,10 +115,7 @@ class StepRound:
         coef = self.avg_tensor
         if self.inv_scale is not None:
             coef = self.inv_scale if self.avg_factor == 1.0 else self.inv_scale * self.avg_factor
-        clip = None
-        for max_norm, norm in self.clips:  # clipping twice clips the already-clipped grads
-            c = grad_stats.clip_coef(max_norm, norm if clip is None else norm * clip)
-            clip = c if clip is None else clip * c
+        clip = norms.chained_clip_coef(self.clips)
         return coef if clip is None else coef * clip
 
     def done(self) -> None:

@@ -118,7 +118,7 @@ def case_grad_memory_bounded(rank, world, **kw):
     opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.005)
     model(torch.randn(4, 32, device=device)).sum().backward()
     gs = opt._grad_sync
-    held = sum(1 for r in gs.pending if r.full is not None) + sum(f is not None for f in gs.full)
+    held = sum(1 for r in gs.pending if r.full is not None) + sum(s.full is not None for s in gs.states)
     return {"buckets": len(opt._buckets), "held": held, "limit": MAX_IN_FLIGHT if world > 1 else len(opt._buckets)}
 
 
@@ -161,7 +161,7 @@ def case_grad_staging_and_release(rank, world, **kw):
         worst = []
 
         def watch(_p, gs=gs, worst=worst):  # registered after the optimizer's hook: runs after it
-            worst.append(max(s - cap for s, cap in zip(gs.staged_bytes, gs.flush_bytes)))
+            worst.append(max(s.staged_bytes - s.flush_bytes for s in gs.states))
 
         handles = [p.register_post_accumulate_grad_hook(watch) for p in model.parameters()]
         grads = []

@@ -257,3 +257,42 @@ def test_load_state_dict_keeps_a_tensor_lr_object() -> None:
     sd["param_groups"][0]["lr"] = torch.tensor(0.25)  # a saved tensor lr: its value, same object
     opt.load_state_dict(sd)
     assert opt.param_groups[0]["lr"] is lr and float(lr) == 0.25
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+def test_norm_math_matches_torch(norm_type: float) -> None:
+    """norms.py, the one home of the norm math: partials over shards combined and rooted,
+    norms of disjoint sets combined, and the clip coefficients, against torch's."""
+    from shardamp.optim import norms
+
+    torch.manual_seed(0)
+    grads = [torch.randn(7), torch.randn(3, 5), torch.randn(1)]
+    want = torch.nn.utils.get_total_norm(grads, norm_type)
+    parts = torch.empty(norms.PARTIAL)
+    norms.partial([g.reshape(-1) for g in grads], norm_type, parts)
+    assert parts[1] == 0.0  # all finite
+    torch.testing.assert_close(norms.root(parts[0], norm_type), want, rtol=1e-5, atol=0)
+    each = [torch.linalg.vector_norm(g, norm_type) for g in grads]
+    torch.testing.assert_close(norms.combine(each, norm_type, torch.device("cpu")), want, rtol=1e-5, atol=0)
+    # clipping: torch's coefficient, and two clips in a row clip the already-clipped grads
+    torch.testing.assert_close(norms.clip_coef(1.0, want), torch.clamp(1.0 / (want + 1e-6), max=1.0))
+    two = norms.chained_clip_coef([(2.0, want), (1.0, want)])
+    first = torch.clamp(2.0 / (want + 1e-6), max=1.0)
+    torch.testing.assert_close(two, first * torch.clamp(1.0 / (want * first + 1e-6), max=1.0))
+    assert norms.chained_clip_coef([]) is None
+    nan = torch.tensor(float("nan"))
+    assert norms.clip_coef(1.0, nan) == 1.0 and torch.isnan(norms.torch_clip_coef(1.0, nan))
+    bad = grads + [torch.tensor([float("inf")])]
+    norms.partial([g.reshape(-1) for g in bad], norm_type, parts)
+    assert parts[1] > 0  # the non-finite flag
+
+
+def test_single_process_comm_has_nothing_to_communicate() -> None:
+    """World 1 is a Comm whose policies say so (no reduction, no peers, no all-gather), and the
+    optimizer built there asks them instead of comparing world sizes."""
+    from shardamp.optim.comm import Comm, make_comm
+
+    comm = make_comm()
+    assert type(comm) is Comm and not (comm.reduces_grads or comm.has_peers or comm.gathers_params)
+    opt = DistributedFusedAdam(nn.Linear(3, 2).parameters())
+    assert opt._grad_sync.in_place and opt._grad_sync.release_shards
