@@ -158,6 +158,8 @@ def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: L
         _compat.foreach_add_(views, grads)
     else:
         _compat.foreach_copy_(views, grads)
+
+
 def _wrap(x: Tensor, bits: int) -> Tensor:
     """int64 values in [0, 2**bits) as the signed ``bits``-wide integers with the same bits."""
     return x - ((x >> (bits - 1)) << bits)
