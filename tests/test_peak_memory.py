@@ -11,6 +11,7 @@ instant is not the peak.
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -25,8 +26,15 @@ def cpu_peak_bytes(fn: Callable[[], None]) -> int:
     """Peak CPU bytes allocated while ``fn`` runs, above what was allocated when it started."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    # Garbage of an earlier run (reference cycles) freed by the collector in the middle of fn
+    # would lower its peak by that garbage's size: collect first, and not during fn.
+    gc.collect()
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        gc.enable()
     # the raw events: the profiler's tables fold a op's allocations into the op, losing the order
     events = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
               if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU]
