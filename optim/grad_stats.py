@@ -69,8 +69,9 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
 
 
-def clip_coef(max_norm: float, norm: Tensor) -> Tensor:
-    """torch.nn.utils.clip_grad_norm_'s coefficient, but never NaN: 0-d float32 in [0, 1]."""
+def clip_coef(max_norm: "float | Tensor", norm: Tensor) -> Tensor:
+    """torch.nn.utils.clip_grad_norm_'s coefficient, but never NaN: 0-d float32 in [0, 1] (an
+    invalid tensor ``max_norm`` skips the step instead: hparams.clip_invalid)."""
     coef = torch.clamp(max_norm / (norm.float() + 1e-6), max=1.0)
     return torch.nan_to_num(coef, nan=1.0, posinf=1.0, neginf=1.0)
 

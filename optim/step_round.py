@@ -29,7 +29,7 @@ class StepRound:
         self.raw_norms: Dict[float, Tensor] = {}  # before averaging and unscaling
         self.norms: Dict[float, Tensor] = {}  # handed out; unscaled in place when the scale is known
         self.inv_scale: Optional[Tensor] = None
-        self.clips: List[Tuple[float, Tensor]] = []
+        self.clips: List[Tuple[Any, Tensor]] = []
         self.dependents: List[Callable[[], Any]] = []  # recomputed when the norms are unscaled
         self.cache_after_step = True  # False (capturable): graph replays rewrite the raw norms
 
@@ -79,10 +79,11 @@ class StepRound:
         norm = self.raw_norms[norm_type] * self.avg_factor
         return norm if self.inv_scale is None else norm * self.inv_scale
 
-    def add_clip(self, max_norm: float, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
-        """Clip to ``max_norm`` given ``norm`` (resolved at the step). ``recompute``: refreshes
-        ``norm`` in place when this round's norms are unscaled (a norm derived from them)."""
-        self.clips.append((float(max_norm), norm))
+    def add_clip(self, max_norm: "float | Tensor", norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
+        """Clip to ``max_norm`` (a number, or a 0-d device tensor: never read here) given ``norm``
+        (resolved at the step). ``recompute``: refreshes ``norm`` in place when this round's norms
+        are unscaled (a norm derived from them)."""
+        self.clips.append((max_norm if isinstance(max_norm, Tensor) else float(max_norm), norm))
         if recompute is not None:
             self.dependents.append(recompute)
 
