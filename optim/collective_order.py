@@ -26,7 +26,9 @@ one ``RuntimeError`` on every rank that waits:
 On CUDA (NCCL) waits are ordered on streams: bounding them on the host would need a sync, so one
 group carries everything and the process group's timeout (NCCL's watchdog) applies; run with
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to have torch compare every collective's kind and shapes
-first (one extra collective each).
+first (one extra gloo all-gather and barrier per collective: "Detected mismatch between
+collectives on ranks", on every rank, naming each one's collective). With it set, gloo groups
+too carry everything in one group, so that torch's check sees the mismatch.
 """
 from __future__ import annotations
 
@@ -90,8 +92,11 @@ def side_group(parent: Any, kind: str) -> Any:
 
 
 def uses_side_groups(group: Any, device: Optional[torch.device]) -> bool:
-    """Tag spaces apply to gloo groups carrying CPU tensors."""
+    """Tag spaces apply to gloo groups carrying CPU tensors, unless torch checks every collective
+    itself (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: its fingerprint check needs them in one group)."""
     if device is not None and device.type != "cpu":
+        return False
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
         return False
     backend = str(dist.get_backend(group))
     return backend == "gloo" or "cpu:gloo" in backend
