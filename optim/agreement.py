@@ -16,7 +16,10 @@
   ``load_sharded`` start with one small all-reduce naming the call and hashing what each rank
   was given; a rank that did not call it, called another one, or was given different input
   makes every rank that did call raise, before anything is read or written, within
-  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo (the process group's timeout on NCCL).
+  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo (the process group's timeout on NCCL). It
+  travels with the other small all-reduces (collective_order.py: its own gloo group).
+* Where each rank is (``track_position``): steps taken, backward passes and dropped rounds since
+  the last step, named by collective_order.py when the ranks' collectives stop lining up.
 """
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -157,14 +157,6 @@ def _wait_within(work: Any, timeout: float) -> bool:
     return True
 
 
-def guarded(call: Callable[[], Any], what: str, comm: Any) -> Any:
-    """Run a synchronous collective; a gloo failure becomes :func:`mismatch`."""
-    try:
-        return call()
-    except RuntimeError as exc:
-        raise mismatch(comm, what, exc, collective_timeout()) from exc
-
-
 # ---------------------------------------------------------------- the report
 _incidents: Dict[str, int] = {}
 
@@ -244,7 +236,10 @@ def _exchange(comm: Any, mine: Dict[str, Any], timeout: Optional[float]) -> Dict
     prefix = f"shardamp-collective-order/{space}/{incident}/"
     try:
         store.set(prefix + str(comm.rank), json.dumps(mine))
-        deadline = time.monotonic() + min(REPORT_WAIT_S, timeout if timeout is not None else REPORT_WAIT_S)
+        if timeout is None:  # the group's timeout bounded the wait
+            group_timeout = _compat.group_timeout(comm.group if comm.group is not None else dist.group.WORLD)
+            timeout = group_timeout.total_seconds() if group_timeout is not None else REPORT_WAIT_S
+        deadline = time.monotonic() + min(REPORT_WAIT_S, timeout)
         missing = [r for r in range(comm.world_size) if r != comm.rank]
         while missing:
             for r in list(missing):

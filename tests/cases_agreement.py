@@ -273,15 +273,18 @@ def case_different_state_dicts(rank, world, **kw):
 ORDER_BOUND = 3.0  # SHARDAMP_COLLECTIVE_TIMEOUT of these cases (seconds)
 
 
-def _order_case(rank, world, misstep, steps=4):
-    """Train on a fresh group (a case that desynchronises it leaves it unusable) with
-    SHARDAMP_COLLECTIVE_TIMEOUT=ORDER_BOUND; at step index 2 ``misstep(opt, model, rank, world)``
-    may replace rank 1's iteration (returns True if it did). Returns what each rank raised, at
-    which iteration, and how long after that iteration began."""
+def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=60.0):
+    """Train on a fresh group (a case that desynchronises it leaves it unusable; its timeout
+    ``group_timeout`` s) with SHARDAMP_COLLECTIVE_TIMEOUT=``bound`` (None: unset); at step
+    index 2 ``misstep(opt, model, rank, world)`` may replace rank 1's iteration (returns True if
+    it did). Returns what each rank raised, at which iteration, and how long after that
+    iteration began."""
     import datetime
 
-    group = dist.new_group(list(range(world)), use_local_synchronization=True, timeout=datetime.timedelta(seconds=60))
-    os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(ORDER_BOUND)
+    group = dist.new_group(list(range(world)), use_local_synchronization=True,
+                           timeout=datetime.timedelta(seconds=group_timeout))
+    if bound is not None:
+        os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(bound)
     try:
         torch.manual_seed(0)
         model = MLP()
@@ -299,7 +302,7 @@ def _order_case(rank, world, misstep, steps=4):
                 return {"error": f"{type(exc).__name__}: {exc}", "at": step, "seconds": time.monotonic() - t0}
         return {"error": "NO ERROR", "at": None, "seconds": time.monotonic() - t0}
     finally:
-        del os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"]
+        os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
 
 
 def case_order_skipped_step(rank, world, **kw):
@@ -310,6 +313,18 @@ def case_order_skipped_step(rank, world, **kw):
         opt.zero_grad()
         return True
     return _order_case(rank, world, misstep)
+
+
+def case_order_skipped_step_group_timeout(rank, world, **kw):
+    """Without SHARDAMP_COLLECTIVE_TIMEOUT the process group's own timeout bounds the waits, with
+    the same error."""
+    def misstep(opt, model, r, w):
+        if r != 1:
+            return False
+        _backward(model, r, w, step=2)
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep, bound=None, group_timeout=ORDER_BOUND)
 
 
 def case_order_skipped_step_kept_grads(rank, world, **kw):
