@@ -471,3 +471,30 @@ def test_cuda_tensor_lr_nan_skips_on_the_device_and_raises_at_the_next_step():
     model(torch.randn(2, 4, device="cuda")).sum().backward()
     with pytest.raises(ValueError, match="invalid|lr"):
         opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensor_max_norm_is_never_read_on_the_host():
+    """A CUDA tensor max_norm: clip and step run under sync debug "error" (no host read); a NaN
+    one skips the step on the device and raises at the next step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).cuda()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    max_norm = torch.tensor(0.05, device="cuda")
+    for bad in (False, True):
+        model(torch.randn(2, 4, device="cuda")).sum().backward()
+        if bad:
+            max_norm.fill_(float("nan"))
+        before = _snapshot(model)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.clip_grad_norm(max_norm)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert _same(model, before) == bad
+        opt.zero_grad()
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    with pytest.raises(ValueError, match="max_norm is a tensor holding NaN"):
+        opt.step()
