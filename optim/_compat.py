@@ -21,6 +21,10 @@ __all__ = [
     "gather_to_group_rank0",
     "broadcast_from_group_rank0",
     "is_device_mesh",
+    "group_name",
+    "group_alive",
+    "group_timeout",
+    "default_store",
     "flat_mesh_group",
     "queue_backward_callback",
     "OptState",
@@ -105,9 +109,10 @@ def is_dense_non_overlapping(t: torch.Tensor) -> bool:
     return True
 
 
-def all_reduce(tensor: torch.Tensor, op: Any, group: Any) -> None:
-    """In-place all-reduce (synchronous on the host, asynchronous on CUDA streams)."""
-    dist.all_reduce(tensor, op=op, group=group)
+def all_reduce(tensor: torch.Tensor, op: Any, group: Any, async_op: bool = False):
+    """In-place all-reduce (synchronous on the host, asynchronous on CUDA streams); with
+    ``async_op`` its handle (the CPU path waits on it with a bound: collective_order.py)."""
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
 def all_reduce_async(tensor: torch.Tensor, op: Any, group: Any):
@@ -119,6 +124,37 @@ def gather_to_group_rank0(tensor: torch.Tensor, pieces: Optional[List[torch.Tens
     """Gather every rank's ``tensor`` into ``pieces`` on the group's rank 0 (None elsewhere)."""
     dst = dist.get_global_rank(group, 0) if group is not None else 0
     dist.gather(tensor, gather_list=pieces, dst=dst, group=group)
+
+
+def group_name(group: Any) -> str:
+    """A process group's name, the same on every member (``ProcessGroup.group_name``)."""
+    return str(group.group_name)
+
+
+def group_alive(group: Any) -> bool:
+    """``group`` is still registered (not destroyed with ``destroy_process_group``): private."""
+    from torch.distributed import distributed_c10d
+
+    return group in distributed_c10d._world.pg_map
+
+
+def group_timeout(group: Any) -> Optional[Any]:
+    """The timeout a gloo group was built with (a ``timedelta``; the options are private), None
+    where it cannot be read (then a new group gets torch's default)."""
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def default_store() -> Optional[Any]:
+    """The default process group's store (private accessor), None without one."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
 
 
 def is_device_mesh(obj: Any) -> bool:

@@ -16,25 +16,27 @@
   ``load_sharded`` start with one small all-reduce naming the call and hashing what each rank
   was given; a rank that did not call it, called another one, or was given different input
   makes every rank that did call raise, before anything is read or written, within
-  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo (the process group's timeout on NCCL).
+  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo (the process group's timeout on NCCL). It
+  travels with the other small all-reduces (collective_order.py: its own gloo group).
+* Where each rank is (``track_position``): steps taken, backward passes and dropped rounds since
+  the last step, named by collective_order.py when the ranks' collectives stop lining up.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
-import os
 import weakref
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat
+from .collective_order import TIMEOUT_ENV, collective_timeout  # noqa: F401  (re-exported)
 
 HASH_BITS = 24
-TIMEOUT_ENV = "SHARDAMP_COLLECTIVE_TIMEOUT"
 
 
 def crc(value: Any) -> int:
@@ -220,6 +222,8 @@ class StepFingerprint:
 def _number(value: Any) -> Any:
     """``value`` as a float where it is one (1 and 1.0 agree), else as is: an invalid value on
     one rank must reach the all-reduce (it is flagged there), not raise here."""
+    if value is None:
+        return None
     if isinstance(value, Tensor):
         return "tensor"
     if isinstance(value, (list, tuple)):
@@ -241,6 +245,12 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
         # the touched pattern) would be re-uploaded every step, also inside a CUDA-graph capture
         ("gradient reductions since the last step (a rank ran another number of backward passes or "
          "accumulated differently)", opt._grad_sync.rounds_since_step),
+        # a clip on some ranks only would update their shards clipped and the others' not: the one
+        # asked for before this step's stats is checked now, the ones after them at the next step
+        ("clip_grad_norm before this step's stats (max_norm, norm_type; called on some ranks only?)",
+         _number(getattr(opt, "_clip_request", None))),
+        ("clip_grad_norm calls of the previous step (max_norms and norm types; called on some ranks only? "
+         "that step updated some shards clipped, others not)", getattr(opt, "_last_clips", ())),
     ]
 
 
@@ -286,12 +296,6 @@ def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = 
     return buf, opt._comm.has_peers or dev is not None or bool(problem)
 
 
-def raise_now(opt: Any, stats: Any) -> None:
-    """Where reading is free (CPU): raise right after the all-reduce, before anything trains."""
-    flags = stats.disagreement.tolist()
-    raise_if_disagree(flags[0], flags[1:], opt._step_names, opt._step_problem)
-
-
 def raise_if_disagree(invalid: float, categories: List[float], names: List[str], problem: str = "") -> None:
     """Raise if the reduced flags say a value was invalid on some rank, or the ranks differ."""
     if invalid > 0:
@@ -315,17 +319,43 @@ def mismatch_message(names: List[str]) -> str:
 
 
 # ====================================================================== collective calls
-def collective_timeout() -> Optional[float]:
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return None
+def track_position(opt: Any) -> None:
+    """Let ``opt``'s comm say where this rank is when collectives do not line up
+    (collective_order.py): steps taken, backward passes and dropped rounds since the last step."""
+    ref = weakref.ref(opt)
+    opt._steps_taken, opt._backwards_at_step, opt._dropped_rounds = 0, 0, 0
+
+    def position() -> Dict[str, int]:
+        o = ref()
+        if o is None:
+            return {"steps": 0, "backwards": 0, "dropped": 0}
+        return {"steps": o._steps_taken, "backwards": o._grad_sync.backwards - o._backwards_at_step,
+                "dropped": o._dropped_rounds}
+
+    opt._comm.context = position
+
+
+@contextlib.contextmanager
+def clip_request(opt: Any, max_norm: Any, norm_type: float) -> Iterator[None]:
+    """A clip is asking for the norm: if that starts this step's stats, the clip rides in them."""
+    opt._clip_request = (max_norm, norm_type)
     try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
-    return seconds
+        yield
+    finally:
+        opt._clip_request = None
+
+
+def stepped(opt: Any, clips: Sequence[Any], norm_types: Sequence[float]) -> None:
+    """``opt`` took a step that applied ``clips`` (max_norms) and computed ``norm_types``."""
+    opt._last_clips = (tuple(_number(c) for c in clips), tuple(sorted(float(t) for t in norm_types)))
+    opt._steps_taken += 1
+    opt._backwards_at_step, opt._dropped_rounds = opt._grad_sync.backwards, 0
+
+
+def dropping(opt: Any) -> None:
+    """``zero_grad`` is about to drop grads: count a round no step consumed."""
+    if opt._grad_sync.grad_since_zero and not opt._grad_sync.stepped_since_zero:
+        opt._dropped_rounds += 1
 
 
 def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "") -> None:

@@ -8,8 +8,10 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 from torch import Tensor
 
+from . import agreement
 from . import norms as norm_math
 from .distributed_fused_adam import DistributedFusedAdam
+from .hparams import check_max_norm
 
 
 def _owner(p: Tensor):
@@ -22,7 +24,7 @@ def _owner(p: Tensor):
 
 def clip_grad_norm_(
     parameters: Union[Tensor, Iterable[Tensor]],
-    max_norm: float,
+    max_norm: Union[float, Tensor],
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: Optional[bool] = None,
@@ -45,7 +47,7 @@ def clip_grad_norm_(
         parameters = [parameters]
     params = list(parameters)
     norm_type = DistributedFusedAdam._check_norm_type(norm_type)
-    max_norm = _check_max_norm(max_norm)
+    max_norm = check_max_norm(max_norm)  # a CUDA tensor stays on the device: checked at the step
     owned: Dict[int, DistributedFusedAdam] = {}
     seen: Dict[int, set] = {}
     plain: List[Tensor] = []
@@ -66,7 +68,8 @@ def clip_grad_norm_(
                 f"of a DistributedFusedAdam ({missing} missing). Its global norm covers all of them: "
                 "pass them all (e.g. model.parameters()) or call opt.clip_grad_norm(max_norm)."
             )
-        norms.append(opt.grad_norm(norm_type))
+        with agreement.clip_request(opt, max_norm, norm_type):
+            norms.append(opt.grad_norm(norm_type))
     device = norms[0].device if norms else (plain[0].grad.device if plain else torch.device("cpu"))
     if plain:
         grads = [p.grad for p in plain]
@@ -102,9 +105,3 @@ def clip_grad_norm_(
     return total
 
 
-def _check_max_norm(max_norm: Any) -> float:
-    if isinstance(max_norm, Tensor):
-        max_norm = float(max_norm)
-    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm >= 0):
-        raise ValueError(f"max_norm={max_norm!r}: expected a float >= 0 (negative would ascend, NaN never clips)")
-    return float(max_norm)

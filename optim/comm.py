@@ -15,17 +15,22 @@ sharding over it), or a 1-D / 2-D ``DeviceMesh`` (``(replicate, shard)``, the or
 uses). A single process is :class:`Comm` itself, whose collectives do nothing: callers never
 branch on the world size to skip communication. A dim of size 1 does its part locally.
 
+On gloo the collectives of each kind travel over a process group of their own (the small
+all-reduces, the param all-gathers, the rest) and every wait on the CPU is bounded, so ranks whose
+collectives do not line up get one clear error instead of gloo's abort: ``collective_order.py``.
+
 Version-dependent and private torch names stay in ``_compat.py``; this module calls it.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat
+from . import _compat, collective_order
+from .collective_order import ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
 
 __all__ = ["Comm", "GroupComm", "make_comm", "all_reduce_max"]
 
@@ -71,9 +76,19 @@ class Comm:
     # ``gathers_params``: the shard dim splits buckets, so params are all-gathered after the step
     # (and a lower-precision param_sync_dtype needs a buffer of its own); False: the shard is the bucket.
     gathers_params = False
+    # where the optimizer is, for the error when collectives do not line up (set by the optimizer:
+    # ``{"steps": steps taken, "backwards": backward passes since the last step}``)
+    context: Optional[Callable[[], Dict[str, int]]] = None
 
     def describe(self) -> str:
         return f"{self.replicate_size}x{self.shard_size}" if self.replicate_size > 1 else str(self.shard_size)
+
+    def describe_span(self) -> str:
+        """The whole span's group name, the same on every member (keys of the mismatch report)."""
+        return _compat.group_name(self.group if self.group is not None else dist.group.WORLD)
+
+    def position(self) -> Dict[str, int]:
+        return dict(self.context()) if self.context is not None else {"steps": 0, "backwards": 0}
 
     # ------------------------------------------------------------ per step, the hot path
     def reduce_scatter(self, out: Tensor, full: Tensor) -> Any:
@@ -131,11 +146,13 @@ class Comm:
 
 class GroupComm(Comm):
     """Flat sharding over ``shard_group`` (``None`` = WORLD), optionally replicated over
-    ``replicate_group``; ``span_group`` covers both (``None`` = WORLD)."""
+    ``replicate_group``; ``span_group`` covers both (``None`` = WORLD). On gloo with CPU params
+    the small all-reduces go over ``control_group`` and the all-gathers over ``gather_group``
+    (collective_order.py: each kind pairs only with its own kind), and waits are bounded."""
 
     def __init__(self, shard_group: Optional[Any], replicate_group: Optional[Any] = None,
                  span_group: Optional[Any] = None, shard_size: Optional[int] = None,
-                 replicate_size: int = 1) -> None:
+                 replicate_size: int = 1, device: Optional[torch.device] = None) -> None:
         self.group = span_group
         self.shard_group = shard_group
         self.replicate_group = replicate_group
@@ -150,26 +167,38 @@ class GroupComm(Comm):
         if self.shard_size * self.replicate_size != self.world_size:
             raise ValueError(f"device_mesh: {self.replicate_size} x {self.shard_size} ranks do not make the "
                              f"{self.world_size} ranks of the mesh")
+        self.bounded = collective_order.uses_side_groups(span_group, device)
+        self.control_group = collective_order.side_group(span_group, "control") if self.bounded else span_group
+        self.gather_group = shard_group
+        if self.bounded and self.shard_size > 1:
+            self.gather_group = collective_order.side_group(shard_group, "gather")
+
+    def _handle(self, work: Any, what: str) -> Any:
+        return collective_order.BoundedWork(work, what, self) if self.bounded else work
 
     def reduce_scatter(self, out: Tensor, full: Tensor) -> Any:
         if self.shard_size == 1:
             return super().reduce_scatter(out, full)
-        return _compat.reduce_scatter(out, full, self.shard_group, async_op=True)
+        return self._handle(_compat.reduce_scatter(out, full, self.shard_group, async_op=True), REDUCE_SCATTER)
 
     def reduce_replicas(self, shard: Tensor) -> Optional[Any]:
         if self.replicate_size == 1:
             return None
-        return _compat.all_reduce_async(shard, dist.ReduceOp.SUM, self.replicate_group)
+        return self._handle(_compat.all_reduce_async(shard, dist.ReduceOp.SUM, self.replicate_group), REPLICAS)
 
     def all_gather(self, full: Tensor, shard: Tensor) -> Optional[Any]:
         if self.shard_size == 1:
             return None
-        return _compat.all_gather(full, shard, self.shard_group, async_op=True)
+        return self._handle(_compat.all_gather(full, shard, self.gather_group, async_op=True), ALL_GATHER)
 
     def all_reduce_stats(self, stats: Tensor, op: Any) -> None:
         if self.replicate_rank != 0 and op == dist.ReduceOp.SUM:
             stats[0].zero_()  # a MAX (inf norm) of equal partials needs no such care
-        _compat.all_reduce(stats, op, self.group)
+        if not self.bounded:
+            _compat.all_reduce(stats, op, self.group)
+            return
+        what = SECOND_NORM if stats.numel() <= 2 else STATS  # a second norm type's header only
+        collective_order.wait(_compat.all_reduce(stats, op, self.control_group, async_op=True), what, self)
 
     def broadcast(self, tensor: Tensor) -> None:
         _compat.broadcast_from_group_rank0(tensor, self.group)
@@ -181,7 +210,7 @@ class GroupComm(Comm):
         dist.all_gather_object(values, obj, group=self.group)
 
     def all_reduce_async(self, tensor: Tensor, op: Any) -> Any:
-        return _compat.all_reduce_async(tensor, op, self.group)
+        return _compat.all_reduce_async(tensor, op, self.control_group)
 
     def all_reduce_max(self, tensor: Tensor) -> None:
         _compat.all_reduce(tensor, dist.ReduceOp.MAX, self.group)
@@ -212,14 +241,14 @@ def make_comm(process_group: Optional[Any] = None, device_mesh: Optional[Any] = 
     if process_group is None:
         if not initialised:
             return Comm()
-        return GroupComm(None, span_group=None) if dist.get_world_size() > 1 else _one_rank(None)
+        return GroupComm(None, span_group=None, device=device) if dist.get_world_size() > 1 else _one_rank(None)
     if not initialised:
         raise ValueError("process_group was given but torch.distributed is not initialised")
     if dist.get_rank(process_group) < 0:
         raise ValueError("process_group: this rank is not a member of the given group")
     if dist.get_world_size(process_group) == 1:
         return _one_rank(process_group)
-    return GroupComm(process_group, span_group=process_group)
+    return GroupComm(process_group, span_group=process_group, device=device)
 
 
 def _one_rank(group: Optional[Any]) -> Comm:
@@ -248,7 +277,7 @@ def _mesh_comm(mesh: Any, device: Optional[torch.device], initialised: bool) -> 
     span = None if replicate * shard == dist.get_world_size() else _compat.flat_mesh_group(mesh)
     shard_group = mesh.get_group(mesh.ndim - 1) if shard > 1 else None
     replicate_group = mesh.get_group(0) if replicate > 1 else None
-    return GroupComm(shard_group, replicate_group, span, shard_size=shard, replicate_size=replicate)
+    return GroupComm(shard_group, replicate_group, span, shard_size=shard, replicate_size=replicate, device=device)
 
 
 def all_reduce_max(tensor: Tensor, group: Optional[Any]) -> None:

@@ -1,7 +1,8 @@
 """Host-side reads of per-step device flags without a host sync on the step path.
 
-After each step the optimizer records ``[found_inf, agreement flags...]`` here. On the CPU the
-values are read at once (reading is free). On CUDA they are copied, non-blocking, into pinned
+After each step the optimizer records ``[found_inf, invalid tensor max_norm, agreement flags...]``
+here. On the CPU the values are read at once (reading is free), and the agreement flags are
+already read right after the stats all-reduce (``check_now``), before anything trains. On CUDA they are copied, non-blocking, into pinned
 memory behind an event, and read at the start of the NEXT step's stats, when that copy finished
 long ago (``event.query()``; only a host that ran a whole step ahead of its GPU waits), and
 every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph
@@ -28,8 +29,8 @@ class DeferredChecks:
         self.pending: Optional[tuple] = None  # (host buffer, event or None, context)
 
     def push(self, flags: Tensor, context: dict) -> None:
-        """Record ``flags`` (float32 ``[found_inf, invalid, mismatch per category...]`` on the
-        device; only found_inf where nothing was checked)."""
+        """Record ``flags`` (float32 ``[found_inf, clip invalid, invalid, mismatch per category...]``
+        on the device; the last parts only where they were checked: ``context`` says)."""
         if self.device.type == "cuda":
             if torch.cuda.is_current_stream_capturing():
                 return
@@ -42,7 +43,7 @@ class DeferredChecks:
             self.pending = (flags.detach().clone(), None, context)
 
     def ready(self, force: bool) -> Optional[tuple]:
-        """The recorded ``(values, context)`` if they may be read now: always on the CPU; on
+        """The recorded ``(values: list of floats, context)`` if they may be read now: always on the CPU; on
         CUDA only when ``force`` (the next step), never during graph capture."""
         if self.pending is None:
             return None
@@ -54,16 +55,46 @@ class DeferredChecks:
                 event.synchronize()
         self.pending = None
         values: List[float] = host.tolist()
-        return {"found_inf": values[0], "flags": values[1:]}, context
+        return values, context
 
 
-def record_step(opt: Any, stats: Any) -> None:
-    """Queue this step's flags for the host (no sync on CUDA), and act on them where readable."""
-    found = stats.found_inf.reshape(1)
-    flags = found if stats.disagreement is None else torch.cat([found, stats.disagreement])
-    opt._deferred.push(flags, {"scaled": opt._inv_scale is not None, "names": opt._step_names,
-                               "problem": opt._step_problem})
+def record_step(opt: Any, stats: Any, bad_clip: Optional[Tensor] = None) -> None:
+    """Queue this step's flags for the host (no sync on CUDA), and act on them where readable.
+    ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid)."""
+    parts = [stats.found_inf.reshape(1)]
+    if bad_clip is not None:
+        parts.append(bad_clip.reshape(1))
+    if stats.disagreement is not None:
+        parts.append(stats.disagreement)
+    flags = parts[0] if len(parts) == 1 else torch.cat(parts)
+    opt._deferred.push(flags, _context(opt, clip_checked=bad_clip is not None))
     check_last_step(opt, force=False)
+
+
+def check_now(opt: Any, stats: Any) -> None:
+    """Where reading is free (CPU): act on the stats' agreement flags right after the
+    all-reduce, before anything trains or another collective runs (the same rules as a recorded
+    step's flags, read at once)."""
+    _raise_if_flagged([0.0] + stats.disagreement.tolist(), _context(opt, clip_checked=False))
+
+
+def _context(opt: Any, clip_checked: bool) -> dict:
+    return {"scaled": opt._inv_scale is not None, "names": opt._step_names, "problem": opt._step_problem,
+            "clip_checked": clip_checked}
+
+
+def _raise_if_flagged(values: List[float], context: dict) -> None:
+    """``values``: ``[found_inf, clip invalid (if checked), invalid, mismatch per category...]``."""
+    rest = values[1:]
+    if context["clip_checked"]:
+        if rest[0] > 0:
+            raise ValueError(
+                "clip_grad_norm: max_norm is a tensor holding NaN or a negative value (checked on the device); "
+                "the step was skipped. Pass a max_norm >= 0 (negative would ascend, NaN never clips)."
+            )
+        rest = rest[1:]
+    if rest:
+        agreement.raise_if_disagree(rest[0], rest[1:], context["names"], context["problem"])
 
 
 def check_last_step(opt: Any, force: bool) -> None:
@@ -74,9 +105,8 @@ def check_last_step(opt: Any, force: bool) -> None:
     if got is None:
         return
     values, context = got
-    if values["flags"]:
-        agreement.raise_if_disagree(values["flags"][0], values["flags"][1:], context["names"], context["problem"])
-    if values["found_inf"] > 0 and not context["scaled"]:
+    _raise_if_flagged(values, context)
+    if values[0] > 0 and not context["scaled"]:
         opt._consecutive_skips += 1
     else:
         opt._consecutive_skips = 0

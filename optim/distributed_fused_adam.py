@@ -29,8 +29,8 @@ from .shard_view import ShardView
 from .step_round import StepRound
 from .grad_sync import GradSync
 from .deferred_checks import DeferredChecks
-from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, check_norm_type, check_options,
-                      tensor_lrs, validate_groups)
+from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, check_max_norm, check_norm_type,
+                      check_options, clip_invalid, tensor_lrs, validate_groups)
 from .layout import Bucket, build_layout, forward_order
 from .param_sync import ParamSync
 from .stale_read_guard import StaleReadGuard
@@ -194,6 +194,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         )
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
+        agreement.track_position(self)  # named in the error when the ranks' collectives do not line up
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
@@ -252,7 +253,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         """This step's inverse scale, if the scale is known yet (deferred_checks reads it)."""
         return self._current_round().inv_scale
 
-    def _add_clip(self, max_norm: float, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
+    def _add_clip(self, max_norm: float | Tensor, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
         """Clip this step to ``max_norm`` given ``norm`` (clip.py: a norm over several
         optimizers, ``recompute`` refreshing it in place when this one unscales)."""
         self._current_round().add_clip(max_norm, norm, recompute)
@@ -288,6 +289,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
         updates (weight decay, momentum) every param that had a grad, as torch does."""
+        agreement.dropping(self)
         self._grad_sync.zero(set_to_none)
         self._round = None  # the last step's norms stay readable (grad_norm) until the next backward
         agreement.settle(self)
@@ -324,7 +326,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             fingerprint = self._fingerprint if checked else None
             r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
-                agreement.raise_now(self, r.stats)
+                deferred_checks.check_now(self, r.stats)
         elif norm_type not in r.raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce, as extensible as the first
             buf = norms.partial([b.grad_shard for b in self._buffers], norm_type, device=self._device)
@@ -352,7 +354,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     _check_norm_type = staticmethod(check_norm_type)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm(self, max_norm: float | Tensor, norm_type: float = 2.0) -> Tensor:
         """Clip all grads to a global norm of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.
 
         Returns the norm before clipping (see :meth:`grad_norm` for its scale). No pass over
@@ -360,12 +362,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         on the device at ``step``, with the true scale, and applied inside the step kernel. A
         non-finite norm skips the step instead of producing NaN params.
         """
-        if isinstance(max_norm, Tensor):
-            max_norm = float(max_norm)
-        if not (isinstance(max_norm, (int, float)) and max_norm >= 0 and not math.isnan(max_norm)):
-            raise ValueError(f"max_norm={max_norm!r}: expected a float >= 0")
-        norm = self.grad_norm(norm_type)
-        self._add_clip(float(max_norm), norm)
+        max_norm = check_max_norm(max_norm)  # a CUDA tensor stays on the device: checked at step
+        with agreement.clip_request(self, max_norm, norm_type):
+            norm = self.grad_norm(norm_type)
+        self._add_clip(max_norm, norm)
         return norm
 
     def unscale_grads(self, inv_scale: Tensor, grad_scaler: Optional[Any] = None) -> Tensor:
@@ -432,6 +432,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         found_inf, coef = stats.found_inf, self._coef
+        bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
+        if bad_clip is not None:
+            found_inf = torch.maximum(found_inf, bad_clip)
         # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
@@ -443,8 +446,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             )
             self._param_sync.launch(i)
         self._param_sync.launched_all()
-        deferred_checks.record_step(self, stats)
+        deferred_checks.record_step(self, stats, bad_clip)
         r.cache_after_step = not self.capturable  # graph replays rewrite its raw norms
+        agreement.stepped(self, [c for c, _ in r.clips], r.raw_norms)
         r.done()
         self._last, self._round = r, None  # its norms are unscaled lazily: no work here
         agreement.settle(self)

@@ -45,6 +45,32 @@ def check_norm_type(norm_type: Any) -> float:
     return p
 
 
+def check_max_norm(max_norm: Any) -> "float | Tensor":
+    """``max_norm`` of a clip, as torch's ``clip_grad_norm_`` takes it (a number or a one-element
+    tensor), >= 0 (negative would ascend) and not NaN (would never clip); inf never clips. A
+    tensor off CUDA is read (free); a CUDA tensor is returned as a 0-d float32 view on its device
+    and its value checked on the device at step (``clip_invalid``): no host sync."""
+    if isinstance(max_norm, Tensor):
+        if max_norm.numel() != 1 or max_norm.is_complex() or max_norm.dtype == torch.bool:
+            raise ValueError(f"max_norm: a tensor max_norm must hold one real number, got shape "
+                             f"{tuple(max_norm.shape)} {max_norm.dtype}")
+        if max_norm.device.type == "cuda":
+            return max_norm.detach().reshape(()).float()
+        max_norm = float(max_norm.detach().reshape(()))
+    if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm >= 0):
+        raise ValueError(f"max_norm={max_norm!r}: expected a float >= 0 (negative would ascend, NaN never clips)")
+    return float(max_norm)
+
+
+def clip_invalid(max_norms: Sequence[Any]) -> Optional[Tensor]:
+    """A 0-d float32 device flag, 1.0 if a tensor ``max_norm`` (see ``check_max_norm``) is NaN or
+    negative; None when every max_norm is a number (checked on the host already)."""
+    flags = [~(m >= 0) for m in max_norms if isinstance(m, Tensor)]  # NaN compares False
+    if not flags:
+        return None
+    return torch.stack(flags).any().float() if len(flags) > 1 else flags[0].float()
+
+
 def check_lr_tensor(lr: Tensor, where: str, read_value: bool) -> None:
     """A tensor lr: one floating-point element (torch.optim's rule) and, when ``read_value``
     (construction, load_state_dict: never the step path on CUDA), finite and >= 0. At step the

@@ -28,7 +28,7 @@ class StepRound:
         self.raw_norms: Dict[float, Tensor] = {}  # before averaging and unscaling
         self.norms: Dict[float, Tensor] = {}  # handed out; unscaled in place when the scale is known
         self.inv_scale: Optional[Tensor] = None
-        self.clips: List[Tuple[float, Tensor]] = []
+        self.clips: List[Tuple[Any, Tensor]] = []
         self.dependents: List[Callable[[], Any]] = []  # recomputed when the norms are unscaled
         self.cache_after_step = True  # False (capturable): graph replays rewrite the raw norms
         self.lrs: Optional[Any] = None  # hparams.TensorLrs: this step's tensor lrs, read once with the stats
@@ -79,10 +79,11 @@ class StepRound:
             return raw * self.avg_factor
         return raw * self.inv_scale if self.avg_factor == 1.0 else raw * self.avg_factor * self.inv_scale
 
-    def add_clip(self, max_norm: float, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
-        """Clip to ``max_norm`` given ``norm`` (resolved at the step). ``recompute``: refreshes
-        ``norm`` in place when this round's norms are unscaled (a norm derived from them)."""
-        self.clips.append((float(max_norm), norm))
+    def add_clip(self, max_norm: "float | Tensor", norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
+        """Clip to ``max_norm`` (a number, or a 0-d device tensor: never read here) given ``norm``
+        (resolved at the step). ``recompute``: refreshes ``norm`` in place when this round's norms
+        are unscaled (a norm derived from them)."""
+        self.clips.append((max_norm if isinstance(max_norm, Tensor) else float(max_norm), norm))
         if recompute is not None:
             self.dependents.append(recompute)
 
@@ -99,8 +100,8 @@ class StepRound:
         clip_coef(max_norm, norm)`` (no clip when ``norm`` is None), formed on the device in
         one launch with the step counts (``kernels.step_scalars``). Several clips are folded
         into ``base`` here (``coef``)."""
-        if len(self.clips) > 1:
-            return self.coef(), 1.0, None, 0.0
+        if len(self.clips) > 1 or (self.clips and isinstance(self.clips[0][0], Tensor)):
+            return self.coef(), 1.0, None, 0.0  # several clips, or a device max_norm: folded here
         if self.inv_scale is not None:
             base, scale = self.inv_scale, self.avg_factor
         else:

@@ -196,9 +196,10 @@ def _moments(opt):
     return [b.exp_avg.clone() for b in opt._buffers]
 
 
-def _only_rank0(rank, world, call, seconds=4.0):
+def _only_rank0(rank, world, opt, call, seconds=4.0):
     """Rank 0 calls ``call`` alone (SHARDAMP_COLLECTIVE_TIMEOUT=``seconds``); the others join the
-    orphaned agreement all-reduce only after rank 0 gave up, so the group stays usable."""
+    orphaned agreement all-reduce (over the optimizer's group for small all-reduces) only after
+    rank 0 gave up, so the group stays usable."""
     os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(seconds)
     try:
         if rank == 0:
@@ -206,7 +207,8 @@ def _only_rank0(rank, world, call, seconds=4.0):
             error = _raised(call)
             return {"error": error, "seconds": time.monotonic() - t0}
         time.sleep(seconds + 4.0)
-        dist.all_reduce(torch.zeros(5), op=dist.ReduceOp.MAX)  # complete rank 0's abandoned call
+        # complete rank 0's abandoned call
+        dist.all_reduce(torch.zeros(5), op=dist.ReduceOp.MAX, group=opt._comm.control_group)
         return {"error": None, "seconds": 0.0}
     finally:
         del os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"]
@@ -219,20 +221,20 @@ def case_load_state_dict_on_one_rank(rank, world, **kw):
     for entry in sd["state"].values():
         entry["exp_avg"].add_(1.0)
     before = _moments(opt)
-    out = _only_rank0(rank, world, lambda: opt.load_state_dict(sd))
+    out = _only_rank0(rank, world, opt, lambda: opt.load_state_dict(sd))
     out["untouched"] = all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))
     return out
 
 
 def case_state_dict_on_one_rank(rank, world, **kw):
     model, opt = _trained(rank, world)
-    return _only_rank0(rank, world, lambda: opt.state_dict())
+    return _only_rank0(rank, world, opt, lambda: opt.state_dict())
 
 
 def case_save_sharded_on_one_rank(rank, world, tmp=None, **kw):
     model, opt = _trained(rank, world)
     path = os.path.join(tmp, "alone")
-    out = _only_rank0(rank, world, lambda: save_sharded(opt, path))
+    out = _only_rank0(rank, world, opt, lambda: save_sharded(opt, path))
     out["written"] = os.path.exists(path)
     return out
 
@@ -244,7 +246,7 @@ def case_load_sharded_on_one_rank(rank, world, tmp=None, **kw):
     for b in opt._buffers:
         b.exp_avg.add_(1.0)  # differs from the checkpoint: a load would show
     before = _moments(opt)
-    out = _only_rank0(rank, world, lambda: load_sharded(opt, path))
+    out = _only_rank0(rank, world, opt, lambda: load_sharded(opt, path))
     out["untouched"] = all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))
     return out
 
@@ -265,6 +267,138 @@ def case_different_state_dicts(rank, world, **kw):
     before = _moments(opt)
     error = _raised(lambda: opt.load_state_dict(sd))
     return {"error": error, "untouched": all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))}
+
+
+# ---------------------------------------------------------------- collectives that do not line up
+ORDER_BOUND = 3.0  # SHARDAMP_COLLECTIVE_TIMEOUT of these cases (seconds)
+
+
+def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=60.0):
+    """Train on a fresh group (a case that desynchronises it leaves it unusable; its timeout
+    ``group_timeout`` s) with SHARDAMP_COLLECTIVE_TIMEOUT=``bound`` (None: unset); at step
+    index 2 ``misstep(opt, model, rank, world)`` may replace rank 1's iteration (returns True if
+    it did). Returns what each rank raised, at which iteration, and how long after that
+    iteration began."""
+    import datetime
+
+    group = dist.new_group(list(range(world)), use_local_synchronization=True,
+                           timeout=datetime.timedelta(seconds=group_timeout))
+    if bound is not None:
+        os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(bound)
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, process_group=group)
+        t0 = time.monotonic()
+        for step in range(steps):
+            if step == 2:
+                t0 = time.monotonic()
+            try:
+                if not (step == 2 and misstep(opt, model, rank, world)):
+                    _backward(model, rank, world, step=step)
+                    opt.step()
+                    opt.zero_grad()
+            except (RuntimeError, ValueError) as exc:
+                return {"error": f"{type(exc).__name__}: {exc}", "at": step, "seconds": time.monotonic() - t0}
+        return {"error": "NO ERROR", "at": None, "seconds": time.monotonic() - t0}
+    finally:
+        os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
+
+
+def case_order_skipped_step(rank, world, **kw):
+    def misstep(opt, model, r, w):  # the usual way to skip: drop the grads instead of stepping
+        if r != 1:
+            return False
+        _backward(model, r, w, step=2)
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep)
+
+
+def case_order_skipped_step_group_timeout(rank, world, **kw):
+    """Without SHARDAMP_COLLECTIVE_TIMEOUT the process group's own timeout bounds the waits, with
+    the same error."""
+    def misstep(opt, model, r, w):
+        if r != 1:
+            return False
+        _backward(model, r, w, step=2)
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep, bound=None, group_timeout=ORDER_BOUND)
+
+
+def case_order_skipped_step_kept_grads(rank, world, **kw):
+    def misstep(opt, model, r, w):
+        if r != 1:
+            return False
+        _backward(model, r, w, step=2)
+        return True
+    return _order_case(rank, world, misstep)
+
+
+def case_order_extra_backward(rank, world, **kw):
+    def misstep(opt, model, r, w):
+        if r != 1:
+            return False
+        _backward(model, r, w, step=2)
+        _backward(model, r, w, step=2)
+        opt.step()
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep)
+
+
+def case_order_second_norm_type_on_one_rank(rank, world, **kw):
+    def misstep(opt, model, r, w):
+        _backward(model, r, w, step=2)
+        opt.grad_norm()
+        if r == 1:
+            opt.grad_norm(1.0)  # one more (tiny) all-reduce on this rank only
+        opt.step()
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep)
+
+
+def case_order_clip_on_one_rank(rank, world, **kw):
+    """Clipping on some ranks only would update their shards clipped and the others' not."""
+    def misstep(opt, model, r, w):
+        _backward(model, r, w, step=2)
+        seen["model"], seen["before"] = model, _params(model)
+        if r == 1:
+            opt.clip_grad_norm(1e-3)
+        opt.step()
+        return True
+    seen = {}
+    out = _order_case(rank, world, misstep)
+    out["untouched"] = _unchanged(seen["model"], seen["before"])
+    return out
+
+
+def case_order_clip_after_stats_on_one_rank(rank, world, **kw):
+    """A clip after the stats (after grad_norm or unscale_) cannot be agreed on before its step:
+    it is caught at the next step, on every rank."""
+    def misstep(opt, model, r, w):
+        _backward(model, r, w, step=2)
+        opt.grad_norm()
+        if r == 1:
+            opt.clip_grad_norm(1e-3)
+        opt.step()
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep)
+
+
+def case_order_grad_norm_logged_on_one_rank(rank, world, **kw):
+    """Control: reading grad_norm() on one rank only (logging) before step is fine."""
+    def misstep(opt, model, r, w):
+        _backward(model, r, w, step=2)
+        if r == 0:
+            opt.grad_norm()
+        opt.step()
+        opt.zero_grad()
+        return True
+    return _order_case(rank, world, misstep)
 
 
 CASES = [n for n in dir() if n.startswith("case_")]

@@ -102,9 +102,9 @@ def case_collectives(rank: int, world: int, mesh) -> Dict[str, Any]:
     stats, replicas = [], []
     original_sync, original_async = _compat.all_reduce, _compat.all_reduce_async
 
-    def counting_sync(tensor, op, group):
+    def counting_sync(tensor, op, group, **kwargs):
         stats.append(tensor.numel())
-        return original_sync(tensor, op, group)
+        return original_sync(tensor, op, group, **kwargs)
 
     def counting_async(tensor, op, group):
         replicas.append(group)

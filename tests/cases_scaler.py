@@ -54,9 +54,9 @@ def case_one_all_reduce(rank, world, **kw):
     calls = []
     original = _compat.all_reduce
 
-    def counting(tensor, op, group):
+    def counting(tensor, op, group, **kwargs):
         calls.append(tensor.numel())
-        return original(tensor, op, group)
+        return original(tensor, op, group, **kwargs)
 
     counts = []
     _compat.all_reduce = counting

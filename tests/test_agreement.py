@@ -107,3 +107,52 @@ def test_different_collectives_and_inputs_raise_on_every_rank(world):
         assert "called different collectives" in value["error"]
     for value in case_values(_results(world), "case_different_state_dicts"):
         assert "given different arguments" in value["error"] and value["untouched"]
+
+
+# Collectives that do not line up (rank 1 misbehaves at iteration 2 = step 3): the error on EVERY rank
+# names the sequence of shardamp collectives, the step, every rank's position and the likely
+# cause, within the bound (SHARDAMP_COLLECTIVE_TIMEOUT = cases_agreement.ORDER_BOUND s, waited
+# once, plus at most as long for the other ranks' reports) and well before the group's 60 s.
+ORDER = {
+    "case_order_skipped_step": "rank 1 skipped a step the others took",
+    "case_order_skipped_step_group_timeout": "rank 1 skipped a step the others took",
+    "case_order_skipped_step_kept_grads": "rank 1 ran 2 backward passes",
+    "case_order_extra_backward": "rank 1 ran 2 backward passes",
+    "case_order_second_norm_type_on_one_rank": "a collective was called on some ranks only",
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(ORDER))
+def test_collectives_out_of_order_raise_on_every_rank_in_bounded_time(world, case):
+    bound = cases_agreement.ORDER_BOUND
+    values = case_values(_results(world), case)
+    for rank, value in enumerate(values):
+        error = value["error"]
+        assert error.startswith("RuntimeError: DistributedFusedAdam: the ranks disagree on the sequence of "
+                                "shardamp collectives"), (rank, error)
+        waited = "the process group's timeout" if case.endswith("group_timeout") else f"{bound:g} s"
+        assert f"This rank (rank {rank}) waited {waited}" in error and "at step 3" in error, (rank, error)
+        assert ORDER[case] in error, (rank, error)
+        for other in range(world):  # every rank's position, from the store
+            assert f"rank {other}: in " in error, (rank, other, error)
+        # the rank that skipped step() waits first in the next iteration's backward
+        assert value["at"] in (2, 3) and value["seconds"] < 2 * bound + 15, (rank, value)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_clip_on_some_ranks_only_raises_on_every_rank(world):
+    # before the stats: caught by this step's all-reduce, nothing trains
+    for rank, value in enumerate(case_values(_results(world), "case_order_clip_on_one_rank")):
+        assert value["error"].startswith("RuntimeError") and "clip_grad_norm before this step's stats" in value["error"]
+        assert value["at"] == 2 and value["untouched"], (rank, value)
+    # after the stats (grad_norm first): caught at the next step's all-reduce
+    for rank, value in enumerate(case_values(_results(world), "case_order_clip_after_stats_on_one_rank")):
+        assert value["error"].startswith("RuntimeError") and "clip_grad_norm calls of the previous step" in value["error"]
+        assert value["at"] == 3, (rank, value)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grad_norm_read_on_one_rank_is_fine(world):
+    for value in case_values(_results(world), "case_order_grad_norm_logged_on_one_rank"):
+        assert value["error"] == "NO ERROR", value

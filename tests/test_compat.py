@@ -28,15 +28,32 @@ def _collectives(rank: int, world: int):
     flat = _compat.flat_mesh_group(mesh)
     mesh_checks = (_compat.is_device_mesh(mesh), not _compat.is_device_mesh(object()),
                    dist.get_world_size(flat), dist.get_rank(flat))
-    return out, full, t, b, s, pieces, mesh_checks
+    # what collective_order.py reads: a group's name (the same on every rank), whether it is
+    # alive, its timeout, the default store (each rank sees the others' keys)
+    import datetime
+
+    world_pg = dist.group.WORLD
+    side = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=7), use_local_synchronization=True)
+    store = _compat.default_store()
+    store.set(f"compat-{rank}", str(rank))
+    store.wait([f"compat-{r}" for r in range(world)])
+    group_checks = (_compat.group_name(world_pg), _compat.group_alive(side), _compat.group_timeout(side),
+                    [store.get(f"compat-{r}").decode() for r in range(world)])
+    _compat.all_reduce(t, dist.ReduceOp.MAX, side, async_op=True).wait()
+    return out, full, t, b, s, pieces, mesh_checks + (group_checks,)
 
 
 def test_collectives_through_compat() -> None:
     world = 2
-    for rank, (out, full, t, b, s, pieces, mesh_checks) in enumerate(run_distributed(_collectives, world)):
+    results = run_distributed(_collectives, world)
+    assert len({r[6][4][0] for r in results}) == 1  # the group's name is the same on every rank
+    for rank, (out, full, t, b, s, pieces, mesh_checks) in enumerate(results):
         assert s.item() == world * (world + 1) / 2
         assert pieces == ([torch.tensor([10.0 + r]) for r in range(world)] if rank == 0 else None)
-        assert mesh_checks == (True, True, world, rank)
+        assert mesh_checks[:4] == (True, True, world, rank)
+        name, alive, timeout, seen = mesh_checks[4]
+        assert isinstance(name, str) and alive and seen == [str(r) for r in range(world)]
+        assert timeout is not None and timeout.total_seconds() == 7
         expected = world * (torch.arange(2.0 * world) + (world - 1) / 2)
         torch.testing.assert_close(out, expected[2 * rank: 2 * rank + 2])
         assert full.tolist() == [1.0, 1.0, 2.0, 2.0]

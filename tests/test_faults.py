@@ -224,6 +224,44 @@ def test_clip_grad_norm_rejects_negative_and_nan_max_norm(bad):
         clip_grad_norm_(model.parameters(), bad)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), torch.tensor(-1.0), torch.tensor(float("nan")),
+                                 torch.tensor([1.0, 2.0]), True])
+@pytest.mark.parametrize("entry", ["method", "function"])
+def test_one_max_norm_check_for_both_clips(bad, entry):
+    """opt.clip_grad_norm and clip_grad_norm_ share one check (hparams.check_max_norm)."""
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters())
+    _backward(model)
+    with pytest.raises(ValueError, match="max_norm"):
+        opt.clip_grad_norm(bad) if entry == "method" else clip_grad_norm_(model.parameters(), bad)
+
+
+def test_tensor_max_norm_clips_as_the_float():
+    results = []
+    for max_norm in (0.05, torch.tensor(0.05)):
+        model = _model()
+        opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+        _backward(model)
+        opt.clip_grad_norm(max_norm)
+        opt.step()
+        results.append(_snapshot(model))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_invalid_tensor_max_norm_left_to_the_device_skips_the_step_and_raises():
+    """On CUDA a tensor max_norm is never read on the host: its check runs on the device at the
+    step (hparams.clip_invalid), skips the step and raises through the deferred flags. The same
+    path, fed directly on the CPU (where check_max_norm would have read it):"""
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    _backward(model)
+    before = _snapshot(model)
+    opt._add_clip(torch.tensor(-1.0), opt.grad_norm())
+    with pytest.raises(ValueError, match="max_norm is a tensor holding NaN or a negative value"):
+        opt.step()
+    assert _same(model, before)
+
+
 @pytest.mark.parametrize("sharded", [True, False])
 def test_clip_grad_norm_error_if_nonfinite_as_torch(sharded):
     model = _model()
@@ -432,4 +470,31 @@ def test_cuda_tensor_lr_nan_skips_on_the_device_and_raises_at_the_next_step():
     opt.zero_grad()
     model(torch.randn(2, 4, device="cuda")).sum().backward()
     with pytest.raises(ValueError, match="invalid|lr"):
+        opt.step()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_tensor_max_norm_is_never_read_on_the_host():
+    """A CUDA tensor max_norm: clip and step run under sync debug "error" (no host read); a NaN
+    one skips the step on the device and raises at the next step."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3).cuda()
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    max_norm = torch.tensor(0.05, device="cuda")
+    for bad in (False, True):
+        model(torch.randn(2, 4, device="cuda")).sum().backward()
+        if bad:
+            max_norm.fill_(float("nan"))
+        before = _snapshot(model)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.clip_grad_norm(max_norm)
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert _same(model, before) == bad
+        opt.zero_grad()
+    model(torch.randn(2, 4, device="cuda")).sum().backward()
+    with pytest.raises(ValueError, match="max_norm is a tensor holding NaN"):
         opt.step()

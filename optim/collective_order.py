@@ -1,0 +1,259 @@
+"""Ranks whose collectives do not line up: an error on every rank, in bounded time, never gloo's abort.
+
+gloo pairs the k-th collective of a process group on each rank with the k-th on every other,
+whatever each one is. When one rank skips ``step()``, runs an extra backward or calls a
+collective the others do not, the step's small all-reduce meets a reduce-scatter and gloo aborts
+the process on the size mismatch (SIGABRT, "Received data size doesn't match expected size"), or,
+where the sizes happen to match, mixes unrelated data. Three rules turn every such mismatch into
+one ``RuntimeError`` on every rank that waits:
+
+* Tag spaces (gloo only). The optimizer's collectives go over three process groups spanning the
+  same ranks, created once per group and reused by every optimizer over it: the reduce-scatters
+  (and the construction and state-dict collectives) over the optimizer's own group, the param
+  all-gathers over a second, the small all-reduces (the step's stats, a second norm type, the
+  agreement at each collective entry point) over a third. A kind only ever pairs with its own
+  kind. A rank that issued a different sequence waits in one space for a collective that the
+  others issue only after their own wait in another space has finished: a deadlock, which the
+  bounded wait ends, instead of a mispairing.
+* Bounded waits. On the CPU every wait of ours is bounded by ``SHARDAMP_COLLECTIVE_TIMEOUT``
+  seconds (read at each wait; unset: the process group's timeout), and whatever gloo raises is
+  replaced by the error below.
+* One report. A rank whose wait failed posts where it is (the collective, the steps it took, its
+  backward passes since its last step) to the process group's store and reads the others' posts
+  for as long as it waited itself (at most 30 s), so the error names every rank's position and the likely cause ("rank 1 took
+  2 steps, ranks 0, 2 took 3: a rank skipped step()").
+
+On CUDA (NCCL) waits are ordered on streams: bounding them on the host would need a sync, so one
+group carries everything and the process group's timeout (NCCL's watchdog) applies; run with
+``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to have torch compare every collective's kind and shapes
+first (one extra gloo all-gather and barrier per collective: "Detected mismatch between
+collectives on ranks", on every rank, naming each one's collective). With it set, gloo groups
+too carry everything in one group, so that torch's check sees the mismatch.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import os
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _compat
+
+TIMEOUT_ENV = "SHARDAMP_COLLECTIVE_TIMEOUT"
+# How long a rank reads the others' posts: as long as it waited itself (a rank that began waiting
+# later times out later), at most this.
+REPORT_WAIT_S = 30.0
+
+STATS = "the step's stats all-reduce"
+SECOND_NORM = "the all-reduce of a second norm type"
+REDUCE_SCATTER = "a gradient reduce-scatter (backward)"
+REPLICAS = "the all-reduce of a grad shard over the replicas"
+ALL_GATHER = "a param all-gather (end of step)"
+
+
+def collective_timeout() -> Optional[float]:
+    """``SHARDAMP_COLLECTIVE_TIMEOUT`` in seconds, None when unset (the group's timeout applies)."""
+    value = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
+    return seconds
+
+
+# ---------------------------------------------------------------- tag spaces
+_side_groups: Dict[tuple, Any] = {}
+
+
+def side_group(parent: Any, kind: str) -> Any:
+    """A gloo group over ``parent``'s ranks (None = WORLD) for one kind of collective, created
+    by every member at the same point (optimizer construction) and cached for later ones."""
+    parent_pg = parent if parent is not None else dist.group.WORLD
+    key = (kind, _compat.group_name(parent_pg))
+    group = _side_groups.get(key)
+    if group is not None and _compat.group_alive(group):
+        return group
+    group = dist.new_group(
+        dist.get_process_group_ranks(parent_pg), timeout=_compat.group_timeout(parent_pg), backend="gloo",
+        use_local_synchronization=True,  # only the members build it, as only they build the optimizer
+    )
+    _side_groups[key] = group
+    return group
+
+
+def uses_side_groups(group: Any, device: Optional[torch.device]) -> bool:
+    """Tag spaces apply to gloo groups carrying CPU tensors, unless torch checks every collective
+    itself (``TORCH_DISTRIBUTED_DEBUG=DETAIL``: its fingerprint check needs them in one group)."""
+    if device is not None and device.type != "cpu":
+        return False
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        return False
+    backend = str(dist.get_backend(group))
+    return backend == "gloo" or "cpu:gloo" in backend
+
+
+# ---------------------------------------------------------------- bounded waits
+class BoundedWork:
+    """A collective's handle whose ``wait()`` is bounded and raises :func:`mismatch` on failure."""
+
+    def __init__(self, work: Any, what: str, comm: Any) -> None:
+        self.work, self.what, self.comm = work, what, comm
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        wait(self.work, self.what, self.comm)
+        return True
+
+
+def wait(work: Any, what: str, comm: Any) -> None:
+    timeout = collective_timeout()
+    try:
+        if timeout is None:
+            work.wait()
+        elif not _wait_within(work, timeout):
+            raise RuntimeError(f"not completed within {timeout:g} s")
+    except RuntimeError as exc:
+        raise mismatch(comm, what, exc, timeout) from exc
+
+
+_waiters: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+
+def _wait_within(work: Any, timeout: float) -> bool:
+    """Wait for ``work`` at most ``timeout`` seconds; False if it did not complete."""
+    # gloo's wait(timeout) is not honoured by every collective (a reduce-scatter waits for the
+    # group's timeout whatever it is given, and reports no completion before its wait)
+    if work.is_completed():
+        work.wait()
+        return True
+    try:
+        future = work.get_future()
+    except RuntimeError:  # a reduce-scatter on gloo has none: wait on a helper thread
+        future = None
+    if future is not None:
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout):
+            return False
+        work.wait()
+        return True
+    global _waiters
+    if _waiters is None:
+        # a wait that timed out keeps its thread until the group's timeout: room for several
+        _waiters = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="shardamp-wait")
+    try:
+        _waiters.submit(work.wait).result(timeout)
+    except concurrent.futures.TimeoutError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- the report
+_incidents: Dict[str, int] = {}
+
+
+def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float]) -> RuntimeError:
+    """The error for a wait that failed: this rank's position, the others' (from the store),
+    the likely cause and the fix."""
+    mine = dict(comm.position(), waiting=what)
+    reports = _exchange(comm, mine, timeout)
+    waited = f"{timeout:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if timeout is not None else "the process group's timeout"
+    lines = "; ".join(
+        f"rank {r}: " + (_where(reports[r]) if r in reports else "no report (not waiting in one of this "
+                         "optimizer's collectives: it stopped calling the optimizer, is busy, or crashed)")
+        for r in range(comm.world_size)
+    )
+    return RuntimeError(
+        f"DistributedFusedAdam: the ranks disagree on the sequence of shardamp collectives. This rank "
+        f"(rank {comm.rank}) waited {waited} in {what} at step {mine['steps'] + 1} and it did not "
+        f"complete. {_cause(reports, comm.world_size)} Where each rank was: {lines}. Every rank must call "
+        "backward(), step(), zero_grad(), grad_norm()/clip_grad_norm() and state_dict()/save_sharded()/"
+        "load_state_dict()/load_sharded() in the same sequence (a different number of backward passes or "
+        "a skipped step() on one rank desynchronises them); set SHARDAMP_COLLECTIVE_TIMEOUT (seconds) to "
+        f"bound the wait. Nothing after this point is consistent across ranks: stop training. "
+        f"(gloo: {_short(str(exc))})"
+    )
+
+
+def _where(report: Dict[str, Any]) -> str:
+    return (f"in {report['waiting']} ({report['steps']} steps taken, {report['backwards']} backward pass(es) "
+            "since its last step)")
+
+
+def _ranks(ranks: List[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _split(reports: Dict[int, Dict[str, Any]], key: str) -> Optional[str]:
+    by: Dict[Any, List[int]] = {}
+    for r in sorted(reports):
+        by.setdefault(reports[r][key], []).append(r)
+    if len(by) < 2:
+        return None
+    return ", ".join(f"{_ranks(rs)} {'took' if key == 'steps' else 'ran'} {v}" for v, rs in sorted(by.items()))
+
+
+def _cause(reports: Dict[int, Dict[str, Any]], world_size: int) -> str:
+    steps = _split(reports, "steps")
+    if steps:
+        return f"Likely cause: a rank skipped step() or called it when the others did not ({steps} steps)."
+    dropped = [r for r in sorted(reports) if reports[r].get("dropped", 0)]
+    if dropped and len(dropped) < len(reports):
+        return (f"Likely cause: {_ranks(dropped)} skipped a step the others took (zero_grad() dropped "
+                "gradients without step() since the last step).")
+    backwards = _split(reports, "backwards")
+    if backwards:
+        return ("Likely cause: the ranks ran a different number of backward passes before step() (gradient "
+                f"accumulation, or a skipped step() whose grads were kept) ({backwards} backward passes since "
+                "their last step).")
+    if len({reports[r]["waiting"] for r in reports}) > 1:
+        return ("Likely cause: a collective was called on some ranks only (grad_norm()/clip_grad_norm() with "
+                "another norm type, state_dict(), load_state_dict(), save_sharded(), load_sharded()).")
+    if len(reports) < world_size:
+        missing = [r for r in range(world_size) if r not in reports]
+        return f"Likely cause: {_ranks(missing)} stopped issuing this optimizer's collectives."
+    return "Likely cause: a collective was called on some ranks only."
+
+
+def _exchange(comm: Any, mine: Dict[str, Any], timeout: Optional[float]) -> Dict[int, Dict[str, Any]]:
+    """Post ``mine`` and collect the other ranks' posts of the same incident (bounded)."""
+    reports = {comm.rank: mine}
+    store = _compat.default_store()
+    if store is None:
+        return reports
+    space = comm.describe_span()
+    incident = _incidents.get(space, 0)
+    _incidents[space] = incident + 1
+    prefix = f"shardamp-collective-order/{space}/{incident}/"
+    try:
+        store.set(prefix + str(comm.rank), json.dumps(mine))
+        if timeout is None:  # the group's timeout bounded the wait
+            group_timeout = _compat.group_timeout(comm.group if comm.group is not None else dist.group.WORLD)
+            timeout = group_timeout.total_seconds() if group_timeout is not None else REPORT_WAIT_S
+        deadline = time.monotonic() + min(REPORT_WAIT_S, timeout)
+        missing = [r for r in range(comm.world_size) if r != comm.rank]
+        while missing:
+            for r in list(missing):
+                if store.check([prefix + str(r)]):
+                    reports[r] = json.loads(store.get(prefix + str(r)).decode())
+                    missing.remove(r)
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    except (RuntimeError, ValueError):  # a store that failed too: report this rank alone
+        pass
+    return reports
+
+
+def _short(text: str, limit: int = 240) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
