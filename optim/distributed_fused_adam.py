@@ -7,7 +7,6 @@ the step's math: reference.py / csrc (through kernels.py).
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -16,13 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, agreement, torch_scaler, deferred_checks, grad_stats, kernels, norms
+from . import agreement, torch_scaler, deferred_checks, grad_stats, kernels, norms
 from . import state_dict as _state_dict
 from .comm import Comm, make_comm
-from .buffers import (
-    BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, init_master,
-    memory_stats, reattach_param,
-)
+from .buffers import (BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, init_master,
+                      memory_stats, reattach_param)
 from .misuse import check_launcher_env, ddp_error, find_ddp
 from .grad_stats import GradStats, TouchedPatterns
 from .shard_view import ShardView
@@ -433,8 +430,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         found_inf, coef = stats.found_inf, self._coef
         bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
-        if bad_clip is not None:
-            found_inf = torch.maximum(found_inf, bad_clip)
+        found_inf = found_inf if bad_clip is None else torch.maximum(found_inf, bad_clip)
         # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
@@ -492,12 +488,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         raise TypeError(NO_COPY)
 
     def __repr__(self) -> str:
-        lines = [f"{type(self).__name__} ("]
-        lines.append(
+        lines = [
+            f"{type(self).__name__} (",
             f"  world_size={self.world_size}, rank={self.rank}, buckets={len(self._buckets)}, "
             f"adam_w_mode={self.adam_w_mode}, max_grad_norm={self.max_grad_norm}, dtype={self.dtype}, "
-            f"capturable={self.capturable}, kernels={kernels.backend(self._device)}"
-        )
+            f"capturable={self.capturable}, kernels={kernels.backend(self._device)}",
+        ]
         for i, group in enumerate(self.param_groups):
             keys = ", ".join(f"{k}={group[k]}" for k in sorted(group) if k != "params")
             lines.append(f"  group {i}: {len(group['params'])} params, {keys}")
