@@ -9,6 +9,7 @@ ranks did; in fp32 that is the union's gradient up to summation order.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import pytest
@@ -124,6 +125,16 @@ def check_run(values, n_steps: int, norm_key: str, autocast_dtype=None, accumula
     for a, b in zip(values[0]["params"], values[1]["params"]):
         assert torch.equal(a, b)  # every rank holds the same model
     return values
+
+
+def fp16_overflow_reference(values, n_steps: int) -> Tuple[List[torch.Tensor], List[float], List[bool]]:
+    """torch's run for an fp16 case whose step 2 overflows on one rank only: ``(params, norms,
+    finite)``, having checked that torch skips step 2 too and clips every other step."""
+    params, norms = reference(union_steps([v["seen"] for v in values], 1), autocast_dtype=torch.float16)
+    finite = [math.isfinite(n) for n in norms]
+    assert finite == [True, False] + [True] * (n_steps - 2), norms  # torch skips step 2 too
+    assert all(n > MAX_NORM for n, f in zip(norms, finite) if f)  # clipping engaged
+    return params, norms, finite
 
 
 def count_reduce_scatters(run: Callable[[], Dict]) -> Dict:
