@@ -23,12 +23,11 @@
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import math
 import weakref
 import zlib
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -245,10 +244,9 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
         # the touched pattern) would be re-uploaded every step, also inside a CUDA-graph capture
         ("gradient reductions since the last step (a rank ran another number of backward passes or "
          "accumulated differently)", opt._grad_sync.rounds_since_step),
-        # a clip on some ranks only would update their shards clipped and the others' not: the one
-        # asked for before this step's stats is checked now, the ones after them at the next step
-        ("clip_grad_norm before this step's stats (max_norm, norm_type; called on some ranks only?)",
-         _number(getattr(opt, "_clip_request", None))),
+        # a clip on some ranks only updates their shards clipped and the others' not: compared at
+        # the next step, not in this one's stats, because which call starts the stats may differ
+        # legitimately (rank 0 logging grad_norm() before clipping, the others clipping at once)
         ("clip_grad_norm calls of the previous step (max_norms and norm types; called on some ranks only? "
          "that step updated some shards clipped, others not)", getattr(opt, "_last_clips", ())),
     ]
@@ -333,16 +331,6 @@ def track_position(opt: Any) -> None:
                 "dropped": o._dropped_rounds}
 
     opt._comm.context = position
-
-
-@contextlib.contextmanager
-def clip_request(opt: Any, max_norm: Any, norm_type: float) -> Iterator[None]:
-    """A clip is asking for the norm: if that starts this step's stats, the clip rides in them."""
-    opt._clip_request = (max_norm, norm_type)
-    try:
-        yield
-    finally:
-        opt._clip_request = None
 
 
 def stepped(opt: Any, clips: Sequence[Any], norm_types: Sequence[float]) -> None:

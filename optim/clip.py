@@ -8,7 +8,6 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 import torch
 from torch import Tensor
 
-from . import agreement
 from . import norms as norm_math
 from .distributed_fused_adam import DistributedFusedAdam
 from .hparams import check_max_norm
@@ -68,8 +67,8 @@ def clip_grad_norm_(
                 f"of a DistributedFusedAdam ({missing} missing). Its global norm covers all of them: "
                 "pass them all (e.g. model.parameters()) or call opt.clip_grad_norm(max_norm)."
             )
-        with agreement.clip_request(opt, max_norm, norm_type):
-            norms.append(opt.grad_norm(norm_type))
+        check_max_norm(max_norm, opt._comm.has_peers)
+        norms.append(opt.grad_norm(norm_type))
     device = norms[0].device if norms else (plain[0].grad.device if plain else torch.device("cpu"))
     if plain:
         grads = [p.grad for p in plain]

@@ -282,6 +282,8 @@ def _mesh_comm(mesh: Any, device: Optional[torch.device], initialised: bool) -> 
 
 def all_reduce_max(tensor: Tensor, group: Optional[Any]) -> None:
     """MAX all-reduce over ``group`` (the scaler's found-inf for optimizers other than
-    shardamp's), through the :class:`Comm` ``make_comm`` builds for it: nothing without
-    torch.distributed or on a group of one."""
-    make_comm(group).all_reduce_max(tensor)
+    shardamp's): nothing without torch.distributed or on a group of one. Called every scaler
+    step, so it builds no Comm (whose construction may create process groups)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return
+    _compat.all_reduce(tensor, dist.ReduceOp.MAX, group)

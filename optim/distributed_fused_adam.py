@@ -359,9 +359,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         on the device at ``step``, with the true scale, and applied inside the step kernel. A
         non-finite norm skips the step instead of producing NaN params.
         """
-        max_norm = check_max_norm(max_norm)  # a CUDA tensor stays on the device: checked at step
-        with agreement.clip_request(self, max_norm, norm_type):
-            norm = self.grad_norm(norm_type)
+        max_norm = check_max_norm(max_norm, self._comm.has_peers)  # a CUDA tensor: checked at step
+        norm = self.grad_norm(norm_type)
         self._add_clip(max_norm, norm)
         return norm
 

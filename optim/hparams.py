@@ -45,16 +45,21 @@ def check_norm_type(norm_type: Any) -> float:
     return p
 
 
-def check_max_norm(max_norm: Any) -> "float | Tensor":
+def check_max_norm(max_norm: Any, has_peers: bool = False) -> "float | Tensor":
     """``max_norm`` of a clip, as torch's ``clip_grad_norm_`` takes it (a number or a one-element
     tensor), >= 0 (negative would ascend) and not NaN (would never clip); inf never clips. A
     tensor off CUDA is read (free); a CUDA tensor is returned as a 0-d float32 view on its device
-    and its value checked on the device at step (``clip_invalid``): no host sync."""
+    and its value checked on the device at step (``clip_invalid``): no host sync. With peers
+    (``has_peers``) a CUDA tensor is refused: its value is known after the step's stats, so the
+    ranks could not agree on it (an invalid one would skip one rank's shards only)."""
     if isinstance(max_norm, Tensor):
         if max_norm.numel() != 1 or max_norm.is_complex() or max_norm.dtype == torch.bool:
             raise ValueError(f"max_norm: a tensor max_norm must hold one real number, got shape "
                              f"{tuple(max_norm.shape)} {max_norm.dtype}")
         if max_norm.device.type == "cuda":
+            if has_peers:
+                raise ValueError("max_norm: a CUDA tensor max_norm cannot be checked on every rank without a "
+                                 "host sync; with several ranks pass a float (e.g. float(max_norm) once)")
             return max_norm.detach().reshape(()).float()
         max_norm = float(max_norm.detach().reshape(()))
     if isinstance(max_norm, bool) or not (isinstance(max_norm, (int, float)) and max_norm >= 0):

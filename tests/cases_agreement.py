@@ -401,4 +401,23 @@ def case_order_grad_norm_logged_on_one_rank(rank, world, **kw):
     return _order_case(rank, world, misstep)
 
 
+
+def case_order_grad_norm_logged_then_clip_everywhere(rank, world, **kw):
+    """Control: rank 0 logs grad_norm() before clipping, the others clip at once. Their step's
+    stats start from different calls, which is fine: every rank clips alike."""
+    seen = {}
+
+    def misstep(opt, model, r, w):
+        seen["model"] = model
+        _backward(model, r, w, step=2)
+        if r == 0:
+            opt.grad_norm()
+        opt.clip_grad_norm(1e-3)
+        opt.step()
+        opt.zero_grad()
+        return True
+    out = _order_case(rank, world, misstep)
+    out["params"] = [p.detach().clone() for p in seen["model"].parameters()]
+    return out
+
 CASES = [n for n in dir() if n.startswith("case_")]
