@@ -46,7 +46,6 @@ def clip_grad_norm_(
         parameters = [parameters]
     params = list(parameters)
     norm_type = DistributedFusedAdam._check_norm_type(norm_type)
-    max_norm = check_max_norm(max_norm)  # a CUDA tensor stays on the device: checked at the step
     owned: Dict[int, DistributedFusedAdam] = {}
     seen: Dict[int, set] = {}
     plain: List[Tensor] = []
@@ -58,6 +57,8 @@ def clip_grad_norm_(
         else:
             owned[id(opt)] = opt
             seen.setdefault(id(opt), set()).add(id(p))
+    # a CUDA tensor stays on the device (checked at the step); refused when ranks would have to agree on it
+    max_norm = check_max_norm(max_norm, any(opt._comm.has_peers for opt in owned.values()))
     norms: List[Tensor] = []
     for key, opt in owned.items():
         missing = len(opt._params) - len(seen[key])
@@ -67,7 +68,6 @@ def clip_grad_norm_(
                 f"of a DistributedFusedAdam ({missing} missing). Its global norm covers all of them: "
                 "pass them all (e.g. model.parameters()) or call opt.clip_grad_norm(max_norm)."
             )
-        check_max_norm(max_norm, opt._comm.has_peers)
         norms.append(opt.grad_norm(norm_type))
     device = norms[0].device if norms else (plain[0].grad.device if plain else torch.device("cpu"))
     if plain:
