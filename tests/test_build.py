@@ -1,5 +1,6 @@
 """Builds that never hang or mix: sources hashed into the module name, stale torch locks
-recovered, a live build's lock reported, and chunk tables built on the host at construction."""
+recovered, a live build's lock reported, chunk tables built on the host at construction, and the
+CPU kernels built for the ISA torch runs at."""
 from __future__ import annotations
 
 import os
@@ -38,16 +39,25 @@ def test_stale_torch_lock_is_removed_with_a_warning(tmp_path):
             assert not os.path.exists(stale)
 
 
-def test_waiting_for_a_live_build_is_reported_with_the_lock_path(tmp_path, monkeypatch):
-    build_dir = str(tmp_path / "build")
+def _hold_build_lock(build_dir: str, seconds: float, torch_lock: bool = False) -> subprocess.Popen:
+    """Another process holding ``build_dir``'s build lock for ``seconds`` (and, with
+    ``torch_lock``, having left torch's own ``lock`` file as a build killed midway does)."""
     os.makedirs(build_dir)
+    leave = f"open({os.path.join(build_dir, 'lock')!r}, 'w').close()\n" if torch_lock else ""
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, sys, time\n"
+        "import fcntl, time\n"
         f"f = open({os.path.join(build_dir, 'shardamp-build.lock')!r}, 'a')\n"
         "fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
+        f"{leave}"
         "print('held', flush=True)\n"
-        "time.sleep(3)\n")], stdout=subprocess.PIPE, text=True)
+        f"time.sleep({seconds})\n")], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_waiting_for_a_live_build_is_reported_with_the_lock_path(tmp_path, monkeypatch):
+    build_dir = str(tmp_path / "build")
+    holder = _hold_build_lock(build_dir, seconds=3)
     monkeypatch.setattr(_build, "WAIT_REPORT_S", 0.5)
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match="shardamp-build.lock"):
@@ -59,15 +69,7 @@ def test_waiting_for_a_live_build_is_reported_with_the_lock_path(tmp_path, monke
 
 def test_killed_holder_releases_the_lock(tmp_path):
     build_dir = str(tmp_path / "build")
-    os.makedirs(build_dir)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, time\n"
-        f"f = open({os.path.join(build_dir, 'shardamp-build.lock')!r}, 'a')\n"
-        "fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
-        f"open({os.path.join(build_dir, 'lock')!r}, 'w').close()\n"  # as if killed inside torch's build
-        "print('held', flush=True)\n"
-        "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
+    holder = _hold_build_lock(build_dir, seconds=600, torch_lock=True)  # to be killed inside torch's build
     holder.kill()
     holder.wait(timeout=30)
     start = time.monotonic()
@@ -115,3 +117,20 @@ def test_chunk_tables_exist_after_construction_and_the_step_reads_no_device_tabl
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_cpu_build_follows_torch_and_env(monkeypatch):
+    """The CPU kernels are built for the ISA torch runs at; the env var can only lower it."""
+    monkeypatch.delenv("SHARDAMP_CPU_CAPABILITY", raising=False)
+    native = _build.cpu_capability()
+    assert native in ("generic", "avx2", "avx512")
+    torch_cap = torch.backends.cpu.get_cpu_capability()
+    if _build._x86_64():
+        assert native == {"AVX512": "avx512", "AVX2": "avx2"}.get(torch_cap, "generic")
+    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "generic")
+    assert _build.cpu_capability() == "generic"
+    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "avx512")
+    assert _build.cpu_capability() == native  # never above what torch reports
+    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "sse9")
+    with pytest.raises(ValueError, match="SHARDAMP_CPU_CAPABILITY"):
+        _build.cpu_capability()
