@@ -148,10 +148,7 @@ def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[T
     on_host = [v.device.type == "cpu" for v in values]
     if device.type == "cpu" or not any(on_host):
         out = torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
-    elif all(on_host):
-        host = torch.stack([v.to(torch.float64) for v in values]).pin_memory()
-        out = host.to(device, non_blocking=True)
-    else:
+    else:  # the host lrs in one pinned, non-blocking copy; lrs already on the device copied there
         host = torch.stack([v.to(torch.float64) if h else torch.zeros((), dtype=torch.float64)
                             for v, h in zip(values, on_host)]).pin_memory()
         out = host.to(device, non_blocking=True)
