@@ -199,7 +199,7 @@ def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> int:
 
 
 # The launch shapes SHARDAMP_CUDA_STEP may pick (csrc/cuda/adam_step.cu reads it at each launch).
-CUDA_STEP_SHAPES = ("2x1", "2x3", "c2x4")
+CUDA_STEP_SHAPES = ("2x1", "2x3", "c2x4", "1x3", "1x4")
 
 
 def cuda_step_shape() -> str:

@@ -290,15 +290,18 @@ int step_variant() {
   if (v == "2x1") return 1;
   if (v == "2x3") return 2;
   if (v == "c2x4") return 3;
+  if (v == "1x3") return 4;
+  if (v == "1x4") return 5;
   return 0;
 }
 
+// The kinds the knob reaches (examples/tune_step.py times them): every bench_step.py kind, and
+// fp32 params with bf16 grads and bf16 moments.
 template <typename G, typename O, typename M, typename V, bool R>
-constexpr bool kTuned = (std::is_same_v<G, float> && std::is_void_v<O> && std::is_same_v<M, bf16> &&
-                         std::is_same_v<V, bf16> && !R) ||
-                        (std::is_same_v<G, bf16> && std::is_same_v<O, bf16> &&
-                         ((std::is_same_v<M, float> && std::is_same_v<V, float> && R) ||
-                          (std::is_same_v<M, bf16> && std::is_same_v<V, bf16>)));
+constexpr bool kTuned = std::is_same_v<M, V> && (
+    (std::is_same_v<G, float> && std::is_void_v<O> && !R) ||                    // fp32, + bf16 moments
+    (std::is_same_v<G, bf16> && std::is_same_v<O, bf16>) ||                      // bf16 params, any state
+    (std::is_same_v<G, bf16> && std::is_void_v<O> && std::is_same_v<M, bf16> && !R));  // bf16 grads only
 
 template <typename G, typename O, typename M, typename V, bool R>
 void launch(const Params& P, int64_t nchunks) {
@@ -307,6 +310,8 @@ void launch(const Params& P, int64_t nchunks) {
       case 1: return launch_shape<G, O, M, V, R, Shape<2, 1>>(P, nchunks);
       case 2: return launch_shape<G, O, M, V, R, Shape<2, 3>>(P, nchunks);
       case 3: return launch_shape<G, O, M, V, R, Shape<2, 4, true>>(P, nchunks);
+      case 4: return launch_shape<G, O, M, V, R, Shape<1, 3>>(P, nchunks);
+      case 5: return launch_shape<G, O, M, V, R, Shape<1, 4>>(P, nchunks);
       default: break;
     }
   }
