@@ -17,7 +17,11 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
 #if defined(SHARDAMP_WITH_CUDA)
 namespace cuda {
 void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
-void adam_step(const AdamArgs& args, const at::Tensor& chunks);
+void adam_step(const AdamArgs& args, const at::Tensor& chunks, const c10::optional<at::Tensor>& records,
+               int64_t record_offset, int64_t shape);
+at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                        bool bias_correction);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
 }  // namespace cuda
@@ -107,7 +111,8 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
                const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-               bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks) {
+               bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks,
+               const c10::optional<at::Tensor>& records, int64_t record_offset, int64_t shape) {
   SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "adam_step: grad must be fp32/bf16/fp16, got ", grad.scalar_type());
   SHARDAMP_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
   SHARDAMP_CHECK(master.scalar_type() == at::kFloat || master.scalar_type() == at::kShort,
@@ -143,6 +148,13 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   check_scalars(found_inf, "found_inf");
   SHARDAMP_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, "adam_step: grad_coef and found_inf must hold one element");
   SHARDAMP_CHECK(touched.numel() == steps.numel(), "adam_step: touched and steps must have one entry per param");
+  if (records) {  // adam_prepare's records of several shards: this shard's start at record_offset
+    check_same_device(grad, *records, "records");
+    SHARDAMP_CHECK(records->scalar_type() == at::kFloat && records->is_contiguous() && record_offset >= 0 &&
+                       (record_offset + segments.size(0)) * kRecordFloats <= records->numel(),
+                   "adam_step: records must be adam_prepare's result over a table holding this shard's ",
+                   segments.size(0), " segments from record_offset ", record_offset);
+  }
 
   AdamArgs args{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched, grad_coef,
                 found_inf, adam_w_mode, bias_correction};
@@ -156,14 +168,42 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
 #if defined(SHARDAMP_WITH_CUDA)
     if (!table.is_cuda()) table = table.to(grad.device());
     check_same_device(grad, table, "chunks");
-    return cuda::adam_step(args, table);
+    return cuda::adam_step(args, table, records, record_offset, shape);
 #else
     SHARDAMP_CHECK(false, "adam_step: this build of the shardamp kernels has no CUDA support");
 #endif
   }
   SHARDAMP_CHECK(grad.is_cpu(), "adam_step: unsupported device ", grad.device());
   SHARDAMP_CHECK(table.is_cpu(), "adam_step: chunks for CPU tensors must be on the CPU");
-  cpu::adam_step(args, table);
+  cpu::adam_step(args, table);  // forms each chunk's scalars itself: records and shape are CUDA's
+}
+
+// One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
+// flag of every row of `segments` (int64 [S, 4]: only the param and group columns are read; the
+// caller validated them on the host, optim/kernels.py), kRecordFloats floats each, for adam_step's
+// `records` argument.
+at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                        bool bias_correction) {
+  SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
+                     segments.is_contiguous(),
+                 "adam_prepare: segments must be a contiguous int64 [S, 4] tensor");
+  SHARDAMP_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
+                     hparams.is_contiguous(),
+                 "adam_prepare: hparams must be a contiguous fp64 [G, 5] tensor");
+  for (const at::Tensor* t : {&hparams, &steps, &touched, &grad_coef, &found_inf}) {
+    check_same_device(segments, *t, "a scalar input");
+    SHARDAMP_CHECK(t->is_contiguous(), "adam_prepare: every input must be contiguous");
+    (void)scalar_code(*t);
+  }
+  SHARDAMP_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, "adam_prepare: grad_coef and found_inf must hold one element");
+  SHARDAMP_CHECK(touched.numel() == steps.numel(), "adam_prepare: touched and steps must have one entry per param");
+#if defined(SHARDAMP_WITH_CUDA)
+  SHARDAMP_CHECK(segments.is_cuda(), "adam_prepare: CUDA tensors only (the CPU step forms its scalars per chunk)");
+  return cuda::adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
+#else
+  SHARDAMP_CHECK(false, "adam_prepare: this build of the shardamp kernels has no CUDA support");
+#endif
 }
 
 // The step's scalars in one launch (optim/kernels.py checks dtypes and devices before calling:
@@ -240,7 +280,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adam_step", &shardamp::adam_step, "Fused Adam/AdamW step over the segments of a shard",
         py::arg("grad"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"), py::arg("model_out"),
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
-        py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none());
+        py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none(),
+        py::arg("records") = py::none(), py::arg("record_offset") = 0, py::arg("shape") = 0);
+  m.def("adam_prepare", &shardamp::adam_prepare,
+        "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
+        py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
+        py::arg("found_inf"), py::arg("bias_correction"));
   m.def("build_chunks", &shardamp::build_chunks,
         "Chunk table (int64 [C, 2], host) for adam_step, from a segments table; validates the table",
         py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);

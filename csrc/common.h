@@ -46,6 +46,10 @@ constexpr int64_t kChunk = SHARDAMP_CHUNK;
 #endif
 constexpr int64_t kCudaChunk = SHARDAMP_CUDA_CHUNK;
 
+// Floats per segment record of the CUDA step (adam_prepare -> adam_step's records: nine
+// scalars, a skip flag, padding to three float4).
+constexpr int64_t kRecordFloats = 12;
+
 // A chunk-table row is (start, segment << 32 | length); length <= kChunk fits 32 bits.
 SHARDAMP_HD int64_t chunk_segment(int64_t packed) { return packed >> 32; }
 SHARDAMP_HD int64_t chunk_length(int64_t packed) { return packed & 0xffffffffLL; }

@@ -91,6 +91,9 @@ def set_config(shape: str, chunk: int) -> None:
         os.environ["SHARDAMP_CUDA_CHUNK"] = str(chunk)
     else:
         os.environ.pop("SHARDAMP_CUDA_CHUNK", None)
+    from shardamp.optim import kernels
+
+    kernels.refresh_knobs()  # the dispatcher reads the knobs once, not at every launch
 
 
 def bits(t):

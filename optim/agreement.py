@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import sys
 import weakref
 import zlib
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -209,7 +210,11 @@ class StepFingerprint:
         return 1 + 2 * self.chunks * (n_host + n_lrs)
 
     def check(self, tail: Tensor, use_max: bool) -> Tensor:
-        """From the reduced entries: float32 0/1 flags ``[invalid, mismatch per category...]``."""
+        """From the reduced entries: float32 0/1 flags ``[invalid, mismatch per category...]``.
+        One rank alone has nothing to disagree with: its flags are ``[invalid]`` (a view of the
+        unreduced entry, exactly 0 or 1), no launch."""
+        if self.world_size == 1:
+            return tail[:1]
         pairs = tail[1:].view(-1, 2, self.chunks).double()  # sums below 2**24: exact
         if use_max:
             diff = pairs[:, 0] + pairs[:, 1]  # max(c) - min(c)
@@ -257,8 +262,8 @@ def step_entries(
 ) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
     device beside the touched pattern), for tensor lrs (``lrs``: hparams.TensorLrs, read once
-    this step) the device part ``(invalid flag, chunks)`` (None without), and the names of the
-    categories in entry order."""
+    this step) the device part ``(invalid flag, chunks)`` (None without; chunks None for one rank
+    alone), and the names of the categories in entry order."""
     use_max = math.isinf(norm_type)
     fp = opt._fingerprint
     host = fp.host_entries(host_categories(opt, norm_type), use_max)
@@ -269,9 +274,13 @@ def step_entries(
     # a malformed lr (flagged in ``problem``) still contributes one entry (NaN): every rank's
     # stats keep the same length
     values = lrs.values
-    invalid = (~(torch.isfinite(values) & (values >= 0))).any().float().reshape(1)
+    # finite and >= 0 iff clamping to [0, max float64] changes nothing (NaN stays NaN != NaN)
+    bad = values.clamp(0.0, sys.float_info.max).ne(values)
+    invalid = (bad if bad.numel() == 1 else bad.any()).float().reshape(1)
     if problem:
         invalid.fill_(1.0)
+    if not opt._comm.has_peers:  # no other rank to compare the values with: the flag alone
+        return host, (invalid, None), names
     names += [f"the value of the tensor lr of param_groups[{i}]" for i in lrs.groups]
     return host, (invalid, fp.device_entries(values, use_max)), names
 
@@ -284,13 +293,14 @@ def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = 
 
     host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
     n = len(opt._params)
-    extra = 0 if dev is None else dev[1].numel()
+    extra = 0 if dev is None or dev[1] is None else dev[1].numel()
     buf = torch.empty(HEADER + n + len(host) + extra, dtype=torch.float32, device=opt._device)
     buf[HEADER : HEADER + n].copy_(opt._touched_patterns.get(opt._grad_sync.local_touched))
     buf[HEADER + n : HEADER + n + len(host)].copy_(opt._touched_patterns.get_tail(host))
     if dev is not None:
         buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
-        buf[HEADER + n + len(host) :].copy_(dev[1])
+        if dev[1] is not None:
+            buf[HEADER + n + len(host) :].copy_(dev[1])
     return buf, opt._comm.has_peers or dev is not None or bool(problem)
 
 

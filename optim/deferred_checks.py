@@ -61,6 +61,8 @@ class DeferredChecks:
 def record_step(opt: Any, stats: Any, bad_clip: Optional[Tensor] = None) -> None:
     """Queue this step's flags for the host (no sync on CUDA), and act on them where readable.
     ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid)."""
+    if opt._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return  # nothing is recorded under capture (push): no launch for the flags either
     parts = [stats.found_inf.reshape(1)]
     if bad_clip is not None:
         parts.append(bad_clip.reshape(1))

@@ -181,9 +181,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             self._comm.broadcast(buf.params)
         for buf in self._buffers:
             init_master(buf, dtype, store_param_remainders)
-        kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device,
-                        len(self._params), len(self.param_groups),
-                        [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq) for b in self._buffers])
+        # chunk tables on the device, and the one prepare launch per step for every bucket's segments
+        self._records = kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets],
+                                        self._device, len(self._params), len(self.param_groups),
+                                        [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
@@ -432,13 +433,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         found_inf = found_inf if bad_clip is None else torch.maximum(found_inf, bad_clip)
         # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
+        records = self._records.compute(hparams, self._steps, stats.touched, coef, found_inf, self.bias_correction)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(
-                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
-                self._buckets[i].segments, hparams, self._steps, stats.touched, coef, found_inf,
-                self.adam_w_mode, self.bias_correction,
-            )
+                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(), self._buckets[i].segments,
+                hparams, self._steps, stats.touched, coef, found_inf, self.adam_w_mode, self.bias_correction,
+                records, self._records.offsets[i])
             self._param_sync.launch(i)
         self._param_sync.launched_all()
         deferred_checks.record_step(self, stats, bad_clip)

@@ -48,7 +48,7 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     if fingerprint is None:
         return GradStats(norm_type, raw, found_inf, touched)
     disagreement = fingerprint.check(stats[end:], math.isinf(norm_type))
-    found_inf = torch.maximum(found_inf, disagreement.amax())
+    found_inf = torch.maximum(found_inf, disagreement.reshape(()) if disagreement.numel() == 1 else disagreement.amax())
     return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
 
 

@@ -146,7 +146,9 @@ def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[T
         lr = param_groups[i]["lr"].detach()
         values.append(lr.reshape(()) if lr.numel() == 1 else torch.tensor(math.nan, device=lr.device))
     on_host = [v.device.type == "cpu" for v in values]
-    if device.type == "cpu" or not any(on_host):
+    if len(values) == 1 and (device.type == "cpu" or not on_host[0]):  # one launch at most (none for fp64)
+        out = values[0].to(device=device, dtype=torch.float64).reshape(1)
+    elif device.type == "cpu" or not any(on_host):
         out = torch.stack([v.to(device=device, dtype=torch.float64) for v in values])
     else:  # the host lrs in one pinned, non-blocking copy; lrs already on the device copied there
         host = torch.stack([v.to(torch.float64) if h else torch.zeros((), dtype=torch.float64)

@@ -133,8 +133,12 @@ def adam_step(
     found_inf: Tensor,
     adam_w_mode: bool,
     bias_correction: bool,
+    records: Optional[Tensor] = None,
+    record_offset: int = 0,
 ) -> None:
-    """One fused Adam/AdamW update of a shard (contract: ``reference.py``)."""
+    """One fused Adam/AdamW update of a shard (contract: ``reference.py``). ``records``: this
+    step's :meth:`StepRecords.compute` over several shards (CUDA), this shard's segments from row
+    ``record_offset``; without it the CUDA step forms them itself (one more launch)."""
     if not segments.segments:
         return
     ext = _native(grad.device)
@@ -154,11 +158,31 @@ def adam_step(
             grad_coef, found_inf, adam_w_mode, bias_correction,
         )
     else:
+        cuda = grad.device.type == "cuda"
         ext.adam_step(
             grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
             touched, grad_coef, found_inf, adam_w_mode, bias_correction,
             _chunk_table(ext, segments, grad, steps, hparams, light_state(master, exp_avg, exp_avg_sq)),
+            records if cuda else None, record_offset, _knobs()[0] if cuda else 0,
         )
+
+
+# The tuning knobs as read at their first use: (SHARDAMP_CUDA_STEP's shape code, or 0;
+# SHARDAMP_CUDA_CHUNK's chunk, or 0). Not read again at every step; ``refresh_knobs`` re-reads
+# them (examples/tune_step.py switches them between launches).
+_knob_cache: Optional[tuple] = None
+
+
+def refresh_knobs() -> tuple:
+    """Re-read SHARDAMP_CUDA_STEP and SHARDAMP_CUDA_CHUNK (a bad value raises, naming it)."""
+    global _knob_cache
+    shape = cuda_step_shape()
+    _knob_cache = (CUDA_STEP_SHAPES.index(shape) + 1 if shape else 0, cuda_chunk(0))
+    return _knob_cache
+
+
+def _knobs() -> tuple:
+    return _knob_cache if _knob_cache is not None else refresh_knobs()
 
 
 def cuda_chunk(default: int) -> int:
@@ -176,13 +200,15 @@ def cuda_chunk(default: int) -> int:
 # Elements per CUDA block (chunk) of the lighter steps, by state kind: each kind's step has its
 # own shape (csrc/cuda/adam_step.cu, KindShape), and each was timed at several chunk sizes on an
 # H200 (csrc/NOTES.md, examples/tune_step.py, the step alone over 256M elements):
-# * fp32 master + bf16 moments (2 steps per thread): 1.570 ms at 4096, 1.490 at 8192, 1.474 at 16384;
+# * fp32 master + bf16 moments: 2 steps per thread: 1.570 ms at 4096, 1.490 at 8192, 1.474 at
+#   16384; 1 step, 4 blocks per SM (the shape now): 1.417 at 4096, 1.479 at 8192, 1.589 at 16384
+#   (fp32 grads; bf16 grads 1.322 / 1.386 / 1.499; bf16 params 1.511 / 1.614 / 1.731);
 # * remainders + bf16 moments (staged loads): 1.205 at 4096, 1.274 at 8192;
 # * remainders + fp32 moments (3 blocks per SM): 1.720 at 4096, 1.852 at 8192;
 # * one bf16 moment and one fp32 (2 steps per thread, untimed here): 8192, as session 3 measured
 #   for the 2-step shape on the light kinds. fp32 master and moments keep ext.CUDA_CHUNK (4096).
 LIGHT_STATE_CUDA_CHUNK = 8192
-BF16_MOMENTS_CUDA_CHUNK = 16384
+BF16_MOMENTS_CUDA_CHUNK = 4096
 REMAINDERS_CUDA_CHUNK = 4096
 
 
@@ -198,8 +224,9 @@ def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> int:
     return 0 if fp32_moments else BF16_MOMENTS_CUDA_CHUNK
 
 
-# The launch shapes SHARDAMP_CUDA_STEP may pick (csrc/cuda/adam_step.cu reads it at each launch).
-CUDA_STEP_SHAPES = ("2x1", "2x3", "c2x4", "1x3", "1x4")
+# The launch shapes SHARDAMP_CUDA_STEP may pick, in the order of their codes 1, 2, ... (adam_step's
+# ``shape`` argument, csrc/cuda/adam_step.cu).
+CUDA_STEP_SHAPES = ("2x1", "2x3", "c2x4", "1x4")
 
 
 def cuda_step_shape() -> str:
@@ -215,8 +242,7 @@ def cuda_step_shape() -> str:
 def _chunk_size(ext: Any, device: torch.device, light: int) -> int:
     if device.type != "cuda":
         return ext.CHUNK
-    cuda_step_shape()  # a mistyped knob is an error, not the default shape
-    return cuda_chunk(int(light) if light else ext.CUDA_CHUNK)
+    return _knobs()[1] or (int(light) if light else ext.CUDA_CHUNK)
 
 
 def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor,
@@ -235,18 +261,53 @@ def _chunk_table(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, 
 
 
 def prepare(segment_tables: List[SegmentTable], numels: List[int], device: torch.device, n_params: int,
-            n_groups: int, light: Optional[List[int]] = None) -> None:
+            n_groups: int, light: Optional[List[int]] = None) -> StepRecords:
     """At construction: build every shard's chunk table for the native kernels from the host-side
     layout and copy it to the device (non-blocking), so no step ever reads the device table.
-    ``light[i]``: ``light_state()`` of shard ``i`` (its kind's chunk size, 0 for fp32 states)."""
+    ``light[i]``: ``light_state()`` of shard ``i`` (its kind's chunk size, 0 for fp32 states).
+    Returns the shards' :class:`StepRecords` (one prepare launch per step for all of them)."""
+    records = StepRecords(segment_tables, device, n_params, n_groups)
     ext = _native(device)
     if ext is None:
-        return
+        return records
     for i, (segments, numel) in enumerate(zip(segment_tables, numels)):
         size = _chunk_size(ext, device, light[i] if light is not None else 0)
         key = f"native_chunks_{size}_{device}"
         if segments.segments and key not in segments.extra:
             _store(segments, key, chunk_table(segments, numel, n_params, n_groups, size), device)
+    return records
+
+
+class StepRecords:
+    """The CUDA step's per-segment scalars (bias corrections, lr / bc1, skip flag) of several
+    shards (the optimizer's buckets) in ONE launch per step instead of one per shard:
+    ``compute`` returns them for ``adam_step(records=..., record_offset=offsets[i])``, or None
+    where the step forms its scalars itself (CPU, reference). The concatenated segment table is
+    validated and copied to the device once, here."""
+
+    def __init__(self, tables: List[SegmentTable], device: torch.device, n_params: int, n_groups: int) -> None:
+        self.offsets: List[int] = []
+        rows: List[List[int]] = []
+        for t in tables:
+            self.offsets.append(len(rows))
+            for i, s in enumerate(t.segments):
+                if not (0 <= s.param_index < n_params and 0 <= s.group < n_groups):
+                    raise ValueError(f"segment {i}: param_index {s.param_index} / group {s.group} out of range "
+                                     f"[0, {n_params}) / [0, {n_groups})")
+                rows.append([s.start, s.length, s.param_index, s.group])
+        ext = _native(device) if device.type == "cuda" and rows else None
+        self.ext = ext if ext is not None and hasattr(ext, "adam_prepare") else None
+        self.table: Optional[Tensor] = None
+        if self.ext is not None:
+            host = torch.tensor(rows, dtype=torch.int64).pin_memory()
+            self._pinned = host  # alive until the non-blocking copy is done (and for graph replays)
+            self.table = host.to(device, non_blocking=True)
+
+    def compute(self, hparams: Tensor, steps: Tensor, touched: Tensor, grad_coef: Tensor, found_inf: Tensor,
+                bias_correction: bool) -> Optional[Tensor]:
+        if self.table is None:
+            return None
+        return self.ext.adam_prepare(self.table, hparams, steps, touched, grad_coef, found_inf, bias_correction)
 
 
 def chunk_table(segments: SegmentTable, numel: int, n_params: int, n_groups: int, chunk: int) -> Tensor:

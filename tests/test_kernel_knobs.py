@@ -31,10 +31,90 @@ def test_cuda_step_shape_knob(monkeypatch):
             kernels.cuda_step_shape()
 
 
+def test_knobs_are_read_once(monkeypatch):
+    """The dispatcher reads both knobs once (``refresh_knobs`` re-reads them), not at every launch."""
+    try:
+        monkeypatch.setenv("SHARDAMP_CUDA_STEP", "1x4")
+        monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", "2048")
+        assert kernels.refresh_knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)
+        monkeypatch.setenv("SHARDAMP_CUDA_STEP", "2x1")
+        assert kernels._knobs() == (4, 2048)
+        monkeypatch.setenv("SHARDAMP_CUDA_STEP", "4x2")
+        with pytest.raises(ValueError, match="SHARDAMP_CUDA_STEP"):
+            kernels.refresh_knobs()
+    finally:
+        monkeypatch.undo()
+        kernels.refresh_knobs()  # back to what the environment says
+
+
 def test_light_state_chunk_sizes():
     """Each state kind's CUDA chunk size (csrc/NOTES.md): 0 (CUDA_CHUNK) for fp32 states."""
     f, b, r = (torch.empty(1, dtype=d) for d in (torch.float32, torch.bfloat16, torch.int16))
     assert kernels.light_state(f, f, f) == 0
-    assert kernels.light_state(f, b, b) == kernels.BF16_MOMENTS_CUDA_CHUNK == 16384
+    assert kernels.light_state(f, b, b) == kernels.BF16_MOMENTS_CUDA_CHUNK == 4096
     assert kernels.light_state(r, f, f) == kernels.light_state(r, b, b) == kernels.REMAINDERS_CUDA_CHUNK == 4096
     assert kernels.light_state(f, f, b) == kernels.light_state(r, b, f) == kernels.LIGHT_STATE_CUDA_CHUNK == 8192
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+# (grad, model_out, exp_avg, exp_avg_sq, remainders): kinds SHARDAMP_CUDA_STEP reaches
+TUNED_KINDS = [(torch.float32, None, torch.bfloat16, torch.bfloat16, False),
+               (torch.bfloat16, None, torch.bfloat16, torch.bfloat16, False),
+               (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, False),
+               (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, True),
+               (torch.bfloat16, torch.bfloat16, torch.bfloat16, torch.bfloat16, True)]
+
+
+def _bits(state):
+    return [None if t is None else t.view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+            for t in (state["master"], state["exp_avg"], state["exp_avg_sq"], state["model_out"])]
+
+
+@CUDA
+@pytest.mark.parametrize("kind", TUNED_KINDS)
+def test_cuda_step_shapes_are_bitwise_equal(kind):
+    """Every launch shape (adam_step's ``shape``: SHARDAMP_CUDA_STEP's codes) and chunk size
+    computes the same bits as the kind's own shape: the split of the work changes no arithmetic."""
+    from test_kernels import SEGMENTS, _run, _shard_states
+
+    ext = kernels._native(torch.device("cuda"))
+    results = []
+    for shape in range(len(kernels.CUDA_STEP_SHAPES) + 1):
+        for chunk in (2048, 16384):
+            state, table, hparams, steps, touched = _shard_states("cuda", *kind[:4], remainders=kind[4], seed=7)
+            chunks = ext.build_chunks(table.cpu(), state["grad"].numel(), steps.numel(), hparams.shape[0], chunk)
+            for _ in range(2):
+                _run(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device="cuda"),
+                     torch.zeros((), device="cuda"), True, True, chunks=chunks.cuda(), shape=shape)
+            results.append(((shape, chunk), _bits(state)))
+    (_, ref), rest = results[0], results[1:]
+    for key, got in rest:
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got, ref)), key
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_one_prepare_for_several_shards(device):
+    """StepRecords: one prepare launch for two shards' segments (CUDA), each shard's step reading
+    its rows from its offset, gives the bits of each shard's own prepare; on the CPU there is
+    nothing to prepare (the step forms its scalars per chunk)."""
+    from test_kernels import SEGMENTS, _run, _shard_states
+    from shardamp.optim.layout import Segment, SegmentTable
+
+    made = [_shard_states(device, torch.float32, None, torch.bfloat16, torch.bfloat16, seed=s) for s in (3, 4)]
+    hparams, steps, touched = made[0][2], made[0][3], made[0][4]
+    tables = []
+    for k, (_, table, *_rest) in enumerate(made):
+        rows = SEGMENTS if k == 0 else [(s, n, (p + 1) % 6, 1 - g) for s, n, p, g in SEGMENTS]  # other params, groups
+        tables.append(SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in rows],
+                                   torch.tensor(rows, dtype=torch.int64, device=device)))
+    records = kernels.prepare(tables, [m[0]["grad"].numel() for m in made], torch.device(device), 6, 2)
+    coef, found_inf = torch.tensor(0.37, device=device), torch.zeros((), device=device)
+    rec = records.compute(hparams, steps, touched, coef, found_inf, True)
+    assert (rec is None) == (device == "cpu")
+    assert records.offsets == [0, len(SEGMENTS)]
+    for k, (state, *_rest) in enumerate(made):
+        own = {key: None if t is None else t.clone() for key, t in state.items()}
+        _run(kernels.adam_step, state, tables[k], hparams, steps, touched, coef, found_inf, True, True,
+             records=rec, record_offset=records.offsets[k])
+        _run(kernels.adam_step, own, tables[k], hparams, steps, touched, coef, found_inf, True, True)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(_bits(state), _bits(own))), k

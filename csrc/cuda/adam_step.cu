@@ -7,7 +7,8 @@
 //      segment). Every thread reads its chunk's row and record itself (broadcast loads that hit
 //      L1/L2): no serial set-up by one thread, no barrier, so a block streams from its start.
 // found_inf, grad_coef, steps and touched are read on the device: no host sync, CUDA-graph
-// capturable. Bytes per element: grad read; master (fp32, or bf16 param + int16 remainder),
+// capturable. The optimizer runs prepare_kernel once per step for the segments of every bucket
+// (adam_prepare) and hands each bucket's adam_step its slice of those records. Bytes per element: grad read; master (fp32, or bf16 param + int16 remainder),
 // exp_avg and exp_avg_sq (fp32 or bf16 each) read + written; model_out written (csrc/NOTES.md
 // has the table). Every dtype is a template parameter (G grad, O model_out, M / V moments, R
 // remainders), so no instantiation carries a branch on another's dtype. Loads are 16 bytes wide
@@ -23,8 +24,6 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <atomic>
-#include <cstdlib>
-#include <string>
 
 namespace shardamp {
 namespace cuda {
@@ -58,7 +57,7 @@ struct alignas(16) SegmentRecord {
   float skip;         // 1: found_inf set or the param untouched: write nothing
   float pad[2];
 };
-static_assert(sizeof(SegmentRecord) == 48, "three float4 per record");
+static_assert(sizeof(SegmentRecord) == 48 && kRecordFloats * sizeof(float) == 48, "three float4 per record");
 
 struct Params {
   const void* grad;
@@ -271,56 +270,90 @@ using bf16 = __nv_bfloat16;
 //   (96% of its 18-byte floor);
 // * remainders with fp32 moments and 16-bit grads: registers, 2 steps, 3 blocks per SM (<= 80
 //   registers, no spills; fp32 grads would spill): 1.825 -> 1.720-1.730 ms (96-97.5% of 26 B);
-// * the rest: 2 steps in registers, no bound (fp32 states: 95% of the 28-byte floor; fp32 master
-//   with bf16 moments: 87%, best of every shape tried, see NOTES).
+// * fp32 master with two bf16 moments (any grad and model_out dtype): 1 step per thread, 4 blocks
+//   per SM (<= 64 registers, no spills): twice the warps of 2x1 hide the update's arithmetic
+//   behind the loads (at 128 registers 2x1 left 62% of issue cycles with no eligible warp, 50%
+//   of stalls on loads): fp32 grads 1.479 -> 1.417 ms (2x1 at 16384 -> 1x4 at 4096), bf16 grads
+//   1.418 -> 1.322, bf16 params 1.553 -> 1.511 (copy bandwidth 4141 GB/s, 2026-12-01);
+// * the rest: 2 steps in registers, no bound (fp32 states: 95% of the 28-byte floor).
 // optim/kernels.py picks each kind's chunk size to match (kernels.light_state).
 template <typename G, typename M, typename V, bool R>
 using KindShape = std::conditional_t<
     R && sizeof(G) == 2 && std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<2, 4, true>,
     std::conditional_t<R && sizeof(G) == 2 && std::is_same_v<M, float> && std::is_same_v<V, float>, Shape<2, 3>,
-                       DefaultShape>>;
+                       std::conditional_t<!R && std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<1, 4>,
+                                          DefaultShape>>>;
 
-// Tuning: SHARDAMP_CUDA_STEP picks another shape for the kinds the benchmark measures ("2x1",
-// "2x3": registers, U steps x B blocks; "c2x4": staged); unset or anything else: the kind's
-// own. Read at every launch (examples/tune_step.py switches it between launches).
-int step_variant() {
-  const char* s = std::getenv("SHARDAMP_CUDA_STEP");
-  if (s == nullptr) return 0;
-  const std::string v(s);
-  if (v == "2x1") return 1;
-  if (v == "2x3") return 2;
-  if (v == "c2x4") return 3;
-  if (v == "1x3") return 4;
-  if (v == "1x4") return 5;
-  return 0;
-}
-
-// The kinds the knob reaches (examples/tune_step.py times them): every bench_step.py kind, and
-// fp32 params with bf16 grads and bf16 moments.
+// Tuning: SHARDAMP_CUDA_STEP (read once by optim/kernels.py, passed in as `shape`) picks
+// another shape for the kinds the benchmark measures: 1 "2x1", 2 "2x3", 4 "1x4" (registers, U
+// steps x B blocks), 3 "c2x4" (staged); 0 or anything else: the kind's own. ("1x3" was timed
+// too: slower than the default for every kind, NOTES.)
+// The kinds the knob reaches (examples/tune_step.py times them): bench_step.py's light-state
+// kinds, and fp32 params with bf16 grads and bf16 moments. (fp32 and bf16 params with fp32
+// states were timed under every shape too: the default was the fastest, NOTES.)
 template <typename G, typename O, typename M, typename V, bool R>
 constexpr bool kTuned = std::is_same_v<M, V> && (
-    (std::is_same_v<G, float> && std::is_void_v<O> && !R) ||                    // fp32, + bf16 moments
-    (std::is_same_v<G, bf16> && std::is_same_v<O, bf16>) ||                      // bf16 params, any state
+    (std::is_same_v<G, float> && std::is_void_v<O> && std::is_same_v<M, bf16> && !R) ||  // fp32 + bf16 moments
+    (std::is_same_v<G, bf16> && std::is_same_v<O, bf16> && (R || std::is_same_v<M, bf16>)) ||  // bf16 params
     (std::is_same_v<G, bf16> && std::is_void_v<O> && std::is_same_v<M, bf16> && !R));  // bf16 grads only
 
 template <typename G, typename O, typename M, typename V, bool R>
-void launch(const Params& P, int64_t nchunks) {
+void launch(const Params& P, int64_t nchunks, int64_t shape) {
   if constexpr (kTuned<G, O, M, V, R>) {
-    switch (step_variant()) {
+    switch (shape) {
       case 1: return launch_shape<G, O, M, V, R, Shape<2, 1>>(P, nchunks);
       case 2: return launch_shape<G, O, M, V, R, Shape<2, 3>>(P, nchunks);
       case 3: return launch_shape<G, O, M, V, R, Shape<2, 4, true>>(P, nchunks);
-      case 4: return launch_shape<G, O, M, V, R, Shape<1, 3>>(P, nchunks);
-      case 5: return launch_shape<G, O, M, V, R, Shape<1, 4>>(P, nchunks);
+      case 4: return launch_shape<G, O, M, V, R, Shape<1, 4>>(P, nchunks);
       default: break;
     }
   }
   launch_shape<G, O, M, V, R, KindShape<G, M, V, R>>(P, nchunks);
 }
 
+// The scalar inputs of prepare_kernel.
+void set_scalars(Params& P, const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                 bool bias_correction) {
+  P.segments = segments.data_ptr<int64_t>();
+  P.hparams = hparams.data_ptr<double>();
+  P.steps = steps.data_ptr();
+  P.touched = touched.data_ptr();
+  P.grad_coef = grad_coef.data_ptr();
+  P.found_inf = found_inf.data_ptr();
+  P.steps_code = scalar_code(steps);
+  P.touched_code = scalar_code(touched);
+  P.coef_code = scalar_code(grad_coef);
+  P.found_code = scalar_code(found_inf);
+  P.bias_correction = bias_correction;
+}
+
+// The per-segment records live in a scratch tensor from the caching allocator (the graph's
+// private pool under capture); the stream orders prepare -> steps -> next use.
+at::Tensor run_prepare(Params& P, int64_t nseg, const at::Tensor& like) {
+  at::Tensor records = at::empty({nseg * int64_t(sizeof(SegmentRecord) / sizeof(float))}, like.options().dtype(at::kFloat));
+  P.records = reinterpret_cast<SegmentRecord*>(records.data_ptr<float>());
+  if (nseg == 0) return records;
+  constexpr int kPrepThreads = 128;
+  prepare_kernel<<<static_cast<unsigned int>((nseg + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
+                   c10::cuda::getCurrentCUDAStream()>>>(P, nseg);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return records;
+}
+
 }  // namespace
 
-void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
+at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                        bool bias_correction) {
+  const c10::cuda::CUDAGuard guard(segments.device());
+  Params P{};
+  set_scalars(P, segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
+  return run_prepare(P, segments.size(0), segments);
+}
+
+void adam_step(const AdamArgs& a, const at::Tensor& chunks, const c10::optional<at::Tensor>& records,
+               int64_t record_offset, int64_t shape) {
   const int64_t nchunks = chunks.size(0);
   if (nchunks == 0) return;
   SHARDAMP_CHECK(nchunks < (int64_t(1) << 31), "adam_step: too many chunks for one launch");
@@ -334,34 +367,20 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks) {
   P.exp_avg_sq = a.exp_avg_sq.data_ptr();
   P.model_out = a.model_out ? a.model_out->data_ptr() : nullptr;
   P.chunks = chunks.data_ptr<int64_t>();
-  P.segments = a.segments.data_ptr<int64_t>();
-  P.hparams = a.hparams.data_ptr<double>();
-  P.steps = a.steps.data_ptr();
-  P.touched = a.touched.data_ptr();
-  P.grad_coef = a.grad_coef.data_ptr();
-  P.found_inf = a.found_inf.data_ptr();
-  P.steps_code = scalar_code(a.steps);
-  P.touched_code = scalar_code(a.touched);
-  P.coef_code = scalar_code(a.grad_coef);
-  P.found_code = scalar_code(a.found_inf);
+  set_scalars(P, a.segments, a.hparams, a.steps, a.touched, a.grad_coef, a.found_inf, a.bias_correction);
   P.adam_w = a.adam_w_mode;
-  P.bias_correction = a.bias_correction;
   P.vec_ok = aligned16(P.grad) && aligned16(P.master) && aligned16(P.exp_avg) && aligned16(P.exp_avg_sq) &&
              (P.model_out == nullptr || aligned16(P.model_out));
-  // The per-segment records live in a scratch tensor from the caching allocator (the graph's
-  // private pool under capture); the stream orders prepare -> step -> next use.
-  const int64_t nseg = a.segments.size(0);
-  const at::Tensor records =
-      at::empty({nseg * int64_t(sizeof(SegmentRecord) / sizeof(float))}, a.grad.options().dtype(at::kFloat));
-  P.records = reinterpret_cast<SegmentRecord*>(records.data_ptr<float>());
-  constexpr int kPrepThreads = 128;
-  prepare_kernel<<<static_cast<unsigned int>((nseg + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
-                   c10::cuda::getCurrentCUDAStream()>>>(P, nseg);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  at::Tensor own;  // without `records` (one shard alone): this shard's own prepare launch
+  if (records) {
+    P.records = reinterpret_cast<SegmentRecord*>(records->data_ptr<float>()) + record_offset;
+  } else {
+    own = run_prepare(P, a.segments.size(0), a.grad);
+  }
   dispatch_step<__nv_bfloat16, __half>(a.grad, a.master, a.exp_avg, a.exp_avg_sq, a.model_out,
                                        [&](auto g, auto o, auto m, auto v, auto r) {
     launch<typename decltype(g)::type, typename decltype(o)::type, typename decltype(m)::type,
-           typename decltype(v)::type, decltype(r)::value>(P, nchunks);
+           typename decltype(v)::type, decltype(r)::value>(P, nchunks, shape);
   });
 }
 
