@@ -182,9 +182,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         for buf in self._buffers:
             init_master(buf, dtype, store_param_remainders)
         # chunk tables on the device, and the one prepare launch per step for every bucket's segments
-        self._records = kernels.prepare([b.segments for b in self._buckets], [b.shard_numel for b in self._buckets],
-                                        self._device, len(self._params), len(self.param_groups),
-                                        [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq) for b in self._buffers])
+        self._records = kernels.prepare(
+            [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
+            len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,

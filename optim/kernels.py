@@ -162,7 +162,7 @@ def adam_step(
         ext.adam_step(
             grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
             touched, grad_coef, found_inf, adam_w_mode, bias_correction,
-            _chunk_table(ext, segments, grad, steps, hparams, light_state(master, exp_avg, exp_avg_sq)),
+            _chunk_table(ext, segments, grad, steps, hparams, light_state(master, exp_avg, exp_avg_sq, grad.dtype)),
             records if cuda else None, record_offset, _knobs()[0] if cuda else 0,
         )
 
@@ -202,26 +202,31 @@ def cuda_chunk(default: int) -> int:
 # H200 (csrc/NOTES.md, examples/tune_step.py, the step alone over 256M elements):
 # * fp32 master + bf16 moments: 2 steps per thread: 1.570 ms at 4096, 1.490 at 8192, 1.474 at
 #   16384; 1 step, 4 blocks per SM (the shape now): 1.417 at 4096, 1.479 at 8192, 1.589 at 16384
-#   (fp32 grads; bf16 grads 1.322 / 1.386 / 1.499; bf16 params 1.511 / 1.614 / 1.731);
+#   (fp32 grads; bf16 grads 1.322 / 1.386 / 1.499; bf16 params 1.511 / 1.614 / 1.731); with fp32
+#   grads 1.300 at 2048 against 1.389 at 4096 in one later run (2048 untimed with 16-bit grads);
 # * remainders + bf16 moments (staged loads): 1.205 at 4096, 1.274 at 8192;
 # * remainders + fp32 moments (3 blocks per SM): 1.720 at 4096, 1.852 at 8192;
 # * one bf16 moment and one fp32 (2 steps per thread, untimed here): 8192, as session 3 measured
 #   for the 2-step shape on the light kinds. fp32 master and moments keep ext.CUDA_CHUNK (4096).
 LIGHT_STATE_CUDA_CHUNK = 8192
 BF16_MOMENTS_CUDA_CHUNK = 4096
+BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK = 2048
 REMAINDERS_CUDA_CHUNK = 4096
 
 
-def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> int:
+def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_dtype: Optional[torch.dtype] = None) -> int:
     """The CUDA chunk size the step of this state kind was tuned for (bf16 moments or int16
-    remainders), or 0 for fp32 master and moments (the kernels' own ``CUDA_CHUNK``). Truthy for
-    exactly the lighter kinds."""
+    remainders; ``grad_dtype``: the grads', fp32 if not given), or 0 for fp32 master and moments
+    (the kernels' own ``CUDA_CHUNK``). Truthy for exactly the lighter kinds."""
     fp32_moments = exp_avg.dtype == exp_avg_sq.dtype == torch.float32
     if exp_avg.dtype != exp_avg_sq.dtype:
         return LIGHT_STATE_CUDA_CHUNK
     if master.dtype == torch.int16:
         return REMAINDERS_CUDA_CHUNK
-    return 0 if fp32_moments else BF16_MOMENTS_CUDA_CHUNK
+    if fp32_moments:
+        return 0
+    fp32_grads = grad_dtype in (None, torch.float32)
+    return BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK if fp32_grads else BF16_MOMENTS_CUDA_CHUNK
 
 
 # The launch shapes SHARDAMP_CUDA_STEP may pick, in the order of their codes 1, 2, ... (adam_step's

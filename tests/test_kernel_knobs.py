@@ -51,7 +51,10 @@ def test_light_state_chunk_sizes():
     """Each state kind's CUDA chunk size (csrc/NOTES.md): 0 (CUDA_CHUNK) for fp32 states."""
     f, b, r = (torch.empty(1, dtype=d) for d in (torch.float32, torch.bfloat16, torch.int16))
     assert kernels.light_state(f, f, f) == 0
-    assert kernels.light_state(f, b, b) == kernels.BF16_MOMENTS_CUDA_CHUNK == 4096
+    assert kernels.light_state(f, b, b) == kernels.light_state(f, b, b, torch.float32) == 2048
+    assert kernels.BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK == 2048
+    assert kernels.light_state(f, b, b, torch.bfloat16) == kernels.light_state(f, b, b, torch.float16) == 4096
+    assert kernels.BF16_MOMENTS_CUDA_CHUNK == 4096
     assert kernels.light_state(r, f, f) == kernels.light_state(r, b, b) == kernels.REMAINDERS_CUDA_CHUNK == 4096
     assert kernels.light_state(f, f, b) == kernels.light_state(r, b, f) == kernels.LIGHT_STATE_CUDA_CHUNK == 8192
 

@@ -1,5 +1,5 @@
 // adam_step on CUDA: one pass over the shard, no temporaries beyond a per-segment scalar table
-// (contract: optim/reference.py). Two launches per shard:
+// (contract: optim/reference.py). Two kernels:
 //   1. prepare_kernel: one thread per segment reads found_inf / touched / steps / grad_coef and
 //      the segment's hparams row and forms the scalars derived in fp64 (bias corrections,
 //      lr / bc1, 1 - lr * wd) once, into a 48-byte record per segment;
@@ -8,7 +8,8 @@
 //      L1/L2): no serial set-up by one thread, no barrier, so a block streams from its start.
 // found_inf, grad_coef, steps and touched are read on the device: no host sync, CUDA-graph
 // capturable. The optimizer runs prepare_kernel once per step for the segments of every bucket
-// (adam_prepare) and hands each bucket's adam_step its slice of those records. Bytes per element: grad read; master (fp32, or bf16 param + int16 remainder),
+// (adam_prepare) and hands each bucket's adam_step its slice of those records; adam_step alone
+// runs its own. Bytes per element: grad read; master (fp32, or bf16 param + int16 remainder),
 // exp_avg and exp_avg_sq (fp32 or bf16 each) read + written; model_out written (csrc/NOTES.md
 // has the table). Every dtype is a template parameter (G grad, O model_out, M / V moments, R
 // remainders), so no instantiation carries a branch on another's dtype. Loads are 16 bytes wide
