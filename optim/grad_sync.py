@@ -1,10 +1,11 @@
 """Backward-time gradient plumbing: grads into bucket buffers, buckets reduce-scattered in a
 fixed order.
 
-A post-accumulate-grad hook takes each param's grad (``param.grad = None``) and STAGES it: the
-grads of a bucket are copied into its full-size buffer together, with one multi-tensor copy
-(``torch._foreach_copy_``) when the bucket is complete (or its staged bytes reach
-``flush_bytes``), not one copy launch and one view per param. Buckets are reduce-scattered in
+A hook on each param's grad accumulator takes its grad (``param.grad = None``) and STAGES it
+(grad_stager.py: in C++ where the kernels are built, calling Python a few times per bucket, not
+per param): the grads of a bucket are copied into its full-size buffer together, with one
+multi-tensor copy (``torch._foreach_copy_``) when the bucket is complete (or its staged bytes
+reach ``flush_bytes``), not one copy launch and one view per param. Buckets are reduce-scattered in
 index order on every rank: a bucket whose params have all produced their grad is launched as
 soon as every bucket before it has been, so the collectives overlap the rest of backward, and
 the buckets left over (params that got no grad on this rank) are flushed by an end-of-backward
@@ -32,7 +33,7 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compat, kernels, norms
+from . import _compat, grad_stager, kernels, norms
 from .buffers import BucketBuffers
 from .comm import Comm
 from .layout import Bucket, ParamSlot
@@ -53,7 +54,6 @@ class ParamGrad:
     offset: int  # its first element in the bucket buffer
     nbytes: int  # bytes its staged grad holds
     bucket: "BucketGrads"
-    staged: bool = False  # taken from param.grad, not yet copied into the bucket buffer
     in_buffer: bool = False  # a grad of it is in the bucket buffer, not reduced yet (add, not copy)
 
 
@@ -68,10 +68,7 @@ class BucketGrads:
     flush_bytes: int  # staged bytes that trigger a copy into the buffer
     partial: Tensor  # its row of GradSync.partials: [sum g^2, non-finite flag] of the shard
     params: List[ParamGrad] = field(default_factory=list)  # every param of the bucket
-    fired: int = 0  # params that produced their grad in the current backward
-    staged: List[ParamGrad] = field(default_factory=list)  # in hook order, with staged_grads
-    staged_grads: List[Tensor] = field(default_factory=list)
-    staged_bytes: int = 0
+    # (its staged grads and the count of params that fired in this backward: the stager's)
     any_in_buffer: bool = False  # the ``in_buffer`` flag of some param of the bucket is set
     full: Optional[Tensor] = None  # the full-size grad buffer (one process: the shard itself)
     dirty: bool = False  # ``full`` holds stale grads: zero before use
@@ -79,13 +76,10 @@ class BucketGrads:
     partial_valid: bool = False  # ``partial`` is current for the shard
 
     def clear_round(self) -> None:
-        """Forget this backward's readiness and staging (zero_grad)."""
-        for p in self.staged:
-            p.staged = False
+        """Forget which params' grads are in the buffer (zero_grad; the stager clears its own)."""
         if self.any_in_buffer:
             for p in self.params:
                 p.in_buffer = False
-        self.fired, self.staged, self.staged_grads, self.staged_bytes = 0, [], [], 0
         self.any_in_buffer = self.partial_valid = False
 
 
@@ -155,6 +149,7 @@ class GradSync:
         ]
         # per param, what the hook needs
         self.record: dict[int, ParamGrad] = {}
+        self.entries: dict[int, ParamGrad] = {}  # by param index
         for i, p in enumerate(params):
             if i in self.slots:
                 slot = self.slots[i]
@@ -162,6 +157,7 @@ class GradSync:
                 entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state)
                 state.params.append(entry)
                 self.record[id(p)] = entry
+                self.entries[i] = entry
         for s in self.states:
             if self.in_place:
                 if self.release_shards:
@@ -173,51 +169,86 @@ class GradSync:
         self.pending: List[Reduction] = []
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
-        for p in params:
-            p._shardamp_owner = self.owner_token
         ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
+        for p in params:
+            older = getattr(p, "_shardamp_grad_sync", None)
+            older = older() if older is not None else None
+            if older is not None and id(p) in older.record:
+                older.stager.disown(older.stager_index[older.record[id(p)].index])
+            p._shardamp_owner = self.owner_token
+            p._shardamp_grad_sync = ref
+        self.hook_error: Optional[BaseException] = None  # raised by a native hook's callback
 
-        def hook(param: torch.nn.Parameter) -> None:
+        def on_param(index: int) -> None:
             me = ref()
             if me is not None:
-                me._hook(param)
+                me._hook(me.by_stager_index[index])
 
-        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        def on_event(event: int, arg: int) -> None:
+            # called from the C++ hook: an error must not cross it, it is raised at the end of
+            # backward (or at the next sync) instead
+            me = ref()
+            if me is None or me.hook_error is not None:
+                return  # after an error the rest of this backward is not synced: it is raised at its end
+            try:
+                me._on_event(event, arg)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by _end_of_backward / sync
+                if me.hook_error is None:
+                    me.hook_error = exc
+
+        entries = [self.entries[i] for i in sorted(self.entries)]
+        self.stager = grad_stager.make_stager(
+            kernels.native_module(device), [e.param for e in entries], [e.bucket.index for e in entries],
+            [e.offset for e in entries], [e.nbytes for e in entries], [s.expected for s in self.states],
+            [s.flush_bytes for s in self.states], on_event, on_param)
+        # the stager indexes params by their position in ``entries``
+        self.stager_index = {e.index: k for k, e in enumerate(entries)}
+        self.by_stager_index = entries
 
     # ---------------------------------------------------------------- backward
-    def _hook(self, param: torch.nn.Parameter) -> None:
-        # Runs once per param per backward: keep it to a few attribute and list operations.
+    def _hook(self, entry: ParamGrad) -> None:
+        """A grad was accumulated into ``entry``'s param (the Python hook: every grad; the native
+        one: the SLOW cases only, see grad_stager.py). Runs once per param per backward."""
+        param = entry.param
         grad = param.grad
         if grad is None:
             return
         if getattr(param, "_shardamp_owner", None) is not self.owner_token:
             return  # a newer optimizer took this param over; its own hook handles the grad
-        if grad.is_sparse:
-            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
-        param.grad = None
         if not self.callback_queued:  # first grad of this backward
             self.callback_queued = True
             self.backwards += 1
+            _compat.queue_backward_callback(self._end_of_backward)
+            self.stager.set_armed(True)
             if self.stepped_since_zero:
                 self._warn_no_zero_grad()
             self.grad_since_zero = True
-            _compat.queue_backward_callback(self._end_of_backward)
-        entry = self.record[id(param)]
-        s = entry.bucket
-        if entry.staged:  # a second grad before the flush: land the first one
-            self._flush(s)
-        entry.staged = True
-        self.local_touched[entry.index] = True
-        s.staged.append(entry)
-        s.staged_grads.append(grad)
-        s.staged_bytes += entry.nbytes
-        s.fired += 1
-        if s.fired >= s.expected:
+        if grad.is_sparse:
+            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
+        k = self.stager_index[entry.index]
+        if self.stager.is_staged(k):  # a second grad before the flush: land the first one
+            self._flush(entry.bucket)
+        self._staged(entry.bucket, self.stager.stage(k))
+
+    def _on_event(self, event: int, arg: int) -> None:
+        if event == grad_stager.SLOW:
+            self._hook(self.by_stager_index[arg])
+        else:
+            self._staged(self.states[arg], event)
+
+    def _staged(self, s: BucketGrads, event: int) -> None:
+        if event == grad_stager.COMPLETE:
             self._flush(s)
             if self.enabled and self.overlap:
                 self._launch_ready()
-        elif s.staged_bytes >= s.flush_bytes:
+        elif event == grad_stager.FLUSH:
             self._flush(s)
+
+    def raise_hook_error(self) -> None:
+        """Raise the error a native hook's callback met (once)."""
+        exc, self.hook_error = self.hook_error, None
+        if exc is not None:
+            raise exc
 
     def _warn_no_zero_grad(self) -> None:
         self.stepped_since_zero = False
@@ -247,22 +278,29 @@ class GradSync:
 
     def _flush(self, s: BucketGrads) -> None:
         """Copy (or add) bucket ``s``'s staged grads into its buffer: one multi-tensor op each."""
-        staged = s.staged
-        if not staged:
+        stager = self.stager
+        if not stager.staged_count(s.index):
             return
-        grads = s.staged_grads
-        s.staged, s.staged_grads, s.staged_bytes = [], [], 0
         full = self._writable_full(s)
         s.partial_valid = False
-        for p in staged:
-            p.staged = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         acc_all = self.in_place and s.shard_valid
+        landed = None if acc_all or s.any_in_buffer else stager.land(s.index, full)
+        if landed is not None:  # the common case, all copies, done natively
+            staged = [self.by_stager_index[k] for k in landed]
+            grads = None
+        else:
+            indices, grads = stager.take(s.index)
+            staged = [self.by_stager_index[k] for k in indices]
+        touched = self.local_touched
+        for p in staged:
+            touched[p.index] = True
         if acc_all or not s.any_in_buffer:  # the common cases: all adds, or all copies
             for p in staged:
                 p.in_buffer = True
             s.any_in_buffer = True
-            _land_grads(full, staged, grads, accumulate=acc_all)
+            if grads is not None:
+                _land_grads(full, staged, grads, accumulate=acc_all)
             return
         copies: List[ParamGrad] = []
         copy_grads: List[Tensor] = []
@@ -291,23 +329,24 @@ class GradSync:
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
         states = self.states
-        while self.next_launch < len(states) and states[self.next_launch].fired >= states[self.next_launch].expected:
+        fired = self.stager.fired
+        while self.next_launch < len(states) and fired(self.next_launch) >= states[self.next_launch].expected:
             self._launch(states[self.next_launch])
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
+        self.stager.set_armed(False)
+        self.raise_hook_error()
         self.flush_all()
         if self.overlap and self.enabled:
             self._finish_round()
-        for s in self.states:
-            s.fired = 0
+        self.stager.reset_fired()
 
     def _finish_round(self) -> None:
         while self.next_launch < len(self.states):
             self._launch(self.states[self.next_launch])
         self.next_launch = 0
-        for s in self.states:
-            s.fired = 0
+        self.stager.reset_fired()
         self.rounds_since_step += 1
         self.partials_zeroed = False  # the next round recomputes (and first zeroes) them all
 
@@ -384,6 +423,7 @@ class GradSync:
         A step always consumes at least one complete round, so a rank whose backward touched
         none of the params still joins the collectives the other ranks issued.
         """
+        self.raise_hook_error()
         self.flush_all()
         if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.any_in_buffer for s in self.states):
             self._finish_round()
@@ -436,6 +476,9 @@ class GradSync:
         self.next_launch = 0
         self.partials_zeroed = False
         self.callback_queued = False  # a backward that raised never ran its callback
+        self.stager.set_armed(False)
+        self.stager.clear()
+        self.hook_error = None
         for s in self.states:
             s.clear_round()
         if set_to_none:
@@ -472,9 +515,9 @@ class GradSync:
         self.remove_hooks()
 
     def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        stager = getattr(self, "stager", None)
+        if stager is not None:
+            stager.remove()
 
 
 def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:
