@@ -20,7 +20,8 @@ Events (``callback(event, arg)``):
 * ``FLUSH`` (arg: bucket): the bucket's staged bytes reached its flush size: copy it (``land``).
 * ``COMPLETE`` (arg: bucket): every param of the bucket produced its grad in this backward.
 
-``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket and returns the
+``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
+touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
 event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a bucket's staged
 ``(indices, grads)``; ``land(b, full)`` copies them into their views of the flat buffer ``full``
 (native only; ``PyStager.land`` returns None and the caller takes and copies).
@@ -28,7 +29,8 @@ event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a 
 from __future__ import annotations
 
 import os
-from typing import Callable, List, Optional, Sequence, Tuple
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
@@ -47,6 +49,7 @@ class PyStager:
         self.expected = list(expected)
         self.flush_bytes = list(flush_bytes)
         self.staged = [False] * len(self.params)
+        self.touched_flags = bytearray(len(self.params))
         self.pending: List[List[Tuple[int, Tensor]]] = [[] for _ in self.expected]
         self.bytes = [0] * len(self.expected)
         self.counts = [0] * len(self.expected)
@@ -76,6 +79,7 @@ class PyStager:
         p.grad = None
         self.pending[b].append((i, grad))
         self.staged[i] = True
+        self.touched_flags[i] = 1
         self.bytes[b] += self.nbytes[i]
         self.counts[b] += 1
         if self.counts[b] >= self.expected[b]:
@@ -90,6 +94,12 @@ class PyStager:
 
     def land(self, b: int, full: Tensor) -> Optional[List[int]]:
         return None
+
+    def touched(self) -> bytes:
+        return bytes(self.touched_flags)
+
+    def clear_touched(self) -> None:
+        self.touched_flags = bytearray(len(self.params))
 
     def is_staged(self, i: int) -> bool:
         return self.staged[i]
@@ -134,10 +144,49 @@ def make_stager(native, params: Sequence[Tensor], bucket_of: Sequence[int], offs
     return stager
 
 
+def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
+    """The stager of a ``GradSync`` (grad_sync.py), hooked: its Python hook calls
+    ``sync._hook(entry)``, the native one ``sync._on_event(event, arg)``. An error in the latter
+    must not cross the C++ hook: it is kept in ``sync.hook_error`` and raised at the end of
+    backward (``GradSync.raise_hook_error``); the rest of that backward's events are dropped. The
+    callbacks hold ``sync`` weakly: hooks live as long as the params and must not pin buffers.
+
+    ``params`` now belong to ``sync`` (``_shardamp_owner``, which the Python hook checks): the
+    native stager of an older GradSync over one of them disowns it."""
+    ref = weakref.ref(sync)
+    for p in params:
+        older = getattr(p, "_shardamp_grad_sync", None)
+        older = older() if older is not None else None
+        if older is not None and id(p) in older.record:
+            older.stager.disown(older.stager_index[older.record[id(p)].index])
+        p._shardamp_owner = sync.owner_token
+        p._shardamp_grad_sync = ref
+
+    def on_param(index: int) -> None:
+        me = ref()
+        if me is not None:
+            me._hook(me.by_stager_index[index])
+
+    def on_event(event: int, arg: int) -> None:
+        me = ref()
+        if me is None or me.hook_error is not None:
+            return
+        try:
+            me._on_event(event, arg)
+        except BaseException as exc:  # noqa: BLE001 - re-raised at the end of backward
+            me.hook_error = exc
+
+    entries = sync.by_stager_index
+    return make_stager(native, [e.param for e in entries], [e.bucket.index for e in entries],
+                       [e.offset for e in entries], [e.nbytes for e in entries],
+                       [s.expected for s in sync.states], [s.flush_bytes for s in sync.states],
+                       on_event, on_param)
+
+
 def _python_hooks_forced() -> bool:
     """``SHARDAMP_PYTHON_GRAD_HOOKS=1``: the Python hooks even where the native ones exist (to
     test both, or to rule the native hook out)."""
     return os.environ.get("SHARDAMP_PYTHON_GRAD_HOOKS", "") == "1"
 
 
-__all__ = ["PyStager", "make_stager", "NONE", "SLOW", "FLUSH", "COMPLETE"]
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "NONE", "SLOW", "FLUSH", "COMPLETE"]

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
 
@@ -54,7 +53,6 @@ class ParamGrad:
     offset: int  # its first element in the bucket buffer
     nbytes: int  # bytes its staged grad holds
     bucket: "BucketGrads"
-    in_buffer: bool = False  # a grad of it is in the bucket buffer, not reduced yet (add, not copy)
 
 
 @dataclass(eq=False)
@@ -69,7 +67,9 @@ class BucketGrads:
     partial: Tensor  # its row of GradSync.partials: [sum g^2, non-finite flag] of the shard
     params: List[ParamGrad] = field(default_factory=list)  # every param of the bucket
     # (its staged grads and the count of params that fired in this backward: the stager's)
-    any_in_buffer: bool = False  # the ``in_buffer`` flag of some param of the bucket is set
+    # stager indices of the params whose grad is in the buffer, not reduced yet (a second grad
+    # of one of them is added, not copied)
+    in_buffer: set = field(default_factory=set)
     full: Optional[Tensor] = None  # the full-size grad buffer (one process: the shard itself)
     dirty: bool = False  # ``full`` holds stale grads: zero before use
     shard_valid: bool = False  # the shard holds grads since zero_grad (a reduction adds to them)
@@ -77,10 +77,8 @@ class BucketGrads:
 
     def clear_round(self) -> None:
         """Forget which params' grads are in the buffer (zero_grad; the stager clears its own)."""
-        if self.any_in_buffer:
-            for p in self.params:
-                p.in_buffer = False
-        self.any_in_buffer = self.partial_valid = False
+        self.in_buffer.clear()
+        self.partial_valid = False
 
 
 @dataclass(eq=False)
@@ -132,8 +130,6 @@ class GradSync:
         self.callback_queued = False
         self.rounds_since_step = 0
         self.grad_since_zero = False
-        # host-side truth of "this param got a grad on this rank since zero_grad"
-        self.local_touched = [False] * self.n_params
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
         # backward only the one small all-reduce remains (norms.sum_partials sums them).
@@ -169,41 +165,11 @@ class GradSync:
         self.pending: List[Reduction] = []
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
-        ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
-        for p in params:
-            older = getattr(p, "_shardamp_grad_sync", None)
-            older = older() if older is not None else None
-            if older is not None and id(p) in older.record:
-                older.stager.disown(older.stager_index[older.record[id(p)].index])
-            p._shardamp_owner = self.owner_token
-            p._shardamp_grad_sync = ref
-        self.hook_error: Optional[BaseException] = None  # raised by a native hook's callback
-
-        def on_param(index: int) -> None:
-            me = ref()
-            if me is not None:
-                me._hook(me.by_stager_index[index])
-
-        def on_event(event: int, arg: int) -> None:
-            # called from the C++ hook: an error must not cross it, it is raised at the end of
-            # backward (or at the next sync) instead
-            me = ref()
-            if me is None or me.hook_error is not None:
-                return  # after an error the rest of this backward is not synced: it is raised at its end
-            try:
-                me._on_event(event, arg)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by _end_of_backward / sync
-                if me.hook_error is None:
-                    me.hook_error = exc
-
-        entries = [self.entries[i] for i in sorted(self.entries)]
-        self.stager = grad_stager.make_stager(
-            kernels.native_module(device), [e.param for e in entries], [e.bucket.index for e in entries],
-            [e.offset for e in entries], [e.nbytes for e in entries], [s.expected for s in self.states],
-            [s.flush_bytes for s in self.states], on_event, on_param)
-        # the stager indexes params by their position in ``entries``
-        self.stager_index = {e.index: k for k, e in enumerate(entries)}
-        self.by_stager_index = entries
+        self.hook_error: Optional[BaseException] = None  # met by a native hook's callback
+        # the stager indexes params by their position in ``by_stager_index``
+        self.by_stager_index = [self.entries[i] for i in sorted(self.entries)]
+        self.stager_index = {e.index: k for k, e in enumerate(self.by_stager_index)}
+        self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device))
 
     # ---------------------------------------------------------------- backward
     def _hook(self, entry: ParamGrad) -> None:
@@ -236,13 +202,11 @@ class GradSync:
         else:
             self._staged(self.states[arg], event)
 
-    def _staged(self, s: BucketGrads, event: int) -> None:
-        if event == grad_stager.COMPLETE:
+    def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
+        if event != grad_stager.NONE:
             self._flush(s)
-            if self.enabled and self.overlap:
-                self._launch_ready()
-        elif event == grad_stager.FLUSH:
-            self._flush(s)
+        if event == grad_stager.COMPLETE and self.enabled and self.overlap:
+            self._launch_ready()
 
     def raise_hook_error(self) -> None:
         """Raise the error a native hook's callback met (once)."""
@@ -285,39 +249,48 @@ class GradSync:
         s.partial_valid = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         acc_all = self.in_place and s.shard_valid
-        landed = None if acc_all or s.any_in_buffer else stager.land(s.index, full)
-        if landed is not None:  # the common case, all copies, done natively
-            staged = [self.by_stager_index[k] for k in landed]
-            grads = None
-        else:
-            indices, grads = stager.take(s.index)
-            staged = [self.by_stager_index[k] for k in indices]
-        touched = self.local_touched
-        for p in staged:
-            touched[p.index] = True
-        if acc_all or not s.any_in_buffer:  # the common cases: all adds, or all copies
-            for p in staged:
-                p.in_buffer = True
-            s.any_in_buffer = True
-            if grads is not None:
-                _land_grads(full, staged, grads, accumulate=acc_all)
+        if not acc_all and not s.in_buffer:  # the common case: all copies (natively if it can)
+            landed = stager.land(s.index, full)
+            if landed is None:
+                landed, grads = stager.take(s.index)
+                _land_grads(full, self._entries(landed), grads, accumulate=False)
+            s.in_buffer.update(landed)
             return
-        copies: List[ParamGrad] = []
+        indices, grads = stager.take(s.index)
+        if acc_all:
+            _land_grads(full, self._entries(indices), grads, accumulate=True)
+            s.in_buffer.update(indices)
+            return
+        copies: List[int] = []
         copy_grads: List[Tensor] = []
-        adds: List[ParamGrad] = []
+        adds: List[int] = []
         add_grads: List[Tensor] = []
-        for p, grad in zip(staged, grads):
-            if p.in_buffer:
-                adds.append(p)
+        for k, grad in zip(indices, grads):
+            if k in s.in_buffer:
+                adds.append(k)
                 add_grads.append(grad)
             else:
-                copies.append(p)
+                copies.append(k)
                 copy_grads.append(grad)
-            p.in_buffer = True
+        s.in_buffer.update(indices)
         if copies:
-            _land_grads(full, copies, copy_grads, accumulate=False)
+            _land_grads(full, self._entries(copies), copy_grads, accumulate=False)
         if adds:
-            _land_grads(full, adds, add_grads, accumulate=True)
+            _land_grads(full, self._entries(adds), add_grads, accumulate=True)
+
+    def _entries(self, stager_indices: List[int]) -> List[ParamGrad]:
+        return [self.by_stager_index[k] for k in stager_indices]
+
+    @property
+    def local_touched(self) -> List[bool]:
+        """Host-side truth of "this param got a grad on this rank since zero_grad", per param of
+        the optimizer."""
+        flags = self.stager.touched()
+        out = [False] * self.n_params
+        for k, entry in enumerate(self.by_stager_index):
+            if flags[k]:
+                out[entry.index] = True
+        return out
 
     def flush_all(self) -> None:
         for s in self.states:
@@ -354,10 +327,7 @@ class GradSync:
         """Reduce-scatter bucket ``s`` (every rank calls this for every bucket, in order)."""
         self.next_launch = s.index + 1
         self._flush(s)
-        if s.any_in_buffer:
-            for p in s.params:
-                p.in_buffer = False
-            s.any_in_buffer = False
+        s.in_buffer.clear()
         full = self._writable_full(s)  # no grad here on this rank: contribute zeros
         if self.in_place:
             s.shard_valid = True
@@ -425,7 +395,7 @@ class GradSync:
         """
         self.raise_hook_error()
         self.flush_all()
-        if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.any_in_buffer for s in self.states):
+        if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.in_buffer for s in self.states):
             self._finish_round()
         self.wait()
 
@@ -482,7 +452,7 @@ class GradSync:
         for s in self.states:
             s.clear_round()
         if set_to_none:
-            self.local_touched = [False] * self.n_params
+            self.stager.clear_touched()
             for s in self.states:
                 s.shard_valid = False
             self.grad_since_zero = False

@@ -172,3 +172,38 @@ def test_python_hooks_staging_bounded(world: int) -> None:
 
 def test_cases_core_run_the_hooks_this_module_names() -> None:
     assert set(PARITY_CASES) <= set(cases_core.CASES)
+
+
+@needs_native
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_native_land_mixed_layouts_and_dtypes(buffer_dtype) -> None:
+    """Grads with their param's strides and the buffer's dtype are copied as byte ranges, any
+    other (other strides, other dtype: the bf16 buffer, a large CPU grad) through a view: all
+    equal the reference."""
+    from shardamp.optim import reference
+
+    torch.manual_seed(0)
+    params = [torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_(),
+              torch.zeros(7, requires_grad=True), torch.zeros(300_000, requires_grad=True),
+              torch.zeros(3, 4).t().requires_grad_()]
+    grads = [torch.randn(2, 3, 4, 5),  # contiguous grad for a channels_last param: a view
+             torch.randn(7),
+             torch.randn(300_000),  # over 1 MiB on the CPU: a view (copy_ uses the thread pool)
+             torch.randn(3, 4).t()]  # the param's own (transposed) strides: a byte range
+    offsets, off = [], 0
+    for p in params:
+        offsets.append(off)
+        off += p.numel() + 3  # gaps stay zero
+    stager = NATIVE.GradStager(params, [0] * 4, offsets, [p.numel() * 4 for p in params], [4], [1 << 30],
+                               lambda e, a: None)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p.grad = g.clone()
+        stager.stage(i)
+    full = torch.zeros(off, dtype=buffer_dtype)
+    expect = torch.zeros(off, dtype=buffer_dtype)
+    assert stager.land(0, full) == [0, 1, 2, 3]
+    reference.land_grads(expect, grads, params, offsets, accumulate=False)
+    assert torch.equal(full, expect)
+    assert stager.touched() == b"\x01\x01\x01\x01"
+    stager.clear_touched()
+    assert stager.touched() == b"\x00" * 4
