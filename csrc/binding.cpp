@@ -27,6 +27,8 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
 }  // namespace cuda
 #endif
 
+void register_grad_stager(py::module& m);  // grad_stager.cpp
+
 namespace {
 
 #define SHARDAMP_STR2(x) #x
@@ -297,6 +299,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("found_inf"), py::arg("steps"), py::arg("touched"));
   m.def("views_intact", &shardamp::views_intact, "Params still are their buffer views (pointer, dtype, shape, strides) without .grad",
         py::arg("params"), py::arg("refs"));
+  shardamp::register_grad_stager(m);
   m.attr("CHUNK") = shardamp::kChunk;
   m.attr("CUDA_CHUNK") = shardamp::kCudaChunk;
   m.def("cpu_capability", &shardamp::cpu_capability, "Which CPU kernel build runs here");

@@ -155,46 +155,58 @@ class _Compiled(torch.nn.Module):
 
 
 # ------------------------------------------------------------------------------ backward host time
-def backward_host(impl: str, count: int, numel: int, device: torch.device, iters: int, dtype=torch.float32):
-    """Median host microseconds of ``loss.backward()`` over ``iters`` backwards of ManyParams."""
-    torch.manual_seed(0)
-    model = ManyParams(count, numel).to(device=device, dtype=dtype)
-    one = torch.ones((), device=device)
-    return _backward_host_model(impl, model, lambda m: m(one), device, iters)
+IMPLS = ("torch", "ddp", "shardamp")
 
 
-def _backward_host_model(impl: str, model: torch.nn.Module, forward: Callable, device: torch.device,
-                         iters: int) -> float:
-    """``impl``: 'torch' (plain autograd into .grad), 'ddp' (DDP's reducer at this world size)
-    or 'shardamp' (DistributedFusedAdam's hooks); ``forward(module)`` returns the loss."""
-    opt = None
-    run = model
-    if impl == "shardamp":
-        opt = DistributedFusedAdam(model.parameters(), lr=1e-4)
-    elif impl == "ddp":
-        ids = [device.index or 0] if device.type == "cuda" else None
-        run = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
-    times = []
+def backward_host(make_model: Callable[[], torch.nn.Module], forward: Callable, device: torch.device,
+                  iters: int) -> Dict[str, float]:
+    """Median host microseconds of ``loss.backward()`` per impl: 'torch' (plain autograd into
+    .grad), 'ddp' (DDP's reducer at this world size), 'shardamp' (DistributedFusedAdam's hooks).
+    One model per impl, built alike; the impls take turns every iteration (the order rotates),
+    so a drift of the machine's speed hits them all alike. ``forward(module)`` returns the loss."""
+    runs = {}
+    for impl in IMPLS:
+        model = make_model()
+        opt, run = None, model
+        if impl == "shardamp":
+            opt = DistributedFusedAdam(model.parameters(), lr=1e-4)
+        elif impl == "ddp":
+            ids = [device.index or 0] if device.type == "cuda" else None
+            run = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        runs[impl] = (model, run, opt)
+    times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
     for i in range(iters + 3):
-        if opt is not None:
-            opt.zero_grad()
-        else:
-            model.zero_grad(set_to_none=True)
-        loss = forward(run)
-        sync(device)
-        t0 = time.perf_counter()
-        loss.backward()
-        t1 = time.perf_counter()
-        sync(device)
-        if i >= 3:
-            times.append((t1 - t0) * 1e6)
-    if opt is not None:
-        opt.step()  # consumes the round
-    return statistics.median(times)
+        k = i % len(IMPLS)
+        for impl in IMPLS[k:] + IMPLS[:k]:
+            model, run, opt = runs[impl]
+            if opt is not None:
+                opt.zero_grad()
+            else:
+                model.zero_grad(set_to_none=True)
+            loss = forward(run)
+            sync(device)
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
+            sync(device)
+            if i >= 3:
+                times[impl].append((t1 - t0) * 1e6)
+            if opt is not None and i % 8 == 7:
+                opt.step()  # a round is consumed now and then, as in training
+    return {impl: statistics.median(t) for impl, t in times.items()}
 
 
-def _backward_row(name: str, n: int, us: Dict[str, List[float]]) -> dict:
-    med = {k: statistics.median(v) for k, v in us.items()}
+def _many_params(count: int, numel: int, device: torch.device):
+    one = torch.ones((), device=device)
+
+    def make():
+        torch.manual_seed(0)
+        return ManyParams(count, numel).to(device=device)
+
+    return make, (lambda m: m(one))
+
+
+def _backward_row(name: str, n: int, med: Dict[str, float]) -> dict:
     row = dict(kind="backward", name=name, params=n, torch_us=med["torch"], ddp_us=med["ddp"],
                shardamp_us=med["shardamp"], ddp_per_param_us=(med["ddp"] - med["torch"]) / n,
                shardamp_per_param_us=(med["shardamp"] - med["torch"]) / n)
@@ -202,19 +214,14 @@ def _backward_row(name: str, n: int, us: Dict[str, List[float]]) -> dict:
     return row
 
 
-IMPLS = ("torch", "ddp", "shardamp")
-
-
 def backward_rows(args, device: torch.device, wanted) -> List[dict]:
     rows = []
     count, numel = (64, 256) if args.small else (1024, 4096)
     name = f"backward host {count}x{numel}"
+    iters = args.iters * args.repeats
     if wanted(name):
-        us: Dict[str, List[float]] = {k: [] for k in IMPLS}
-        for _ in range(args.repeats):  # interleaved repeats
-            for impl in IMPLS:
-                us[impl].append(backward_host(impl, count, numel, device, args.iters * 2))
-        rows.append(_backward_row(name, count, us))
+        make, forward = _many_params(count, numel, device)
+        rows.append(_backward_row(name, count, backward_host(make, forward, device, iters)))
     specs = model_specs(device, args.small)
     spec_name = "resnet50" if "resnet50" in specs else "small resnet"
     name = f"backward host {spec_name}"
@@ -227,25 +234,16 @@ def backward_rows(args, device: torch.device, wanted) -> List[dict]:
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 return F.cross_entropy(m(*inputs), target)
 
-        us = {k: [] for k in IMPLS}
-        for _ in range(max(args.repeats // 2, 1)):
-            for impl in IMPLS:
-                model = build_model(spec, device)
-                n = len(list(model.parameters()))
-                us[impl].append(_backward_host_model(impl, model, forward, device, args.iters * 2))
-        rows.append(_backward_row(name, n, us))
+        n = len(list(build_model(spec, device).parameters()))
+        rows.append(_backward_row(name, n, backward_host(lambda: build_model(spec, device), forward, device, iters)))
     return rows
 
 
 def _world2_worker(rank: int, tmp: str, count: int, numel: int, iters: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg2", rank=rank, world_size=2)
     torch.set_num_threads(1)
-    dev = torch.device("cpu")
-    res: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
-    for _ in range(3):
-        for impl in IMPLS:
-            res[impl].append(backward_host(impl, count, numel, dev, iters))
-            dist.barrier()
+    make, forward = _many_params(count, numel, torch.device("cpu"))
+    res = backward_host(make, forward, torch.device("cpu"), iters)  # same order on both ranks
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -257,7 +255,7 @@ def world2_rows(args) -> List[dict]:
     count, numel = (64, 256) if args.small else (1024, 4096)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "w2.json")
-        mp.spawn(_world2_worker, args=(tmp, count, numel, args.iters * 2, out), nprocs=2, join=True)
+        mp.spawn(_world2_worker, args=(tmp, count, numel, args.iters * 3, out), nprocs=2, join=True)
         us = json.loads(Path(out).read_text())
     return [_backward_row(f"backward host {count}x{numel} world 2 gloo", count, us)]
 

@@ -208,17 +208,12 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
             ddp = find_ddp(params)
             if ddp is not None:
                 raise ddp_error(ddp)
-            raise RuntimeError(
-                f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}) has a .grad the "
-                "optimizer never received, so it would not be trained. Its grad hook exists only "
-                "if it required grad when the optimizer was built: build the optimizer with every "
-                "param that will ever train requiring grad (freeze by zeroing its lr in its param "
-                "group instead), and do not assign param.grad by hand."
-            )
         # a zero-element param has no storage to compare (its data_ptr is 0): shape and dtype only
         moved = p.data_ptr() != ref.data_ptr() and p.numel() > 0
+        # checked before the stray grad: a new dtype or device also gives the param a new grad
+        # accumulator, without the optimizer's hook, so its grad stays in .grad
         if moved or p.dtype != ref.dtype or p.shape != ref.shape or p.stride() != ref.stride():
-            if reattach(i):
+            if p.grad is None and reattach(i):
                 continue
             raise RuntimeError(
                 f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}, dtype "
@@ -226,6 +221,14 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
                 "lost. Something replaced its storage (module.to(dtype/device), p.data = ..., "
                 "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
                 "optimizer, and load weights with load_state_dict(assign=False)."
+            )
+        if p.grad is not None:
+            raise RuntimeError(
+                f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}) has a .grad the "
+                "optimizer never received, so it would not be trained. Its grad hook exists only "
+                "if it required grad when the optimizer was built: build the optimizer with every "
+                "param that will ever train requiring grad (freeze by zeroing its lr in its param "
+                "group instead), and do not assign param.grad by hand."
             )
 
 

@@ -1,10 +1,11 @@
 """Backward-time gradient plumbing: grads into bucket buffers, buckets reduce-scattered in a
 fixed order.
 
-A post-accumulate-grad hook takes each param's grad (``param.grad = None``) and STAGES it: the
-grads of a bucket are copied into its full-size buffer together, with one multi-tensor copy
-(``torch._foreach_copy_``) when the bucket is complete (or its staged bytes reach
-``flush_bytes``), not one copy launch and one view per param. Buckets are reduce-scattered in
+A hook on each param's grad accumulator takes its grad (``param.grad = None``) and STAGES it
+(grad_stager.py: in C++ where the kernels are built, calling Python a few times per bucket, not
+per param): the grads of a bucket are copied into its full-size buffer together, with one
+multi-tensor copy (``torch._foreach_copy_``) when the bucket is complete (or its staged bytes
+reach ``flush_bytes``), not one copy launch and one view per param. Buckets are reduce-scattered in
 index order on every rank: a bucket whose params have all produced their grad is launched as
 soon as every bucket before it has been, so the collectives overlap the rest of backward, and
 the buckets left over (params that got no grad on this rank) are flushed by an end-of-backward
@@ -25,14 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from . import _compat, kernels, norms
+from . import _compat, grad_stager, kernels, norms
 from .buffers import BucketBuffers
 from .comm import Comm
 from .layout import Bucket, ParamSlot
@@ -53,8 +53,6 @@ class ParamGrad:
     offset: int  # its first element in the bucket buffer
     nbytes: int  # bytes its staged grad holds
     bucket: "BucketGrads"
-    staged: bool = False  # taken from param.grad, not yet copied into the bucket buffer
-    in_buffer: bool = False  # a grad of it is in the bucket buffer, not reduced yet (add, not copy)
 
 
 @dataclass(eq=False)
@@ -68,25 +66,19 @@ class BucketGrads:
     flush_bytes: int  # staged bytes that trigger a copy into the buffer
     partial: Tensor  # its row of GradSync.partials: [sum g^2, non-finite flag] of the shard
     params: List[ParamGrad] = field(default_factory=list)  # every param of the bucket
-    fired: int = 0  # params that produced their grad in the current backward
-    staged: List[ParamGrad] = field(default_factory=list)  # in hook order, with staged_grads
-    staged_grads: List[Tensor] = field(default_factory=list)
-    staged_bytes: int = 0
-    any_in_buffer: bool = False  # the ``in_buffer`` flag of some param of the bucket is set
+    # (its staged grads and the count of params that fired in this backward: the stager's)
+    # stager indices of the params whose grad is in the buffer, not reduced yet (a second grad
+    # of one of them is added, not copied)
+    in_buffer: set = field(default_factory=set)
     full: Optional[Tensor] = None  # the full-size grad buffer (one process: the shard itself)
     dirty: bool = False  # ``full`` holds stale grads: zero before use
     shard_valid: bool = False  # the shard holds grads since zero_grad (a reduction adds to them)
     partial_valid: bool = False  # ``partial`` is current for the shard
 
     def clear_round(self) -> None:
-        """Forget this backward's readiness and staging (zero_grad)."""
-        for p in self.staged:
-            p.staged = False
-        if self.any_in_buffer:
-            for p in self.params:
-                p.in_buffer = False
-        self.fired, self.staged, self.staged_grads, self.staged_bytes = 0, [], [], 0
-        self.any_in_buffer = self.partial_valid = False
+        """Forget which params' grads are in the buffer (zero_grad; the stager clears its own)."""
+        self.in_buffer.clear()
+        self.partial_valid = False
 
 
 @dataclass(eq=False)
@@ -138,8 +130,6 @@ class GradSync:
         self.callback_queued = False
         self.rounds_since_step = 0
         self.grad_since_zero = False
-        # host-side truth of "this param got a grad on this rank since zero_grad"
-        self.local_touched = [False] * self.n_params
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
         # backward only the one small all-reduce remains (norms.sum_partials sums them).
@@ -155,6 +145,7 @@ class GradSync:
         ]
         # per param, what the hook needs
         self.record: dict[int, ParamGrad] = {}
+        self.entries: dict[int, ParamGrad] = {}  # by param index
         for i, p in enumerate(params):
             if i in self.slots:
                 slot = self.slots[i]
@@ -162,6 +153,7 @@ class GradSync:
                 entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state)
                 state.params.append(entry)
                 self.record[id(p)] = entry
+                self.entries[i] = entry
         for s in self.states:
             if self.in_place:
                 if self.release_shards:
@@ -173,51 +165,54 @@ class GradSync:
         self.pending: List[Reduction] = []
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
-        for p in params:
-            p._shardamp_owner = self.owner_token
-        ref = weakref.ref(self)  # hooks live as long as the params; they must not pin the buffers
-
-        def hook(param: torch.nn.Parameter) -> None:
-            me = ref()
-            if me is not None:
-                me._hook(param)
-
-        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        self.hook_error: Optional[BaseException] = None  # met by a native hook's callback
+        # the stager indexes params by their position in ``by_stager_index``
+        self.by_stager_index = [self.entries[i] for i in sorted(self.entries)]
+        self.stager_index = {e.index: k for k, e in enumerate(self.by_stager_index)}
+        self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device))
 
     # ---------------------------------------------------------------- backward
-    def _hook(self, param: torch.nn.Parameter) -> None:
-        # Runs once per param per backward: keep it to a few attribute and list operations.
+    def _hook(self, entry: ParamGrad) -> None:
+        """A grad was accumulated into ``entry``'s param (the Python hook: every grad; the native
+        one: the SLOW cases only, see grad_stager.py). Runs once per param per backward."""
+        param = entry.param
         grad = param.grad
         if grad is None:
             return
         if getattr(param, "_shardamp_owner", None) is not self.owner_token:
             return  # a newer optimizer took this param over; its own hook handles the grad
-        if grad.is_sparse:
-            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
-        param.grad = None
         if not self.callback_queued:  # first grad of this backward
             self.callback_queued = True
             self.backwards += 1
+            _compat.queue_backward_callback(self._end_of_backward)
+            self.stager.set_armed(True)
             if self.stepped_since_zero:
                 self._warn_no_zero_grad()
             self.grad_since_zero = True
-            _compat.queue_backward_callback(self._end_of_backward)
-        entry = self.record[id(param)]
-        s = entry.bucket
-        if entry.staged:  # a second grad before the flush: land the first one
+        if grad.is_sparse:
+            raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
+        k = self.stager_index[entry.index]
+        if self.stager.is_staged(k):  # a second grad before the flush: land the first one
+            self._flush(entry.bucket)
+        self._staged(entry.bucket, self.stager.stage(k))
+
+    def _on_event(self, event: int, arg: int) -> None:
+        if event == grad_stager.SLOW:
+            self._hook(self.by_stager_index[arg])
+        else:
+            self._staged(self.states[arg], event)
+
+    def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
+        if event != grad_stager.NONE:
             self._flush(s)
-        entry.staged = True
-        self.local_touched[entry.index] = True
-        s.staged.append(entry)
-        s.staged_grads.append(grad)
-        s.staged_bytes += entry.nbytes
-        s.fired += 1
-        if s.fired >= s.expected:
-            self._flush(s)
-            if self.enabled and self.overlap:
-                self._launch_ready()
-        elif s.staged_bytes >= s.flush_bytes:
-            self._flush(s)
+        if event == grad_stager.COMPLETE and self.enabled and self.overlap:
+            self._launch_ready()
+
+    def raise_hook_error(self) -> None:
+        """Raise the error a native hook's callback met (once)."""
+        exc, self.hook_error = self.hook_error, None
+        if exc is not None:
+            raise exc
 
     def _warn_no_zero_grad(self) -> None:
         self.stepped_since_zero = False
@@ -247,39 +242,55 @@ class GradSync:
 
     def _flush(self, s: BucketGrads) -> None:
         """Copy (or add) bucket ``s``'s staged grads into its buffer: one multi-tensor op each."""
-        staged = s.staged
-        if not staged:
+        stager = self.stager
+        if not stager.staged_count(s.index):
             return
-        grads = s.staged_grads
-        s.staged, s.staged_grads, s.staged_bytes = [], [], 0
         full = self._writable_full(s)
         s.partial_valid = False
-        for p in staged:
-            p.staged = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         acc_all = self.in_place and s.shard_valid
-        if acc_all or not s.any_in_buffer:  # the common cases: all adds, or all copies
-            for p in staged:
-                p.in_buffer = True
-            s.any_in_buffer = True
-            _land_grads(full, staged, grads, accumulate=acc_all)
+        if not acc_all and not s.in_buffer:  # the common case: all copies (natively if it can)
+            landed = stager.land(s.index, full)
+            if landed is None:
+                landed, grads = stager.take(s.index)
+                _land_grads(full, self._entries(landed), grads, accumulate=False)
+            s.in_buffer.update(landed)
             return
-        copies: List[ParamGrad] = []
+        indices, grads = stager.take(s.index)
+        if acc_all:
+            _land_grads(full, self._entries(indices), grads, accumulate=True)
+            s.in_buffer.update(indices)
+            return
+        copies: List[int] = []
         copy_grads: List[Tensor] = []
-        adds: List[ParamGrad] = []
+        adds: List[int] = []
         add_grads: List[Tensor] = []
-        for p, grad in zip(staged, grads):
-            if p.in_buffer:
-                adds.append(p)
+        for k, grad in zip(indices, grads):
+            if k in s.in_buffer:
+                adds.append(k)
                 add_grads.append(grad)
             else:
-                copies.append(p)
+                copies.append(k)
                 copy_grads.append(grad)
-            p.in_buffer = True
+        s.in_buffer.update(indices)
         if copies:
-            _land_grads(full, copies, copy_grads, accumulate=False)
+            _land_grads(full, self._entries(copies), copy_grads, accumulate=False)
         if adds:
-            _land_grads(full, adds, add_grads, accumulate=True)
+            _land_grads(full, self._entries(adds), add_grads, accumulate=True)
+
+    def _entries(self, stager_indices: List[int]) -> List[ParamGrad]:
+        return [self.by_stager_index[k] for k in stager_indices]
+
+    @property
+    def local_touched(self) -> List[bool]:
+        """Host-side truth of "this param got a grad on this rank since zero_grad", per param of
+        the optimizer."""
+        flags = self.stager.touched()
+        out = [False] * self.n_params
+        for k, entry in enumerate(self.by_stager_index):
+            if flags[k]:
+                out[entry.index] = True
+        return out
 
     def flush_all(self) -> None:
         for s in self.states:
@@ -291,23 +302,24 @@ class GradSync:
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
         states = self.states
-        while self.next_launch < len(states) and states[self.next_launch].fired >= states[self.next_launch].expected:
+        fired = self.stager.fired
+        while self.next_launch < len(states) and fired(self.next_launch) >= states[self.next_launch].expected:
             self._launch(states[self.next_launch])
 
     def _end_of_backward(self) -> None:
         self.callback_queued = False
+        self.stager.set_armed(False)
+        self.raise_hook_error()
         self.flush_all()
         if self.overlap and self.enabled:
             self._finish_round()
-        for s in self.states:
-            s.fired = 0
+        self.stager.reset_fired()
 
     def _finish_round(self) -> None:
         while self.next_launch < len(self.states):
             self._launch(self.states[self.next_launch])
         self.next_launch = 0
-        for s in self.states:
-            s.fired = 0
+        self.stager.reset_fired()
         self.rounds_since_step += 1
         self.partials_zeroed = False  # the next round recomputes (and first zeroes) them all
 
@@ -315,10 +327,7 @@ class GradSync:
         """Reduce-scatter bucket ``s`` (every rank calls this for every bucket, in order)."""
         self.next_launch = s.index + 1
         self._flush(s)
-        if s.any_in_buffer:
-            for p in s.params:
-                p.in_buffer = False
-            s.any_in_buffer = False
+        s.in_buffer.clear()
         full = self._writable_full(s)  # no grad here on this rank: contribute zeros
         if self.in_place:
             s.shard_valid = True
@@ -384,8 +393,9 @@ class GradSync:
         A step always consumes at least one complete round, so a rank whose backward touched
         none of the params still joins the collectives the other ranks issued.
         """
+        self.raise_hook_error()
         self.flush_all()
-        if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.any_in_buffer for s in self.states):
+        if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.in_buffer for s in self.states):
             self._finish_round()
         self.wait()
 
@@ -436,10 +446,13 @@ class GradSync:
         self.next_launch = 0
         self.partials_zeroed = False
         self.callback_queued = False  # a backward that raised never ran its callback
+        self.stager.set_armed(False)
+        self.stager.clear()
+        self.hook_error = None
         for s in self.states:
             s.clear_round()
         if set_to_none:
-            self.local_touched = [False] * self.n_params
+            self.stager.clear_touched()
             for s in self.states:
                 s.shard_valid = False
             self.grad_since_zero = False
@@ -472,9 +485,9 @@ class GradSync:
         self.remove_hooks()
 
     def remove_hooks(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
+        stager = getattr(self, "stager", None)
+        if stager is not None:
+            stager.remove()
 
 
 def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:

@@ -70,6 +70,11 @@ def _brief(exc: Exception, lines: int = 6) -> str:
     return " ".join([text[0], "...", *text[-lines:]])
 
 
+def native_module(device: torch.device) -> Optional[Any]:
+    """The built extension serving ``device`` (its ``GradStager`` among others), or None."""
+    return _native(device)
+
+
 def backend(device: torch.device) -> str:
     """'native' or 'reference': what runs for tensors on ``device``."""
     return "reference" if _native(device) is None else "native"

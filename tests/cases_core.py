@@ -160,8 +160,8 @@ def case_grad_staging_and_release(rank, world, **kw):
         gs = opt._grad_sync
         worst = []
 
-        def watch(_p, gs=gs, worst=worst):  # registered after the optimizer's hook: runs after it
-            worst.append(max(s.staged_bytes - s.flush_bytes for s in gs.states))
+        def watch(_p, gs=gs, worst=worst):  # sees the staging after the previous grad (a native hook runs after it)
+            worst.append(max(gs.stager.staged_bytes(s.index) - s.flush_bytes for s in gs.states))
 
         handles = [p.register_post_accumulate_grad_hook(watch) for p in model.parameters()]
         grads = []

@@ -1,0 +1,192 @@
+"""Where a param's grad waits between its hook and its bucket's copy: the staging lists, the
+per-bucket counts, and the backward hook that fills them.
+
+Two implementations with the same methods:
+
+* the native ``GradStager`` (csrc/grad_stager.cpp), used wherever the fused kernels are built:
+  its hook is a C++ post hook on each param's grad accumulator, as DDP's reducer has. It stages
+  a grad without the GIL and calls ``callback(event, arg)`` only for the events below, so a
+  backward calls Python a few times per bucket instead of once per param (a Python hook per
+  param costs ~10 us of host time each on a GPU host, where the whole AccumulateGrad costs ~2);
+* :class:`PyStager`, the reference and the fallback (pure PyTorch kernels), hooked with
+  ``register_post_accumulate_grad_hook``; its hook calls ``on_param`` for every grad and the
+  caller stages it.
+
+Events (``callback(event, arg)``):
+
+* ``SLOW`` (arg: param index): Python decides: the first grad of a backward (until
+  ``set_armed(True)``), a grad that is not strided (sparse), a param staged twice before its
+  bucket was copied. The grad is still in ``param.grad``; Python calls ``stage(index)``.
+* ``FLUSH`` (arg: bucket): the bucket's staged bytes reached its flush size: copy it (``land``).
+* ``COMPLETE`` (arg: bucket): every param of the bucket produced its grad in this backward.
+
+``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
+touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
+event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a bucket's staged
+``(indices, grads)``; ``land(b, full)`` copies them into their views of the flat buffer ``full``
+(native only; ``PyStager.land`` returns None and the caller takes and copies).
+"""
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from torch import Tensor
+
+NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
+
+
+class PyStager:
+    """The reference staging (see the module docstring); ``attach`` registers Python hooks that
+    call ``on_param(index)`` for every param whose grad was accumulated."""
+
+    def __init__(self, params: Sequence[Tensor], bucket_of: Sequence[int], offset: Sequence[int],
+                 nbytes: Sequence[int], expected: Sequence[int], flush_bytes: Sequence[int]) -> None:
+        self.params = list(params)
+        self.bucket_of = list(bucket_of)
+        self.nbytes = list(nbytes)
+        self.expected = list(expected)
+        self.flush_bytes = list(flush_bytes)
+        self.staged = [False] * len(self.params)
+        self.touched_flags = bytearray(len(self.params))
+        self.pending: List[List[Tuple[int, Tensor]]] = [[] for _ in self.expected]
+        self.bytes = [0] * len(self.expected)
+        self.counts = [0] * len(self.expected)
+        self.handles: list = []
+
+    def attach(self, on_param: Callable[[int], None]) -> None:
+        def make(index: int):
+            return lambda _param: on_param(index)
+
+        self.handles = [p.register_post_accumulate_grad_hook(make(i))
+                        for i, p in enumerate(self.params) if p.requires_grad]
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def hooks(self) -> int:
+        return len(self.handles)
+
+    def stage(self, i: int) -> int:
+        p = self.params[i]
+        grad = p.grad
+        if grad is None or self.staged[i]:
+            raise RuntimeError(f"PyStager.stage: param {i} has no grad or is staged already")
+        b = self.bucket_of[i]
+        p.grad = None
+        self.pending[b].append((i, grad))
+        self.staged[i] = True
+        self.touched_flags[i] = 1
+        self.bytes[b] += self.nbytes[i]
+        self.counts[b] += 1
+        if self.counts[b] >= self.expected[b]:
+            return COMPLETE
+        return FLUSH if self.bytes[b] >= self.flush_bytes[b] else NONE
+
+    def take(self, b: int) -> Tuple[List[int], List[Tensor]]:
+        staged, self.pending[b], self.bytes[b] = self.pending[b], [], 0
+        for i, _ in staged:
+            self.staged[i] = False
+        return [i for i, _ in staged], [g for _, g in staged]
+
+    def land(self, b: int, full: Tensor) -> Optional[List[int]]:
+        return None
+
+    def touched(self) -> bytes:
+        return bytes(self.touched_flags)
+
+    def clear_touched(self) -> None:
+        self.touched_flags = bytearray(len(self.params))
+
+    def is_staged(self, i: int) -> bool:
+        return self.staged[i]
+
+    def staged_count(self, b: int) -> int:
+        return len(self.pending[b])
+
+    def staged_bytes(self, b: int) -> int:
+        return self.bytes[b]
+
+    def fired(self, b: int) -> int:
+        return self.counts[b]
+
+    def reset_fired(self) -> None:
+        self.counts = [0] * len(self.expected)
+
+    def clear(self) -> None:
+        self.pending = [[] for _ in self.expected]
+        self.staged = [False] * len(self.params)
+        self.bytes = [0] * len(self.expected)
+        self.counts = [0] * len(self.expected)
+
+    def set_armed(self, armed: bool) -> None:
+        pass  # every grad goes through on_param
+
+    def disown(self, i: int) -> None:
+        pass  # the Python hook checks the param's owner itself
+
+
+def make_stager(native, params: Sequence[Tensor], bucket_of: Sequence[int], offset: Sequence[int],
+                nbytes: Sequence[int], expected: Sequence[int], flush_bytes: Sequence[int],
+                on_event: Callable[[int, int], None], on_param: Callable[[int], None]):
+    """The native stager where ``native`` (the kernels' extension, or None) has one, hooked and
+    calling ``on_event``; else a :class:`PyStager` whose Python hooks call ``on_param``."""
+    args = (list(params), list(bucket_of), list(offset), list(nbytes), list(expected), list(flush_bytes))
+    if native is not None and hasattr(native, "GradStager") and not _python_hooks_forced():
+        stager = native.GradStager(*args, on_event)
+        stager.attach()
+        return stager
+    stager = PyStager(*args)
+    stager.attach(on_param)
+    return stager
+
+
+def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
+    """The stager of a ``GradSync`` (grad_sync.py), hooked: its Python hook calls
+    ``sync._hook(entry)``, the native one ``sync._on_event(event, arg)``. An error in the latter
+    must not cross the C++ hook: it is kept in ``sync.hook_error`` and raised at the end of
+    backward (``GradSync.raise_hook_error``); the rest of that backward's events are dropped. The
+    callbacks hold ``sync`` weakly: hooks live as long as the params and must not pin buffers.
+
+    ``params`` now belong to ``sync`` (``_shardamp_owner``, which the Python hook checks): the
+    native stager of an older GradSync over one of them disowns it."""
+    ref = weakref.ref(sync)
+    for p in params:
+        older = getattr(p, "_shardamp_grad_sync", None)
+        older = older() if older is not None else None
+        if older is not None and id(p) in older.record:
+            older.stager.disown(older.stager_index[older.record[id(p)].index])
+        p._shardamp_owner = sync.owner_token
+        p._shardamp_grad_sync = ref
+
+    def on_param(index: int) -> None:
+        me = ref()
+        if me is not None:
+            me._hook(me.by_stager_index[index])
+
+    def on_event(event: int, arg: int) -> None:
+        me = ref()
+        if me is None or me.hook_error is not None:
+            return
+        try:
+            me._on_event(event, arg)
+        except BaseException as exc:  # noqa: BLE001 - re-raised at the end of backward
+            me.hook_error = exc
+
+    entries = sync.by_stager_index
+    return make_stager(native, [e.param for e in entries], [e.bucket.index for e in entries],
+                       [e.offset for e in entries], [e.nbytes for e in entries],
+                       [s.expected for s in sync.states], [s.flush_bytes for s in sync.states],
+                       on_event, on_param)
+
+
+def _python_hooks_forced() -> bool:
+    """``SHARDAMP_PYTHON_GRAD_HOOKS=1``: the Python hooks even where the native ones exist (to
+    test both, or to rule the native hook out)."""
+    return os.environ.get("SHARDAMP_PYTHON_GRAD_HOOKS", "") == "1"
+
+
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "NONE", "SLOW", "FLUSH", "COMPLETE"]

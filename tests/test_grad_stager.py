@@ -1,0 +1,209 @@
+"""The backward hook's two implementations (optim/grad_stager.py): the native GradStager (a C++
+post hook on each grad accumulator, the default wherever the kernels build) against the
+reference PyStager, and whole training loops on the Python hooks, which the default no longer
+takes (the core parity cases at several world sizes, against torch.optim.AdamW)."""
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+import torch
+
+import cases_core
+from dist_helper import run_cases, run_distributed
+from shardamp.optim import DistributedFusedAdam, grad_stager, kernels
+from test_core import PARITY_CASES, check_parity_case, check_staging_case
+
+NATIVE = kernels.native_module(torch.device("cpu"))
+needs_native = pytest.mark.skipif(NATIVE is None or not hasattr(NATIVE, "GradStager"),
+                                  reason="the CPU kernels did not build")
+
+
+def _stagers():
+    """Three params in two buckets (2 + 1), flush after 40 bytes; the same for both kinds."""
+    params = [torch.zeros(4, 3, requires_grad=True), torch.zeros(5, requires_grad=True),
+              torch.zeros(2, 2).t().requires_grad_()]  # a transposed (non-contiguous) param
+    args = ([p for p in params], [0, 0, 1], [0, 12, 0], [48, 20, 16], [2, 1], [60, 16])
+    py = grad_stager.PyStager(*args)
+    events = []
+    native = NATIVE.GradStager(*args, lambda e, a: events.append((e, a)))
+    return params, py, native
+
+
+@needs_native
+def test_native_stager_matches_reference_staging() -> None:
+    params, py, native = _stagers()
+    out = {}
+    for name, st in (("py", py), ("native", native)):
+        log = []
+        for i, value in ((0, 1.0), (1, 2.0)):
+            params[i].grad = torch.full_like(params[i], value)
+            log.append(st.stage(i))
+            assert params[i].grad is None and st.is_staged(i)
+        log.append((st.fired(0), st.staged_bytes(0), st.staged_count(0)))
+        params[2].grad = torch.full((2, 2), 3.0).t()
+        log.append(st.stage(2))  # 16 >= 16 bytes and the bucket's only param: complete
+        idx, grads = st.take(0)
+        log.append((idx, [g.tolist() for g in grads], st.staged_count(0), st.is_staged(0), st.fired(0)))
+        st.reset_fired()
+        log.append((st.fired(0), st.fired(1)))
+        st.clear()
+        log.append((st.staged_count(1), st.is_staged(2)))
+        out[name] = log
+    assert out["py"] == out["native"]
+    assert out["py"][:2] == [grad_stager.NONE, grad_stager.COMPLETE]
+    assert out["py"][2] == (2, 68, 2) and out["py"][3] == grad_stager.COMPLETE
+
+
+@needs_native
+def test_native_land_equals_reference_land_grads() -> None:
+    from shardamp.optim import reference
+
+    params, _, native = _stagers()
+    full = torch.zeros(17)
+    expect = torch.zeros(17)
+    grads = [torch.randn(4, 3), torch.randn(5)]
+    for i, g in enumerate(grads):
+        params[i].grad = g.clone()
+        native.stage(i)
+    landed = native.land(0, full)
+    reference.land_grads(expect, grads, params[:2], [0, 12], accumulate=False)
+    assert landed == [0, 1] and torch.equal(full, expect) and native.staged_count(0) == 0
+    # a non-contiguous param lands with its own strides, as its view of the buffer has them
+    g = torch.arange(4.0).reshape(2, 2).t()
+    params[2].grad = g.clone()
+    native.stage(2)
+    flat = torch.zeros(4)
+    native.land(1, flat)
+    assert torch.equal(flat.as_strided((2, 2), params[2].stride()), g)
+
+
+def _model_and_opt(**kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    return model, DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4, **kw)
+
+
+@needs_native
+def test_default_hooks_are_native_and_removed_with_the_optimizer() -> None:
+    model, opt = _model_and_opt()
+    stager = opt._grad_sync.stager
+    assert type(stager).__name__ == "GradStager" and stager.hooks() == 4
+    opt._grad_sync.remove_hooks()
+    assert stager.hooks() == 0
+    model(torch.randn(3, 6)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())  # nobody took them
+
+
+@pytest.mark.parametrize("python_hooks", ["0", "1"])
+def test_newest_optimizer_owns_the_params(monkeypatch, python_hooks: str) -> None:
+    """A second optimizer over the same params takes their grads; the first one's hook stands
+    aside (its shards stay empty), as before, with either hook."""
+    monkeypatch.setenv("SHARDAMP_PYTHON_GRAD_HOOKS", python_hooks)
+    model, first = _model_and_opt()
+    second = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    ref.load_state_dict(model.state_dict())
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=second.defaults["weight_decay"])
+    for _ in range(3):
+        x = torch.randn(3, 6)
+        for m, o in ((model, second), (ref, ropt)):
+            o.zero_grad()
+            m(x).pow(2).sum().backward()
+            o.step()
+    assert not any(first._grad_sync.local_touched)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("python_hooks", ["0", "1"])
+def test_sparse_grad_raises_at_backward(monkeypatch, python_hooks: str) -> None:
+    monkeypatch.setenv("SHARDAMP_PYTHON_GRAD_HOOKS", python_hooks)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = DistributedFusedAdam(emb.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        emb(torch.tensor([1, 2])).sum().backward()
+    opt.zero_grad()  # recovers: the next backward of a dense loss trains
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        emb(torch.tensor([3])).sum().backward()
+
+
+def test_user_post_accumulate_hook_sees_the_grad_with_native_hooks() -> None:
+    """The native hook runs after the params' own post-accumulate-grad hooks (it is a post hook
+    of the accumulator): a user's hook sees the grad whatever the registration order."""
+    model, opt = _model_and_opt()
+    native = type(opt._grad_sync.stager).__name__ == "GradStager"
+    seen = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad is not None))
+    model(torch.randn(3, 6)).sum().backward()
+    assert len(seen) == 4 and all(seen) == native
+    assert all(p.grad is None for p in model.parameters())
+
+
+# ------------------------------------------------------------------ whole loops on the Python hooks
+def _run_with_python_hooks(rank: int, world: int, names):
+    os.environ["SHARDAMP_PYTHON_GRAD_HOOKS"] = "1"
+    out = run_cases(rank, world, "cases_core", names)
+    probe = DistributedFusedAdam([torch.nn.Parameter(torch.ones(3))], lr=1.0)
+    out["stager"] = ("ok", type(probe._grad_sync.stager).__name__)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _python_hook_results(world: int):
+    names = PARITY_CASES + ["case_grad_staging_and_release"]
+    return run_distributed(_run_with_python_hooks, world, names)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("case", PARITY_CASES)
+def test_python_hooks_parity_with_torch_adamw(world: int, case: str) -> None:
+    check_parity_case(_python_hook_results(world), case)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_python_hooks_staging_bounded(world: int) -> None:
+    results = _python_hook_results(world)
+    assert {r["stager"] for r in results} == {("ok", "PyStager")}
+    check_staging_case(results, world)
+
+
+def test_cases_core_run_the_hooks_this_module_names() -> None:
+    assert set(PARITY_CASES) <= set(cases_core.CASES)
+
+
+@needs_native
+@pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
+def test_native_land_mixed_layouts_and_dtypes(buffer_dtype) -> None:
+    """Grads with their param's strides and the buffer's dtype are copied as byte ranges, any
+    other (other strides, other dtype: the bf16 buffer, a large CPU grad) through a view: all
+    equal the reference."""
+    from shardamp.optim import reference
+
+    torch.manual_seed(0)
+    params = [torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_(),
+              torch.zeros(7, requires_grad=True), torch.zeros(300_000, requires_grad=True),
+              torch.zeros(3, 4).t().requires_grad_()]
+    grads = [torch.randn(2, 3, 4, 5),  # contiguous grad for a channels_last param: a view
+             torch.randn(7),
+             torch.randn(300_000),  # over 1 MiB on the CPU: a view (copy_ uses the thread pool)
+             torch.randn(3, 4).t()]  # the param's own (transposed) strides: a byte range
+    offsets, off = [], 0
+    for p in params:
+        offsets.append(off)
+        off += p.numel() + 3  # gaps stay zero
+    stager = NATIVE.GradStager(params, [0] * 4, offsets, [p.numel() * 4 for p in params], [4], [1 << 30],
+                               lambda e, a: None)
+    for i, (p, g) in enumerate(zip(params, grads)):
+        p.grad = g.clone()
+        stager.stage(i)
+    full = torch.zeros(off, dtype=buffer_dtype)
+    expect = torch.zeros(off, dtype=buffer_dtype)
+    assert stager.land(0, full) == [0, 1, 2, 3]
+    reference.land_grads(expect, grads, params, offsets, accumulate=False)
+    assert torch.equal(full, expect)
+    assert stager.touched() == b"\x01\x01\x01\x01"
+    stager.clear_touched()
+    assert stager.touched() == b"\x00" * 4
