@@ -175,35 +175,46 @@ def test_cases_core_run_the_hooks_this_module_names() -> None:
 
 
 @needs_native
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
 @pytest.mark.parametrize("buffer_dtype", [torch.float32, torch.bfloat16])
-def test_native_land_mixed_layouts_and_dtypes(buffer_dtype) -> None:
-    """Grads with their param's strides and the buffer's dtype are copied as byte ranges, any
-    other (other strides, other dtype: the bf16 buffer, a large CPU grad) through a view: all
-    equal the reference."""
+def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
+    """Grads with their param's strides and the buffer's dtype are copied as byte ranges (on
+    CUDA by the batched kernel, at 16-, 4- and 2-byte alignments: the 3-element gaps), any other
+    (other strides, other dtype: the bf16 buffer, a large CPU grad) through a view: all equal
+    the reference."""
     from shardamp.optim import reference
 
+    native = kernels.native_module(torch.device(device))
     torch.manual_seed(0)
     params = [torch.zeros(2, 3, 4, 5).contiguous(memory_format=torch.channels_last).requires_grad_(),
               torch.zeros(7, requires_grad=True), torch.zeros(300_000, requires_grad=True),
-              torch.zeros(3, 4).t().requires_grad_()]
+              torch.zeros(3, 4).t().requires_grad_(), torch.zeros(33, 17, requires_grad=True)]
     grads = [torch.randn(2, 3, 4, 5),  # contiguous grad for a channels_last param: a view
              torch.randn(7),
              torch.randn(300_000),  # over 1 MiB on the CPU: a view (copy_ uses the thread pool)
-             torch.randn(3, 4).t()]  # the param's own (transposed) strides: a byte range
+             torch.randn(3, 4).t(),  # the param's own (transposed) strides: a byte range
+             torch.randn(33, 17)]
+    params = [p.detach().to(device).requires_grad_() if device != "cpu" else p for p in params]
+    params[0] = params[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    params[3] = torch.zeros(3, 4, device=device).t().requires_grad_()
+    grads = [g.to(device) for g in grads]
+    grads[3] = torch.randn(3, 4, device=device).t()
     offsets, off = [], 0
     for p in params:
         offsets.append(off)
         off += p.numel() + 3  # gaps stay zero
-    stager = NATIVE.GradStager(params, [0] * 4, offsets, [p.numel() * 4 for p in params], [4], [1 << 30],
+    n = len(params)
+    stager = native.GradStager(params, [0] * n, offsets, [p.numel() * 4 for p in params], [n], [1 << 30],
                                lambda e, a: None)
     for i, (p, g) in enumerate(zip(params, grads)):
         p.grad = g.clone()
         stager.stage(i)
-    full = torch.zeros(off, dtype=buffer_dtype)
-    expect = torch.zeros(off, dtype=buffer_dtype)
-    assert stager.land(0, full) == [0, 1, 2, 3]
+    full = torch.zeros(off, dtype=buffer_dtype, device=device)
+    expect = torch.zeros(off, dtype=buffer_dtype, device=device)
+    assert stager.land(0, full) == list(range(n))
     reference.land_grads(expect, grads, params, offsets, accumulate=False)
     assert torch.equal(full, expect)
-    assert stager.touched() == b"\x01\x01\x01\x01"
+    assert stager.touched() == b"\x01" * n
     stager.clear_touched()
-    assert stager.touched() == b"\x00" * 4
+    assert stager.touched() == b"\x00" * n
