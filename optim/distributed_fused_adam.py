@@ -188,7 +188,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._grad_sync = GradSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
-            keep_buffers=capturable,
+            keep_buffers=capturable, native_hooks=not capturable,
         )
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)

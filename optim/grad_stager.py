@@ -12,6 +12,14 @@ Two implementations with the same methods:
   ``register_post_accumulate_grad_hook``; its hook calls ``on_param`` for every grad and the
   caller stages it.
 
+The native hook holds each param's grad accumulator (a param holds its own only weakly; the
+hook lives on it), as DDP's reducer does, so the accumulator keeps the stream current when the
+optimizer was built. A backward on another stream makes torch warn ("The AccumulateGrad node's
+stream does not match ...") and sync the two streams; a CUDA-graph capture on its own stream
+would be invalidated by that sync. So ``capturable=True`` optimizers take the Python hooks, whose
+accumulators are made by each forward on its own stream (under capture: the capture stream);
+so does ``SHARDAMP_PYTHON_GRAD_HOOKS=1``.
+
 Events (``callback(event, arg)``):
 
 * ``SLOW`` (arg: param index): Python decides: the first grad of a backward (until

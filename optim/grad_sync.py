@@ -107,6 +107,7 @@ class GradSync:
         comm: Comm,
         overlap: bool,
         keep_buffers: bool,
+        native_hooks: bool = True,
     ) -> None:
         self.comm = comm
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
@@ -169,7 +170,10 @@ class GradSync:
         # the stager indexes params by their position in ``by_stager_index``
         self.by_stager_index = [self.entries[i] for i in sorted(self.entries)]
         self.stager_index = {e.index: k for k, e in enumerate(self.by_stager_index)}
-        self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device))
+        # CUDA graphs (capturable) take the Python hooks: a native hook holds each param's grad
+        # accumulator, which keeps the stream it was made on, and a capture on another stream
+        # would then wait on it (grad_stager.py)
+        self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
 
     # ---------------------------------------------------------------- backward
     def _hook(self, entry: ParamGrad) -> None:

@@ -218,3 +218,10 @@ def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
     assert stager.touched() == b"\x01" * n
     stager.clear_touched()
     assert stager.touched() == b"\x00" * n
+
+
+def test_capturable_takes_the_python_hooks() -> None:
+    """A native hook holds the grad accumulators (made on the construction stream): a CUDA-graph
+    capture on its own stream would wait on that stream, so capturable optimizers hook in Python."""
+    _, opt = _model_and_opt(capturable=True)
+    assert type(opt._grad_sync.stager).__name__ == "PyStager"
