@@ -38,7 +38,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ SECOND_NORM = "the all-reduce of a second norm type"
 REDUCE_SCATTER = "a gradient reduce-scatter (backward)"
 REPLICAS = "the all-reduce of a grad shard over the replicas"
 ALL_GATHER = "a param all-gather (end of step)"
+AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_state_dict, save_sharded, load_sharded)"
 
 
 def collective_timeout() -> Optional[float]:
@@ -130,43 +131,57 @@ _waiters: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
 def _wait_within(work: Any, timeout: float) -> bool:
     """Wait for ``work`` at most ``timeout`` seconds; False if it did not complete."""
+    done = threading.Event()
+    finish = when_done(work, done.set)
+    if not done.wait(timeout):
+        return False
+    finish()
+    return True
+
+
+def when_done(work: Any, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback`` (from any thread) once ``work`` completed or failed; returns the
+    function that then finishes it on the caller's thread (raising the backend's error)."""
     # gloo's wait(timeout) is not honoured by every collective (a reduce-scatter waits for the
     # group's timeout whatever it is given, and reports no completion before its wait)
     if work.is_completed():
-        work.wait()
-        return True
+        callback()
+        return work.wait
     try:
         future = work.get_future()
     except RuntimeError:  # a reduce-scatter on gloo has none: wait on a helper thread
         future = None
     if future is not None:
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        if not done.wait(timeout):
-            return False
-        work.wait()
-        return True
+        future.add_done_callback(lambda _: callback())
+        return work.wait
     global _waiters
     if _waiters is None:
-        # a wait that timed out keeps its thread until the group's timeout: room for several
-        _waiters = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="shardamp-wait")
-    try:
-        _waiters.submit(work.wait).result(timeout)
-    except concurrent.futures.TimeoutError:
-        return False
-    return True
+        # a wait that never completes keeps its thread until the group's timeout: room for several
+        _waiters = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="shardamp-wait")
+    pending = _waiters.submit(work.wait)
+    pending.add_done_callback(lambda _: callback())
+    return pending.result
+
+
+def forget_side_groups(groups: List[Any]) -> None:
+    """Drop aborted groups from the cache (a later optimizer over the parent builds new ones)."""
+    for key in [k for k, g in _side_groups.items() if any(g is x for x in groups)]:
+        del _side_groups[key]
 
 
 # ---------------------------------------------------------------- the report
 _incidents: Dict[str, int] = {}
 
 
-def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float]) -> RuntimeError:
-    """The error for a wait that failed: this rank's position, the others' (from the store),
-    the likely cause and the fix."""
-    mine = dict(comm.position(), waiting=what)
+def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float], mine: Optional[Dict[str, Any]] = None,
+             waited: Optional[str] = None, source: str = "gloo") -> RuntimeError:
+    """The error for a wait that failed: this rank's position (``mine``: where it was when it
+    issued the collective; default: now), the others' (from the store), the likely cause and
+    the fix."""
+    mine = dict(comm.position(), waiting=what) if mine is None else mine
     reports = _exchange(comm, mine, timeout)
-    waited = f"{timeout:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if timeout is not None else "the process group's timeout"
+    if waited is None:
+        waited = f"{timeout:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if timeout is not None else "the process group's timeout"
     lines = "; ".join(
         f"rank {r}: " + (_where(reports[r]) if r in reports else "no report (not waiting in one of this "
                          "optimizer's collectives: it stopped calling the optimizer, is busy, or crashed)")
@@ -180,7 +195,7 @@ def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float])
         "load_state_dict()/load_sharded() in the same sequence (a different number of backward passes or "
         "a skipped step() on one rank desynchronises them); set SHARDAMP_COLLECTIVE_TIMEOUT (seconds) to "
         f"bound the wait. Nothing after this point is consistent across ranks: stop training. "
-        f"(gloo: {_short(str(exc))})"
+        f"({source}: {_short(str(exc))})"
     )
 
 

@@ -207,8 +207,8 @@ def _only_rank0(rank, world, opt, call, seconds=4.0):
             error = _raised(call)
             return {"error": error, "seconds": time.monotonic() - t0}
         time.sleep(seconds + 4.0)
-        # complete rank 0's abandoned call
-        dist.all_reduce(torch.zeros(5), op=dist.ReduceOp.MAX, group=opt._comm.control_group)
+        # complete rank 0's abandoned call (its agreement flags travel over a group of their own)
+        dist.all_reduce(torch.zeros(7), op=dist.ReduceOp.MAX, group=opt._comm.call_group)
         return {"error": None, "seconds": 0.0}
     finally:
         del os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"]
@@ -269,26 +269,66 @@ def case_different_state_dicts(rank, world, **kw):
     return {"error": error, "untouched": all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))}
 
 
+def case_call_meets_stats_all_reduce(rank, world, **kw):
+    """state_dict() on rank 0 while the others compute an inf norm: two small all-reduces of
+    different sizes (gloo aborted the process when both shared one group); each rank raises in
+    bounded time, naming its own call."""
+    def misstep(opt, model, r, w):
+        _backward(model, r, w, step=2)
+        if r == 0:
+            opt.state_dict()
+        else:
+            opt.grad_norm(float("inf"))
+        return True
+    return _order_case(rank, world, misstep)
+
+
+def case_clip_in_last_step_on_one_rank(rank, world, tmp=None, **kw):
+    """The last step of a run clipped on rank 1 only: no later step compares it, so state_dict
+    and save_sharded do (and write nothing); after a step that clipped alike they work."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    _backward(model, rank, world)
+    opt.clip_grad_norm(1.0)
+    opt.step()
+    opt.zero_grad()
+    agreeing = _raised(opt.state_dict)
+    _backward(model, rank, world, step=1)
+    if rank == 1:
+        opt.clip_grad_norm(1e-3)
+    opt.step()
+    opt.zero_grad()
+    path = os.path.join(tmp, f"mixed-{world}")
+    return {"agreeing": agreeing, "state_dict": _raised(opt.state_dict),
+            "save_sharded": _raised(lambda: save_sharded(opt, path)), "written": os.path.exists(path)}
+
+
 # ---------------------------------------------------------------- collectives that do not line up
 ORDER_BOUND = 3.0  # SHARDAMP_COLLECTIVE_TIMEOUT of these cases (seconds)
 
 
-def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=60.0):
+def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=60.0, watchdog=False):
     """Train on a fresh group (a case that desynchronises it leaves it unusable; its timeout
     ``group_timeout`` s) with SHARDAMP_COLLECTIVE_TIMEOUT=``bound`` (None: unset); at step
     index 2 ``misstep(opt, model, rank, world)`` may replace rank 1's iteration (returns True if
     it did). Returns what each rank raised, at which iteration, and how long after that
-    iteration began."""
+    iteration began. ``watchdog``: SHARDAMP_COLLECTIVE_WATCHDOG=force, the path of CUDA params
+    (no bounded host wait; the monitor thread of collective_watchdog.py ends the wait), also
+    whether a later optimizer call raises the same error and which groups were aborted."""
     import datetime
 
     group = dist.new_group(list(range(world)), use_local_synchronization=True,
                            timeout=datetime.timedelta(seconds=group_timeout))
     if bound is not None:
         os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(bound)
+    if watchdog:
+        os.environ["SHARDAMP_COLLECTIVE_WATCHDOG"] = "force"
     try:
         torch.manual_seed(0)
         model = MLP()
         opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, process_group=group)
+        assert (opt._comm.watchdog is not None) == watchdog and opt._comm.bounded != watchdog
         t0 = time.monotonic()
         for step in range(steps):
             if step == 2:
@@ -299,65 +339,94 @@ def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=
                     opt.step()
                     opt.zero_grad()
             except (RuntimeError, ValueError) as exc:
-                return {"error": f"{type(exc).__name__}: {exc}", "at": step, "seconds": time.monotonic() - t0}
+                out = {"error": f"{type(exc).__name__}: {exc}", "at": step, "seconds": time.monotonic() - t0}
+                if watchdog:
+                    out["again"] = _raised(lambda: _backward(model, rank, world, step=step + 1))
+                    out["aborted"] = len(opt._comm.watchdog.aborted)
+                return out
         return {"error": "NO ERROR", "at": None, "seconds": time.monotonic() - t0}
     finally:
         os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
+        os.environ.pop("SHARDAMP_COLLECTIVE_WATCHDOG", None)
+
+
+def _skip_step(opt, model, r, w):  # the usual way to skip: drop the grads instead of stepping
+    if r != 1:
+        return False
+    _backward(model, r, w, step=2)
+    opt.zero_grad()
+    return True
+
+
+def _skip_step_keep_grads(opt, model, r, w):
+    if r != 1:
+        return False
+    _backward(model, r, w, step=2)
+    return True
+
+
+def _extra_backward(opt, model, r, w):
+    if r != 1:
+        return False
+    _backward(model, r, w, step=2)
+    _backward(model, r, w, step=2)
+    opt.step()
+    opt.zero_grad()
+    return True
+
+
+def _second_norm_on_one_rank(opt, model, r, w):
+    _backward(model, r, w, step=2)
+    opt.grad_norm()
+    if r == 1:
+        opt.grad_norm(1.0)  # one more (tiny) all-reduce on this rank only
+    opt.step()
+    opt.zero_grad()
+    return True
 
 
 def case_order_skipped_step(rank, world, **kw):
-    def misstep(opt, model, r, w):  # the usual way to skip: drop the grads instead of stepping
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
+    return _order_case(rank, world, _skip_step)
 
 
 def case_order_skipped_step_group_timeout(rank, world, **kw):
     """Without SHARDAMP_COLLECTIVE_TIMEOUT the process group's own timeout bounds the waits, with
     the same error."""
-    def misstep(opt, model, r, w):
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep, bound=None, group_timeout=ORDER_BOUND)
+    return _order_case(rank, world, _skip_step, bound=None, group_timeout=ORDER_BOUND)
 
 
 def case_order_skipped_step_kept_grads(rank, world, **kw):
-    def misstep(opt, model, r, w):
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        return True
-    return _order_case(rank, world, misstep)
+    return _order_case(rank, world, _skip_step_keep_grads)
 
 
 def case_order_extra_backward(rank, world, **kw):
-    def misstep(opt, model, r, w):
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        _backward(model, r, w, step=2)
-        opt.step()
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
+    return _order_case(rank, world, _extra_backward)
 
 
 def case_order_second_norm_type_on_one_rank(rank, world, **kw):
-    def misstep(opt, model, r, w):
-        _backward(model, r, w, step=2)
-        opt.grad_norm()
-        if r == 1:
-            opt.grad_norm(1.0)  # one more (tiny) all-reduce on this rank only
-        opt.step()
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
+    return _order_case(rank, world, _second_norm_on_one_rank)
+
+
+# the same with the watchdog (the path of CUDA params, where no wait is bounded on the host)
+def case_watched_skipped_step(rank, world, **kw):
+    return _order_case(rank, world, _skip_step, watchdog=True)
+
+
+def case_watched_skipped_step_group_timeout(rank, world, **kw):
+    """Unset, the bound is half the group's timeout (ORDER_BOUND here)."""
+    return _order_case(rank, world, _skip_step, bound=None, group_timeout=2 * ORDER_BOUND, watchdog=True)
+
+
+def case_watched_skipped_step_kept_grads(rank, world, **kw):
+    return _order_case(rank, world, _skip_step_keep_grads, watchdog=True)
+
+
+def case_watched_extra_backward(rank, world, **kw):
+    return _order_case(rank, world, _extra_backward, watchdog=True)
+
+
+def case_watched_second_norm_type_on_one_rank(rank, world, **kw):
+    return _order_case(rank, world, _second_norm_on_one_rank, watchdog=True)
 
 
 def case_order_clip_on_one_rank(rank, world, **kw):
