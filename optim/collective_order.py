@@ -7,28 +7,30 @@ the process on the size mismatch (SIGABRT, "Received data size doesn't match exp
 where the sizes happen to match, mixes unrelated data. Three rules turn every such mismatch into
 one ``RuntimeError`` on every rank that waits:
 
-* Tag spaces (gloo only). The optimizer's collectives go over three process groups spanning the
+* Tag spaces (gloo only). The optimizer's collectives go over four process groups spanning the
   same ranks, created once per group and reused by every optimizer over it: the reduce-scatters
   (and the construction and state-dict collectives) over the optimizer's own group, the param
-  all-gathers over a second, the small all-reduces (the step's stats, a second norm type, the
-  agreement at each collective entry point) over a third. A kind only ever pairs with its own
-  kind. A rank that issued a different sequence waits in one space for a collective that the
-  others issue only after their own wait in another space has finished: a deadlock, which the
-  bounded wait ends, instead of a mispairing.
+  all-gathers over a second, the step's small all-reduces (its stats, a second norm type) over a
+  third, the agreement at each collective entry point (``state_dict``...) over a fourth. A kind
+  only ever pairs with its own kind. A rank that issued a different sequence waits in one space
+  for a collective that the others issue only after their own wait in another space has
+  finished: a deadlock, which the bounded wait ends, instead of a mispairing.
 * Bounded waits. On the CPU every wait of ours is bounded by ``SHARDAMP_COLLECTIVE_TIMEOUT``
   seconds (read at each wait; unset: the process group's timeout), and whatever gloo raises is
   replaced by the error below.
 * One report. A rank whose wait failed posts where it is (the collective, the steps it took, its
   backward passes since its last step) to the process group's store and reads the others' posts
-  for as long as it waited itself (at most 30 s), so the error names every rank's position and the likely cause ("rank 1 took
-  2 steps, ranks 0, 2 took 3: a rank skipped step()").
+  for as long as it waited itself (at most 30 s), so the error names every rank's position and
+  the likely cause ("rank 1 took 2 steps, ranks 0, 2 took 3: a rank skipped step()").
 
-On CUDA (NCCL) waits are ordered on streams: bounding them on the host would need a sync, so one
-group carries everything and the process group's timeout (NCCL's watchdog) applies; run with
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to have torch compare every collective's kind and shapes
-first (one extra gloo all-gather and barrier per collective: "Detected mismatch between
-collectives on ranks", on every rank, naming each one's collective). With it set, gloo groups
-too carry everything in one group, so that torch's check sees the mismatch.
+On CUDA waits are ordered on streams: bounding them on the host would need a sync, so one group
+carries everything and collective_watchdog.py's monitor thread watches completion events instead
+(the same report, then the communicators are aborted; ``SHARDAMP_COLLECTIVE_WATCHDOG=force``
+runs that path on gloo too, in place of the bounded waits). ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+has torch compare every collective's kind and shapes first (one extra gloo all-gather and
+barrier per collective: "Detected mismatch between collectives on ranks", on every rank, naming
+each one's collective); with it set, gloo groups too carry everything in one group, so that
+torch's check sees the mismatch.
 """
 from __future__ import annotations
 

@@ -15,9 +15,11 @@ sharding over it), or a 1-D / 2-D ``DeviceMesh`` (``(replicate, shard)``, the or
 uses). A single process is :class:`Comm` itself, whose collectives do nothing: callers never
 branch on the world size to skip communication. A dim of size 1 does its part locally.
 
-On gloo the collectives of each kind travel over a process group of their own (the small
-all-reduces, the param all-gathers, the rest) and every wait on the CPU is bounded, so ranks whose
-collectives do not line up get one clear error instead of gloo's abort: ``collective_order.py``.
+On gloo the collectives of each kind travel over a process group of their own (the step's small
+all-reduces, the collective calls' agreement, the param all-gathers, the rest) and every wait on
+the CPU is bounded, so ranks whose collectives do not line up get one clear error instead of
+gloo's abort: ``collective_order.py``. On CUDA nothing waits on the host; a monitor thread
+watches the collectives' completion instead: ``collective_watchdog.py``.
 
 Version-dependent and private torch names stay in ``_compat.py``; this module calls it.
 """
@@ -159,8 +161,10 @@ class Comm:
 class GroupComm(Comm):
     """Flat sharding over ``shard_group`` (``None`` = WORLD), optionally replicated over
     ``replicate_group``; ``span_group`` covers both (``None`` = WORLD). On gloo with CPU params
-    the small all-reduces go over ``control_group`` and the all-gathers over ``gather_group``
-    (collective_order.py: each kind pairs only with its own kind), and waits are bounded."""
+    the step's small all-reduces go over ``control_group``, the collective calls' agreement over
+    ``call_group`` and the all-gathers over ``gather_group`` (collective_order.py: each kind pairs
+    only with its own kind), and waits are bounded; with CUDA params (or
+    ``SHARDAMP_COLLECTIVE_WATCHDOG=force``) ``watchdog`` watches them instead."""
 
     def __init__(self, shard_group: Optional[Any], replicate_group: Optional[Any] = None,
                  span_group: Optional[Any] = None, shard_size: Optional[int] = None,
