@@ -251,6 +251,36 @@ def case_load_sharded_on_one_rank(rank, world, tmp=None, **kw):
     return out
 
 
+def case_watched_state_dict_on_one_rank(rank, world, **kw):
+    """With the watchdog (the CUDA path): the agreement all-reduce of a call on one rank only is
+    ended by the monitor within the bound, naming the call; the optimizer's (fresh) groups are
+    aborted, WORLD stays usable."""
+    import datetime
+
+    group = dist.new_group(list(range(world)), use_local_synchronization=True, timeout=datetime.timedelta(seconds=60))
+    os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(ORDER_BOUND)
+    os.environ["SHARDAMP_COLLECTIVE_WATCHDOG"] = "force"
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, process_group=group)
+        _backward(model, rank, world)
+        opt.step()
+        opt.zero_grad()
+        out = {"error": None, "seconds": 0.0}
+        if rank == 0:
+            t0 = time.monotonic()
+            out = {"error": _raised(opt.state_dict), "seconds": time.monotonic() - t0,
+                   "aborted": len(opt._comm.watchdog.aborted)}
+        else:
+            time.sleep(3 * ORDER_BOUND + 4.0)
+        dist.barrier()  # WORLD is not one of the optimizer's groups: untouched
+        return out
+    finally:
+        os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
+        os.environ.pop("SHARDAMP_COLLECTIVE_WATCHDOG", None)
+
+
 def case_different_collectives(rank, world, tmp=None, **kw):
     model, opt = _trained(rank, world)
     sd = opt.state_dict()

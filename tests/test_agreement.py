@@ -196,6 +196,17 @@ def test_watchdog_ends_mismatched_collectives_on_every_rank_in_bounded_time(worl
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_watchdog_ends_a_collective_call_on_one_rank(world):
+    bound = cases_agreement.ORDER_BOUND
+    value = case_values(_results(world), "case_watched_state_dict_on_one_rank")[0]
+    error = value["error"]
+    assert error.startswith("RuntimeError: state_dict is a collective") and "did not join it" in error, error
+    assert "waited 3 s (SHARDAMP_COLLECTIVE_TIMEOUT) in the agreement all-reduce of a collective call" in error, error
+    assert "shardamp's collective watchdog" in error and value["aborted"] == 4, value
+    assert value["seconds"] < 2 * bound + 15, value
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_collective_call_never_pairs_with_the_stats_all_reduce(world):
     bound = cases_agreement.ORDER_BOUND
     for rank, value in enumerate(case_values(_results(world), "case_call_meets_stats_all_reduce")):
