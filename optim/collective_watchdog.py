@@ -23,10 +23,10 @@ the host without waiting:
   took, its backward passes since its last step) to the process group's store and reads the
   other ranks' posts (collective_order.py: the same report and protocol as on gloo), logs the
   error, and aborts the communicators of the optimizer's process groups (``ProcessGroup.abort``:
-  ProcessGroupNCCL aborts its NCCL communicators, whose kernels then exit, so a main thread
-  blocked in a sync elsewhere, ``loss.item()``, returns instead of hanging; torch's watchdog of
-  those groups stops without killing the process; later collectives over them raise instead of
-  hanging). The error then surfaces on the main thread at the next optimizer call (backward's
+  ProcessGroupNCCL stops its own watchdog without killing the process and runs ``ncclCommAbort``,
+  which aborts the operations not completed: their kernels exit, so a main thread blocked in a
+  sync elsewhere, ``loss.item()``, returns, with undefined data, instead of hanging; later
+  collectives over those groups raise instead of hanging). The error then surfaces on the main thread at the next optimizer call (backward's
   reduce-scatter, ``step``, ``zero_grad``'s wait, ``state_dict``...): every later call raises
   it again. Nothing after that point is consistent across ranks.
 
