@@ -18,7 +18,9 @@ the host without waiting:
 * Monitoring (daemon thread, every ``POLL_S``): a lane whose oldest pending entry made no
   progress for the bound (``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds; unset: half the process
   group's timeout, so this report comes before NCCL's watchdog) fails. As torch's watchdog, time
-  counts from the host-side registration (or the lane's last completion, whichever is later).
+  counts from the host-side registration (or the lane's last completion, whichever is later), so
+  the bound must exceed how long a collective may legitimately take after the host issued it,
+  including how far the host runs ahead of the GPU.
 * Failure (once per optimizer): the rank posts its position at that collective (the steps it
   took, its backward passes since its last step) to the process group's store and reads the
   other ranks' posts (collective_order.py: the same report and protocol as on gloo), logs the
@@ -255,7 +257,8 @@ class Watchdog:
         """Report ``entry``'s collective as stuck on every rank (store), abort, wake the waits."""
         configured = collective_order.collective_timeout() is not None
         waited = (f"{entry.bound:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if configured else
-                  f"{entry.bound:g} s (half the process group's timeout; SHARDAMP_COLLECTIVE_TIMEOUT sets it)")
+                  f"{entry.bound:g} s (half the process group's timeout, the default; SHARDAMP_COLLECTIVE_TIMEOUT "
+                  "sets it)")
         reason = reason or f"not completed within {entry.bound:g} s"
         groups = self.comm.all_groups()
         try:
