@@ -356,12 +356,13 @@ def dropping(opt: Any) -> None:
 def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", last_step: bool = False) -> None:
     """The first thing a collective entry point does (``view``: the optimizer's
     ``shard_view()``, for its comm and device): one all-reduce of
-    ``[call id, -call id, hash of given, -hash, problem flag, clips, -clips]``
-    (MAX). Raise on every rank that took part if the ranks are not all in the same call with the
-    same input, or if any rank reported ``problem``; a rank left waiting raises after the
-    timeout, naming the call. With ``last_step`` (the calls that read the state: ``state_dict``,
-    ``save_sharded``) the ranks also agree on the clips their last step applied: a clip on some ranks only in the LAST step of a run (no later step compares it)
-    would otherwise be published, some shards clipped and others not."""
+    ``[call id, -call id, hash of given, -hash, problem flag, clips, -clips]`` (MAX). Raise on
+    every rank that took part if the ranks are not all in the same call with the same input, or
+    if any rank reported ``problem``; a rank left waiting raises after the timeout, naming the
+    call. With ``last_step`` (the calls that read the state: ``state_dict``, ``save_sharded``)
+    the ranks also agree on the clips their last step applied: a clip on some ranks only in the
+    LAST step of a run (no later step compares it) would otherwise be published, some shards
+    clipped and others not."""
     message = problem if problem.startswith(name) else f"{name}: {problem}"
     if not view.comm.has_peers:
         if problem:
