@@ -172,3 +172,35 @@ def test_bad_mode_names_the_variable(monkeypatch):
     monkeypatch.setenv(collective_watchdog.ENV, "yes")
     with pytest.raises(ValueError, match="SHARDAMP_COLLECTIVE_WATCHDOG='yes'"):
         collective_watchdog.mode()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_events_and_the_monitor_thread(monkeypatch):
+    """The CUDA-only pieces: the event recorded on the current stream without a sync, the real
+    monitor thread querying it under its device guard; a stream kept busy past the bound (the
+    GPU spinning, standing in for a collective that never completes) is reported."""
+    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
+    aborted = []
+    monkeypatch.setattr(_compat, "abort_group", aborted.append)
+    monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
+    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        wd.wait(FakeWork(), STATS)  # an idle stream: its event completes at once
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    deadline = time.monotonic() + 5.0
+    while any(lane.entries for lane in wd.lanes.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(lane.entries for lane in wd.lanes.values()) and len(wd.events) == 1
+    spin = getattr(torch.cuda, "_sleep", None)
+    if spin is None:
+        pytest.skip("torch.cuda._sleep is gone")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        spin(int(4e9))  # about 2 s of GPU cycles on this stream
+        wd.wait(FakeWork(), REDUCE_SCATTER)
+    assert wd.reported.wait(10), "the monitor thread did not report"
+    assert "in a gradient reduce-scatter (backward)" in wd.message and len(aborted) == 2
+    assert list(wd.lanes) == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
+    torch.cuda.synchronize()
