@@ -24,6 +24,8 @@ __all__ = [
     "group_name",
     "group_alive",
     "group_timeout",
+    "world_group",
+    "abort_group",
     "default_store",
     "flat_mesh_group",
     "queue_backward_callback",
@@ -138,13 +140,26 @@ def group_alive(group: Any) -> bool:
     return group in distributed_c10d._world.pg_map
 
 
-def group_timeout(group: Any) -> Optional[Any]:
-    """The timeout a gloo group was built with (a ``timedelta``; the options are private), None
-    where it cannot be read (then a new group gets torch's default)."""
+def group_timeout(group: Any, device_type: str = "cpu") -> Optional[Any]:
+    """The timeout a group's backend for ``device_type`` was built with (a ``timedelta``; the
+    options are private), None where it cannot be read (then a new group gets torch's default)."""
     try:
-        return group._get_backend(torch.device("cpu")).options._timeout
+        return group._get_backend(torch.device(device_type)).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def world_group() -> Any:
+    """The default process group object (``group.WORLD``)."""
+    return dist.group.WORLD
+
+
+def abort_group(group: Any) -> None:
+    """``ProcessGroup.abort()`` of ``group`` alone (None = WORLD's own communicators, not every
+    group as ``_abort_process_group(None)`` would): ProcessGroupNCCL aborts its NCCL
+    communicators (kernels in flight exit, its watchdog stops without killing the process, later
+    collectives raise); gloo's returns at once without ending a wait already in flight."""
+    (group if group is not None else dist.group.WORLD).abort()
 
 
 def default_store() -> Optional[Any]:

@@ -16,8 +16,10 @@
   ``load_sharded`` start with one small all-reduce naming the call and hashing what each rank
   was given; a rank that did not call it, called another one, or was given different input
   makes every rank that did call raise, before anything is read or written, within
-  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo (the process group's timeout on NCCL). It
-  travels with the other small all-reduces (collective_order.py: its own gloo group).
+  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo and on CUDA (collective_watchdog.py). On gloo
+  it travels over a group of its own, so a call on some ranks never pairs with the stats
+  all-reduce of the others. ``state_dict`` and ``save_sharded`` also agree there on the last
+  step's clips (the last step of a run is compared by no later step).
 * Where each rank is (``track_position``): steps taken, backward passes and dropped rounds since
   the last step, named by collective_order.py when the ranks' collectives stop lining up.
 """
@@ -340,7 +342,12 @@ def track_position(opt: Any) -> None:
         return {"steps": o._steps_taken, "backwards": o._grad_sync.backwards - o._backwards_at_step,
                 "dropped": o._dropped_rounds}
 
+    def last_step() -> Any:
+        o = ref()
+        return () if o is None else getattr(o, "_last_clips", ())
+
     opt._comm.context = position
+    opt._comm.last_step = last_step
 
 
 def stepped(opt: Any, clips: Sequence[Any], norm_types: Sequence[float]) -> None:
@@ -356,19 +363,26 @@ def dropping(opt: Any) -> None:
         opt._dropped_rounds += 1
 
 
-def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "") -> None:
+def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", last_step: bool = False) -> None:
     """The first thing a collective entry point does (``view``: the optimizer's
     ``shard_view()``, for its comm and device): one all-reduce of
-    ``[call id, -call id, hash of given, -hash, problem flag]`` (MAX). Raise on every rank that
-    took part if the ranks are not all in the same call with the same input, or if any rank
-    reported ``problem``; a rank left waiting raises after the timeout, naming the call."""
+    ``[call id, -call id, hash of given, -hash, problem flag, clips, -clips]`` (MAX). Raise on
+    every rank that took part if the ranks are not all in the same call with the same input, or
+    if any rank reported ``problem``; a rank left waiting raises after the timeout, naming the
+    call. With ``last_step`` (the calls that read the state: ``state_dict``, ``save_sharded``)
+    the ranks also agree on the clips their last step applied: a clip on some ranks only in the
+    LAST step of a run (no later step compares it) would otherwise be published, some shards
+    clipped and others not."""
     message = problem if problem.startswith(name) else f"{name}: {problem}"
     if not view.comm.has_peers:
         if problem:
             raise ValueError(message)
         return
     call, arg = float(crc(name) & 0xFFFFFF), float(crc(given) & 0xFFFFFF)
-    flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0], dtype=torch.float32, device=view.device)
+    clips = view.comm.last_step() if last_step and view.comm.last_step is not None else ()
+    clips = float(crc(clips) & 0xFFFFFF)
+    flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0, clips, -clips],
+                        dtype=torch.float32, device=view.device)
     timeout = collective_timeout()
     try:
         work = view.comm.all_reduce_async(flag, dist.ReduceOp.MAX)
@@ -377,10 +391,13 @@ def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "") ->
         else:
             work.wait()
         values = flag.tolist()
+        view.comm.check()  # CUDA: a read released by the watchdog's abort returns garbage
     except RuntimeError as exc:
+        text = str(exc)
+        detail = text if "the sequence of shardamp collectives" in text else _short(text, 300)
         raise RuntimeError(
             f"{name} is a collective: every rank of the optimizer's process group must call it, at the "
-            f"same point. This rank called {name}() and the others did not join it ({_short(str(exc), 300)}). "
+            f"same point. This rank called {name}() and the others did not join it ({detail}). "
             "Nothing was read or written."
         ) from exc
     if values[0] + values[1] != 0:
@@ -394,4 +411,8 @@ def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "") ->
     if values[2] + values[3] != 0:
         raise ValueError(f"{name}: the ranks were given different arguments (e.g. different state dicts or "
                          "paths); every rank must pass the same. Nothing was read or written.")
-
+    if values[5] + values[6] != 0:
+        raise RuntimeError(
+            f"{name}: the ranks' last step clipped differently (clip_grad_norm called on some ranks only, or with "
+            "another max_norm or norm_type), so it updated some shards clipped and others not; the state would mix "
+            "them. Call clip_grad_norm identically on every rank. Nothing was read or written.")

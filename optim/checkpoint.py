@@ -59,7 +59,8 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     path = os.fspath(path)
     opt.param_sync()
     problem = _save_problem(opt, path)
-    agreement.agree_on_call(opt.shard_view(), "save_sharded", given=os.path.abspath(path), problem=problem)
+    agreement.agree_on_call(opt.shard_view(), "save_sharded", given=os.path.abspath(path), problem=problem,
+                            last_step=True)
     steps = opt.shard_view().steps.detach().to("cpu", copy=True)
     slots = sd_mod.slots_by_index(opt)
     meta = {

@@ -7,28 +7,30 @@ the process on the size mismatch (SIGABRT, "Received data size doesn't match exp
 where the sizes happen to match, mixes unrelated data. Three rules turn every such mismatch into
 one ``RuntimeError`` on every rank that waits:
 
-* Tag spaces (gloo only). The optimizer's collectives go over three process groups spanning the
+* Tag spaces (gloo only). The optimizer's collectives go over four process groups spanning the
   same ranks, created once per group and reused by every optimizer over it: the reduce-scatters
   (and the construction and state-dict collectives) over the optimizer's own group, the param
-  all-gathers over a second, the small all-reduces (the step's stats, a second norm type, the
-  agreement at each collective entry point) over a third. A kind only ever pairs with its own
-  kind. A rank that issued a different sequence waits in one space for a collective that the
-  others issue only after their own wait in another space has finished: a deadlock, which the
-  bounded wait ends, instead of a mispairing.
+  all-gathers over a second, the step's small all-reduces (its stats, a second norm type) over a
+  third, the agreement at each collective entry point (``state_dict``...) over a fourth. A kind
+  only ever pairs with its own kind. A rank that issued a different sequence waits in one space
+  for a collective that the others issue only after their own wait in another space has
+  finished: a deadlock, which the bounded wait ends, instead of a mispairing.
 * Bounded waits. On the CPU every wait of ours is bounded by ``SHARDAMP_COLLECTIVE_TIMEOUT``
   seconds (read at each wait; unset: the process group's timeout), and whatever gloo raises is
   replaced by the error below.
 * One report. A rank whose wait failed posts where it is (the collective, the steps it took, its
   backward passes since its last step) to the process group's store and reads the others' posts
-  for as long as it waited itself (at most 30 s), so the error names every rank's position and the likely cause ("rank 1 took
-  2 steps, ranks 0, 2 took 3: a rank skipped step()").
+  for as long as it waited itself (at most 30 s), so the error names every rank's position and
+  the likely cause ("rank 1 took 2 steps, ranks 0, 2 took 3: a rank skipped step()").
 
-On CUDA (NCCL) waits are ordered on streams: bounding them on the host would need a sync, so one
-group carries everything and the process group's timeout (NCCL's watchdog) applies; run with
-``TORCH_DISTRIBUTED_DEBUG=DETAIL`` to have torch compare every collective's kind and shapes
-first (one extra gloo all-gather and barrier per collective: "Detected mismatch between
-collectives on ranks", on every rank, naming each one's collective). With it set, gloo groups
-too carry everything in one group, so that torch's check sees the mismatch.
+On CUDA waits are ordered on streams: bounding them on the host would need a sync, so one group
+carries everything and collective_watchdog.py's monitor thread watches completion events instead
+(the same report, then the communicators are aborted; ``SHARDAMP_COLLECTIVE_WATCHDOG=force``
+runs that path on gloo too, in place of the bounded waits). ``TORCH_DISTRIBUTED_DEBUG=DETAIL``
+has torch compare every collective's kind and shapes first (one extra gloo all-gather and
+barrier per collective: "Detected mismatch between collectives on ranks", on every rank, naming
+each one's collective); with it set, gloo groups too carry everything in one group, so that
+torch's check sees the mismatch.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +57,7 @@ SECOND_NORM = "the all-reduce of a second norm type"
 REDUCE_SCATTER = "a gradient reduce-scatter (backward)"
 REPLICAS = "the all-reduce of a grad shard over the replicas"
 ALL_GATHER = "a param all-gather (end of step)"
+AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_state_dict, save_sharded, load_sharded)"
 
 
 def collective_timeout() -> Optional[float]:
@@ -130,43 +133,57 @@ _waiters: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
 def _wait_within(work: Any, timeout: float) -> bool:
     """Wait for ``work`` at most ``timeout`` seconds; False if it did not complete."""
+    done = threading.Event()
+    finish = when_done(work, done.set)
+    if not done.wait(timeout):
+        return False
+    finish()
+    return True
+
+
+def when_done(work: Any, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback`` (from any thread) once ``work`` completed or failed; returns the
+    function that then finishes it on the caller's thread (raising the backend's error)."""
     # gloo's wait(timeout) is not honoured by every collective (a reduce-scatter waits for the
     # group's timeout whatever it is given, and reports no completion before its wait)
     if work.is_completed():
-        work.wait()
-        return True
+        callback()
+        return work.wait
     try:
         future = work.get_future()
     except RuntimeError:  # a reduce-scatter on gloo has none: wait on a helper thread
         future = None
     if future is not None:
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
-        if not done.wait(timeout):
-            return False
-        work.wait()
-        return True
+        future.add_done_callback(lambda _: callback())
+        return work.wait
     global _waiters
     if _waiters is None:
-        # a wait that timed out keeps its thread until the group's timeout: room for several
-        _waiters = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="shardamp-wait")
-    try:
-        _waiters.submit(work.wait).result(timeout)
-    except concurrent.futures.TimeoutError:
-        return False
-    return True
+        # a wait that never completes keeps its thread until the group's timeout: room for several
+        _waiters = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="shardamp-wait")
+    pending = _waiters.submit(work.wait)
+    pending.add_done_callback(lambda _: callback())
+    return pending.result
+
+
+def forget_side_groups(groups: List[Any]) -> None:
+    """Drop aborted groups from the cache (a later optimizer over the parent builds new ones)."""
+    for key in [k for k, g in _side_groups.items() if any(g is x for x in groups)]:
+        del _side_groups[key]
 
 
 # ---------------------------------------------------------------- the report
 _incidents: Dict[str, int] = {}
 
 
-def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float]) -> RuntimeError:
-    """The error for a wait that failed: this rank's position, the others' (from the store),
-    the likely cause and the fix."""
-    mine = dict(comm.position(), waiting=what)
+def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float], mine: Optional[Dict[str, Any]] = None,
+             waited: Optional[str] = None, source: str = "gloo") -> RuntimeError:
+    """The error for a wait that failed: this rank's position (``mine``: where it was when it
+    issued the collective; default: now), the others' (from the store), the likely cause and
+    the fix."""
+    mine = dict(comm.position(), waiting=what) if mine is None else mine
     reports = _exchange(comm, mine, timeout)
-    waited = f"{timeout:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if timeout is not None else "the process group's timeout"
+    if waited is None:
+        waited = f"{timeout:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if timeout is not None else "the process group's timeout"
     lines = "; ".join(
         f"rank {r}: " + (_where(reports[r]) if r in reports else "no report (not waiting in one of this "
                          "optimizer's collectives: it stopped calling the optimizer, is busy, or crashed)")
@@ -180,7 +197,7 @@ def mismatch(comm: Any, what: str, exc: BaseException, timeout: Optional[float])
         "load_state_dict()/load_sharded() in the same sequence (a different number of backward passes or "
         "a skipped step() on one rank desynchronises them); set SHARDAMP_COLLECTIVE_TIMEOUT (seconds) to "
         f"bound the wait. Nothing after this point is consistent across ranks: stop training. "
-        f"(gloo: {_short(str(exc))})"
+        f"({source}: {_short(str(exc))})"
     )
 
 

@@ -15,9 +15,11 @@ sharding over it), or a 1-D / 2-D ``DeviceMesh`` (``(replicate, shard)``, the or
 uses). A single process is :class:`Comm` itself, whose collectives do nothing: callers never
 branch on the world size to skip communication. A dim of size 1 does its part locally.
 
-On gloo the collectives of each kind travel over a process group of their own (the small
-all-reduces, the param all-gathers, the rest) and every wait on the CPU is bounded, so ranks whose
-collectives do not line up get one clear error instead of gloo's abort: ``collective_order.py``.
+On gloo the collectives of each kind travel over a process group of their own (the step's small
+all-reduces, the collective calls' agreement, the param all-gathers, the rest) and every wait on
+the CPU is bounded, so ranks whose collectives do not line up get one clear error instead of
+gloo's abort: ``collective_order.py``. On CUDA nothing waits on the host; a monitor thread
+watches the collectives' completion instead: ``collective_watchdog.py``.
 
 Version-dependent and private torch names stay in ``_compat.py``; this module calls it.
 """
@@ -29,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, collective_order
-from .collective_order import ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
+from . import _compat, collective_order, collective_watchdog
+from .collective_order import AGREEMENT, ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
 
 __all__ = ["Comm", "GroupComm", "make_comm", "all_reduce_max"]
 
@@ -79,6 +81,9 @@ class Comm:
     # where the optimizer is, for the error when collectives do not line up (set by the optimizer:
     # ``{"steps": steps taken, "backwards": backward passes since the last step}``)
     context: Optional[Callable[[], Dict[str, int]]] = None
+    # the clips (max_norms, norm types) of the last step, compared by state_dict/save_sharded
+    # (set by the optimizer)
+    last_step: Optional[Callable[[], Any]] = None
 
     def describe(self) -> str:
         return f"{self.replicate_size}x{self.shard_size}" if self.replicate_size > 1 else str(self.shard_size)
@@ -89,6 +94,14 @@ class Comm:
 
     def position(self) -> Dict[str, int]:
         return dict(self.context()) if self.context is not None else {"steps": 0, "backwards": 0}
+
+    def check(self) -> None:
+        """Raise if this comm's collectives were found stuck (collective_watchdog.py); a host
+        read after a collective (``agree_on_call``) calls it, as every collective does."""
+
+    def all_groups(self) -> List[Any]:
+        """Every process group this comm issues collectives over (what a failure aborts)."""
+        return []
 
     # ------------------------------------------------------------ per step, the hot path
     def reduce_scatter(self, out: Tensor, full: Tensor) -> Any:
@@ -125,7 +138,8 @@ class Comm:
         values[0] = obj
 
     def all_reduce_async(self, tensor: Tensor, op: Any) -> Any:
-        """Async all-reduce over the whole span (the per-call agreement flags)."""
+        """Async all-reduce over the whole span (the per-call agreement flags: on gloo over a
+        group of their own, so a call on some ranks never pairs with another small all-reduce)."""
         return DONE
 
     def all_reduce_max(self, tensor: Tensor) -> None:
@@ -147,8 +161,10 @@ class Comm:
 class GroupComm(Comm):
     """Flat sharding over ``shard_group`` (``None`` = WORLD), optionally replicated over
     ``replicate_group``; ``span_group`` covers both (``None`` = WORLD). On gloo with CPU params
-    the small all-reduces go over ``control_group`` and the all-gathers over ``gather_group``
-    (collective_order.py: each kind pairs only with its own kind), and waits are bounded."""
+    the step's small all-reduces go over ``control_group``, the collective calls' agreement over
+    ``call_group`` and the all-gathers over ``gather_group`` (collective_order.py: each kind pairs
+    only with its own kind), and waits are bounded; with CUDA params (or
+    ``SHARDAMP_COLLECTIVE_WATCHDOG=force``) ``watchdog`` watches them instead."""
 
     def __init__(self, shard_group: Optional[Any], replicate_group: Optional[Any] = None,
                  span_group: Optional[Any] = None, shard_size: Optional[int] = None,
@@ -167,38 +183,68 @@ class GroupComm(Comm):
         if self.shard_size * self.replicate_size != self.world_size:
             raise ValueError(f"device_mesh: {self.replicate_size} x {self.shard_size} ranks do not make the "
                              f"{self.world_size} ranks of the mesh")
-        self.bounded = collective_order.uses_side_groups(span_group, device)
-        self.control_group = collective_order.side_group(span_group, "control") if self.bounded else span_group
+        # gloo, CPU params: one group per kind of collective (collective_order.py); waits bounded
+        # on the host there, watched from a monitor thread where the host does not wait (CUDA)
+        # or when forced (collective_watchdog.py)
+        side = collective_order.uses_side_groups(span_group, device)
+        self.watchdog = collective_watchdog.Watchdog(self, device or torch.device("cpu")) \
+            if collective_watchdog.wanted(device) else None
+        self.bounded = side and self.watchdog is None
+        self.control_group = collective_order.side_group(span_group, "control") if side else span_group
+        self.call_group = collective_order.side_group(span_group, "calls") if side else span_group
         self.gather_group = shard_group
-        if self.bounded and self.shard_size > 1:
+        if side and self.shard_size > 1:
             self.gather_group = collective_order.side_group(shard_group, "gather")
 
     def _handle(self, work: Any, what: str) -> Any:
-        return collective_order.BoundedWork(work, what, self) if self.bounded else work
+        if self.bounded:
+            return collective_order.BoundedWork(work, what, self)
+        return collective_watchdog.WatchedWork(work, what, self.watchdog) if self.watchdog is not None else work
+
+    def check(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.check()
+
+    def all_groups(self) -> List[Any]:
+        groups: List[Any] = []
+        world = _compat.world_group()
+        spans = [g if g is not None else world for g in  # None = WORLD here
+                 (self.group, self.shard_group, self.control_group, self.call_group, self.gather_group)]
+        for g in spans + ([self.replicate_group] if self.replicate_group is not None else []):
+            if not any(g is x for x in groups):
+                groups.append(g)
+        return groups
 
     def reduce_scatter(self, out: Tensor, full: Tensor) -> Any:
         if self.shard_size == 1:
             return super().reduce_scatter(out, full)
+        if self.watchdog is not None:
+            self.watchdog.check()  # never issue over a communicator the watchdog aborted
         return self._handle(_compat.reduce_scatter(out, full, self.shard_group, async_op=True), REDUCE_SCATTER)
 
     def reduce_replicas(self, shard: Tensor) -> Optional[Any]:
         if self.replicate_size == 1:
             return None
+        self.check()
         return self._handle(_compat.all_reduce_async(shard, dist.ReduceOp.SUM, self.replicate_group), REPLICAS)
 
     def all_gather(self, full: Tensor, shard: Tensor) -> Optional[Any]:
         if self.shard_size == 1:
             return None
+        self.check()
         return self._handle(_compat.all_gather(full, shard, self.gather_group, async_op=True), ALL_GATHER)
 
     def all_reduce_stats(self, stats: Tensor, op: Any) -> None:
         if self.replicate_rank != 0 and op == dist.ReduceOp.SUM:
             stats[0].zero_()  # a MAX (inf norm) of equal partials needs no such care
-        if not self.bounded:
-            _compat.all_reduce(stats, op, self.group)
-            return
         what = SECOND_NORM if stats.numel() <= 2 else STATS  # a second norm type's header only
-        collective_order.wait(_compat.all_reduce(stats, op, self.control_group, async_op=True), what, self)
+        if self.bounded:
+            collective_order.wait(_compat.all_reduce(stats, op, self.control_group, async_op=True), what, self)
+        elif self.watchdog is not None:
+            self.watchdog.check()
+            self.watchdog.wait(_compat.all_reduce(stats, op, self.control_group, async_op=True), what)
+        else:
+            _compat.all_reduce(stats, op, self.group)
 
     def broadcast(self, tensor: Tensor) -> None:
         _compat.broadcast_from_group_rank0(tensor, self.group)
@@ -210,7 +256,10 @@ class GroupComm(Comm):
         dist.all_gather_object(values, obj, group=self.group)
 
     def all_reduce_async(self, tensor: Tensor, op: Any) -> Any:
-        return _compat.all_reduce_async(tensor, op, self.control_group)
+        self.check()
+        work = _compat.all_reduce_async(tensor, op, self.call_group)
+        # bounded waits: the caller's own (it names the call); watched: the watchdog's
+        return work if self.watchdog is None else collective_watchdog.WatchedWork(work, AGREEMENT, self.watchdog)
 
     def all_reduce_max(self, tensor: Tensor) -> None:
         _compat.all_reduce(tensor, dist.ReduceOp.MAX, self.group)

@@ -445,6 +445,7 @@ class GradSync:
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
+        self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
         self.wait()
         self.stepped_since_zero = False
         self.next_launch = 0

@@ -16,28 +16,8 @@ import torch.nn as nn
 from parity import MLP, batches
 from shardamp.optim import DistributedFusedAdam, load_sharded, save_sharded
 
-TINY = 0.0004
-
-
-def _raised(fn):
-    try:
-        fn()
-    except (ValueError, RuntimeError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "NO ERROR"
-
-
-def _backward(model, rank, world, step=0):
-    x, y = batches(step, world)[rank]
-    ((model(x) - y) ** 2).mean().backward()
-
-
-def _params(model):
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _unchanged(model, before):
-    return all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
+from cases_order import *  # noqa: F401,F403  (the order cases run in the same spawned groups)
+from cases_order import ORDER_BOUND, TINY, _backward, _order_case, _params, _raised, _unchanged  # noqa: F401
 
 
 # ---------------------------------------------------------------- construction
@@ -207,8 +187,8 @@ def _only_rank0(rank, world, opt, call, seconds=4.0):
             error = _raised(call)
             return {"error": error, "seconds": time.monotonic() - t0}
         time.sleep(seconds + 4.0)
-        # complete rank 0's abandoned call
-        dist.all_reduce(torch.zeros(5), op=dist.ReduceOp.MAX, group=opt._comm.control_group)
+        # complete rank 0's abandoned call (its agreement flags travel over a group of their own)
+        dist.all_reduce(torch.zeros(7), op=dist.ReduceOp.MAX, group=opt._comm.call_group)
         return {"error": None, "seconds": 0.0}
     finally:
         del os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"]
@@ -251,6 +231,36 @@ def case_load_sharded_on_one_rank(rank, world, tmp=None, **kw):
     return out
 
 
+def case_watched_state_dict_on_one_rank(rank, world, **kw):
+    """With the watchdog (the CUDA path): the agreement all-reduce of a call on one rank only is
+    ended by the monitor within the bound, naming the call; the optimizer's (fresh) groups are
+    aborted, WORLD stays usable."""
+    import datetime
+
+    group = dist.new_group(list(range(world)), use_local_synchronization=True, timeout=datetime.timedelta(seconds=60))
+    os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(ORDER_BOUND)
+    os.environ["SHARDAMP_COLLECTIVE_WATCHDOG"] = "force"
+    try:
+        torch.manual_seed(0)
+        model = MLP()
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, process_group=group)
+        _backward(model, rank, world)
+        opt.step()
+        opt.zero_grad()
+        out = {"error": None, "seconds": 0.0}
+        if rank == 0:
+            t0 = time.monotonic()
+            out = {"error": _raised(opt.state_dict), "seconds": time.monotonic() - t0,
+                   "aborted": len(opt._comm.watchdog.aborted)}
+        else:
+            time.sleep(3 * ORDER_BOUND + 4.0)
+        dist.barrier()  # WORLD is not one of the optimizer's groups: untouched
+        return out
+    finally:
+        os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
+        os.environ.pop("SHARDAMP_COLLECTIVE_WATCHDOG", None)
+
+
 def case_different_collectives(rank, world, tmp=None, **kw):
     model, opt = _trained(rank, world)
     sd = opt.state_dict()
@@ -269,155 +279,39 @@ def case_different_state_dicts(rank, world, **kw):
     return {"error": error, "untouched": all(torch.equal(a, b.exp_avg) for a, b in zip(before, opt._buffers))}
 
 
-# ---------------------------------------------------------------- collectives that do not line up
-ORDER_BOUND = 3.0  # SHARDAMP_COLLECTIVE_TIMEOUT of these cases (seconds)
-
-
-def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=60.0):
-    """Train on a fresh group (a case that desynchronises it leaves it unusable; its timeout
-    ``group_timeout`` s) with SHARDAMP_COLLECTIVE_TIMEOUT=``bound`` (None: unset); at step
-    index 2 ``misstep(opt, model, rank, world)`` may replace rank 1's iteration (returns True if
-    it did). Returns what each rank raised, at which iteration, and how long after that
-    iteration began."""
-    import datetime
-
-    group = dist.new_group(list(range(world)), use_local_synchronization=True,
-                           timeout=datetime.timedelta(seconds=group_timeout))
-    if bound is not None:
-        os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(bound)
-    try:
-        torch.manual_seed(0)
-        model = MLP()
-        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, process_group=group)
-        t0 = time.monotonic()
-        for step in range(steps):
-            if step == 2:
-                t0 = time.monotonic()
-            try:
-                if not (step == 2 and misstep(opt, model, rank, world)):
-                    _backward(model, rank, world, step=step)
-                    opt.step()
-                    opt.zero_grad()
-            except (RuntimeError, ValueError) as exc:
-                return {"error": f"{type(exc).__name__}: {exc}", "at": step, "seconds": time.monotonic() - t0}
-        return {"error": "NO ERROR", "at": None, "seconds": time.monotonic() - t0}
-    finally:
-        os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
-
-
-def case_order_skipped_step(rank, world, **kw):
-    def misstep(opt, model, r, w):  # the usual way to skip: drop the grads instead of stepping
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
-
-
-def case_order_skipped_step_group_timeout(rank, world, **kw):
-    """Without SHARDAMP_COLLECTIVE_TIMEOUT the process group's own timeout bounds the waits, with
-    the same error."""
-    def misstep(opt, model, r, w):
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep, bound=None, group_timeout=ORDER_BOUND)
-
-
-def case_order_skipped_step_kept_grads(rank, world, **kw):
-    def misstep(opt, model, r, w):
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        return True
-    return _order_case(rank, world, misstep)
-
-
-def case_order_extra_backward(rank, world, **kw):
-    def misstep(opt, model, r, w):
-        if r != 1:
-            return False
-        _backward(model, r, w, step=2)
-        _backward(model, r, w, step=2)
-        opt.step()
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
-
-
-def case_order_second_norm_type_on_one_rank(rank, world, **kw):
-    def misstep(opt, model, r, w):
-        _backward(model, r, w, step=2)
-        opt.grad_norm()
-        if r == 1:
-            opt.grad_norm(1.0)  # one more (tiny) all-reduce on this rank only
-        opt.step()
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
-
-
-def case_order_clip_on_one_rank(rank, world, **kw):
-    """Clipping on some ranks only would update their shards clipped and the others' not."""
-    def misstep(opt, model, r, w):
-        _backward(model, r, w, step=2)
-        seen["model"], seen["before"] = model, _params(model)
-        if r == 1:
-            opt.clip_grad_norm(1e-3)
-        opt.step()
-        return True
-    seen = {}
-    out = _order_case(rank, world, misstep)
-    out["untouched"] = _unchanged(seen["model"], seen["before"])
-    return out
-
-
-def case_order_clip_after_stats_on_one_rank(rank, world, **kw):
-    """A clip after the stats (after grad_norm or unscale_) cannot be agreed on before its step:
-    it is caught at the next step, on every rank."""
-    def misstep(opt, model, r, w):
-        _backward(model, r, w, step=2)
-        opt.grad_norm()
-        if r == 1:
-            opt.clip_grad_norm(1e-3)
-        opt.step()
-        opt.zero_grad()
-        return True
-    return _order_case(rank, world, misstep)
-
-
-def case_order_grad_norm_logged_on_one_rank(rank, world, **kw):
-    """Control: reading grad_norm() on one rank only (logging) before step is fine."""
+def case_call_meets_stats_all_reduce(rank, world, **kw):
+    """state_dict() on rank 0 while the others compute an inf norm: two small all-reduces of
+    different sizes (gloo aborted the process when both shared one group); each rank raises in
+    bounded time, naming its own call."""
     def misstep(opt, model, r, w):
         _backward(model, r, w, step=2)
         if r == 0:
-            opt.grad_norm()
-        opt.step()
-        opt.zero_grad()
+            opt.state_dict()
+        else:
+            opt.grad_norm(float("inf"))
         return True
     return _order_case(rank, world, misstep)
 
 
-
-def case_order_grad_norm_logged_then_clip_everywhere(rank, world, **kw):
-    """Control: rank 0 logs grad_norm() before clipping, the others clip at once. Their step's
-    stats start from different calls, which is fine: every rank clips alike."""
-    seen = {}
-
-    def misstep(opt, model, r, w):
-        seen["model"] = model
-        _backward(model, r, w, step=2)
-        if r == 0:
-            opt.grad_norm()
+def case_clip_in_last_step_on_one_rank(rank, world, tmp=None, **kw):
+    """The last step of a run clipped on rank 1 only: no later step compares it, so state_dict
+    and save_sharded do (and write nothing); after a step that clipped alike they work."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY)
+    _backward(model, rank, world)
+    opt.clip_grad_norm(1.0)
+    opt.step()
+    opt.zero_grad()
+    agreeing = _raised(opt.state_dict)
+    _backward(model, rank, world, step=1)
+    if rank == 1:
         opt.clip_grad_norm(1e-3)
-        opt.step()
-        opt.zero_grad()
-        return True
-    out = _order_case(rank, world, misstep)
-    out["params"] = [p.detach().clone() for p in seen["model"].parameters()]
-    return out
+    opt.step()
+    opt.zero_grad()
+    path = os.path.join(tmp, f"mixed-{world}")
+    return {"agreeing": agreeing, "state_dict": _raised(opt.state_dict),
+            "save_sharded": _raised(lambda: save_sharded(opt, path)), "written": os.path.exists(path)}
+
 
 CASES = [n for n in dir() if n.startswith("case_")]

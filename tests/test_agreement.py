@@ -164,3 +164,64 @@ def test_grad_norm_read_on_one_rank_is_fine(world):
         assert value["error"] == "NO ERROR", value
     for value in values[1:]:
         assert all(torch.equal(a, b) for a, b in zip(value["params"], values[0]["params"]))
+
+
+# The same mismatches with the watchdog (SHARDAMP_COLLECTIVE_WATCHDOG=force): the path of CUDA
+# params, where no wait is bounded on the host; the monitor thread of collective_watchdog.py
+# finds the stuck collective, exchanges positions through the store, aborts the optimizer's
+# groups and ends the wait. The same message, on every rank, within the bound, and again at the
+# next optimizer call.
+WATCHED = {case.replace("case_order_", "case_watched_"): cause for case, cause in ORDER.items()}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", sorted(WATCHED))
+def test_watchdog_ends_mismatched_collectives_on_every_rank_in_bounded_time(world, case):
+    bound = cases_agreement.ORDER_BOUND
+    for rank, value in enumerate(case_values(_results(world), case)):
+        error = value["error"]
+        assert error.startswith("RuntimeError: DistributedFusedAdam: the ranks disagree on the sequence of "
+                                "shardamp collectives"), (rank, error)
+        waited = (f"{bound:g} s (half the process group's timeout" if case.endswith("group_timeout")
+                  else f"{bound:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)")
+        assert f"This rank (rank {rank}) waited {waited}" in error and "at step 3" in error, (rank, error)
+        assert "shardamp's collective watchdog" in error, (rank, error)
+        assert WATCHED[case] in error, (rank, error)
+        for other in range(world):
+            assert f"rank {other}: in " in error, (rank, other, error)
+        # the monitor polls every POLL_S; the others' reports are read for at most the bound
+        assert value["at"] in (2, 3) and value["seconds"] < 2 * bound + 15, (rank, value)
+        assert value["again"] == error, (rank, value["again"])  # every later call raises it
+        assert value["aborted"] == 4, (rank, value)  # the group, its control, calls and gather groups
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_watchdog_ends_a_collective_call_on_one_rank(world):
+    bound = cases_agreement.ORDER_BOUND
+    value = case_values(_results(world), "case_watched_state_dict_on_one_rank")[0]
+    error = value["error"]
+    assert error.startswith("RuntimeError: state_dict is a collective") and "did not join it" in error, error
+    assert "waited 3 s (SHARDAMP_COLLECTIVE_TIMEOUT) in the agreement all-reduce of a collective call" in error, error
+    assert "shardamp's collective watchdog" in error and value["aborted"] == 4, value
+    assert value["seconds"] < 2 * bound + 15, value
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_collective_call_never_pairs_with_the_stats_all_reduce(world):
+    bound = cases_agreement.ORDER_BOUND
+    for rank, value in enumerate(case_values(_results(world), "case_call_meets_stats_all_reduce")):
+        if rank == 0:
+            assert value["error"].startswith("RuntimeError: state_dict is a collective"), value["error"]
+        else:
+            assert "the ranks disagree on the sequence of shardamp collectives" in value["error"], value["error"]
+            assert "the step's stats all-reduce" in value["error"], value["error"]
+        assert value["at"] == 2 and value["seconds"] < 2 * bound + 15, (rank, value)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_clip_on_some_ranks_in_the_last_step_raises_at_state_dict(world):
+    for value in case_values(_results(world), "case_clip_in_last_step_on_one_rank"):
+        assert value["agreeing"] == "NO ERROR"
+        for call in ("state_dict", "save_sharded"):
+            assert value[call].startswith(f"RuntimeError: {call}: the ranks' last step clipped differently"), value
+        assert not value["written"]

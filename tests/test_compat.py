@@ -1,6 +1,8 @@
 """Every torch internal shardamp relies on (optim/_compat.py) exists and behaves on this torch."""
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -40,7 +42,18 @@ def _collectives(rank: int, world: int):
     group_checks = (_compat.group_name(world_pg), _compat.group_alive(side), _compat.group_timeout(side),
                     [store.get(f"compat-{r}").decode() for r in range(world)])
     _compat.all_reduce(t, dist.ReduceOp.MAX, side, async_op=True).wait()
-    return out, full, t, b, s, pieces, mesh_checks + (group_checks,)
+    # what collective_watchdog.py calls: the WORLD object, a group's timeout per device type (a
+    # gloo group serves CUDA tensors too: the same), ProcessGroup.abort() of one group alone
+    # (returns at once on gloo; WORLD stays usable)
+    doomed = dist.new_group(list(range(world)), use_local_synchronization=True)
+    t0 = time.monotonic()
+    _compat.abort_group(doomed)
+    aborted_in = time.monotonic() - t0
+    after = torch.ones(1)
+    _compat.all_reduce(after, dist.ReduceOp.SUM, None)
+    watchdog_checks = (_compat.world_group() is dist.group.WORLD, _compat.group_timeout(side, "cuda"), aborted_in,
+                       after.item())
+    return out, full, t, b, s, pieces, mesh_checks + (group_checks, watchdog_checks)
 
 
 def test_collectives_through_compat() -> None:
@@ -54,6 +67,8 @@ def test_collectives_through_compat() -> None:
         name, alive, timeout, seen = mesh_checks[4]
         assert isinstance(name, str) and alive and seen == [str(r) for r in range(world)]
         assert timeout is not None and timeout.total_seconds() == 7
+        is_world, cuda_timeout, aborted_in, after = mesh_checks[5]
+        assert is_world and cuda_timeout == timeout and aborted_in < 5 and after == world
         expected = world * (torch.arange(2.0 * world) + (world - 1) / 2)
         torch.testing.assert_close(out, expected[2 * rank: 2 * rank + 2])
         assert full.tolist() == [1.0, 1.0, 2.0, 2.0]

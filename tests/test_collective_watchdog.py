@@ -1,0 +1,206 @@
+"""collective_watchdog.py's logic in one process: the CUDA path's lanes (events of one stream
+complete in order), the clock, the report, the abort and the sticky error, with fake events and
+a fake comm (no GPU here; the multi-rank behaviour is in test_agreement.py, on gloo with the
+watchdog forced)."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from shardamp.optim import _compat, collective_watchdog
+from shardamp.optim.collective_order import STATS, REDUCE_SCATTER
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.done
+
+
+class FakeWork:
+    def __init__(self) -> None:
+        self.waited = 0
+
+    def wait(self) -> bool:
+        self.waited += 1  # on CUDA: orders the current stream after the collective, returns at once
+        return True
+
+
+class FakeComm:
+    world_size, rank, group = 1, 0, None
+
+    def __init__(self) -> None:
+        self.steps, self.backwards = 0, 0
+        self.groups = [object(), object()]
+
+    def position(self):
+        return {"steps": self.steps, "backwards": self.backwards, "dropped": 0}
+
+    def describe_span(self) -> str:
+        return "fake"
+
+    def all_groups(self):
+        return self.groups
+
+
+@pytest.fixture
+def watchdog(monkeypatch):
+    """A CUDA-path watchdog whose events come from ``marks`` (lane key, FakeEvent)."""
+    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
+    aborted = []
+    monkeypatch.setattr(_compat, "abort_group", aborted.append)
+    monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
+    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
+    collective_watchdog._watched.discard(wd)  # polled by the test, not by the monitor thread
+    wd.cuda = True
+    wd.marks = []
+    wd._mark = lambda: wd.marks.pop(0)
+    wd.aborted_groups = aborted
+    return wd
+
+
+def _issue(wd, lane, what=STATS):
+    event = FakeEvent()
+    wd.marks.append((lane, event))
+    work = FakeWork()
+    wd.wait(work, what)
+    assert work.waited == 1
+    return event
+
+
+def _report_done(wd, timeout=10.0):
+    assert wd.reported.wait(timeout), "the report thread did not finish"
+
+
+def test_completed_lanes_are_dropped_newest_first_and_events_reused(watchdog):
+    events = [_issue(watchdog, "stream A", REDUCE_SCATTER) for _ in range(3)]
+    other = _issue(watchdog, "stream B")
+    now = time.monotonic()
+    events[-1].done = True  # the newest of lane A: every older one completed too (one stream)
+    watchdog.poll(now)
+    assert not watchdog.lanes["stream A"].entries and [e.queries for e in events] == [0, 0, 1]
+    assert list(watchdog.lanes["stream B"].entries)[0].event is other
+    assert sorted(map(id, watchdog.events)) == sorted(map(id, events))  # back in the pool
+    watchdog.poll(now + 0.4)  # lane B pending, within the bound
+    assert watchdog.message is None
+
+
+def test_stuck_collective_reports_aborts_and_raises_at_every_later_call(watchdog):
+    watchdog.comm.steps, watchdog.comm.backwards = 4, 1
+    first = _issue(watchdog, "stream A", REDUCE_SCATTER)
+    _issue(watchdog, "stream A", STATS)
+    watchdog.comm.steps = 9  # the host ran on: the report names where the rank was at the collective
+    first.done = True
+    t = time.monotonic()
+    watchdog.poll(t)  # the first landed: the lane's clock restarts now
+    watchdog.poll(t + 0.4)
+    assert watchdog.message is None
+    watchdog.poll(t + 0.6)
+    _report_done(watchdog)
+    message = watchdog.message
+    assert "This rank (rank 0) waited 0.5 s (SHARDAMP_COLLECTIVE_TIMEOUT) in the step's stats all-reduce at step 5" \
+        in message, message
+    assert "shardamp's collective watchdog" in message
+    assert watchdog.aborted_groups == watchdog.comm.groups and len(watchdog.aborted) == 2
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="the ranks disagree on the sequence of shardamp collectives"):
+            watchdog.wait(FakeWork(), STATS)
+        with pytest.raises(RuntimeError, match="waited 0.5 s"):
+            watchdog.check()
+
+
+def test_default_bound_is_half_the_group_timeout(monkeypatch):
+    import datetime
+
+    monkeypatch.delenv("SHARDAMP_COLLECTIVE_TIMEOUT", raising=False)
+    monkeypatch.setattr(_compat, "group_timeout", lambda group, device_type: datetime.timedelta(minutes=10))
+    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
+    collective_watchdog._watched.discard(wd)
+    assert wd.bound() == 300.0
+    monkeypatch.setattr(_compat, "group_timeout", lambda group, device_type: None)
+    assert collective_watchdog.Watchdog(FakeComm(), torch.device("cpu")).bound() == \
+        collective_watchdog.FALLBACK_BOUND_S
+
+
+def test_a_host_wait_is_woken_by_the_report(watchdog):
+    """The CPU path (forced on gloo): a wait blocks on a flag the report sets."""
+    watchdog.cuda = False
+
+    class Never:  # a collective that never completes (no future: waited on a helper thread)
+        def is_completed(self):
+            return False
+
+        def get_future(self):
+            raise RuntimeError("no future")
+
+        def wait(self):
+            threading.Event().wait(30)
+
+    raised = []
+
+    def main():
+        try:
+            watchdog.wait(Never(), REDUCE_SCATTER)
+        except RuntimeError as exc:
+            raised.append(str(exc))
+
+    thread = threading.Thread(target=main)
+    thread.start()
+    time.sleep(0.2)
+    watchdog.poll(time.monotonic() + 1.0)
+    _report_done(watchdog)
+    thread.join(10)
+    assert not thread.is_alive() and "in a gradient reduce-scatter (backward)" in raised[0]
+
+
+@pytest.mark.parametrize("value, expected", [("", "on"), ("1", "on"), ("0", "off"), ("force", "force")])
+def test_mode(monkeypatch, value, expected):
+    monkeypatch.setenv(collective_watchdog.ENV, value)
+    assert collective_watchdog.mode() == expected
+    assert collective_watchdog.wanted(torch.device("cpu")) == (expected == "force")
+    assert collective_watchdog.wanted(torch.device("cuda", 0)) == (expected != "off")
+
+
+def test_bad_mode_names_the_variable(monkeypatch):
+    monkeypatch.setenv(collective_watchdog.ENV, "yes")
+    with pytest.raises(ValueError, match="SHARDAMP_COLLECTIVE_WATCHDOG='yes'"):
+        collective_watchdog.mode()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_events_and_the_monitor_thread(monkeypatch):
+    """The CUDA-only pieces: the event recorded on the current stream without a sync, the real
+    monitor thread querying it under its device guard; a stream kept busy past the bound (the
+    GPU spinning, standing in for a collective that never completes) is reported."""
+    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
+    aborted = []
+    monkeypatch.setattr(_compat, "abort_group", aborted.append)
+    monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
+    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        wd.wait(FakeWork(), STATS)  # an idle stream: its event completes at once
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    deadline = time.monotonic() + 5.0
+    while any(lane.entries for lane in wd.lanes.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(lane.entries for lane in wd.lanes.values()) and len(wd.events) == 1
+    spin = getattr(torch.cuda, "_sleep", None)
+    if spin is None:
+        pytest.skip("torch.cuda._sleep is gone")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        spin(int(4e9))  # about 2 s of GPU cycles on this stream
+        wd.wait(FakeWork(), REDUCE_SCATTER)
+    assert wd.reported.wait(10), "the monitor thread did not report"
+    assert "in a gradient reduce-scatter (backward)" in wd.message and len(aborted) == 2
+    assert list(wd.lanes) == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
+    torch.cuda.synchronize()
