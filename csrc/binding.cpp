@@ -24,6 +24,7 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
                         bool bias_correction);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
+int64_t event_query_relaxed(int64_t handle);  // event_query.cu
 }  // namespace cuda
 #endif
 
@@ -300,6 +301,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("views_intact", &shardamp::views_intact, "Params still are their buffer views (pointer, dtype, shape, strides) without .grad",
         py::arg("params"), py::arg("refs"));
   shardamp::register_grad_stager(m);
+#if defined(SHARDAMP_WITH_CUDA)
+  m.def("event_query_relaxed", &shardamp::cuda::event_query_relaxed,
+        "cudaEventQuery in relaxed capture mode (safe while another thread captures): 1 done, 0 not yet, -1 error",
+        py::arg("handle"));
+#endif
   m.attr("CHUNK") = shardamp::kChunk;
   m.attr("CUDA_CHUNK") = shardamp::kCudaChunk;
   m.def("cpu_capability", &shardamp::cpu_capability, "Which CPU kernel build runs here");

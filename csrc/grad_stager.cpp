@@ -19,7 +19,9 @@
 //
 // No exception ever leaves a hook: the Python callback is wrapped (grad_stager.py stores its
 // errors and raises them from the end-of-backward callback) and anything else is caught here
-// and reported as unraisable.
+// and reported as unraisable. The methods Python calls throw std::runtime_error only (a
+// c10::Error leaving a JIT-built extension was seen to kill the interpreter on torch 2.11 + g++
+// 13.3: common.h).
 #include <torch/extension.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -54,6 +56,7 @@ struct StagerState {
   std::vector<int64_t> expected, fired, flush_bytes, staged_bytes;
   std::vector<std::vector<std::pair<int64_t, at::Tensor>>> pending;  // staged (param, grad)
   bool armed = false;  // this backward's first grad went through Python
+  bool dead = false;  // removed while a backward may run its hooks: they do nothing
   py::object callback;  // callback(event, arg): arg is a param index (kSlow) or a bucket
   std::mutex mu;
 
@@ -86,13 +89,29 @@ struct StagerState {
   }
 
   // Runs on the autograd thread, without the GIL, after AccumulateGrad stored param i's grad.
-  void hook(int64_t i) {
+  void hook(int64_t i) noexcept {
+    try {
+      hook_body(i);
+    } catch (const std::exception& e) {
+      report(e.what());
+    } catch (...) {
+      report("unknown C++ error");
+    }
+  }
+
+  static void report(const char* what) {
+    py::gil_scoped_acquire gil;
+    PyErr_SetString(PyExc_RuntimeError, (std::string("shardamp grad hook: ") + what).c_str());
+    PyErr_WriteUnraisable(nullptr);
+  }
+
+  void hook_body(int64_t i) {
     int event = kNone;
     int64_t arg = i;
     {
       std::lock_guard<std::mutex> lock(mu);
       at::Tensor& grad = params[i].mutable_grad();
-      if (!grad.defined() || !owned[i]) return;
+      if (dead || !grad.defined() || !owned[i]) return;
       if (!armed || grad.layout() != at::kStrided || staged[i]) {
         event = kSlow;
       } else {
@@ -136,7 +155,7 @@ class GradStager {
     s.callback = std::move(callback);
   }
 
-  ~GradStager() { remove(); }
+  ~GradStager() { remove(false); }
 
   // One post hook on the grad accumulator of every param that requires grad. The accumulators
   // are held here: a param holds its own only weakly, and a new one (without the hook) would be
@@ -158,8 +177,16 @@ class GradStager {
     }
   }
 
-  void remove() {
-    for (auto& h : hooks_) h.first->del_post_hook(h.second);
+  // erase=false (a backward may be iterating these hooks: erasing one would invalidate it) only
+  // makes them do nothing; the accumulators then drop them when they die.
+  void remove(bool erase) {
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->dead = true;
+    }
+    if (erase) {
+      for (auto& h : hooks_) h.first->del_post_hook(h.second);
+    }
     hooks_.clear();
     // the callback holds Python objects: drop it with the GIL held
     if (state_ && Py_IsInitialized()) {
@@ -200,6 +227,14 @@ class GradStager {
   // view with the param's sizes and strides at its offset), as kernels.land_grads does; returns
   // the params landed, in staging order.
   std::vector<int64_t> land(int64_t b, at::Tensor& full) {
+    try {
+      return land_impl(b, full);
+    } catch (const c10::Error& e) {
+      throw std::runtime_error(e.what_without_backtrace());
+    }
+  }
+
+  std::vector<int64_t> land_impl(int64_t b, at::Tensor& full) {
     auto taken = take(b);
     auto& s = *state_;
     std::vector<CopyRange> ranges;
@@ -276,9 +311,13 @@ class GradStager {
     std::fill(s.staged_bytes.begin(), s.staged_bytes.end(), 0);
     std::fill(s.fired.begin(), s.fired.end(), 0);
   }
-  void set_armed(bool armed) { state_->armed = armed; }
+  void set_armed(bool armed) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->armed = armed;
+  }
   void disown(int64_t i) {
     check_param(i);
+    std::lock_guard<std::mutex> lock(state_->mu);
     state_->owned[i] = 0;
   }
   int64_t hooks() const { return static_cast<int64_t>(hooks_.size()); }
@@ -305,7 +344,7 @@ void register_grad_stager(py::module& m) {
            py::arg("params"), py::arg("bucket_of"), py::arg("offset"), py::arg("nbytes"), py::arg("expected"),
            py::arg("flush_bytes"), py::arg("callback"))
       .def("attach", &GradStager::attach)
-      .def("remove", &GradStager::remove)
+      .def("remove", &GradStager::remove, py::arg("erase") = true)
       .def("stage", &GradStager::stage, py::arg("index"))
       .def("take", &GradStager::take, py::arg("bucket"))
       .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"))

@@ -57,6 +57,16 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
+def in_backward() -> bool:
+    """Whether this thread is running an autograd backward (a hook or callback of it)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def cuda_event_handle(event: Any) -> int:
+    """The raw ``cudaEvent_t`` of a recorded ``torch.cuda.Event`` (0 if never recorded)."""
+    return int(event.cuda_event)
+
+
 def foreach_copy_(dst: List[Tensor], src: List[Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for all i in as few launches as the multi-tensor kernels allow
     (pairs of equal dtype and strides take the fused route, others a per-tensor copy)."""

@@ -16,11 +16,11 @@ the host without waiting:
   the oldest pending one only). About 5 us of host time per collective; no collective, no store
   traffic, no device work.
 * Monitoring (daemon thread, every ``POLL_S``): a lane whose oldest pending entry made no
-  progress for the bound (``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds; unset: half the process
-  group's timeout, so this report comes before NCCL's watchdog) fails. As torch's watchdog, time
-  counts from the host-side registration (or the lane's last completion, whichever is later), so
-  the bound must exceed how long a collective may legitimately take after the host issued it,
-  including how far the host runs ahead of the GPU.
+  progress for the bound (``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds; unset: the process group's
+  timeout less min(60 s, half of it), so this report comes before NCCL's watchdog) fails. As
+  torch's watchdog, time counts from the host-side registration (or the lane's last completion,
+  whichever is later), so the bound must exceed how long a collective may legitimately take
+  after the host issued it, including how far the host runs ahead of the GPU.
 * Failure (once per optimizer): the rank posts its position at that collective (the steps it
   took, its backward passes since its last step) to the process group's store and reads the
   other ranks' posts (collective_order.py: the same report and protocol as on gloo), logs the
@@ -52,12 +52,16 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
-from . import _compat, collective_order
+from . import _compat, collective_order, kernels
 
 ENV = "SHARDAMP_COLLECTIVE_WATCHDOG"
 POLL_S = 0.1  # how often the monitor looks: detection within the bound plus this
-DEFAULT_FRACTION = 0.5  # of the process group's timeout, when SHARDAMP_COLLECTIVE_TIMEOUT is unset
-FALLBACK_BOUND_S = 300.0  # half of NCCL's default 10 min, where the group's timeout cannot be read
+# SHARDAMP_COLLECTIVE_TIMEOUT unset: the process group's timeout less this margin (at most half
+# of it), so the report (its store reads take up to collective_order.REPORT_WAIT_S) comes before
+# NCCL's own watchdog ends the process, while ranks that drift apart by nearly the timeout (a
+# long evaluation or save on one rank) still run, as NCCL lets them
+DEFAULT_MARGIN_S = 60.0
+FALLBACK_BOUND_S = 540.0  # NCCL's default 10 min less the margin, where the timeout cannot be read
 
 _log = logging.getLogger("shardamp")
 
@@ -119,12 +123,20 @@ class Watchdog:
         self.reported = threading.Event()
         self.aborted: List[str] = []  # names of the groups aborted on failure
         self.default_bound = self._default_bound(device)
+        ext = kernels.native_module(device) if self.cuda else None
+        self.native = ext if ext is not None and hasattr(ext, "event_query_relaxed") else None
         _start_monitor(self)
 
     def _default_bound(self, device: torch.device) -> float:
         group = self.comm.group if self.comm.group is not None else _compat.world_group()
         timeout = _compat.group_timeout(group, device.type)
-        return DEFAULT_FRACTION * timeout.total_seconds() if timeout is not None else FALLBACK_BOUND_S
+        if timeout is None:
+            _log.warning("shardamp collective watchdog: the process group's timeout could not be read; "
+                         "stalled collectives are reported after %.0f s (set %s to choose)",
+                         FALLBACK_BOUND_S, collective_order.TIMEOUT_ENV)
+            return FALLBACK_BOUND_S
+        seconds = timeout.total_seconds()
+        return seconds - min(DEFAULT_MARGIN_S, seconds / 2)
 
     def bound(self) -> float:
         configured = collective_order.collective_timeout()
@@ -151,9 +163,26 @@ class Watchdog:
         if mark is None:
             return None
         entry = _Entry(what, self.comm.position(), self.bound())
-        entry.event, entry.probe = mark[1], mark[1].query
+        entry.event, entry.probe = mark[1], self._probe(mark[1])
         self._register(mark[0], entry, ordered=True)
         return None
+
+    def _probe(self, event: Any) -> Callable[[], bool]:
+        """Whether ``event`` has completed, asked from the monitor thread. Natively in relaxed
+        capture mode: a plain ``cudaEventQuery`` from another thread invalidates a CUDA graph
+        being captured in the default (global) mode."""
+        native = self.native
+        if native is None:
+            return event.query
+        handle = _compat.cuda_event_handle(event)
+
+        def done() -> bool:
+            state = native.event_query_relaxed(handle)
+            if state < 0:
+                raise RuntimeError("cudaEventQuery failed on a collective's completion event")
+            return state == 1
+
+        return done
 
     def _mark(self) -> Optional[tuple]:
         """``(lane key, event)``: a (pooled) event recorded on the current stream, which completes
@@ -257,7 +286,7 @@ class Watchdog:
         """Report ``entry``'s collective as stuck on every rank (store), abort, wake the waits."""
         configured = collective_order.collective_timeout() is not None
         waited = (f"{entry.bound:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)" if configured else
-                  f"{entry.bound:g} s (half the process group's timeout, the default; SHARDAMP_COLLECTIVE_TIMEOUT "
+                  f"{entry.bound:g} s (the process group's timeout less min(60 s, half of it), the default; SHARDAMP_COLLECTIVE_TIMEOUT "
                   "sets it)")
         reason = reason or f"not completed within {entry.bound:g} s"
         groups = self.comm.all_groups()
@@ -314,6 +343,7 @@ def _start_monitor(watchdog: Watchdog) -> None:
 
 
 def _monitor() -> None:
+    logged = set()  # a failing poll is logged once per watchdog and message, not every POLL_S
     while True:
         time.sleep(POLL_S)
         now = time.monotonic()
@@ -321,4 +351,7 @@ def _monitor() -> None:
             try:
                 watchdog.poll(now)
             except Exception as exc:  # noqa: BLE001  (a monitor that died would watch nothing)
-                _log.warning("shardamp collective watchdog: poll failed: %s", exc)
+                key = (id(watchdog), str(exc))
+                if key not in logged:
+                    logged.add(key)
+                    _log.warning("shardamp collective watchdog: poll failed: %s", exc)

@@ -70,7 +70,7 @@ class PyStager:
         self.handles = [p.register_post_accumulate_grad_hook(make(i))
                         for i, p in enumerate(self.params) if p.requires_grad]
 
-    def remove(self) -> None:
+    def remove(self, erase: bool = True) -> None:
         for h in self.handles:
             h.remove()
         self.handles = []

@@ -491,8 +491,8 @@ class GradSync:
 
     def remove_hooks(self) -> None:
         stager = getattr(self, "stager", None)
-        if stager is not None:
-            stager.remove()
+        if stager is not None:  # inside a backward its hooks may be iterated: only disarm them
+            stager.remove(not _compat.in_backward())
 
 
 def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:

@@ -116,17 +116,22 @@ def test_stuck_collective_reports_aborts_and_raises_at_every_later_call(watchdog
             watchdog.check()
 
 
-def test_default_bound_is_half_the_group_timeout(monkeypatch):
+def test_default_bound_is_the_group_timeout_less_a_margin(monkeypatch):
+    """Unset SHARDAMP_COLLECTIVE_TIMEOUT: the group's timeout less min(60 s, half of it), so the
+    report comes before NCCL's watchdog while a rank may still run ahead by nearly the timeout."""
     import datetime
 
     monkeypatch.delenv("SHARDAMP_COLLECTIVE_TIMEOUT", raising=False)
-    monkeypatch.setattr(_compat, "group_timeout", lambda group, device_type: datetime.timedelta(minutes=10))
+    for minutes, bound in ((10, 540.0), (120, 7140.0), (1, 30.0)):
+        monkeypatch.setattr(_compat, "group_timeout",
+                            lambda group, device_type, m=minutes: datetime.timedelta(minutes=m))
+        wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
+        collective_watchdog._watched.discard(wd)
+        assert wd.bound() == bound, minutes
+    monkeypatch.setattr(_compat, "group_timeout", lambda group, device_type: None)
     wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
     collective_watchdog._watched.discard(wd)
-    assert wd.bound() == 300.0
-    monkeypatch.setattr(_compat, "group_timeout", lambda group, device_type: None)
-    assert collective_watchdog.Watchdog(FakeComm(), torch.device("cpu")).bound() == \
-        collective_watchdog.FALLBACK_BOUND_S
+    assert wd.bound() == collective_watchdog.FALLBACK_BOUND_S == 540.0
 
 
 def test_a_host_wait_is_woken_by_the_report(watchdog):

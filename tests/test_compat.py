@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -140,3 +141,20 @@ def test_foreach_copy_and_add_across_layouts_and_dtypes() -> None:
     torch.testing.assert_close(a, 2 * ga)
     torch.testing.assert_close(b, 2 * gb.float())
     assert flat[24:32].abs().sum() == 0 and flat[37:].abs().sum() == 0
+
+
+def test_in_backward() -> None:
+    seen = []
+    p = torch.nn.Parameter(torch.ones(2))
+    p.register_post_accumulate_grad_hook(lambda _: seen.append(_compat.in_backward()))
+    assert not _compat.in_backward()
+    (p * 2).sum().backward()
+    assert seen == [True] and not _compat.in_backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_event_handle() -> None:
+    event = torch.cuda.Event()
+    assert _compat.cuda_event_handle(event) == 0
+    event.record()
+    assert _compat.cuda_event_handle(event) != 0

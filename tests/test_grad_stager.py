@@ -225,3 +225,25 @@ def test_capturable_takes_the_python_hooks() -> None:
     capture on its own stream would wait on that stream, so capturable optimizers hook in Python."""
     _, opt = _model_and_opt(capturable=True)
     assert type(opt._grad_sync.stager).__name__ == "PyStager"
+
+
+@needs_native
+def test_hooks_removed_inside_a_backward_are_disarmed_not_erased() -> None:
+    """Removing the native hooks while a backward runs (an older optimizer collected from a
+    callback) must not erase from the post-hook list torch is iterating: they are disarmed and
+    do nothing from then on; outside a backward they are erased."""
+    model, opt = _model_and_opt()
+    gs = opt._grad_sync
+    calls = []
+
+    def remove_now(_p):
+        if not calls:
+            gs.remove_hooks()
+        calls.append(1)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(remove_now)
+    model(torch.randn(3, 6)).sum().backward()
+    assert gs.stager.hooks() == 0 and len(calls) == 4
+    # the hook of the first param ran after its (user) hook disarmed it: nothing was staged
+    assert all(p.grad is not None for p in model.parameters())

@@ -5,7 +5,6 @@
 // pointer reads. Used by GradStager.land (csrc/grad_stager.cpp); capturable (no host sync, no
 // allocation).
 
-#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,6 +12,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../common.h"
 #include "../land_copy.h"
 
 namespace shardamp {
@@ -22,6 +22,9 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kBatch = 48;           // 48 x 24 B of kernel arguments: well inside 4 KiB
 constexpr int kMaxBlocksPerGrad = 64;
+// Larger grads are one cudaMemcpyAsync each: the copy runs at full bandwidth, where 64 blocks of
+// this kernel would keep too few bytes in flight; there are few of them, so their host cost is small.
+constexpr int64_t kKernelMaxBytes = int64_t{1} << 20;
 
 struct Batch {
   const char* src[kBatch];
@@ -60,12 +63,22 @@ void batched_copy(const std::vector<CopyRange>& ranges, const at::Device& device
   if (ranges.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (size_t start = 0; start < ranges.size(); start += kBatch) {
+  std::vector<const CopyRange*> small;
+  small.reserve(ranges.size());
+  for (const CopyRange& r : ranges) {
+    if (r.bytes > kKernelMaxBytes) {
+      const cudaError_t err = cudaMemcpyAsync(r.dst, r.src, static_cast<size_t>(r.bytes), cudaMemcpyDeviceToDevice, stream);
+      SHARDAMP_CHECK(err == cudaSuccess, "GradStager.land: cudaMemcpyAsync failed: ", cudaGetErrorString(err));
+    } else {
+      small.push_back(&r);
+    }
+  }
+  for (size_t start = 0; start < small.size(); start += kBatch) {
     Batch batch;
-    const int count = static_cast<int>(std::min<size_t>(kBatch, ranges.size() - start));
+    const int count = static_cast<int>(std::min<size_t>(kBatch, small.size() - start));
     int64_t largest = 0;
     for (int k = 0; k < count; ++k) {
-      const CopyRange& r = ranges[start + k];
+      const CopyRange& r = *small[start + k];
       batch.src[k] = static_cast<const char*>(r.src);
       batch.dst[k] = static_cast<char*>(r.dst);
       batch.bytes[k] = r.bytes;
@@ -74,7 +87,8 @@ void batched_copy(const std::vector<CopyRange>& ranges, const at::Device& device
     const int64_t per_block = static_cast<int64_t>(kThreads) * 16 * 4;  // 4 vectors a thread
     const int blocks_x = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((largest + per_block - 1) / per_block, kMaxBlocksPerGrad)));
     batched_copy_kernel<<<dim3(blocks_x, count), kThreads, 0, stream>>>(batch);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const cudaError_t err = cudaGetLastError();
+    SHARDAMP_CHECK(err == cudaSuccess, "GradStager.land: copy kernel launch failed: ", cudaGetErrorString(err));
   }
 }
 
