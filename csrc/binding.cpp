@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "common.h"
+#include "land_grads.h"
 
 namespace shardamp {
 
@@ -235,28 +236,6 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
 }
 
-// Backward's grad landing (optim/grad_sync.py): view ``full`` as each param (``like[i]``'s
-// sizes and strides at element ``offsets[i]``) and copy (or add) ``grads[i]`` into it with one
-// multi-tensor op. The views cost a C++ loop, not one Python as_strided call per param.
-void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
-                const std::vector<int64_t>& offsets, bool accumulate) {
-  SHARDAMP_CHECK(grads.size() == like.size() && grads.size() == offsets.size(),
-                 "land_grads: grads, like and offsets must have the same length");
-  std::vector<at::Tensor> views;
-  views.reserve(grads.size());
-  const int64_t base = full.storage_offset();
-  for (size_t i = 0; i < grads.size(); ++i) {
-    SHARDAMP_CHECK(offsets[i] >= 0 && offsets[i] + like[i].numel() <= full.numel(),
-                   "land_grads: param ", i, " does not fit in the bucket buffer");
-    views.push_back(full.as_strided(like[i].sizes(), like[i].strides(), base + offsets[i]));
-  }
-  if (accumulate) {
-    at::_foreach_add_(views, grads);
-  } else {
-    at::_foreach_copy_(views, grads);
-  }
-}
-
 // The per-step "do the model params still live in the buffers" check (optim/buffers.py) in one
 // call: true iff every params[i] has refs[i]'s data pointer, dtype, sizes and strides and no
 // .grad. (Python re-checks in detail, to name the param, whenever this says false.)
@@ -292,7 +271,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("build_chunks", &shardamp::build_chunks,
         "Chunk table (int64 [C, 2], host) for adam_step, from a segments table; validates the table",
         py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);
-  m.def("land_grads", &shardamp::land_grads, "Copy (or add) grads into their views of a flat bucket buffer",
+  m.def("land_grads", &shardamp::land_grads, "Copy (or add) grads into their slots of a flat bucket buffer (byte ranges where the layouts match)",
         py::arg("full"), py::arg("grads"), py::arg("like"), py::arg("offsets"), py::arg("accumulate"));
   m.def("step_scalars", &shardamp::step_scalars,
         "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - found_inf)",

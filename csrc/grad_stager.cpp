@@ -9,9 +9,7 @@
 // without the GIL, and calls Python only for the few events that need a decision there: the
 // first grad of a backward, an unusual grad (sparse, or a param staged twice), a bucket whose
 // staged bytes reach its flush size, a complete bucket. The bucket copy itself (`land`) also
-// runs here, without a tensor view per param where it can: a grad with its param's strides and
-// the buffer's dtype is one byte range (memcpy on the CPU, a batched kernel on CUDA:
-// cuda/land_copy.cu); any other grad goes through a view and one multi-tensor copy.
+// runs here (land_grads.h: byte ranges, no tensor view, where a grad has its param's layout).
 //
 // This file is the one place the C++ autograd internals are used (torch::autograd::impl::
 // grad_accumulator, Node::add_post_hook / del_post_hook, LambdaPostHook), as
@@ -28,15 +26,13 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <cstring>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <utility>
 #include <vector>
 
 #include "common.h"
-#include "land_copy.h"
+#include "land_grads.h"
 
 namespace shardamp {
 namespace {
@@ -50,7 +46,7 @@ struct StagerState {
   // per param (the optimizer's order)
   std::vector<at::Tensor> params;
   std::vector<int64_t> bucket_of, offset, nbytes;
-  std::vector<char> staged, owned, dense;
+  std::vector<char> staged, owned;
   std::vector<char> touched;  // got a grad since clear_touched (zero_grad)
   // per bucket
   std::vector<int64_t> expected, fired, flush_bytes, staged_bytes;
@@ -145,8 +141,6 @@ class GradStager {
     s.staged.assign(n, 0);
     s.owned.assign(n, 1);
     s.touched.assign(n, 0);
-    s.dense.resize(n);
-    for (size_t i = 0; i < n; ++i) s.dense[i] = s.params[i].is_non_overlapping_and_dense() ? 1 : 0;
     s.expected = std::move(expected);
     s.flush_bytes = std::move(flush_bytes);
     s.fired.assign(s.expected.size(), 0);
@@ -223,54 +217,20 @@ class GradStager {
     return {std::move(idx), std::move(grads)};
   }
 
-  // Copy bucket b's staged grads into their slots of the flat buffer `full` (each slot is the
-  // view with the param's sizes and strides at its offset), as kernels.land_grads does; returns
-  // the params landed, in staging order.
+  // Copy bucket b's staged grads into their slots of the flat buffer `full` (land_grads: the
+  // param's sizes and strides at its offset); returns the params landed, in staging order.
   std::vector<int64_t> land(int64_t b, at::Tensor& full) {
-    try {
-      return land_impl(b, full);
-    } catch (const c10::Error& e) {
-      throw std::runtime_error(e.what_without_backtrace());
-    }
-  }
-
-  std::vector<int64_t> land_impl(int64_t b, at::Tensor& full) {
     auto taken = take(b);
     auto& s = *state_;
-    std::vector<CopyRange> ranges;
-    std::vector<at::Tensor> views, sources;
-    char* base = static_cast<char*>(full.data_ptr());
-    const int64_t item = static_cast<int64_t>(full.element_size());
-    // on the CPU a large grad goes through copy_, which uses the thread pool
-    const int64_t range_limit = full.is_cuda() ? std::numeric_limits<int64_t>::max() : (int64_t{1} << 20);
-    for (size_t k = 0; k < taken.first.size(); ++k) {
-      const int64_t i = taken.first[k];
-      const at::Tensor& p = s.params[i];
-      const at::Tensor& g = taken.second[k];
-      SHARDAMP_CHECK(s.offset[i] >= 0 && s.offset[i] + p.numel() <= full.numel(),
-                     "GradStager.land: param ", i, " does not fit in the bucket buffer");
-      const int64_t bytes = p.numel() * item;
-      if (bytes == 0) continue;
-      if (s.dense[i] && g.scalar_type() == full.scalar_type() && g.device() == full.device() &&
-          g.sizes() == p.sizes() && g.strides() == p.strides() && bytes <= range_limit) {
-        ranges.push_back({g.data_ptr(), base + s.offset[i] * item, bytes});
-      } else {
-        views.push_back(full.as_strided(p.sizes(), p.strides(), full.storage_offset() + s.offset[i]));
-        sources.push_back(g);
-      }
+    std::vector<at::Tensor> like;
+    std::vector<int64_t> offsets;
+    like.reserve(taken.first.size());
+    offsets.reserve(taken.first.size());
+    for (int64_t i : taken.first) {
+      like.push_back(s.params[i]);
+      offsets.push_back(s.offset[i]);
     }
-    if (!ranges.empty()) {
-      if (full.is_cuda()) {
-#if defined(SHARDAMP_WITH_CUDA)
-        cuda::batched_copy(ranges, full.device());
-#else
-        SHARDAMP_CHECK(false, "GradStager.land: CUDA buffer in a build without CUDA");
-#endif
-      } else {
-        for (const auto& r : ranges) std::memcpy(r.dst, r.src, static_cast<size_t>(r.bytes));
-      }
-    }
-    if (!views.empty()) at::_foreach_copy_(views, sources);
+    land_grads(full, taken.second, like, offsets, false);
     return std::move(taken.first);
   }
 

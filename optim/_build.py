@@ -98,8 +98,8 @@ def load_extension(cuda: bool):
     from torch.utils.cpp_extension import load
 
     src = source_dir()
-    sources = [src / "binding.cpp", src / "grad_stager.cpp", src / "cpu" / "fused_adam_cpu.cpp",
-               src / "cpu" / "step_scalars_cpu.cpp"]
+    sources = [src / "binding.cpp", src / "grad_stager.cpp", src / "land_grads.cpp",
+               src / "cpu" / "fused_adam_cpu.cpp", src / "cpu" / "step_scalars_cpu.cpp"]
     # -O3 and nothing machine-specific except the vector ISA torch itself uses on this CPU
     # (AVX2+FMA or AVX-512), each under its own module name.
     cap = cpu_capability()

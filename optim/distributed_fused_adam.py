@@ -186,10 +186,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
-        self._grad_sync = GradSync(
-            self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
-            keep_buffers=capturable, native_hooks=not capturable,
-        )
+        self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
+                                   keep_buffers=capturable, native_hooks=not capturable)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         agreement.track_position(self)  # named in the error when the ranks' collectives do not line up

@@ -31,16 +31,18 @@ Events (``callback(event, arg)``):
 ``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
 touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
 event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a bucket's staged
-``(indices, grads)``; ``land(b, full)`` copies them into their views of the flat buffer ``full``
-(native only; ``PyStager.land`` returns None and the caller takes and copies).
+``(indices, grads)``; ``land(b, full)`` copies them into their slots of the flat buffer ``full``
+(``kernels.land_grads``) and returns their indices.
 """
 from __future__ import annotations
 
 import os
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 from torch import Tensor
+
+from . import kernels
 
 NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
 
@@ -53,6 +55,7 @@ class PyStager:
                  nbytes: Sequence[int], expected: Sequence[int], flush_bytes: Sequence[int]) -> None:
         self.params = list(params)
         self.bucket_of = list(bucket_of)
+        self.offset = list(offset)
         self.nbytes = list(nbytes)
         self.expected = list(expected)
         self.flush_bytes = list(flush_bytes)
@@ -100,8 +103,11 @@ class PyStager:
             self.staged[i] = False
         return [i for i, _ in staged], [g for _, g in staged]
 
-    def land(self, b: int, full: Tensor) -> Optional[List[int]]:
-        return None
+    def land(self, b: int, full: Tensor) -> List[int]:
+        indices, grads = self.take(b)
+        kernels.land_grads(full, grads, [self.params[i] for i in indices], [self.offset[i] for i in indices],
+                           accumulate=False)
+        return indices
 
     def touched(self) -> bytes:
         return bytes(self.touched_flags)

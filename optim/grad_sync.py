@@ -253,12 +253,8 @@ class GradSync:
         s.partial_valid = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         acc_all = self.in_place and s.shard_valid
-        if not acc_all and not s.in_buffer:  # the common case: all copies (natively if it can)
-            landed = stager.land(s.index, full)
-            if landed is None:
-                landed, grads = stager.take(s.index)
-                _land_grads(full, self._entries(landed), grads, accumulate=False)
-            s.in_buffer.update(landed)
+        if not acc_all and not s.in_buffer:  # the common case: all copies
+            s.in_buffer.update(stager.land(s.index, full))
             return
         indices, grads = stager.take(s.index)
         if acc_all:

@@ -218,6 +218,15 @@ def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
     assert stager.touched() == b"\x01" * n
     stager.clear_touched()
     assert stager.touched() == b"\x00" * n
+    # the shared kernel on its own: a second landing adds (every add goes through views), and the
+    # byte-range copy and the views agree with torch's own ops for a fresh buffer too
+    native.land_grads(full, grads, params, offsets, True)
+    reference.land_grads(expect, grads, params, offsets, accumulate=True)
+    torch.testing.assert_close(full, expect, rtol=0, atol=0)
+    fresh = torch.full((off,), 7.0, dtype=buffer_dtype, device=device)
+    native.land_grads(fresh, grads, params, offsets, False)
+    reference.land_grads(expect.fill_(7.0), grads, params, offsets, accumulate=False)
+    assert torch.equal(fresh, expect)
 
 
 def test_capturable_takes_the_python_hooks() -> None:

@@ -1,9 +1,8 @@
-// The bucket copy of backward on CUDA without a tensor view per param: each staged grad that has
-// its param's strides and the buffer's dtype is one contiguous byte range, copied into its slot
-// of the flat buffer by one batched kernel (up to kBatch grads a launch). It replaces, for those
-// grads, an as_strided view and a multi-tensor copy entry each: host work per param is a few
-// pointer reads. Used by GradStager.land (csrc/grad_stager.cpp); capturable (no host sync, no
-// allocation).
+// The byte ranges of land_grads (land_grads.h) on CUDA: each grad that has its param's strides
+// and the buffer's dtype is one contiguous byte range, copied into its slot of the flat buffer by
+// one batched kernel (up to kBatch grads a launch; cudaMemcpyAsync above kKernelMaxBytes). It
+// replaces, for those grads, an as_strided view and a multi-tensor copy entry each: host work
+// per param is a few pointer reads. Capturable (no host sync, no allocation).
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -13,7 +12,7 @@
 #include <vector>
 
 #include "../common.h"
-#include "../land_copy.h"
+#include "../land_grads.h"
 
 namespace shardamp {
 namespace cuda {

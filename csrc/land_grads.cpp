@@ -1,0 +1,72 @@
+// land_grads (contract: land_grads.h; reference: optim/reference.py land_grads).
+
+#include "land_grads.h"
+
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "common.h"
+
+namespace shardamp {
+namespace {
+
+void land_impl(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
+               const std::vector<int64_t>& offsets, bool accumulate) {
+  SHARDAMP_CHECK(grads.size() == like.size() && grads.size() == offsets.size(),
+                 "land_grads: grads, like and offsets must have the same length");
+  std::vector<CopyRange> ranges;
+  std::vector<at::Tensor> views, sources;
+  views.reserve(grads.size());
+  sources.reserve(grads.size());
+  char* base = static_cast<char*>(full.data_ptr());
+  const int64_t item = static_cast<int64_t>(full.element_size());
+  // on the CPU a large grad goes through copy_, which uses the thread pool
+  const int64_t range_limit = full.is_cuda() ? std::numeric_limits<int64_t>::max() : (int64_t{1} << 20);
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& p = like[i];
+    const at::Tensor& g = grads[i];
+    SHARDAMP_CHECK(offsets[i] >= 0 && offsets[i] + p.numel() <= full.numel(),
+                   "land_grads: param ", i, " does not fit in the bucket buffer");
+    const int64_t bytes = p.numel() * item;
+    if (bytes == 0) continue;
+    if (!accumulate && bytes <= range_limit && p.is_non_overlapping_and_dense() &&
+        g.scalar_type() == full.scalar_type() && g.device() == full.device() && g.sizes() == p.sizes() &&
+        g.strides() == p.strides()) {
+      ranges.push_back({g.data_ptr(), base + offsets[i] * item, bytes});
+    } else {
+      views.push_back(full.as_strided(p.sizes(), p.strides(), full.storage_offset() + offsets[i]));
+      sources.push_back(g);
+    }
+  }
+  if (!ranges.empty()) {
+    if (full.is_cuda()) {
+#if defined(SHARDAMP_WITH_CUDA)
+      cuda::batched_copy(ranges, full.device());
+#else
+      SHARDAMP_CHECK(false, "land_grads: a CUDA buffer in a build without CUDA");
+#endif
+    } else {
+      for (const auto& r : ranges) std::memcpy(r.dst, r.src, static_cast<size_t>(r.bytes));
+    }
+  }
+  if (views.empty()) return;
+  if (accumulate) {
+    at::_foreach_add_(views, sources);
+  } else {
+    at::_foreach_copy_(views, sources);
+  }
+}
+
+}  // namespace
+
+void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
+                const std::vector<int64_t>& offsets, bool accumulate) {
+  try {
+    land_impl(full, grads, like, offsets, accumulate);
+  } catch (const c10::Error& e) {  // a c10::Error leaving the extension can kill Python (common.h)
+    throw std::runtime_error(e.what_without_backtrace());
+  }
+}
+
+}  // namespace shardamp

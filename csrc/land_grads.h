@@ -1,0 +1,33 @@
+// Backward's grad landing: copy (or add) grads into their slots of a flat bucket buffer. Called
+// from Python (binding.cpp, kernels.land_grads) and by GradStager.land (grad_stager.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace shardamp {
+
+// A byte range to copy: a staged grad into its slot of the flat buffer.
+struct CopyRange {
+  const void* src;
+  void* dst;
+  int64_t bytes;
+};
+
+// View ``full`` as each param (``like[i]``'s sizes and strides at element ``offsets[i]``) and
+// copy (or add) ``grads[i]`` into it. A copy whose grad has the param's sizes and strides and
+// the buffer's dtype and device (a dense param: its slot is one range) is a byte range (memcpy
+// on the CPU up to 1 MiB, cuda::batched_copy on CUDA), no view; the others, and every add, go
+// through views and one multi-tensor op. Throws std::runtime_error only.
+void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
+                const std::vector<int64_t>& offsets, bool accumulate);
+
+#if defined(SHARDAMP_WITH_CUDA)
+namespace cuda {
+void batched_copy(const std::vector<CopyRange>& ranges, const at::Device& device);  // cuda/land_copy.cu
+}  // namespace cuda
+#endif
+
+}  // namespace shardamp
