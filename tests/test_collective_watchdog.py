@@ -4,6 +4,7 @@ a fake comm (no GPU here; the multi-rank behaviour is in test_agreement.py, on g
 watchdog forced)."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -209,3 +210,79 @@ def test_cuda_events_and_the_monitor_thread(monkeypatch):
     assert "in a gradient reduce-scatter (backward)" in wd.message and len(aborted) == 2
     assert list(wd.lanes) == [torch.cuda.current_stream().cuda_stream, side.cuda_stream]
     torch.cuda.synchronize()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_the_monitor_polling_during_a_graph_capture_leaves_it_valid(monkeypatch):
+    """A plain cudaEventQuery from another thread while a global-mode capture runs invalidates
+    that capture; the monitor queries in relaxed mode. An event kept pending (a spinning side
+    stream) keeps the monitor polling all through a capture that lasts ~10 polls."""
+    spin = getattr(torch.cuda, "_sleep", None)
+    if spin is None:
+        pytest.skip("torch.cuda._sleep is gone")
+    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "60")
+    monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
+    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cuda", torch.cuda.current_device()))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        spin(int(3e9))  # the event behind it stays pending through the capture
+        wd.wait(FakeWork(), STATS)
+    polled = [0]
+    real_poll = wd.poll
+
+    def counting_poll(now):
+        polled[0] += 1
+        return real_poll(now)
+
+    wd.poll = counting_poll
+    x = torch.ones(1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    before = polled[0]
+    with torch.cuda.graph(graph):  # capture_error_mode="global", torch's default
+        y = x * 2
+        time.sleep(1.0)
+        y = y + 1
+    assert polled[0] - before >= 3, "the monitor did not poll during the capture"
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(x, 3.0)) and not wd.reported.is_set()
+
+
+def _nccl_abort_case(rank: int, world: int) -> dict:
+    """In a spawned NCCL rank: the report aborts a real NCCL group (ProcessGroupNCCL.abort()
+    through _compat.abort_group), and a collective over it afterwards raises, not hangs."""
+    import torch.distributed as dist
+
+    os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = "0.5"
+    group = dist.new_group(backend="nccl")
+    x = torch.ones(4, device="cuda")
+    dist.all_reduce(x, group=group)  # the communicator exists before it is aborted
+    comm = FakeComm()
+    comm.groups = [group]
+    wd = collective_watchdog.Watchdog(comm, torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda._sleep(int(2e9))
+    wd.wait(dist.all_reduce(x, group=group, async_op=True), STATS)
+    reported = wd.reported.wait(20)
+    torch.cuda.synchronize()
+    try:
+        wd.check()
+        sticky = None
+    except RuntimeError as exc:
+        sticky = str(exc)
+    try:
+        dist.all_reduce(x, group=group)
+        torch.cuda.synchronize()
+        after = "no error"
+    except Exception as exc:  # noqa: BLE001
+        after = type(exc).__name__
+    return dict(reported=reported, aborted=list(wd.aborted), sticky=sticky, after=after)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_report_aborts_a_real_nccl_group():
+    from dist_helper import run_distributed
+
+    (res,) = run_distributed(_nccl_abort_case, 1, backend="nccl", timeout=120)
+    assert res["reported"] and len(res["aborted"]) == 1, res
+    assert res["sticky"] and "did not complete" in res["sticky"], res
+    assert res["after"] != "no error", res
