@@ -126,6 +126,57 @@ def copy_bandwidth(device: torch.device, timer: Timer, iters: int) -> float:
     return 2 * nbytes / (statistics.median(times) / 1e3)
 
 
+# ------------------------------------------------------------------------------ grad landing
+def resnet50_shapes() -> List[tuple]:
+    """The 161 param shapes of torchvision's ResNet-50 (25.6M elements), without torchvision."""
+    shapes, inp = [(64, 3, 7, 7), (64,), (64,)], 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(width, inp, 1, 1), (width,), (width,), (width, width, 3, 3), (width,), (width,),
+                       (4 * width, width, 1, 1), (4 * width,), (4 * width,)]
+            if b == 0:
+                shapes += [(4 * width, inp, 1, 1), (4 * width,), (4 * width,)]
+            inp = 4 * width
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def land_rows(device: torch.device, timer: Timer, iters: int, bw: float) -> List[Dict]:
+    """Backward's grad landing for ResNet-50's params (fp32 grads into an fp32 bucket buffer):
+    the native byte-range copy (one batched launch per 48 grads) against torch's
+    ``_foreach_copy_`` into views of the buffer; device ms from an idle GPU, the fraction of the
+    copy bandwidth, and the host microseconds of one call."""
+    from shardamp.optim import kernels
+
+    native = kernels.native_module(device)
+    if native is None or not hasattr(native, "land_grads"):
+        return []
+    params = [torch.zeros(s, device=device) for s in resnet50_shapes()]
+    grads = [torch.randn_like(p) for p in params]
+    offsets, off = [], 0
+    for p in params:
+        offsets.append(off)
+        off += p.numel()
+    full = torch.zeros(off, device=device)
+    views = [full[o:o + p.numel()].view_as(p) for o, p in zip(offsets, params)]
+    impls = {"land grads resnet50 (native)": lambda: native.land_grads(full, grads, params, offsets, False),
+             "land grads resnet50 (torch foreach)": lambda: torch._foreach_copy_(views, grads)}
+    rows = []
+    for name, body in impls.items():
+        for _ in range(3):
+            body()
+        ms = statistics.median(timer.time(lambda: None, body) for _ in range(iters))
+        timer.sync()
+        host = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            body()
+            host.append((time.perf_counter() - t0) * 1e6)
+            timer.sync()
+        rows.append(dict(name=name, median_ms=ms, fraction_of_copy_bandwidth=2 * off * 4 / (ms / 1e3) / bw,
+                         host_us=statistics.median(host), grads=len(params)))
+    return rows
+
+
 # ------------------------------------------------------------------------------ variants
 def make_grads(sizes: List[int], dtype: torch.dtype, device: torch.device, seed: int) -> List[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -337,12 +388,13 @@ def run(args) -> Dict:
         rows.append(dict(name=f"roofline {kind}", kind=kind, median_ms=ms, min_ms=None, roofline_ms=ms,
                          fraction_of_roofline=1.0, step_roofline_ms=spec["step"] * total / bw * 1e3,
                          step_bytes_per_elem=spec["step"]))
+    land = land_rows(device, timer, args.iters, bw) if wanted("land") else []
     return dict(device=str(device), device_name=_device_name(device), numel=total, num_params=NUM_PARAMS,
                 threads=args.threads if device.type == "cpu" else None, iters=args.iters,
                 timing="host ahead (GPU busy while the host enqueues) + idle GPU" if timer.cuda else "perf_counter",
                 host_late_timings=timer.host_late,
                 copy_bandwidth_GBps=bw / 1e9, torch=torch.__version__, rows=rows, errors=errors,
-                kernels_back_to_back_ms=back_to_back)
+                kernels_back_to_back_ms=back_to_back, land=land)
 
 
 def _device_name(device: torch.device) -> str:
@@ -374,6 +426,9 @@ def report(result: Dict, out: Path) -> None:
               f"{idle_txt}{extra}")
     for name, ms in result["kernels_back_to_back_ms"].items():
         print(f"{name}, launched back to back: {ms:.3f} ms per call")
+    for r in result.get("land", []):
+        print(f"{r['name']:<40}{r['median_ms']:>11.3f} ms  {100 * r['fraction_of_copy_bandwidth']:.1f}% of the copy "
+              f"bandwidth, host {r['host_us']:.0f} us a call ({r['grads']} grads)")
     for name, err in result["errors"].items():
         print(f"{name}: FAILED ({err})")
     out.mkdir(parents=True, exist_ok=True)
