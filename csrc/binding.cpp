@@ -26,6 +26,8 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
 int64_t event_query_relaxed(int64_t handle);  // event_query.cu
+void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor& out,
+                      const c10::optional<at::Tensor>& zero_first, double norm_type);  // grad_stats.cu
 }  // namespace cuda
 #endif
 
@@ -91,7 +93,7 @@ at::Tensor build_chunks(const at::Tensor& segments, int64_t numel, int64_t num_p
   return chunks;
 }
 
-void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
+void check_stats_args(const at::Tensor& grad, const at::Tensor& out, double norm_type) {
   SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "grad_stats: grad must be fp32/bf16/fp16, got ",
               grad.scalar_type());
   SHARDAMP_CHECK(grad.is_contiguous(), "grad_stats: grad must be contiguous");
@@ -99,6 +101,10 @@ void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
               "grad_stats: out must be a contiguous fp32 tensor of 2 elements");
   SHARDAMP_CHECK(out.device() == grad.device(), "grad_stats: out is on ", out.device(), ", grad on ", grad.device());
   SHARDAMP_CHECK(!std::isnan(norm_type), "grad_stats: norm_type is NaN");
+}
+
+void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
+  check_stats_args(grad, out, norm_type);
   if (grad.numel() == 0) return;
   if (grad.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)
@@ -110,6 +116,18 @@ void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
   SHARDAMP_CHECK(grad.is_cpu(), "grad_stats: unsupported device ", grad.device());
   cpu::grad_stats(grad, out, norm_type);
 }
+
+#if defined(SHARDAMP_WITH_CUDA)
+// grad_stats on the side stream ``side`` (a cudaStream_t as an integer) after it has joined the
+// current one, zeroing ``zero_first`` there first (cuda/grad_stats.cu): CUDA tensors only.
+void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor out, const c10::optional<at::Tensor>& zero_first,
+                      double norm_type) {
+  check_stats_args(grad, out, norm_type);
+  SHARDAMP_CHECK(grad.is_cuda() && side != 0, "grad_stats_after: CUDA tensors and a side stream only");
+  if (zero_first) check_same_device(grad, *zero_first, "zero_first");
+  cuda::grad_stats_after(side, grad, out, zero_first, norm_type);
+}
+#endif
 
 void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
@@ -281,6 +299,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("params"), py::arg("refs"));
   shardamp::register_grad_stager(m);
 #if defined(SHARDAMP_WITH_CUDA)
+  m.def("grad_stats_after", &shardamp::grad_stats_after,
+        "grad_stats on a side stream once it has joined the current one, zeroing zero_first there first",
+        py::arg("side"), py::arg("grad"), py::arg("out"), py::arg("zero_first"), py::arg("norm_type"));
   m.def("event_query_relaxed", &shardamp::cuda::event_query_relaxed,
         "cudaEventQuery in relaxed capture mode (safe while another thread captures): 1 done, 0 not yet, -1 error",
         py::arg("handle"));

@@ -2,16 +2,16 @@
 fixed order.
 
 A hook on each param's grad accumulator takes its grad (``param.grad = None``) and STAGES it
-(grad_stager.py: in C++ where the kernels are built, calling Python a few times per bucket, not
-per param): the grads of a bucket are copied into its full-size buffer together, with one
-multi-tensor copy (``torch._foreach_copy_``) when the bucket is complete (or its staged bytes
-reach ``flush_bytes``), not one copy launch and one view per param. Buckets are reduce-scattered in
-index order on every rank: a bucket whose params have all produced their grad is launched as
-soon as every bucket before it has been, so the collectives overlap the rest of backward, and
-the buckets left over (params that got no grad on this rank) are flushed by an end-of-backward
-callback. Every rank therefore issues the same collectives in the same order whatever its
-unused params. The reduced shard lands in ``BucketBuffers.grad_shard``; a second reduction
-before the next ``zero_grad`` accumulates into it, as ``param.grad`` accumulates in torch.
+(grad_stager.py: in C++ where the kernels are built, calling Python a few times per bucket, not per
+param); a bucket's grads land in its full-size buffer together (``kernels.land_grads``: a batched
+byte-range copy) once it is complete or its staged bytes reach ``flush_bytes``. Buckets are
+reduce-scattered in index order on every rank: a bucket whose params have all produced their grad
+is launched as soon as every bucket before it has been, so the collectives overlap the rest of
+backward, and the buckets left over (params that got no grad on this rank) are flushed by an
+end-of-backward callback. Every rank therefore issues the same collectives in the same order
+whatever its unused params. The reduced shard lands in ``BucketBuffers.grad_shard``; a second
+reduction before the next ``zero_grad`` accumulates into it, as ``param.grad`` accumulates in
+torch.
 
 With hybrid sharding (comm.py: a replicate dim) each reduced shard is then all-reduced over the
 replicas: launched as soon as its reduce-scatter has landed, waited for where the shard is
@@ -261,22 +261,11 @@ class GradSync:
             _land_grads(full, self._entries(indices), grads, accumulate=True)
             s.in_buffer.update(indices)
             return
-        copies: List[int] = []
-        copy_grads: List[Tensor] = []
-        adds: List[int] = []
-        add_grads: List[Tensor] = []
-        for k, grad in zip(indices, grads):
-            if k in s.in_buffer:
-                adds.append(k)
-                add_grads.append(grad)
-            else:
-                copies.append(k)
-                copy_grads.append(grad)
+        for accumulate in (False, True):  # first grads are copied, later ones added
+            pick = [(k, g) for k, g in zip(indices, grads) if (k in s.in_buffer) == accumulate]
+            if pick:
+                _land_grads(full, self._entries([k for k, _ in pick]), [g for _, g in pick], accumulate)
         s.in_buffer.update(indices)
-        if copies:
-            _land_grads(full, self._entries(copies), copy_grads, accumulate=False)
-        if adds:
-            _land_grads(full, self._entries(adds), add_grads, accumulate=True)
 
     def _entries(self, stager_indices: List[int]) -> List[ParamGrad]:
         return [self.by_stager_index[k] for k in stager_indices]
@@ -354,8 +343,15 @@ class GradSync:
     ) -> None:
         """Queue, on the side stream: wait for bucket ``s``'s reduction, accumulate it, and
         compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
-        self.side.wait_stream(torch.cuda.current_stream())
         shard = s.buffers.grad_shard
+        zero = None if self.partials_zeroed else self.partials  # every partial is redone this round
+        if work is None and not accumulate and norms.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
+            # one process: the stats alone, in one native call (Python's stream switch and
+            # launches here cost ~150 us of host time a bucket on an H200 host)
+            self.partials_zeroed = s.partial_valid = True
+            self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
+            return
+        self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
             if work is not None:
                 work.wait()
@@ -365,8 +361,8 @@ class GradSync:
                     replicas.wait()
             if accumulate:
                 shard.add_(out)
-            if not self.partials_zeroed:
-                self.partials.zero_()  # every bucket's partial is recomputed in this round
+            if zero is not None:
+                zero.zero_()
                 self.partials_zeroed = True
             norms.accumulate_partial(shard, s.partial, 2.0)
         for t in (full, out):
