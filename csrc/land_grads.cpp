@@ -11,6 +11,21 @@
 namespace shardamp {
 namespace {
 
+// ``g`` puts every element where ``p`` does: equal sizes, and equal strides wherever a size is not
+// 1 (a size-1 dim's stride moves no element). Autograd hands grads over in exactly this form (its
+// layout contract), e.g. a contiguous grad for a channels_last 1x1 conv weight, whose strides
+// differ only in the size-1 dims: comparing all strides sent those through a view.
+bool same_layout(const at::Tensor& g, const at::Tensor& p) {
+  if (g.sizes() != p.sizes()) return false;
+  const auto sizes = p.sizes();
+  const auto gs = g.strides();
+  const auto ps = p.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] != 1 && gs[d] != ps[d]) return false;
+  }
+  return true;
+}
+
 void land_impl(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
                const std::vector<int64_t>& offsets, bool accumulate) {
   SHARDAMP_CHECK(grads.size() == like.size() && grads.size() == offsets.size(),
@@ -31,8 +46,7 @@ void land_impl(at::Tensor& full, const std::vector<at::Tensor>& grads, const std
     const int64_t bytes = p.numel() * item;
     if (bytes == 0) continue;
     if (!accumulate && bytes <= range_limit && p.is_non_overlapping_and_dense() &&
-        g.scalar_type() == full.scalar_type() && g.device() == full.device() && g.sizes() == p.sizes() &&
-        g.strides() == p.strides()) {
+        g.scalar_type() == full.scalar_type() && g.device() == full.device() && same_layout(g, p)) {
       ranges.push_back({g.data_ptr(), base + offsets[i] * item, bytes});
     } else {
       views.push_back(full.as_strided(p.sizes(), p.strides(), full.storage_offset() + offsets[i]));

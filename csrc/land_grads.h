@@ -17,8 +17,9 @@ struct CopyRange {
 };
 
 // View ``full`` as each param (``like[i]``'s sizes and strides at element ``offsets[i]``) and
-// copy (or add) ``grads[i]`` into it. A copy whose grad has the param's sizes and strides and
-// the buffer's dtype and device (a dense param: its slot is one range) is a byte range (memcpy
+// copy (or add) ``grads[i]`` into it. A copy whose grad puts its elements where the param does
+// (equal sizes, equal strides wherever a size is not 1: autograd's layout contract) and has the
+// buffer's dtype and device, for a dense param (its slot is one range), is a byte range (memcpy
 // on the CPU up to 1 MiB, cuda::batched_copy on CUDA), no view; the others, and every add, go
 // through views and one multi-tensor op. Throws std::runtime_error only.
 void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,

@@ -229,6 +229,91 @@ def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
     assert torch.equal(fresh, expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_native_land_byte_ranges_of_every_size(dtype, device) -> None:
+    """The byte-range copy over more grads than one launch takes (48 on CUDA), of sizes around
+    its 64 KiB chunk and far above it (several MiB: many chunks of one grad, spread over the
+    grid), empty ones, and odd element counts (2-byte alignment in a bf16 buffer): the buffer
+    equals the reference, gaps and all."""
+    from shardamp.optim import reference
+
+    native = kernels.native_module(torch.device(device))
+    if native is None:
+        pytest.skip("the kernels did not build")
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = [0, 1, 5, 4096 // item, (64 << 10) // item - 1, (64 << 10) // item, (64 << 10) // item + 3,
+             (3 << 20) // item + 7, (9 << 20) // item, 123_457] * 6
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.zeros(n, dtype=dtype, device=device, requires_grad=True) for n in sizes]
+    grads = [torch.randn(n, generator=gen).to(dtype=dtype, device=device) for n in sizes]
+    offsets, off = [], 0
+    for i, n in enumerate(sizes):
+        offsets.append(off)
+        off += n + i % 3  # shifts the alignment of the slots that follow
+    full = torch.full((off,), 1000.0, dtype=dtype, device=device)  # randn never gives it
+    expect = full.clone()
+    native.land_grads(full, grads, params, offsets, False)
+    reference.land_grads(expect, grads, params, offsets, accumulate=False)
+    assert torch.equal(full, expect)
+    gaps = int((full == 1000.0).sum())
+    assert gaps == sum(i % 3 for i in range(len(sizes)))  # untouched
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a GPU"))])
+def test_native_land_takes_grads_whose_strides_differ_only_in_size_one_dims_as_byte_ranges(device) -> None:
+    """A channels_last 1x1 conv weight (strides (C, 1, C, C)) gets a contiguous grad (strides
+    (C, 1, 1, 1)) from autograd: the same element addresses, so a byte range, no view and no
+    multi-tensor copy (torch.profiler sees none); the values equal the reference."""
+    from torch.profiler import profile
+
+    from shardamp.optim import reference
+
+    native = kernels.native_module(torch.device(device))
+    if native is None:
+        pytest.skip("the kernels did not build")
+    params = [torch.zeros(6, 5, 1, 1, device=device).to(memory_format=torch.channels_last),
+              torch.zeros(1, 7, device=device).t()]  # strides (1, 7) against a grad's (1, 1)
+    grads = [torch.randn(6, 5, 1, 1, device=device), torch.randn(7, 1, device=device)]
+    assert all(g.stride() != p.stride() for g, p in zip(grads, params))
+    offsets = [0, 31]
+    full = torch.zeros(40, device=device)
+    expect = torch.zeros(40, device=device)
+    with profile() as prof:
+        native.land_grads(full, grads, params, offsets, False)
+    names = {e.name for e in prof.events()}
+    assert not names & {"aten::_foreach_copy_", "aten::as_strided", "aten::copy_"}, names
+    reference.land_grads(expect, grads, params, offsets, accumulate=False)
+    assert torch.equal(full, expect)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_grad_stats_after_joins_the_side_stream_then_zeroes_and_accumulates() -> None:
+    """The one-process side-stream stats (norms.accumulate_partial_after): the side stream waits
+    for grads the current stream is still writing (behind a spinning kernel), ``zero_first`` is
+    zeroed on it, and the partial equals torch's sum of squares with the non-finite flag."""
+    from shardamp.optim import norms
+
+    side = torch.cuda.Stream()
+    partials = torch.full((3, 2), 5.0, device="cuda")
+    shard = torch.zeros(1 << 20, device="cuda")
+    values = torch.randn(1 << 20, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))  # the current stream is busy: the copy below lands late
+    shard.copy_(values)
+    assert norms.accumulate_partial_after(side, shard, partials[1], partials, 2.0)
+    torch.cuda.synchronize()
+    expect = values.double().square().sum()
+    torch.testing.assert_close(partials[1, 0].double(), expect, rtol=1e-5, atol=0)
+    assert partials[1, 1] == 0 and torch.equal(partials[[0, 2]], torch.zeros(2, 2, device="cuda"))
+    shard[7] = float("inf")
+    assert norms.accumulate_partial_after(side, shard, partials[2], None, 2.0)  # no zeroing now
+    torch.cuda.synchronize()
+    assert partials[2, 1] == 1 and partials[1, 0] > 0
+
+
 def test_capturable_takes_the_python_hooks() -> None:
     """A native hook holds the grad accumulators (made on the construction stream): a CUDA-graph
     capture on its own stream would wait on that stream, so capturable optimizers hook in Python."""
