@@ -1,0 +1,138 @@
+"""Where backward's host time goes with DistributedFusedAdam's grad hooks, against plain autograd
+(world 1): the median host time of ``loss.backward()`` for both, taking turns every iteration;
+the part of shardamp's spent in its Python callbacks (first grad, bucket flushes and launches,
+the end-of-backward callback), counted by wrapping them; and torch.profiler tables (CPU) of a few
+backwards of each, written under ``--out``. The rest of the difference is the native hook and
+the launches it makes.
+
+    python examples/profile_backward.py --device cuda       # ResNet-50 (torchvision), fp16 autocast
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from host_models import SmallResNet  # noqa: E402
+
+from shardamp.optim import DistributedFusedAdam, grad_sync  # noqa: E402
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--out", default="out/profile_backward")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import torchvision.models as tv
+
+        make, batch, px, classes = tv.resnet50, 64, 160, 1000
+    except ImportError:
+        make, batch, px, classes = SmallResNet, 8, 32, 10
+    if device.type == "cpu":
+        batch = 8
+    x = torch.randn(batch, 3, px, px, device=device).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, classes, (batch,), device=device)
+    amp = torch.float16 if device.type == "cuda" else None
+
+    spent = collections.Counter()
+    calls = collections.Counter()
+
+    def timed(name, fn):
+        def wrapper(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(self, *a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t0
+                calls[name] += 1
+        return wrapper
+
+    # outermost Python entry points only (they call each other: _on_event -> _flush -> _launch)
+    grad_sync.GradSync._on_event = timed("callbacks", grad_sync.GradSync._on_event)
+    grad_sync.GradSync._end_of_backward = timed("end of backward", grad_sync.GradSync._end_of_backward)
+    grad_sync.GradSync._hook = timed("  of which the first grad's bookkeeping", grad_sync.GradSync._hook)
+    grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
+    grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
+    grad_sync.GradSync._writable_full = timed("  of which buffer alloc/zero", grad_sync.GradSync._writable_full)
+    grad_sync.GradSync._land_on_side_stream = timed("  of which side stream + stats", grad_sync.GradSync._land_on_side_stream)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg",
+                                rank=0, world_size=1)
+        models = {}
+        for impl in ("torch", "shardamp"):
+            torch.manual_seed(0)
+            m = make().to(device).to(memory_format=torch.channels_last)
+            opt = DistributedFusedAdam(m.parameters(), lr=1e-4) if impl == "shardamp" else None
+            models[impl] = (m, opt)
+        nparams = len(list(models["torch"][0].parameters()))
+
+        def one(impl: str, record: bool, times):
+            m, opt = models[impl]
+            if opt is not None:
+                opt.zero_grad()
+            else:
+                m.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                loss = F.cross_entropy(m(x), y)
+            sync(device)
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
+            sync(device)
+            if record:
+                times[impl].append((t1 - t0) * 1e6)
+            if opt is not None:
+                opt.step()
+
+        times = {"torch": [], "shardamp": []}
+        for i in range(5):
+            for impl in models:
+                one(impl, False, times)
+        spent.clear()
+        calls.clear()
+        for i in range(args.iters):
+            for impl in (("torch", "shardamp") if i % 2 == 0 else ("shardamp", "torch")):
+                one(impl, True, times)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        lines = [f"{device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, torch "
+                 f"{torch.__version__}, {nparams} params, {args.iters} backwards each, {time.strftime('%Y-%m-%d')}",
+                 f"backward host: torch {med['torch']:.0f} us, shardamp {med['shardamp']:.0f} us, over torch "
+                 f"{med['shardamp'] - med['torch']:+.0f} us ({(med['shardamp'] - med['torch']) / nparams:+.2f} us/param)"]
+        for name in spent:
+            lines.append(f"  {name}: {spent[name] / args.iters * 1e6:.0f} us per backward in "
+                         f"{calls[name] / args.iters:.1f} calls")
+        from torch.profiler import ProfilerActivity, profile
+
+        for impl in models:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(5):
+                    one(impl, False, times)
+            (out / f"backward_{impl}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+        dist.destroy_process_group()
+    (out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
