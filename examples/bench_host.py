@@ -175,25 +175,34 @@ def backward_host(make_model: Callable[[], torch.nn.Module], forward: Callable, 
             run = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
         runs[impl] = (model, run, opt)
     times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
+    zeroing: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
     for i in range(iters + 3):
         k = i % len(IMPLS)
         for impl in IMPLS[k:] + IMPLS[:k]:
             model, run, opt = runs[impl]
+            sync(device)
+            t0 = time.perf_counter()
             if opt is not None:
                 opt.zero_grad()
             else:
                 model.zero_grad(set_to_none=True)
+            t1 = time.perf_counter()
             loss = forward(run)
             sync(device)
-            t0 = time.perf_counter()
+            t2 = time.perf_counter()
             loss.backward()
-            t1 = time.perf_counter()
+            t3 = time.perf_counter()
             sync(device)
             if i >= 3:
-                times[impl].append((t1 - t0) * 1e6)
+                times[impl].append((t3 - t2) * 1e6)
+                zeroing[impl].append((t1 - t0) * 1e6)
             if opt is not None and i % 8 == 7:
                 opt.step()  # a round is consumed now and then, as in training
-    return {impl: statistics.median(t) for impl, t in times.items()}
+    out = {impl: statistics.median(t) for impl, t in times.items()}
+    # torch frees the grads in zero_grad, shardamp as a bucket lands (in backward): both counted
+    out.update({f"{impl}+zero_grad": statistics.median(a + b for a, b in zip(times[impl], zeroing[impl]))
+                for impl in IMPLS})
+    return out
 
 
 def _many_params(count: int, numel: int, device: torch.device):
@@ -210,6 +219,9 @@ def _backward_row(name: str, n: int, med: Dict[str, float]) -> dict:
     row = dict(kind="backward", name=name, params=n, torch_us=med["torch"], ddp_us=med["ddp"],
                shardamp_us=med["shardamp"], ddp_per_param_us=(med["ddp"] - med["torch"]) / n,
                shardamp_per_param_us=(med["shardamp"] - med["torch"]) / n)
+    if "torch+zero_grad" in med:
+        row.update({f"{impl}_with_zero_grad_us": med[f"{impl}+zero_grad"] for impl in IMPLS})
+        row["shardamp_with_zero_grad_per_param_us"] = (med["shardamp+zero_grad"] - med["torch+zero_grad"]) / n
     print(_fmt(row), flush=True)
     return row
 
@@ -394,7 +406,9 @@ def _fmt(row: dict) -> str:
     if row["kind"] == "backward":
         return (f"{row['name']:<46} torch {row['torch_us']:9.0f} us  ddp {row['ddp_us']:9.0f} us  shardamp "
                 f"{row['shardamp_us']:9.0f} us  per param over torch: ddp {row['ddp_per_param_us']:+.2f} us, "
-                f"shardamp {row['shardamp_per_param_us']:+.2f} us")
+                f"shardamp {row['shardamp_per_param_us']:+.2f} us"
+                + (f"; with zero_grad: shardamp {row['shardamp_with_zero_grad_per_param_us']:+.2f} us"
+                   if "shardamp_with_zero_grad_per_param_us" in row else ""))
     return (f"{row['name']:<46} torch {row['torch_ms']:.3f} ms  shardamp "
             f"{row['shardamp_ms']:.3f} ms  speedup {row['speedup']:.2f}x")
 

@@ -81,6 +81,9 @@ def test_bench_step_cpu_smoke(tmp_path: Path) -> None:
                    "shardamp fp32+bf16 moments", "kernels bf16+remainders", "shardamp bf16+remainders+bf16 moments"):
         assert any(n.startswith(prefix) for n in names), names
     assert all(r["median_ms"] > 0 and r["fraction_of_roofline"] > 0 for r in result["rows"])
+    land = {r["name"]: r for r in result["land"]}  # ResNet-50's 161 shapes: native vs foreach
+    assert set(land) == {"land grads resnet50 (native)", "land grads resnet50 (torch foreach)"}, land
+    assert all(r["grads"] == 161 and r["median_ms"] > 0 and r["host_us"] > 0 for r in land.values()), land
     proc = subprocess.run(cmd + ["--only", "kernels fp32"], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads((tmp_path / "bench_step.json").read_text())["rows"]
@@ -110,8 +113,23 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
             assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0, r
         elif r["kind"] == "backward":
             assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
+            assert r["shardamp_with_zero_grad_us"] >= r["shardamp_us"] * 0.5 > 0, r
         else:
             assert r["torch full_ms"] > 0 and r["shardamp full_ms"] > 0, r
+
+
+def test_profile_backward_cpu_smoke(tmp_path: Path) -> None:
+    """examples/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
+    first grad and the bucket events: at least one each per backward), the tables written."""
+    script = TRAIN.parent / "profile_backward.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--iters", "2", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "backward host: torch" in summary and "callbacks:" in summary, summary
+    assert "the first grad's bookkeeping" in summary and "end of backward" in summary, summary
+    assert (tmp_path / "backward_shardamp.txt").stat().st_size > 0 and (tmp_path / "backward_torch.txt").exists()
 
 
 def test_train_tiny_with_bf16_storage_options(tmp_path: Path) -> None:
