@@ -125,7 +125,11 @@ void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor out, cons
   check_stats_args(grad, out, norm_type);
   SHARDAMP_CHECK(grad.is_cuda() && side != 0, "grad_stats_after: CUDA tensors and a side stream only");
   if (zero_first) check_same_device(grad, *zero_first, "zero_first");
-  cuda::grad_stats_after(side, grad, out, zero_first, norm_type);
+  try {
+    cuda::grad_stats_after(side, grad, out, zero_first, norm_type);
+  } catch (const c10::Error& e) {  // a c10::Error leaving the extension can kill Python (common.h)
+    throw std::runtime_error(e.what_without_backtrace());
+  }
 }
 #endif
 

@@ -142,7 +142,7 @@ def resnet50_shapes() -> List[tuple]:
 
 def land_rows(device: torch.device, timer: Timer, iters: int, bw: float) -> List[Dict]:
     """Backward's grad landing for ResNet-50's params (fp32 grads into an fp32 bucket buffer):
-    the native byte-range copy (one batched launch per 48 grads) against torch's
+    the native byte-range copy (one batched launch per 112 grads) against torch's
     ``_foreach_copy_`` into views of the buffer; device ms from an idle GPU, the fraction of the
     copy bandwidth, and the host microseconds of one call."""
     from shardamp.optim import kernels

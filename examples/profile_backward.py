@@ -56,9 +56,13 @@ def main() -> None:
 
     spent = collections.Counter()
     calls = collections.Counter()
+    order = []  # the names in the order they are printed
 
     def timed(name, fn):
+        order.append(name)
         def wrapper(self, *a, **k):
+            if not active[0]:
+                return fn(self, *a, **k)
             t0 = time.perf_counter()
             try:
                 return fn(self, *a, **k)
@@ -67,14 +71,16 @@ def main() -> None:
                 calls[name] += 1
         return wrapper
 
-    # outermost Python entry points only (they call each other: _on_event -> _flush -> _launch)
-    grad_sync.GradSync._on_event = timed("callbacks", grad_sync.GradSync._on_event)
-    grad_sync.GradSync._end_of_backward = timed("end of backward", grad_sync.GradSync._end_of_backward)
-    grad_sync.GradSync._hook = timed("  of which the first grad's bookkeeping", grad_sync.GradSync._hook)
-    grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
-    grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
-    grad_sync.GradSync._writable_full = timed("  of which buffer alloc/zero", grad_sync.GradSync._writable_full)
-    grad_sync.GradSync._land_on_side_stream = timed("  of which side stream + stats", grad_sync.GradSync._land_on_side_stream)
+    active = [False]  # counted only inside the breakdown pass's shardamp backwards
+
+    def install() -> None:  # after the timing pass: the medians are taken without wrappers
+        grad_sync.GradSync._on_event = timed("callbacks", grad_sync.GradSync._on_event)
+        grad_sync.GradSync._hook = timed("  of which the first grad's bookkeeping", grad_sync.GradSync._hook)
+        grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
+        grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
+        grad_sync.GradSync._writable_full = timed("  of which buffer alloc/zero", grad_sync.GradSync._writable_full)
+        grad_sync.GradSync._land_on_side_stream = timed("  of which side stream + stats", grad_sync.GradSync._land_on_side_stream)
+        grad_sync.GradSync._end_of_backward = timed("end of backward", grad_sync.GradSync._end_of_backward)
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg",
@@ -96,9 +102,11 @@ def main() -> None:
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
                 loss = F.cross_entropy(m(x), y)
             sync(device)
+            active[0] = record and opt is not None
             t0 = time.perf_counter()
             loss.backward()
             t1 = time.perf_counter()
+            active[0] = False
             sync(device)
             if record:
                 times[impl].append((t1 - t0) * 1e6)
@@ -109,17 +117,18 @@ def main() -> None:
         for i in range(5):
             for impl in models:
                 one(impl, False, times)
-        spent.clear()
-        calls.clear()
         for i in range(args.iters):
             for impl in (("torch", "shardamp") if i % 2 == 0 else ("shardamp", "torch")):
                 one(impl, True, times)
         med = {k: statistics.median(v) for k, v in times.items()}
+        install()  # the breakdown: a second pass of shardamp backwards, its callbacks timed
+        for _ in range(args.iters):
+            one("shardamp", True, {"shardamp": []})
         lines = [f"{device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, torch "
                  f"{torch.__version__}, {nparams} params, {args.iters} backwards each, {time.strftime('%Y-%m-%d')}",
                  f"backward host: torch {med['torch']:.0f} us, shardamp {med['shardamp']:.0f} us, over torch "
                  f"{med['shardamp'] - med['torch']:+.0f} us ({(med['shardamp'] - med['torch']) / nparams:+.2f} us/param)"]
-        for name in spent:
+        for name in (n for n in order if n in spent):
             lines.append(f"  {name}: {spent[name] / args.iters * 1e6:.0f} us per backward in "
                          f"{calls[name] / args.iters:.1f} calls")
         from torch.profiler import ProfilerActivity, profile

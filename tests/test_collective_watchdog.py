@@ -215,34 +215,48 @@ def test_cuda_events_and_the_monitor_thread(monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_the_monitor_polling_during_a_graph_capture_leaves_it_valid(monkeypatch):
     """A plain cudaEventQuery from another thread while a global-mode capture runs invalidates
-    that capture; the monitor queries in relaxed mode. An event kept pending (a spinning side
-    stream) keeps the monitor polling all through a capture that lasts ~10 polls."""
+    that capture; the monitor queries in relaxed mode. The watched event sits behind a kernel
+    spinning on a stream outside the capture, so it is still pending while the capture (begun by
+    hand: ``torch.cuda.graph`` synchronizes first) lasts ~10 polls; the queries made inside the
+    capture are counted, and the captured graph must still end and replay."""
     spin = getattr(torch.cuda, "_sleep", None)
     if spin is None:
         pytest.skip("torch.cuda._sleep is gone")
     monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "60")
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
     wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cuda", torch.cuda.current_device()))
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        spin(int(3e9))  # the event behind it stays pending through the capture
-        wd.wait(FakeWork(), STATS)
-    polled = [0]
-    real_poll = wd.poll
+    if wd.native is None:
+        pytest.skip("the CUDA kernels did not build")
+    capturing = threading.Event()
+    pending_inside = []
 
-    def counting_poll(now):
-        polled[0] += 1
-        return real_poll(now)
+    class Counting:  # the extension's query, counted while the capture runs
+        def __init__(self, real):
+            self.real = real
 
-    wd.poll = counting_poll
+        def event_query_relaxed(self, handle):
+            state = self.real.event_query_relaxed(handle)
+            if capturing.is_set() and state == 0:
+                pending_inside.append(state)
+            return state
+
+    wd.native = Counting(wd.native)
     x = torch.ones(1024, device="cuda")
+    side, capture_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        spin(int(5e9))  # ~2.5 s: the event behind it stays pending through the capture
+        wd.wait(FakeWork(), STATS)
     graph = torch.cuda.CUDAGraph()
-    before = polled[0]
-    with torch.cuda.graph(graph):  # capture_error_mode="global", torch's default
+    with torch.cuda.stream(capture_stream):
+        graph.capture_begin()  # capture_error_mode "global", torch's default
+        capturing.set()
         y = x * 2
         time.sleep(1.0)
         y = y + 1
-    assert polled[0] - before >= 3, "the monitor did not poll during the capture"
+        capturing.clear()
+        graph.capture_end()  # raises if a query from the monitor invalidated the capture
+    assert len(pending_inside) >= 3, f"the monitor queried the pending event {len(pending_inside)} times"
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y, torch.full_like(x, 3.0)) and not wd.reported.is_set()

@@ -233,7 +233,7 @@ def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a GPU"))])
 def test_native_land_byte_ranges_of_every_size(dtype, device) -> None:
-    """The byte-range copy over more grads than one launch takes (48 on CUDA), of sizes around
+    """The byte-range copy over more grads than one launch takes (112 on CUDA), of sizes around
     its 64 KiB chunk and far above it (several MiB: many chunks of one grad, spread over the
     grid), empty ones, and odd element counts (2-byte alignment in a bf16 buffer): the buffer
     equals the reference, gaps and all."""
@@ -244,7 +244,7 @@ def test_native_land_byte_ranges_of_every_size(dtype, device) -> None:
         pytest.skip("the kernels did not build")
     item = torch.empty((), dtype=dtype).element_size()
     sizes = [0, 1, 5, 4096 // item, (64 << 10) // item - 1, (64 << 10) // item, (64 << 10) // item + 3,
-             (3 << 20) // item + 7, (9 << 20) // item, 123_457] * 6
+             (3 << 20) // item + 7, (9 << 20) // item, 123_457] * 6 + [3] * 64  # 118 to copy: 2 launches
     gen = torch.Generator().manual_seed(1)
     params = [torch.zeros(n, dtype=dtype, device=device, requires_grad=True) for n in sizes]
     grads = [torch.randn(n, generator=gen).to(dtype=dtype, device=device) for n in sizes]
@@ -296,6 +296,8 @@ def test_grad_stats_after_joins_the_side_stream_then_zeroes_and_accumulates() ->
     zeroed on it, and the partial equals torch's sum of squares with the non-finite flag."""
     from shardamp.optim import norms
 
+    if kernels.native_module(torch.device("cuda")) is None:
+        pytest.skip("the CUDA kernels did not build")
     side = torch.cuda.Stream()
     partials = torch.full((3, 2), 5.0, device="cuda")
     shard = torch.zeros(1 << 20, device="cuda")
