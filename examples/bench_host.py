@@ -159,20 +159,21 @@ IMPLS = ("torch", "ddp", "shardamp")
 
 
 def backward_host(make_model: Callable[[], torch.nn.Module], forward: Callable, device: torch.device,
-                  iters: int) -> Dict[str, float]:
+                  iters: int, bucket_cap_mb: float = 100.0) -> Dict[str, float]:
     """Median host microseconds of ``loss.backward()`` per impl: 'torch' (plain autograd into
     .grad), 'ddp' (DDP's reducer at this world size), 'shardamp' (DistributedFusedAdam's hooks).
     One model per impl, built alike; the impls take turns every iteration (the order rotates),
-    so a drift of the machine's speed hits them all alike. ``forward(module)`` returns the loss."""
+    so a drift of the machine's speed hits them all alike. ``forward(module)`` returns the loss;
+    DDP and shardamp bucket at ``bucket_cap_mb`` alike."""
     runs = {}
     for impl in IMPLS:
         model = make_model()
         opt, run = None, model
         if impl == "shardamp":
-            opt = DistributedFusedAdam(model.parameters(), lr=1e-4)
+            opt = DistributedFusedAdam(model.parameters(), lr=1e-4, bucket_cap_mb=bucket_cap_mb)
         elif impl == "ddp":
             ids = [device.index or 0] if device.type == "cuda" else None
-            run = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            run = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=bucket_cap_mb)
         runs[impl] = (model, run, opt)
     times: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
     zeroing: Dict[str, List[float]] = {impl: [] for impl in IMPLS}
@@ -251,11 +252,16 @@ def backward_rows(args, device: torch.device, wanted) -> List[dict]:
     return rows
 
 
+BUCKETS = 16  # the many-bucket row: the params split into this many buckets (DDP alike)
+
+
 def _world2_worker(rank: int, tmp: str, count: int, numel: int, iters: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg2", rank=rank, world_size=2)
     torch.set_num_threads(1)
     make, forward = _many_params(count, numel, torch.device("cpu"))
-    res = backward_host(make, forward, torch.device("cpu"), iters)  # same order on both ranks
+    res = {"one bucket": backward_host(make, forward, torch.device("cpu"), iters)}  # same order on both ranks
+    small = count * numel * 4 / BUCKETS / 2**20  # MB, so that the params fill BUCKETS buckets
+    res["many buckets"] = backward_host(make, forward, torch.device("cpu"), iters, bucket_cap_mb=small)
     if rank == 0:
         Path(out).write_text(json.dumps(res))
     dist.destroy_process_group()
@@ -269,7 +275,14 @@ def world2_rows(args) -> List[dict]:
         out = os.path.join(tmp, "w2.json")
         mp.spawn(_world2_worker, args=(tmp, count, numel, args.iters * 3, out), nprocs=2, join=True)
         us = json.loads(Path(out).read_text())
-    return [_backward_row(f"backward host {count}x{numel} world 2 gloo", count, us)]
+    rows = [_backward_row(f"backward host {count}x{numel} world 2 gloo", count, us["one bucket"]),
+            _backward_row(f"backward host {count}x{numel} world 2 gloo, {BUCKETS} buckets", count, us["many buckets"])]
+    # host time a bucket adds: the many-bucket row over the one-bucket row, per extra bucket
+    for impl in ("ddp", "shardamp"):
+        rows[1][f"{impl}_per_bucket_us"] = (us["many buckets"][impl] - us["one bucket"][impl]) / (BUCKETS - 1)
+    print(f"    host time per extra bucket: ddp {rows[1]['ddp_per_bucket_us']:+.0f} us, shardamp "
+          f"{rows[1]['shardamp_per_bucket_us']:+.0f} us", flush=True)
+    return rows
 
 
 # ------------------------------------------------------------------------------ host-bound step

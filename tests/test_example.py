@@ -103,6 +103,8 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bench_host.json").read_text())
     rows, names = result["rows"], [r["name"] for r in result["rows"]]
     assert not result["errors"] and not any(r["kind"] == "error" for r in rows), result
+    many = [r for r in rows if r["name"] == "backward host 64x256 world 2 gloo, 16 buckets"]
+    assert len(many) == 1 and {"ddp_per_bucket_us", "shardamp_per_bucket_us"} <= set(many[0]), names
     for prefix in ("backward host 64x256", "backward host small resnet", "backward host 64x256 world 2 gloo",
                    "host-bound unscale_+clip+step+update float32", "host-bound clip+step (no scaler) bfloat16",
                    "small resnet: scaler+unscale_+clip", "small resnet: max_grad_norm in step",
