@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -64,8 +64,8 @@ class TouchedPatterns:
         self.masks: "OrderedDict[bytes, Tensor]" = OrderedDict()
         self.tails: "OrderedDict[tuple, Tensor]" = OrderedDict()
 
-    def get(self, mask: List[bool]) -> Tensor:
-        """``mask`` as float32 0/1 on the device."""
+    def get(self, mask: Union[bytes, Sequence[bool]]) -> Tensor:
+        """``mask`` (0/1 bytes, or bools) as float32 0/1 on the device."""
         return self._cached(self.masks, bytes(mask), lambda: [float(m) for m in mask])
 
     def get_tail(self, tail: Sequence[float]) -> Tensor:

@@ -146,7 +146,8 @@ class GradSync:
         ]
         # per param, what the hook needs
         self.record: dict[int, ParamGrad] = {}
-        self.entries: dict[int, ParamGrad] = {}  # by param index
+        # the stager indexes params by their position here (the optimizer's order, params with a slot)
+        self.by_stager_index: List[ParamGrad] = []
         for i, p in enumerate(params):
             if i in self.slots:
                 slot = self.slots[i]
@@ -154,7 +155,7 @@ class GradSync:
                 entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state)
                 state.params.append(entry)
                 self.record[id(p)] = entry
-                self.entries[i] = entry
+                self.by_stager_index.append(entry)
         for s in self.states:
             if self.in_place:
                 if self.release_shards:
@@ -167,8 +168,6 @@ class GradSync:
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
         self.hook_error: Optional[BaseException] = None  # met by a native hook's callback
-        # the stager indexes params by their position in ``by_stager_index``
-        self.by_stager_index = [self.entries[i] for i in sorted(self.entries)]
         self.stager_index = {e.index: k for k, e in enumerate(self.by_stager_index)}
         # CUDA graphs (capturable) take the Python hooks: a native hook holds each param's grad
         # accumulator, which keeps the stream it was made on, and a capture on another stream
@@ -245,7 +244,7 @@ class GradSync:
         return full
 
     def _flush(self, s: BucketGrads) -> None:
-        """Copy (or add) bucket ``s``'s staged grads into its buffer: one multi-tensor op each."""
+        """Copy (or add) bucket ``s``'s staged grads into its buffer (``kernels.land_grads``)."""
         stager = self.stager
         if not stager.staged_count(s.index):
             return
@@ -257,12 +256,8 @@ class GradSync:
             s.in_buffer.update(stager.land(s.index, full))
             return
         indices, grads = stager.take(s.index)
-        if acc_all:
-            _land_grads(full, self._entries(indices), grads, accumulate=True)
-            s.in_buffer.update(indices)
-            return
         for accumulate in (False, True):  # first grads are copied, later ones added
-            pick = [(k, g) for k, g in zip(indices, grads) if (k in s.in_buffer) == accumulate]
+            pick = [(k, g) for k, g in zip(indices, grads) if (acc_all or k in s.in_buffer) == accumulate]
             if pick:
                 _land_grads(full, self._entries([k for k, _ in pick]), [g for _, g in pick], accumulate)
         s.in_buffer.update(indices)
@@ -271,15 +266,17 @@ class GradSync:
         return [self.by_stager_index[k] for k in stager_indices]
 
     @property
-    def local_touched(self) -> List[bool]:
+    def local_touched(self) -> bytes:
         """Host-side truth of "this param got a grad on this rank since zero_grad", per param of
-        the optimizer."""
-        flags = self.stager.touched()
-        out = [False] * self.n_params
+        the optimizer (0/1 bytes)."""
+        flags = self.stager.touched()  # per stager index
+        if len(self.by_stager_index) == self.n_params:  # every param has a slot: the same order
+            return bytes(flags)
+        out = bytearray(self.n_params)
         for k, entry in enumerate(self.by_stager_index):
             if flags[k]:
-                out[entry.index] = True
-        return out
+                out[entry.index] = 1
+        return bytes(out)
 
     def flush_all(self) -> None:
         for s in self.states:
@@ -345,32 +342,28 @@ class GradSync:
         compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
         shard = s.buffers.grad_shard
         zero = None if self.partials_zeroed else self.partials  # every partial is redone this round
-        if work is None and not accumulate and norms.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
-            # one process: the stats alone, in one native call (Python's stream switch and
-            # launches here cost ~150 us of host time a bucket on an H200 host)
-            self.partials_zeroed = s.partial_valid = True
-            self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
-            return
-        self.side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.side):
-            if work is not None:
-                work.wait()
-                # issued on the side stream: it starts once the reduce-scatter has landed
-                replicas = self.comm.reduce_replicas(out)
-                if replicas is not None:
-                    replicas.wait()
-            if accumulate:
-                shard.add_(out)
-            if zero is not None:
-                zero.zero_()
-                self.partials_zeroed = True
-            norms.accumulate_partial(shard, s.partial, 2.0)
-        for t in (full, out):
-            if t is not None:
-                # freed by the caller right away: the allocator reuses the memory only once the
-                # side stream (which waited for the collective) has passed this point
-                t.record_stream(self.side)
-        s.partial_valid = True
+        # one process (nothing reduced): the stats alone, in one native call where there is one
+        # (Python's stream switch and launches cost ~150 us of host time a bucket on an H200 host)
+        if work is not None or accumulate or not norms.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                if work is not None:
+                    work.wait()
+                    # issued on the side stream: it starts once the reduce-scatter has landed
+                    replicas = self.comm.reduce_replicas(out)
+                    if replicas is not None:
+                        replicas.wait()
+                if accumulate:
+                    shard.add_(out)
+                if zero is not None:
+                    zero.zero_()
+                norms.accumulate_partial(shard, s.partial, 2.0)
+            for t in (full, out):
+                if t is not None:
+                    # freed by the caller right away: the allocator reuses the memory only once the
+                    # side stream (which waited for the collective) has passed this point
+                    t.record_stream(self.side)
+        self.partials_zeroed = s.partial_valid = True
         if work is None:
             self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
 
