@@ -133,6 +133,27 @@ void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor out, cons
 }
 #endif
 
+// The step's scalar inputs, shared by adam_step and adam_prepare: hparams fp64 [G, 5]; steps,
+// touched (one per param), grad_coef and found_inf (one element) contiguous, of a supported
+// dtype, on ``ref``'s device.
+void check_step_scalars(const at::Tensor& ref, const at::Tensor& hparams, const at::Tensor& steps,
+                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                        const char* fn) {
+  SHARDAMP_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
+                     hparams.is_contiguous(),
+                 fn, ": hparams must be a contiguous fp64 [G, 5] tensor");
+  check_same_device(ref, hparams, "hparams");
+  const std::pair<const at::Tensor*, const char*> scalars[] = {
+      {&steps, "steps"}, {&touched, "touched"}, {&grad_coef, "grad_coef"}, {&found_inf, "found_inf"}};
+  for (const auto& [t, name] : scalars) {
+    check_same_device(ref, *t, name);
+    SHARDAMP_CHECK(t->is_contiguous(), fn, ": ", name, " must be contiguous");
+    (void)scalar_code(*t);  // rejects unsupported dtypes before any kernel runs
+  }
+  SHARDAMP_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, fn, ": grad_coef and found_inf must hold one element");
+  SHARDAMP_CHECK(touched.numel() == steps.numel(), fn, ": touched and steps must have one entry per param");
+}
+
 void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
                const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
@@ -157,23 +178,9 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                 model_out->scalar_type());
     check_flat(grad, *model_out, "model_out");
   }
-  SHARDAMP_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
-                  hparams.is_contiguous(),
-              "adam_step: hparams must be a contiguous fp64 [G, 5] tensor");
   SHARDAMP_CHECK(segments.is_contiguous(), "adam_step: segments must be contiguous");
   check_same_device(grad, segments, "segments");
-  check_same_device(grad, hparams, "hparams");
-  auto check_scalars = [&](const at::Tensor& t, const char* name) {
-    check_same_device(grad, t, name);
-    SHARDAMP_CHECK(t.is_contiguous(), "adam_step: ", name, " must be contiguous");
-    (void)scalar_code(t);  // rejects unsupported dtypes before any kernel runs
-  };
-  check_scalars(steps, "steps");
-  check_scalars(touched, "touched");
-  check_scalars(grad_coef, "grad_coef");
-  check_scalars(found_inf, "found_inf");
-  SHARDAMP_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, "adam_step: grad_coef and found_inf must hold one element");
-  SHARDAMP_CHECK(touched.numel() == steps.numel(), "adam_step: touched and steps must have one entry per param");
+  check_step_scalars(grad, hparams, steps, touched, grad_coef, found_inf, "adam_step");
   if (records) {  // adam_prepare's records of several shards: this shard's start at record_offset
     check_same_device(grad, *records, "records");
     SHARDAMP_CHECK(records->scalar_type() == at::kFloat && records->is_contiguous() && record_offset >= 0 &&
@@ -214,16 +221,7 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
   SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
                      segments.is_contiguous(),
                  "adam_prepare: segments must be a contiguous int64 [S, 4] tensor");
-  SHARDAMP_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
-                     hparams.is_contiguous(),
-                 "adam_prepare: hparams must be a contiguous fp64 [G, 5] tensor");
-  for (const at::Tensor* t : {&hparams, &steps, &touched, &grad_coef, &found_inf}) {
-    check_same_device(segments, *t, "a scalar input");
-    SHARDAMP_CHECK(t->is_contiguous(), "adam_prepare: every input must be contiguous");
-    (void)scalar_code(*t);
-  }
-  SHARDAMP_CHECK(grad_coef.numel() == 1 && found_inf.numel() == 1, "adam_prepare: grad_coef and found_inf must hold one element");
-  SHARDAMP_CHECK(touched.numel() == steps.numel(), "adam_prepare: touched and steps must have one entry per param");
+  check_step_scalars(segments, hparams, steps, touched, grad_coef, found_inf, "adam_prepare");
 #if defined(SHARDAMP_WITH_CUDA)
   SHARDAMP_CHECK(segments.is_cuda(), "adam_prepare: CUDA tensors only (the CPU step forms its scalars per chunk)");
   return cuda::adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);

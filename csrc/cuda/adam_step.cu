@@ -275,7 +275,8 @@ using bf16 = __nv_bfloat16;
 //   per SM (<= 64 registers, no spills): twice the warps of 2x1 hide the update's arithmetic
 //   behind the loads (at 128 registers 2x1 left 62% of issue cycles with no eligible warp, 50%
 //   of stalls on loads): fp32 grads 1.479 -> 1.417 ms (2x1 at 16384 -> 1x4 at 4096), bf16 grads
-//   1.418 -> 1.322, bf16 params 1.553 -> 1.511 (copy bandwidth 4141 GB/s, 2026-12-01);
+//   1.418 -> 1.322, bf16 params 1.553 -> 1.511 (copy bandwidth 4141 GB/s, 2026-12-01); with fp32
+//   grads the chunk that ships is 2048, measured after these (csrc/NOTES.md, session 5);
 // * the rest: 2 steps in registers, no bound (fp32 states: 95% of the 28-byte floor).
 // optim/kernels.py picks each kind's chunk size to match (kernels.light_state).
 template <typename G, typename M, typename V, bool R>

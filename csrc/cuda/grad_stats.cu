@@ -7,6 +7,7 @@
 // partials live in a scratch buffer allocated once per (device, stream) and cached.
 
 #include "../common.h"
+#include "device_info.cuh"
 #include "vec.cuh"
 
 #include <c10/cuda/CUDAException.h>
@@ -140,18 +141,6 @@ at::Tensor scratch_for(const at::Tensor& like, cudaStream_t stream) {
   at::Tensor buf = at::zeros({2 * kMaxBlocks + 1}, like.options().dtype(at::kFloat));
   cache.emplace(key, buf);
   return buf;
-}
-
-int multiprocessors(int device) {
-  static std::mutex mu;
-  static std::map<int, int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(device);
-  if (it != cache.end()) return it->second;
-  int n = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-  cache.emplace(device, n);
-  return n;
 }
 
 template <typename T, Norm N>

@@ -14,6 +14,7 @@
 
 #include "../common.h"
 #include "../land_grads.h"
+#include "device_info.cuh"
 
 namespace shardamp {
 namespace cuda {
@@ -82,12 +83,7 @@ void batched_copy(const std::vector<CopyRange>& ranges, const at::Device& device
   if (ranges.empty()) return;
   const c10::cuda::CUDAGuard guard(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  static thread_local int sms_device = -1, sms = 0;  // one property read per device and thread
-  if (sms_device != device.index()) {
-    const cudaError_t err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index());
-    SHARDAMP_CHECK(err == cudaSuccess, "GradStager.land: cudaDeviceGetAttribute failed: ", cudaGetErrorString(err));
-    sms_device = device.index();
-  }
+  const int sms = multiprocessors(device.index());
   for (size_t start = 0; start < ranges.size(); start += kBatch) {
     Batch batch;
     const int count = static_cast<int>(std::min<size_t>(kBatch, ranges.size() - start));
@@ -105,7 +101,7 @@ void batched_copy(const std::vector<CopyRange>& ranges, const at::Device& device
     const int blocks = static_cast<int>(std::min<int64_t>(chunks, static_cast<int64_t>(sms) * kBlocksPerSM));
     batched_copy_kernel<<<blocks, kThreads, 0, stream>>>(batch);
     const cudaError_t err = cudaGetLastError();
-    SHARDAMP_CHECK(err == cudaSuccess, "GradStager.land: copy kernel launch failed: ", cudaGetErrorString(err));
+    SHARDAMP_CHECK(err == cudaSuccess, "land_grads: copy kernel launch failed: ", cudaGetErrorString(err));
   }
 }
 
