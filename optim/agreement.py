@@ -255,7 +255,7 @@ def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
         # the next step, not in this one's stats, because which call starts the stats may differ
         # legitimately (rank 0 logging grad_norm() before clipping, the others clipping at once)
         ("clip_grad_norm calls of the previous step (max_norms and norm types; called on some ranks only? "
-         "that step updated some shards clipped, others not)", getattr(opt, "_last_clips", ())),
+         "that step updated some shards clipped, others not)", last_clips(opt)),
     ]
 
 
@@ -342,12 +342,7 @@ def track_position(opt: Any) -> None:
         return {"steps": o._steps_taken, "backwards": o._grad_sync.backwards - o._backwards_at_step,
                 "dropped": o._dropped_rounds}
 
-    def last_step() -> Any:
-        o = ref()
-        return () if o is None else getattr(o, "_last_clips", ())
-
     opt._comm.context = position
-    opt._comm.last_step = last_step
 
 
 def stepped(opt: Any, clips: Sequence[Any], norm_types: Sequence[float]) -> None:
@@ -363,14 +358,19 @@ def dropping(opt: Any) -> None:
         opt._dropped_rounds += 1
 
 
-def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", last_step: bool = False) -> None:
+def last_clips(opt: Any) -> Any:
+    """The clips (max_norms, norm types) ``opt``'s last step applied (``stepped``)."""
+    return getattr(opt, "_last_clips", ())
+
+
+def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", clips: Any = ()) -> None:
     """The first thing a collective entry point does (``view``: the optimizer's
     ``shard_view()``, for its comm and device): one all-reduce of
     ``[call id, -call id, hash of given, -hash, problem flag, clips, -clips]`` (MAX). Raise on
     every rank that took part if the ranks are not all in the same call with the same input, or
     if any rank reported ``problem``; a rank left waiting raises after the timeout, naming the
-    call. With ``last_step`` (the calls that read the state: ``state_dict``, ``save_sharded``)
-    the ranks also agree on the clips their last step applied: a clip on some ranks only in the
+    call. With ``clips`` (the calls that read the state, ``state_dict`` and ``save_sharded``,
+    pass ``last_clips(opt)``) the ranks also agree on the clips their last step applied: a clip on some ranks only in the
     LAST step of a run (no later step compares it) would otherwise be published, some shards
     clipped and others not."""
     message = problem if problem.startswith(name) else f"{name}: {problem}"
@@ -379,7 +379,6 @@ def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", la
             raise ValueError(message)
         return
     call, arg = float(crc(name) & 0xFFFFFF), float(crc(given) & 0xFFFFFF)
-    clips = view.comm.last_step() if last_step and view.comm.last_step is not None else ()
     clips = float(crc(clips) & 0xFFFFFF)
     flag = torch.tensor([call, -call, arg, -arg, 1.0 if problem else 0.0, clips, -clips],
                         dtype=torch.float32, device=view.device)

@@ -241,6 +241,13 @@ def _cause(reports: Dict[int, Dict[str, Any]], world_size: int) -> str:
     return "Likely cause: a collective was called on some ranks only."
 
 
+def group_timeout_s(comm: Any, device_type: str = "cpu") -> Optional[float]:
+    """Seconds of the timeout ``comm``'s whole span (None = WORLD) was built with for
+    ``device_type``'s backend; None where it cannot be read."""
+    timeout = _compat.group_timeout(comm.group if comm.group is not None else _compat.world_group(), device_type)
+    return None if timeout is None else timeout.total_seconds()
+
+
 def _exchange(comm: Any, mine: Dict[str, Any], timeout: Optional[float]) -> Dict[int, Dict[str, Any]]:
     """Post ``mine`` and collect the other ranks' posts of the same incident (bounded)."""
     reports = {comm.rank: mine}
@@ -254,8 +261,9 @@ def _exchange(comm: Any, mine: Dict[str, Any], timeout: Optional[float]) -> Dict
     try:
         store.set(prefix + str(comm.rank), json.dumps(mine))
         if timeout is None:  # the group's timeout bounded the wait
-            group_timeout = _compat.group_timeout(comm.group if comm.group is not None else dist.group.WORLD)
-            timeout = group_timeout.total_seconds() if group_timeout is not None else REPORT_WAIT_S
+            watchdog = getattr(comm, "watchdog", None)
+            timeout = group_timeout_s(comm, watchdog.device.type if watchdog is not None else "cpu")
+            timeout = REPORT_WAIT_S if timeout is None else timeout
         deadline = time.monotonic() + min(REPORT_WAIT_S, timeout)
         missing = [r for r in range(comm.world_size) if r != comm.rank]
         while missing:

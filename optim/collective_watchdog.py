@@ -128,14 +128,12 @@ class Watchdog:
         _start_monitor(self)
 
     def _default_bound(self, device: torch.device) -> float:
-        group = self.comm.group if self.comm.group is not None else _compat.world_group()
-        timeout = _compat.group_timeout(group, device.type)
-        if timeout is None:
+        seconds = collective_order.group_timeout_s(self.comm, device.type)
+        if seconds is None:
             _log.warning("shardamp collective watchdog: the process group's timeout could not be read; "
                          "stalled collectives are reported after %.0f s (set %s to choose)",
                          FALLBACK_BOUND_S, collective_order.TIMEOUT_ENV)
             return FALLBACK_BOUND_S
-        seconds = timeout.total_seconds()
         return seconds - min(DEFAULT_MARGIN_S, seconds / 2)
 
     def bound(self) -> float:

@@ -81,9 +81,6 @@ class Comm:
     # where the optimizer is, for the error when collectives do not line up (set by the optimizer:
     # ``{"steps": steps taken, "backwards": backward passes since the last step}``)
     context: Optional[Callable[[], Dict[str, int]]] = None
-    # the clips (max_norms, norm types) of the last step, compared by state_dict/save_sharded
-    # (set by the optimizer)
-    last_step: Optional[Callable[[], Any]] = None
 
     def describe(self) -> str:
         return f"{self.replicate_size}x{self.shard_size}" if self.replicate_size > 1 else str(self.shard_size)
@@ -218,8 +215,7 @@ class GroupComm(Comm):
     def reduce_scatter(self, out: Tensor, full: Tensor) -> Any:
         if self.shard_size == 1:
             return super().reduce_scatter(out, full)
-        if self.watchdog is not None:
-            self.watchdog.check()  # never issue over a communicator the watchdog aborted
+        self.check()  # never issue over a communicator the watchdog aborted
         return self._handle(_compat.reduce_scatter(out, full, self.shard_group, async_op=True), REDUCE_SCATTER)
 
     def reduce_replicas(self, shard: Tensor) -> Optional[Any]:
@@ -238,13 +234,9 @@ class GroupComm(Comm):
         if self.replicate_rank != 0 and op == dist.ReduceOp.SUM:
             stats[0].zero_()  # a MAX (inf norm) of equal partials needs no such care
         what = SECOND_NORM if stats.numel() <= 2 else STATS  # a second norm type's header only
-        if self.bounded:
-            collective_order.wait(_compat.all_reduce(stats, op, self.control_group, async_op=True), what, self)
-        elif self.watchdog is not None:
-            self.watchdog.check()
-            self.watchdog.wait(_compat.all_reduce(stats, op, self.control_group, async_op=True), what)
-        else:
-            _compat.all_reduce(stats, op, self.group)
+        self.check()
+        # control_group is the span's own group unless gloo's side groups are in use
+        self._handle(_compat.all_reduce(stats, op, self.control_group, async_op=True), what).wait()
 
     def broadcast(self, tensor: Tensor) -> None:
         _compat.broadcast_from_group_rank0(tensor, self.group)
