@@ -1,9 +1,9 @@
 """Where backward's host time goes with DistributedFusedAdam's grad hooks, against plain autograd
-(world 1): the median host time of ``loss.backward()`` for both, taking turns every iteration;
-the part of shardamp's spent in its Python callbacks (first grad, bucket flushes and launches,
-the end-of-backward callback), counted by wrapping them; and torch.profiler tables (CPU) of a few
-backwards of each, written under ``--out``. The rest of the difference is the native hook and
-the launches it makes.
+(world 1): the median host time of ``loss.backward()`` for both (bench_host.backward_host: DDP too,
+taking turns every iteration, and with ``zero_grad`` counted); the part of shardamp's spent in its
+Python callbacks (first grad, bucket flushes and launches, the end-of-backward callback), counted
+by wrapping them; and torch.profiler tables (CPU) of a few backwards of each, written under
+``--out``. The rest of the difference is the native hook and the launches it makes.
 
     python examples/profile_backward.py --device cuda       # ResNet-50 (torchvision), fp16 autocast
 """
@@ -23,14 +23,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_host import backward_host  # noqa: E402
+from host_iteration import sync  # noqa: E402
 from host_models import SmallResNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam, grad_sync  # noqa: E402
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> None:
@@ -85,12 +82,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg",
                                 rank=0, world_size=1)
-        models = {}
-        for impl in ("torch", "shardamp"):
+
+        def build() -> torch.nn.Module:
             torch.manual_seed(0)
-            m = make().to(device).to(memory_format=torch.channels_last)
-            opt = DistributedFusedAdam(m.parameters(), lr=1e-4) if impl == "shardamp" else None
-            models[impl] = (m, opt)
+            return make().to(device).to(memory_format=torch.channels_last)
+
+        def forward(m: torch.nn.Module) -> torch.Tensor:
+            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+                return F.cross_entropy(m(x), y)
+
+        # the medians: bench_host's backward rows (the impls take turns every iteration)
+        med = backward_host(build, forward, device, args.iters)
+        # for the profiles and the breakdown: one model per side
+        models = {"torch": (build(), None)}
+        model = build()
+        models["shardamp"] = (model, DistributedFusedAdam(model.parameters(), lr=1e-4))
         nparams = len(list(models["torch"][0].parameters()))
 
         def one(impl: str, record: bool, times):
@@ -99,8 +105,7 @@ def main() -> None:
                 opt.zero_grad()
             else:
                 m.zero_grad(set_to_none=True)
-            with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                loss = F.cross_entropy(m(x), y)
+            loss = forward(m)
             sync(device)
             active[0] = record and opt is not None
             t0 = time.perf_counter()
@@ -114,30 +119,30 @@ def main() -> None:
                 opt.step()
 
         times = {"torch": [], "shardamp": []}
-        for i in range(5):
+        for _ in range(3):
             for impl in models:
                 one(impl, False, times)
-        for i in range(args.iters):
-            for impl in (("torch", "shardamp") if i % 2 == 0 else ("shardamp", "torch")):
-                one(impl, True, times)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        install()  # the breakdown: a second pass of shardamp backwards, its callbacks timed
-        for _ in range(args.iters):
-            one("shardamp", True, {"shardamp": []})
-        lines = [f"{device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, torch "
-                 f"{torch.__version__}, {nparams} params, {args.iters} backwards each, {time.strftime('%Y-%m-%d')}",
-                 f"backward host: torch {med['torch']:.0f} us, shardamp {med['shardamp']:.0f} us, over torch "
-                 f"{med['shardamp'] - med['torch']:+.0f} us ({(med['shardamp'] - med['torch']) / nparams:+.2f} us/param)"]
-        for name in (n for n in order if n in spent):
-            lines.append(f"  {name}: {spent[name] / args.iters * 1e6:.0f} us per backward in "
-                         f"{calls[name] / args.iters:.1f} calls")
         from torch.profiler import ProfilerActivity, profile
 
-        for impl in models:
+        for impl in models:  # before the wrappers below, which would add to shardamp's table
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
                     one(impl, False, times)
             (out / f"backward_{impl}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+        install()  # the breakdown: shardamp backwards with their callbacks timed
+        for _ in range(args.iters):
+            one("shardamp", True, times)
+        lines = [f"{device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, torch "
+                 f"{torch.__version__}, {nparams} params, {args.iters} backwards each, {time.strftime('%Y-%m-%d')}",
+                 f"backward host: torch {med['torch']:.0f} us, shardamp {med['shardamp']:.0f} us, over torch "
+                 f"{med['shardamp'] - med['torch']:+.0f} us ({(med['shardamp'] - med['torch']) / nparams:+.2f} us/param)"]
+        lines.append(f"  with zero_grad counted: {(med['shardamp+zero_grad'] - med['torch+zero_grad']) / nparams:+.2f} "
+                     f"us/param (DDP's reducer, backward alone: {(med['ddp'] - med['torch']) / nparams:+.2f})")
+        lines.append(f"  breakdown over {args.iters} more shardamp backwards "
+                     f"(median {statistics.median(times['shardamp']):.0f} us with the timing wrappers):")
+        for name in (n for n in order if n in spent):
+            lines.append(f"  {name}: {spent[name] / args.iters * 1e6:.0f} us per backward in "
+                         f"{calls[name] / args.iters:.1f} calls")
         dist.destroy_process_group()
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -123,22 +123,29 @@ ORDER = {
 }
 
 
+def _check_order_error(world: int, rank: int, value: dict, cause: str, waited: str) -> str:
+    """The collective-order message on ``rank``: its wait, the step, the cause, every rank's
+    position (from the store), raised within twice the bound; returns the message."""
+    bound = cases_agreement.ORDER_BOUND
+    error = value["error"]
+    assert error.startswith("RuntimeError: DistributedFusedAdam: the ranks disagree on the sequence of "
+                            "shardamp collectives"), (rank, error)
+    assert f"This rank (rank {rank}) waited {waited}" in error and "at step 3" in error, (rank, error)
+    assert cause in error, (rank, error)
+    for other in range(world):
+        assert f"rank {other}: in " in error, (rank, other, error)
+    # the rank that skipped step() waits first in the next iteration's backward
+    assert value["at"] in (2, 3) and value["seconds"] < 2 * bound + 15, (rank, value)
+    return error
+
+
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", sorted(ORDER))
 def test_collectives_out_of_order_raise_on_every_rank_in_bounded_time(world, case):
     bound = cases_agreement.ORDER_BOUND
-    values = case_values(_results(world), case)
-    for rank, value in enumerate(values):
-        error = value["error"]
-        assert error.startswith("RuntimeError: DistributedFusedAdam: the ranks disagree on the sequence of "
-                                "shardamp collectives"), (rank, error)
-        waited = "the process group's timeout" if case.endswith("group_timeout") else f"{bound:g} s"
-        assert f"This rank (rank {rank}) waited {waited}" in error and "at step 3" in error, (rank, error)
-        assert ORDER[case] in error, (rank, error)
-        for other in range(world):  # every rank's position, from the store
-            assert f"rank {other}: in " in error, (rank, other, error)
-        # the rank that skipped step() waits first in the next iteration's backward
-        assert value["at"] in (2, 3) and value["seconds"] < 2 * bound + 15, (rank, value)
+    waited = "the process group's timeout" if case.endswith("group_timeout") else f"{bound:g} s"
+    for rank, value in enumerate(case_values(_results(world), case)):
+        _check_order_error(world, rank, value, ORDER[case], waited)
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -178,19 +185,11 @@ WATCHED = {case.replace("case_order_", "case_watched_"): cause for case, cause i
 @pytest.mark.parametrize("case", sorted(WATCHED))
 def test_watchdog_ends_mismatched_collectives_on_every_rank_in_bounded_time(world, case):
     bound = cases_agreement.ORDER_BOUND
+    waited = (f"{bound:g} s (the process group's timeout less min(60 s, half of it)" if case.endswith("group_timeout")
+              else f"{bound:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)")
     for rank, value in enumerate(case_values(_results(world), case)):
-        error = value["error"]
-        assert error.startswith("RuntimeError: DistributedFusedAdam: the ranks disagree on the sequence of "
-                                "shardamp collectives"), (rank, error)
-        waited = (f"{bound:g} s (the process group's timeout less min(60 s, half of it)" if case.endswith("group_timeout")
-                  else f"{bound:g} s (SHARDAMP_COLLECTIVE_TIMEOUT)")
-        assert f"This rank (rank {rank}) waited {waited}" in error and "at step 3" in error, (rank, error)
+        error = _check_order_error(world, rank, value, WATCHED[case], waited)
         assert "shardamp's collective watchdog" in error, (rank, error)
-        assert WATCHED[case] in error, (rank, error)
-        for other in range(world):
-            assert f"rank {other}: in " in error, (rank, other, error)
-        # the monitor polls every POLL_S; the others' reports are read for at most the bound
-        assert value["at"] in (2, 3) and value["seconds"] < 2 * bound + 15, (rank, value)
         assert value["again"] == error, (rank, value["again"])  # every later call raises it
         assert value["aborted"] == 4, (rank, value)  # the group, its control, calls and gather groups
 

@@ -115,7 +115,8 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
             assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0, r
         elif r["kind"] == "backward":
             assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
-            assert r["shardamp_with_zero_grad_us"] >= r["shardamp_us"] * 0.5 > 0, r
+            assert {f"{i}_with_zero_grad_us" for i in ("torch", "ddp", "shardamp")} <= set(r), r
+            assert "shardamp_with_zero_grad_per_param_us" in r, r
         else:
             assert r["torch full_ms"] > 0 and r["shardamp full_ms"] > 0, r
 

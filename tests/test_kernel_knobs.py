@@ -38,7 +38,7 @@ def test_knobs_are_read_once(monkeypatch):
         monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", "2048")
         assert kernels.refresh_knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)
         monkeypatch.setenv("SHARDAMP_CUDA_STEP", "2x1")
-        assert kernels._knobs() == (4, 2048)
+        assert kernels._knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)  # still the cached read
         monkeypatch.setenv("SHARDAMP_CUDA_STEP", "4x2")
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_STEP"):
             kernels.refresh_knobs()
@@ -78,7 +78,7 @@ def _bits(state):
 def test_cuda_step_shapes_are_bitwise_equal(kind):
     """Every launch shape (adam_step's ``shape``: SHARDAMP_CUDA_STEP's codes) and chunk size
     computes the same bits as the kind's own shape: the split of the work changes no arithmetic."""
-    from test_kernels import SEGMENTS, _run, _shard_states
+    from test_kernels import _run, _shard_states
 
     ext = kernels._native(torch.device("cuda"))
     results = []
