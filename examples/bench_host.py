@@ -124,7 +124,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
 
             try:
                 fns = {"torch": build("torch"), "shardamp": build("shardamp")}
-                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats)
+                runs: Dict[str, List[float]] = {}
+                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats, runs)
             except Exception as exc:  # noqa: BLE001 - e.g. no compiler for torch.compile
                 print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
                 rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
@@ -133,7 +134,10 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
                    for impl in ("torch", "shardamp")}  # a compiled build would compile again
             row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
-                       speed=ms["torch"] / ms["shardamp"],
+                       speed=ms["torch"] / ms["shardamp"], torch_runs=runs["torch"], shardamp_runs=runs["shardamp"],
+                       # each repeat's torch / shardamp (the two ran back to back): how much of a
+                       # row's ratio is the machine's drift
+                       speeds=[t / s for t, s in zip(runs["torch"], runs["shardamp"])],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
             rows.append(row)
@@ -410,6 +414,8 @@ def _fmt(row: dict) -> str:
     if row["kind"] == "model":
         text = (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
+        if row.get("speeds"):
+            text += f"  (repeats {min(row['speeds']):.2f}-{max(row['speeds']):.2f}x)"
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:

@@ -83,8 +83,9 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
 
 
 def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup: int, iters: int,
-                repeats: int) -> Dict[str, float]:
-    """Median ms per call of each fn, repeats interleaved (the order flips every repeat)."""
+                repeats: int, samples: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
+    """Median ms per call of each fn, repeats interleaved (the order flips every repeat); each
+    repeat's ms into ``samples[name]`` if given."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -99,6 +100,8 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
                 fns[name]()
             sync(device)
             times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

@@ -27,7 +27,7 @@ from bench_host import backward_host  # noqa: E402
 from host_iteration import sync  # noqa: E402
 from host_models import SmallResNet  # noqa: E402
 
-from shardamp.optim import DistributedFusedAdam, grad_sync  # noqa: E402
+from shardamp.optim import DistributedFusedAdam, grad_sync, kernels  # noqa: E402
 
 
 def main() -> None:
@@ -122,13 +122,21 @@ def main() -> None:
         for _ in range(3):
             for impl in models:
                 one(impl, False, times)
+        # the landed grads freed on the release thread (the default) or in land(), taking turns
+        native = kernels.native_module(device)
+        frees = {True: [], False: []}
+        if device.type == "cuda" and native is not None and hasattr(native, "set_async_release"):
+            for i in range(2 * args.iters):
+                native.set_async_release(i % 2 == 0)
+                one("shardamp", True, {"shardamp": frees[i % 2 == 0]})
+            native.set_async_release(True)
         from torch.profiler import ProfilerActivity, profile
 
         for impl in models:  # before the wrappers below, which would add to shardamp's table
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 for _ in range(5):
                     one(impl, False, times)
-            (out / f"backward_{impl}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=60))
+            (out / f"backward_{impl}.txt").write_text(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=150))
         install()  # the breakdown: shardamp backwards with their callbacks timed
         for _ in range(args.iters):
             one("shardamp", True, times)
@@ -138,6 +146,10 @@ def main() -> None:
                  f"{med['shardamp'] - med['torch']:+.0f} us ({(med['shardamp'] - med['torch']) / nparams:+.2f} us/param)"]
         lines.append(f"  with zero_grad counted: {(med['shardamp+zero_grad'] - med['torch+zero_grad']) / nparams:+.2f} "
                      f"us/param (DDP's reducer, backward alone: {(med['ddp'] - med['torch']) / nparams:+.2f})")
+        if frees[True]:
+            on, off = statistics.median(frees[True]), statistics.median(frees[False])
+            lines.append(f"  landed grads freed on the release thread: {on:.0f} us, in land(): {off:.0f} us "
+                         f"({(off - on) / nparams:+.2f} us/param saved)")
         lines.append(f"  breakdown over {args.iters} more shardamp backwards "
                      f"(median {statistics.median(times['shardamp']):.0f} us with the timing wrappers):")
         for name in (n for n in order if n in spent):

@@ -32,7 +32,9 @@ Events (``callback(event, arg)``):
 touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
 event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a bucket's staged
 ``(indices, grads)``; ``land(b, full)`` copies them into their slots of the flat buffer ``full``
-(``kernels.land_grads``) and returns their indices.
+(``kernels.land_grads``) and returns their indices. The native ``land`` frees landed CUDA grads on
+a thread of its own (a free costs the autograd thread ~2 us of host time each, where torch pays
+them in ``zero_grad``); ``drain()`` waits until they are freed (``GradSync.zero`` calls it).
 """
 from __future__ import annotations
 
@@ -138,6 +140,9 @@ class PyStager:
 
     def set_armed(self, armed: bool) -> None:
         pass  # every grad goes through on_param
+
+    def drain(self) -> None:
+        pass  # landed grads are freed in land()
 
     def disown(self, i: int) -> None:
         pass  # the Python hook checks the param's owner itself

@@ -438,6 +438,7 @@ class GradSync:
         self.callback_queued = False  # a backward that raised never ran its callback
         self.stager.set_armed(False)
         self.stager.clear()
+        self.stager.drain()  # the landed grads are freed by now, as torch's are by zero_grad
         self.hook_error = None
         for s in self.states:
             s.clear_round()

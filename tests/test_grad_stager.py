@@ -334,3 +334,44 @@ def test_hooks_removed_inside_a_backward_are_disarmed_not_erased() -> None:
     assert gs.stager.hooks() == 0 and len(calls) == 4
     # the hook of the first param ran after its (user) hook disarmed it: nothing was staged
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("async_release", [True, False])
+def test_native_land_frees_landed_cuda_grads_on_the_release_thread(async_release: bool) -> None:
+    """``land`` hands landed CUDA grads to the release thread (``set_async_release(False)``: it
+    frees them itself): either way the buffer equals the reference, and once ``drain()`` returns
+    nothing is pending and the grads' memory is back in the allocator (memory_allocated drops
+    by their bytes), though the copy that read them ran late, behind a busy stream."""
+    from shardamp.optim import reference
+
+    native = kernels.native_module(torch.device("cuda"))
+    if native is None or not hasattr(native, "set_async_release"):
+        pytest.skip("the CUDA kernels did not build")
+    sizes = [1 << 20, 3, 4097, 1 << 18] * 40  # 160 grads, as many as ResNet-50's
+    params = [torch.zeros(n, device="cuda", requires_grad=True) for n in sizes]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    grads = [torch.randn(n, device="cuda") for n in sizes]
+    stager = native.GradStager(params, [0] * len(sizes), offsets, [n * 4 for n in sizes], [len(sizes)], [1 << 40],
+                               lambda e, a: None)
+    full = torch.zeros(sum(sizes), device="cuda")
+    expect = torch.zeros_like(full)
+    reference.land_grads(expect, grads, params, offsets, accumulate=False)
+    native.set_async_release(async_release)
+    try:
+        for rep in range(3):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                p.grad = g.clone()
+                stager.stage(i)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda._sleep(int(2e8))  # the copy is queued behind this: it reads the grads late
+            full.zero_()
+            assert stager.land(0, full) == list(range(len(sizes)))
+            stager.drain()
+            assert native.released_pending() == 0
+            assert before - torch.cuda.memory_allocated() >= sum(sizes) * 4  # every staged grad freed
+            assert torch.equal(full, expect), rep
+            assert all(p.grad is None for p in params)
+    finally:
+        native.set_async_release(True)
