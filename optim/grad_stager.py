@@ -38,6 +38,7 @@ them in ``zero_grad``); ``drain()`` waits until they are freed (``GradSync.zero`
 """
 from __future__ import annotations
 
+import atexit
 import os
 import weakref
 from typing import Any, Callable, List, Sequence, Tuple
@@ -155,6 +156,7 @@ def make_stager(native, params: Sequence[Tensor], bucket_of: Sequence[int], offs
     calling ``on_event``; else a :class:`PyStager` whose Python hooks call ``on_param``."""
     args = (list(params), list(bucket_of), list(offset), list(nbytes), list(expected), list(flush_bytes))
     if native is not None and hasattr(native, "GradStager") and not _python_hooks_forced():
+        _drain_at_exit(native)
         stager = native.GradStager(*args, on_event)
         stager.attach()
         return stager
@@ -200,6 +202,17 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
                        [e.offset for e in entries], [e.nbytes for e in entries],
                        [s.expected for s in sync.states], [s.flush_bytes for s in sync.states],
                        on_event, on_param)
+
+
+_DRAINED_AT_EXIT: set = set()
+
+
+def _drain_at_exit(native: Any) -> None:
+    """Free what the release thread still holds before the interpreter (and CUDA) shut down: a
+    script may end right after a backward, without a zero_grad."""
+    if hasattr(native, "drain_released") and id(native) not in _DRAINED_AT_EXIT:
+        _DRAINED_AT_EXIT.add(id(native))
+        atexit.register(native.drain_released)
 
 
 def _python_hooks_forced() -> bool:
