@@ -48,69 +48,110 @@ using AccPtr = decltype(ag::impl::grad_accumulator(std::declval<const at::Tensor
 
 enum Event : int { kNone = 0, kSlow = 1, kFlush = 2, kComplete = 3 };
 
-// Drops landed CUDA grads on a thread of its own. Why: a bucket's grads are freed as it lands,
-// inside backward, where torch frees them later, in zero_grad; each free is a trip through the
-// caching allocator (~1.5-2 us of host time on an H200 host: ~300 us for ResNet-50's 161 grads,
-// on the autograd thread that runs the rest of backward). The copy that read them is already
-// queued on their stream, so the allocator may reuse the memory as soon as it is freed, from any
-// thread. `drain()` waits until every handed-over grad is freed (zero_grad and the step call it,
-// so memory is back where torch's would be before either). A freed tensor that has a Python
-// object takes the GIL itself: `drain` must be called without it (its binding releases it).
+// Drops landed CUDA grads on a thread of its own. Why: a bucket's grads used to be freed as it
+// landed, inside backward, where torch frees its grads later, in zero_grad; each free is a trip
+// through the caching allocator (~1.5-2 us of host time on an H200 host: ~300 us for ResNet-50's
+// 161 grads, on the autograd thread that runs the rest of backward). The allocator reuses a
+// block only on the stream it was allocated on, where the copy that read the grad is already
+// queued, so freeing later, from any thread, is as safe as freeing at once.
+//
+// Bounds: one batch at a time. While one is still queued or being freed, `push` declines (the
+// caller frees inline), so at most one landing's grads outlive it: ZeRO-2's backward memory
+// grows by at most one flush (a quarter of a bucket at world > 1, STAGE_FRACTION). Grads Python
+// has seen (staged by a Python call: the first grad of every backward) are freed by the caller
+// too: their Python object would make the thread wait for the GIL. `drain()` (zero_grad) waits
+// until everything handed over before it is freed, with the GIL released (its binding), so
+// memory is where torch's is by then. Only the process that started the thread uses it (a
+// forked child frees inline: it cannot use CUDA anyway); a thread that cannot be started makes
+// every later push decline.
 class Releaser {
  public:
   static Releaser& get() {
     static Releaser* r = new Releaser();  // never destroyed: its thread is never joined at exit
     return *r;
   }
-  void push(std::vector<at::Tensor>&& tensors) {
-    if (tensors.empty()) return;
+  // Takes `tensors` (returns true) or leaves them to the caller (false).
+  bool push(std::vector<at::Tensor>& tensors) {
+    if (tensors.empty()) return true;
+    const pid_t me = getpid();
+    const pid_t owner = owner_.load();
+    if (owner != me && owner != 0) return false;  // a forked child: the mutex may be the parent's
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (pid_ != getpid()) start_locked();  // a forked child has no thread: start its own
+      if (owner == 0 && !start_locked(me)) return false;
+      if (freed_ != pushed_) return false;  // the last batch is not freed yet: the caller frees
       queue_.push_back(std::move(tensors));
-      ++pending_;
+      ++pushed_;
     }
     work_.notify_one();
+    return true;
   }
   void drain() {
+    if (owner_.load() != getpid()) return;
     std::unique_lock<std::mutex> lock(mu_);
-    idle_.wait(lock, [this] { return pending_ == 0 || pid_ != getpid(); });
+    const int64_t target = pushed_;
+    idle_.wait(lock, [this, target] { return freed_ >= target; });
   }
   int64_t pending() {
+    if (owner_.load() != getpid()) return 0;
     std::lock_guard<std::mutex> lock(mu_);
-    return pending_;
+    return pushed_ - freed_;
+  }
+  int64_t handed_over() {
+    if (owner_.load() != getpid()) return 0;
+    std::lock_guard<std::mutex> lock(mu_);
+    return pushed_;
+  }
+  // Tests only: a held thread frees nothing until released (so a test can see a batch queued).
+  void hold(bool on) {
+    const pid_t owner = owner_.load();
+    if (owner != 0 && owner != getpid()) return;  // (before the first push no thread exists yet)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      held_ = on;
+    }
+    work_.notify_one();
   }
 
  private:
   Releaser() = default;
-  void start_locked() {
-    pid_ = getpid();
-    queue_.clear();  // a parent's queue: its tensors are the parent's to free
-    pending_ = 0;
-    std::thread([this] { run(); }).detach();
+  bool start_locked(pid_t me) {
+    if (failed_) return false;
+    try {
+      std::thread([this] { run(); }).detach();
+    } catch (const std::exception&) {  // e.g. a thread limit: free inline from now on
+      failed_ = true;
+      return false;
+    }
+    owner_.store(me);
+    return true;
   }
   void run() {
-    const pid_t me = getpid();
     std::unique_lock<std::mutex> lock(mu_);
-    while (pid_ == me) {
-      work_.wait(lock, [this] { return !queue_.empty(); });
+    for (;;) {
+      work_.wait(lock, [this] { return !queue_.empty() && !held_; });
       std::vector<at::Tensor> batch = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
       batch.clear();  // the frees
       lock.lock();
-      if (--pending_ == 0) idle_.notify_all();
+      ++freed_;
+      idle_.notify_all();
     }
   }
 
   std::mutex mu_;
   std::condition_variable work_, idle_;
   std::deque<std::vector<at::Tensor>> queue_;
-  int64_t pending_ = 0;
-  pid_t pid_ = 0;  // the process whose thread serves the queue (0: none started)
+  int64_t pushed_ = 0, freed_ = 0;  // batches handed over / freed
+  bool held_ = false, failed_ = false;
+  std::atomic<pid_t> owner_{0};  // the process whose thread serves the queue (0: none started)
 };
 
 std::atomic<bool> g_release_async{true};  // set_async_release: for A/B measurements and tests
+// Tests only (_release_cpu_too): CPU grads take the release thread too, so the CPU suite runs its
+// logic (a CPU landing is synchronous: freeing later is trivially safe there).
+std::atomic<bool> g_release_cpu{false};
 
 struct StagerState {
   // per param (the optimizer's order)
@@ -118,6 +159,7 @@ struct StagerState {
   std::vector<int64_t> bucket_of, offset, nbytes;
   std::vector<char> staged, owned;
   std::vector<char> touched;  // got a grad since clear_touched (zero_grad)
+  std::vector<char> via_python;  // staged by stage() (Python saw the grad), not by the hook
   // per bucket
   std::vector<int64_t> expected, fired, flush_bytes, staged_bytes;
   std::vector<std::vector<std::pair<int64_t, at::Tensor>>> pending;  // staged (param, grad)
@@ -182,6 +224,7 @@ struct StagerState {
         event = kSlow;
       } else {
         event = stage_locked(i, grad);
+        via_python[i] = 0;
         arg = bucket_of[i];
       }
     }
@@ -211,6 +254,7 @@ class GradStager {
     s.staged.assign(n, 0);
     s.owned.assign(n, 1);
     s.touched.assign(n, 0);
+    s.via_python.assign(n, 0);
     s.expected = std::move(expected);
     s.flush_bytes = std::move(flush_bytes);
     s.fired.assign(s.expected.size(), 0);
@@ -266,6 +310,7 @@ class GradStager {
     at::Tensor& grad = s.params[i].mutable_grad();
     SHARDAMP_CHECK(grad.defined(), "GradStager.stage: param ", i, " has no grad");
     SHARDAMP_CHECK(!s.staged[i], "GradStager.stage: param ", i, " is staged already (flush first)");
+    s.via_python[i] = 1;
     return s.stage_locked(i, grad);
   }
 
@@ -301,7 +346,15 @@ class GradStager {
       offsets.push_back(s.offset[i]);
     }
     land_grads(full, taken.second, like, offsets, false);
-    if (full.is_cuda() && g_release_async.load(std::memory_order_relaxed)) Releaser::get().push(std::move(taken.second));
+    if ((full.is_cuda() || g_release_cpu.load(std::memory_order_relaxed)) && g_release_async.load(std::memory_order_relaxed)) {
+      // what Python has seen is freed here (below), the rest on the release thread if it takes it
+      std::vector<at::Tensor> later;
+      later.reserve(taken.second.size());
+      for (size_t k = 0; k < taken.first.size(); ++k) {
+        if (!s.via_python[taken.first[k]]) later.push_back(std::move(taken.second[k]));
+      }
+      Releaser::get().push(later);  // declined: `later` is freed on return
+    }
     return std::move(taken.first);
   }
 
@@ -396,8 +449,14 @@ void register_grad_stager(py::module& m) {
         "Wait until every landed CUDA grad handed to the release thread is freed");
   m.def("released_pending", [] { return Releaser::get().pending(); },
         "Batches of landed CUDA grads the release thread has not freed yet");
+  m.def("released_total", [] { return Releaser::get().handed_over(); },
+        "Batches of landed grads handed to the release thread so far (this process)");
   m.def("set_async_release", [](bool on) { g_release_async.store(on); }, py::arg("on"),
         "Free landed CUDA grads on the release thread (default) or at once, in land()");
+  m.def("_hold_release", [](bool on) { Releaser::get().hold(on); }, py::arg("on"),
+        "Tests only: the release thread frees nothing while held");
+  m.def("_release_cpu_too", [](bool on) { g_release_cpu.store(on); }, py::arg("on"),
+        "Tests only: landed CPU grads take the release thread too");
 }
 
 }  // namespace shardamp

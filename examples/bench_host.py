@@ -204,7 +204,9 @@ def backward_host(make_model: Callable[[], torch.nn.Module], forward: Callable, 
             if opt is not None and i % 8 == 7:
                 opt.step()  # a round is consumed now and then, as in training
     out = {impl: statistics.median(t) for impl, t in times.items()}
-    # torch frees the grads in zero_grad, shardamp as a bucket lands (in backward): both counted
+    # host time on the caller's critical path: torch frees its grads in zero_grad, shardamp on its
+    # release thread (a spare core), after the bucket lands; without that thread (or at world > 1,
+    # past one landing at a time) in backward itself
     out.update({f"{impl}+zero_grad": statistics.median(a + b for a, b in zip(times[impl], zeroing[impl]))
                 for impl in IMPLS})
     return out

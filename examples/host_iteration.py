@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from shardamp.optim import DistributedFusedAdam
+from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.scaler import ShardedGradScaler
 
 LOOPS = {  # name -> (scaler, unscale_, clip): torch runs exactly this; shardamp its equivalent
@@ -160,6 +160,9 @@ def peak_memory(build: Callable[[], Callable[..., None]], device: torch.device,
     try:
         del one
         sync(device)
+        native = kernels.native_module(device)
+        if native is not None and hasattr(native, "drain_released"):
+            native.drain_released()  # the last landing's grads, if the release thread still has them
         garbage = torch.cuda.memory_allocated(device) - base
     finally:
         if was:

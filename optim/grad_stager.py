@@ -34,7 +34,10 @@ event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a 
 ``(indices, grads)``; ``land(b, full)`` copies them into their slots of the flat buffer ``full``
 (``kernels.land_grads``) and returns their indices. The native ``land`` frees landed CUDA grads on
 a thread of its own (a free costs the autograd thread ~2 us of host time each, where torch pays
-them in ``zero_grad``); ``drain()`` waits until they are freed (``GradSync.zero`` calls it).
+them in ``zero_grad``), one landing's grads at a time (while one is being freed the next is freed
+inline: backward memory grows by one flush at most); grads Python has seen (staged by
+``stage()``) are freed inline too. ``drain()`` waits until they are freed (``GradSync.zero``
+calls it, so memory is where torch's is by then).
 """
 from __future__ import annotations
 
@@ -212,7 +215,12 @@ def _drain_at_exit(native: Any) -> None:
     script may end right after a backward, without a zero_grad."""
     if hasattr(native, "drain_released") and id(native) not in _DRAINED_AT_EXIT:
         _DRAINED_AT_EXIT.add(id(native))
-        atexit.register(native.drain_released)
+
+        def drain() -> None:  # nothing may reach the thread once the interpreter finalizes
+            native.set_async_release(False)
+            native.drain_released()
+
+        atexit.register(drain)
 
 
 def _python_hooks_forced() -> bool:
