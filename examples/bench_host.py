@@ -362,6 +362,7 @@ def profile(args, device: torch.device, out: Path) -> None:
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     out.mkdir(parents=True, exist_ok=True)
+    (out / "tables.txt").write_text("")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     keys = ["self_cpu_time_total"] + (["self_cuda_time_total"] if device.type == "cuda" else [])
 
@@ -373,8 +374,9 @@ def profile(args, device: torch.device, out: Path) -> None:
             for _ in range(5):
                 fn()
             sync(device)
-        for key in keys:
-            (out / f"{tag}_{key}.txt").write_text(prof.key_averages().table(sort_by=key, row_limit=45))
+        with (out / "tables.txt").open("a") as f:  # one file: fewer to copy off a remote machine
+            for key in keys:
+                f.write(f"== {tag}, sorted by {key}\n{prof.key_averages().table(sort_by=key, row_limit=60)}\n")
 
     specs = model_specs(device, args.small)
     mname = next(iter(specs))
@@ -384,8 +386,7 @@ def profile(args, device: torch.device, out: Path) -> None:
         for impl in ("torch", "shardamp"):
             model = build_model(spec, device)
             one = make_iteration(impl, model, spec["batch"], spec["loss"], loop, device, spec["amp"])
-            if loop == "scaler+unscale_+clip":
-                trace(f"model_{impl}", one)
+            trace(f"{mname} {loop} {impl}", one)
             pieces = host_pieces(one, args.iters * 3)
             lines.append(f"{mname} {loop} {impl}: " + "  ".join(f"{k} {v:.0f}us" for k, v in pieces.items())
                          + f"  total {sum(pieces.values()):.0f}us")
