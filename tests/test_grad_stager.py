@@ -474,3 +474,49 @@ def test_native_land_frees_landed_grads_on_the_release_thread(async_release: boo
         native.set_async_release(True)
         native._release_cpu_too(False)
         stager.remove(True)
+
+
+_FORK_SCRIPT = r"""
+import os, sys, torch
+from shardamp.optim import kernels
+native = kernels.native_module(torch.device("cpu"))
+native._release_cpu_too(True)
+params = [torch.zeros(1000, requires_grad=True) for _ in range(4)]
+stager = native.GradStager(params, [0] * 4, [0, 1000, 2000, 3000], [4000] * 4, [4], [1 << 40], lambda e, a: None)
+stager.attach()
+
+def land():
+    stager.set_armed(True)
+    sum(p.sum() for p in params).backward()
+    stager.set_armed(False)
+    stager.land(0, torch.zeros(4000))
+
+land()
+native.drain_released()
+assert native.released_total() == 1, native.released_total()
+native._hold_release(True)  # the parent's thread holds a batch (and may hold its lock) at the fork
+land()
+pid = os.fork()
+if pid == 0:  # the child: no thread of its own, never the parent's lock; frees inline
+    land()
+    native.drain_released()
+    os._exit(0 if native.released_pending() == 0 and native.released_total() == 0 else 3)
+_, status = os.waitpid(pid, 0)
+native._hold_release(False)
+native.drain_released()
+assert native.released_pending() == 0
+print("child", os.waitstatus_to_exitcode(status))
+"""
+
+
+@needs_native
+def test_release_thread_in_a_forked_child_frees_inline() -> None:
+    """A process forked while the parent's release thread holds a batch never waits on the
+    parent's thread or lock: its landings free inline and its drain returns at once."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "child 0" in out.stdout, (out.stdout, out.stderr[-2000:])
