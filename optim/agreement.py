@@ -267,6 +267,10 @@ def step_entries(
     this step) the device part ``(invalid flag, chunks)`` (None without; chunks None for one rank
     alone), and the names of the categories in entry order."""
     use_max = math.isinf(norm_type)
+    if lrs is None and not opt._comm.has_peers:
+        # one rank alone, float lrs: no other rank to compare with, only the invalid flag
+        # (what ``StepFingerprint.check`` reads for one rank): no categories hashed every step
+        return [1.0 if problem else 0.0], None, []
     fp = opt._fingerprint
     host = fp.host_entries(host_categories(opt, norm_type), use_max)
     host[0] = 1.0 if problem else 0.0
