@@ -47,7 +47,8 @@ class Releaser {
     if (owner != me && owner != 0) return false;  // a forked child: the mutex may be the parent's
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (owner == 0 && !start_locked(me)) return false;
+      // (read again under the lock: two threads' first pushes must not start two threads)
+      if (owner_.load() == 0 && !start_locked(me)) return false;
       if (freed_ != pushed_) return false;  // the last batch is not freed yet: the caller frees
       queue_.push_back(std::move(tensors));
       ++pushed_;
