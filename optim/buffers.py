@@ -19,7 +19,7 @@ The full-size grad buffer a bucket fills during backward is managed by ``grad_sy
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -192,7 +192,8 @@ def init_master(buffers: BucketBuffers, state_dtype: torch.dtype, store_param_re
         buffers.sync.copy_(buffers.params)
 
 
-def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable[[int], bool]) -> None:
+def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable[[int], bool],
+                native: Optional[Any] = None) -> None:
     """Raise if a model param no longer lives in its bucket (``module.to(dtype)``, ``p.data = ...``).
 
     Called every step, so the common case is one native pass (``refs``: detached copies of the
@@ -200,8 +201,10 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
     same-address view of another shape would also be a break); only a failing or unavailable
     native check walks the params here, to name the one that broke. ``reattach(i)`` is asked
     first to put param ``i`` back into its bucket when that loses nothing (a ``.to()`` onto the
-    device it already lives on made a copy); it returns success."""
-    if kernels.views_intact(list(params), refs):
+    device it already lives on made a copy); it returns success. ``native``: a
+    ``kernels.view_check(refs)`` (``params`` then a list), the same check without converting
+    ``refs`` every step."""
+    if native.intact(params) if native is not None else kernels.views_intact(list(params), refs):
         return
     for i, (p, ref) in enumerate(zip(params, refs)):
         if p.grad is not None:

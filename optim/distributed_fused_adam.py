@@ -186,6 +186,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
+        self._view_check = kernels.view_check(self._view_refs)
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable)
         self._param_sync = ParamSync(
@@ -408,7 +409,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._param_sync.wait()
-        check_views(self._params, self._view_refs, self._reattach)
+        check_views(self._params, self._view_refs, self._reattach, self._view_check)
         if not self._grad_sync.grad_since_zero:
             raise RuntimeError(
                 "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "

@@ -99,6 +99,25 @@ def test_module_to_dtype_breaks_the_view() -> None:
         opt.step()
 
 
+def test_native_view_check_agrees_with_views_intact() -> None:
+    """The per-step check's native form (refs held, params read from the list as they are):
+    True for intact params, False after ``.data =`` of another layout or a stray ``.grad``."""
+    from shardamp.optim import kernels
+
+    m = _model()
+    opt = DistributedFusedAdam(m.parameters())
+    if opt._view_check is None:
+        pytest.skip("the CPU kernels did not build")
+    assert opt._view_check.intact(opt._params) and kernels.views_intact(opt._params, opt._view_refs)
+    w = m[0].weight
+    w.grad = torch.zeros_like(w)
+    assert not opt._view_check.intact(opt._params)
+    w.grad = None
+    w.data = w.data.t()  # the same address, other strides
+    assert not opt._view_check.intact(opt._params) and not kernels.views_intact(opt._params, opt._view_refs)
+    assert not opt._view_check.intact(opt._params[:-1])  # another length
+
+
 def test_param_data_assignment_of_another_shape_breaks_the_view() -> None:
     m = _model()
     opt = DistributedFusedAdam(m.parameters())
