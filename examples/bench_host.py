@@ -135,9 +135,6 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                    for impl in ("torch", "shardamp")}  # a compiled build would compile again
             row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
                        speed=ms["torch"] / ms["shardamp"], torch_runs=runs["torch"], shardamp_runs=runs["shardamp"],
-                       # each repeat's torch / shardamp (the two ran back to back): how much of a
-                       # row's ratio is the machine's drift
-                       speeds=[t / s for t, s in zip(runs["torch"], runs["shardamp"])],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
             rows.append(row)
@@ -204,9 +201,7 @@ def backward_host(make_model: Callable[[], torch.nn.Module], forward: Callable, 
             if opt is not None and i % 8 == 7:
                 opt.step()  # a round is consumed now and then, as in training
     out = {impl: statistics.median(t) for impl, t in times.items()}
-    # host time on the caller's critical path: torch frees its grads in zero_grad, shardamp on its
-    # release thread (a spare core), after the bucket lands; without that thread (or at world > 1,
-    # past one landing at a time) in backward itself
+    # the caller's thread: torch frees its grads in zero_grad, shardamp on its release thread
     out.update({f"{impl}+zero_grad": statistics.median(a + b for a, b in zip(times[impl], zeroing[impl]))
                 for impl in IMPLS})
     return out
@@ -417,8 +412,9 @@ def _fmt(row: dict) -> str:
     if row["kind"] == "model":
         text = (f"{row['name']:<46} torch {row['torch_ms']:8.2f} ms  shardamp {row['shardamp_ms']:8.2f} ms  "
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
-        if row.get("speeds"):
-            text += f"  (repeats {min(row['speeds']):.2f}-{max(row['speeds']):.2f}x)"
+        if row.get("torch_runs"):  # each repeat's own ratio (the two ran back to back): the drift
+            speeds = [t / s for t, s in zip(row["torch_runs"], row["shardamp_runs"])]
+            text += f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x)"
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:

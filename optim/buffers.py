@@ -24,7 +24,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _compat, kernels
+from . import _compat
 from .misuse import ddp_error, find_ddp
 from .layout import Bucket, ParamSlot
 from .reference import join_remainders, split_remainders
@@ -201,10 +201,10 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
     same-address view of another shape would also be a break); only a failing or unavailable
     native check walks the params here, to name the one that broke. ``reattach(i)`` is asked
     first to put param ``i`` back into its bucket when that loses nothing (a ``.to()`` onto the
-    device it already lives on made a copy); it returns success. ``native``: a
-    ``kernels.view_check(refs)`` (``params`` then a list), the same check without converting
-    ``refs`` every step."""
-    if native.intact(params) if native is not None else kernels.views_intact(list(params), refs):
+    device it already lives on made a copy); it returns success. ``native``: the
+    ``kernels.view_check(refs)`` that makes the common case one native pass (``params`` then a
+    list), or None."""
+    if native is not None and native.intact(params):
         return
     for i, (p, ref) in enumerate(zip(params, refs)):
         if p.grad is not None:

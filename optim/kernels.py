@@ -127,21 +127,13 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
 
 
 def view_check(refs: List[Tensor]) -> Optional[Any]:
-    """A native check holding ``refs``: ``.intact(params)`` (a list) is ``views_intact(params,
-    refs)`` without converting ``refs`` every call; None where there is none."""
+    """A native check holding ``refs``: ``.intact(params)`` (a list) is True iff every
+    ``params[i]`` still has ``refs[i]``'s data pointer, dtype, shape and strides and no ``.grad``;
+    None where there is none (the caller then checks in Python)."""
     ext = _native(refs[0].device) if refs else None
     if ext is None or not hasattr(ext, "ViewCheck"):
         return None
     return ext.ViewCheck(refs)
-
-
-def views_intact(params: List[Tensor], refs: List[Tensor]) -> bool:
-    """True if every ``params[i]`` still has ``refs[i]``'s data pointer, dtype, shape and strides
-    and no ``.grad`` (one native call); False means "unknown or not": check in Python."""
-    ext = _native(refs[0].device) if refs else None
-    if ext is None or not hasattr(ext, "views_intact"):
-        return False
-    return ext.views_intact(params, refs)
 
 
 def adam_step(

@@ -99,23 +99,28 @@ def test_module_to_dtype_breaks_the_view() -> None:
         opt.step()
 
 
-def test_native_view_check_agrees_with_views_intact() -> None:
-    """The per-step check's native form (refs held, params read from the list as they are):
-    True for intact params, False after ``.data =`` of another layout or a stray ``.grad``."""
-    from shardamp.optim import kernels
-
+def test_native_view_check_agrees_with_a_python_walk() -> None:
+    """The per-step check's native form (refs held, params read from the list as they are)
+    gives the answer of a walk over the params in Python: True while every param is its view,
+    False after a stray ``.grad``, ``.data =`` of another layout, or a list of another length."""
     m = _model()
     opt = DistributedFusedAdam(m.parameters())
     if opt._view_check is None:
         pytest.skip("the CPU kernels did not build")
-    assert opt._view_check.intact(opt._params) and kernels.views_intact(opt._params, opt._view_refs)
+
+    def walk(params) -> bool:
+        return len(params) == len(opt._view_refs) and all(
+            p.data_ptr() == r.data_ptr() and p.dtype == r.dtype and p.shape == r.shape and p.stride() == r.stride()
+            and p.grad is None for p, r in zip(params, opt._view_refs))
+
     w = m[0].weight
+    assert opt._view_check.intact(opt._params) and walk(opt._params)
     w.grad = torch.zeros_like(w)
-    assert not opt._view_check.intact(opt._params)
+    assert not opt._view_check.intact(opt._params) and not walk(opt._params)
     w.grad = None
+    assert opt._view_check.intact(opt._params) and not opt._view_check.intact(opt._params[:-1])
     w.data = w.data.t()  # the same address, other strides
-    assert not opt._view_check.intact(opt._params) and not kernels.views_intact(opt._params, opt._view_refs)
-    assert not opt._view_check.intact(opt._params[:-1])  # another length
+    assert not opt._view_check.intact(opt._params) and not walk(opt._params)
 
 
 def test_param_data_assignment_of_another_shape_breaks_the_view() -> None:
