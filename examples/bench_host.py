@@ -39,7 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iteration, peak_memory, sync  # noqa: E402
+from host_iteration import (LOOPS, PHASES, host_pieces, host_syncs, interleaved, make_iteration,  # noqa: E402
+                            peak_memory, sync)
 from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam  # noqa: E402
@@ -382,6 +383,8 @@ def profile(args, device: torch.device, out: Path) -> None:
             model = build_model(spec, device)
             one = make_iteration(impl, model, spec["batch"], spec["loss"], loop, device, spec["amp"])
             trace(f"{mname} {loop} {impl}", one)
+            syncs = host_syncs(one, device)
+            lines.append(f"{mname} {loop} {impl}: host syncs through torch: " + ("; ".join(syncs) or "none"))
             pieces = host_pieces(one, args.iters * 3)
             lines.append(f"{mname} {loop} {impl}: " + "  ".join(f"{k} {v:.0f}us" for k, v in pieces.items())
                          + f"  total {sum(pieces.values()):.0f}us")
@@ -391,6 +394,7 @@ def profile(args, device: torch.device, out: Path) -> None:
         for impl in ("torch", "shardamp"):
             full, _bare, pieces = host_step_fns(impl, dtype, count, numel, device)
             trace(f"step_{str(dtype)[6:]}_{impl}", full)
+            lines.append(f"{str(dtype)[6:]} {impl}: host syncs through torch: " + ("; ".join(host_syncs(full, device)) or "none"))
             acc = {k: [] for k in pieces}
             for _ in range(args.iters * 3):
                 for k, fn in pieces.items():
