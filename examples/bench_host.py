@@ -39,8 +39,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_iteration import (LOOPS, PHASES, host_pieces, host_syncs, interleaved, make_iteration,  # noqa: E402
-                            peak_memory, sync)
+from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iteration, peak_memory, sync  # noqa: E402
+from host_trace import host_syncs, python_hotspots, runtime_calls  # noqa: E402
 from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam  # noqa: E402
@@ -383,8 +383,9 @@ def profile(args, device: torch.device, out: Path) -> None:
             model = build_model(spec, device)
             one = make_iteration(impl, model, spec["batch"], spec["loss"], loop, device, spec["amp"])
             trace(f"{mname} {loop} {impl}", one)
-            syncs = host_syncs(one, device)
-            lines.append(f"{mname} {loop} {impl}: host syncs through torch: " + ("; ".join(syncs) or "none"))
+            lines.append(f"{mname} {loop} {impl}: host syncs through torch: " + ("; ".join(host_syncs(one, device)) or "none"))
+            lines += [f"{mname} {loop} {impl}: CUDA runtime calls per iteration:"] + runtime_calls(one, device)
+            lines += [f"{mname} {loop} {impl}: Python own time, backward to update:"] + python_hotspots(one)
             pieces = host_pieces(one, args.iters * 3)
             lines.append(f"{mname} {loop} {impl}: " + "  ".join(f"{k} {v:.0f}us" for k, v in pieces.items())
                          + f"  total {sum(pieces.values()):.0f}us")

@@ -170,29 +170,3 @@ def peak_memory(build: Callable[[], Callable[..., None]], device: torch.device,
     gc.collect()
     return dict(peak=max(phases.values()), **phases, garbage=max(garbage, 0))
 
-
-def host_syncs(one: Callable[..., None], device: torch.device, iters: int = 2) -> List[str]:
-    """Where ``one()`` makes the host wait on the GPU through torch (an ``.item()``, a blocking
-    copy, a stream synchronize): torch's sync debug mode, one ``file:line: message`` per distinct
-    place. A wait inside an extension's own CUDA calls is not seen here (the profiler's
-    cudaStreamSynchronize / cudaEventSynchronize rows show those)."""
-    import warnings
-
-    if device.type != "cuda":
-        return ["not measured off CUDA"]
-    one()
-    sync(device)
-    seen: Dict[str, int] = {}
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            for _ in range(iters):
-                one()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    sync(device)
-    for w in caught:
-        key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
-        seen[key] = seen.get(key, 0) + 1
-    return [f"{n // iters}x per iteration  {k}" for k, n in seen.items()]

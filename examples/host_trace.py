@@ -1,0 +1,147 @@
+"""Where one training iteration spends host time, phase by phase (used by bench_host --profile):
+the CUDA runtime calls each phase makes (launches, copies, memsets, events, syncs) with the Python
+line that made each copy, memset or sync, and the Python functions with the most own time.
+
+A phase is the span between two of the iteration's marks (host_iteration.PHASES): zero_grad,
+forward, backward, unscale_, clip, step, update.
+"""
+from __future__ import annotations
+
+import collections
+import cProfile
+import io
+import pstats
+import warnings
+from typing import Callable, Dict, List
+
+import torch
+
+from host_iteration import PHASES, sync
+
+_NEXT = dict(zip(PHASES[1:], PHASES[2:] + ("",)))  # mark(p) ends phase p and begins the next one
+# runtime calls worth a Python stack: each one costs more host time than a launch, or waits
+_STACKED = ("Memcpy", "Memset", "Synchronize", "Malloc", "HostAlloc", "Free")
+
+
+def _phased(one: Callable[..., None]) -> Callable[[], None]:
+    """``one`` with each phase inside a profiler range named ``phase:<name>``."""
+    def run() -> None:
+        current = [torch.autograd.profiler.record_function("phase:zero_grad")]
+        current[0].__enter__()
+
+        def mark(phase: str) -> None:
+            current[0].__exit__(None, None, None)
+            nxt = _NEXT.get(phase, "")
+            if nxt:
+                current[0] = torch.autograd.profiler.record_function(f"phase:{nxt}")
+                current[0].__enter__()
+
+        one(mark)
+    return run
+
+
+def _phase_of(evt) -> str:
+    while evt is not None:
+        if evt.name.startswith("phase:"):
+            return evt.name[6:]
+        evt = evt.cpu_parent
+    return "?"
+
+
+def _stack_of(evt) -> str:
+    while evt is not None:
+        frames = [f for f in (evt.stack or []) if "torch/" not in f or "site-packages/torch/optim" in f]
+        if frames:
+            return " <- ".join(frames[:3])
+        evt = evt.cpu_parent
+    return "(no Python stack)"
+
+
+def runtime_calls(one: Callable[..., None], device: torch.device, iters: int = 3) -> List[str]:
+    """Per phase, per iteration: each CUDA runtime call's count and host microseconds; the
+    Python lines behind the copies, memsets, syncs and allocations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return ["runtime calls: not measured off CUDA"]
+    run = _phased(one)
+    run()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(iters):
+            run()
+        sync(device)
+    count: Dict[tuple, int] = collections.Counter()
+    spent: Dict[tuple, float] = collections.Counter()
+    where: Dict[tuple, int] = collections.Counter()
+    for evt in prof.events():
+        name = evt.name
+        if not (name.startswith("cuda") or name.startswith("cu")) or evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        phase = _phase_of(evt)
+        count[(phase, name)] += 1
+        spent[(phase, name)] += evt.cpu_time_total
+        if any(s in name for s in _STACKED):
+            where[(phase, name, _stack_of(evt))] += 1
+    lines = []
+    for phase in PHASES[1:]:
+        calls = sorted((k[1] for k in count if k[0] == phase), key=lambda n: -spent[(phase, n)])
+        if calls:
+            lines.append(f"  {phase}: " + ", ".join(
+                f"{n} {count[(phase, n)] / iters:g}x {spent[(phase, n)] / iters:.0f}us" for n in calls))
+    for (phase, name, stack), n in sorted(where.items()):
+        lines.append(f"    {phase} {name} {n / iters:g}x: {stack}")
+    return lines
+
+
+def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
+                    phases: tuple = ("backward", "unscale_", "clip", "step", "update")) -> List[str]:
+    """cProfile over ``phases`` of ``iters`` iterations: the functions with the most own time,
+    in microseconds per iteration."""
+    prof = cProfile.Profile()
+    first = PHASES[PHASES.index(phases[0]) - 1]  # the mark that ends the phase before them
+
+    def mark(phase: str) -> None:
+        if phase == first:
+            prof.enable()
+        elif phase == phases[-1]:
+            prof.disable()
+
+    for _ in range(iters):
+        one(mark)
+    stream = io.StringIO()
+    stats = pstats.Stats(prof, stream=stream)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own (total) time
+    lines = []
+    for (file, line, func), (_cc, ncalls, tottime, cumtime, _callers) in rows:
+        short = "/".join(file.split("/")[-2:])
+        lines.append(f"    {tottime / iters * 1e6:7.0f}us own {cumtime / iters * 1e6:7.0f}us cum "
+                     f"{ncalls / iters:5.1f}x  {short}:{line}({func})")
+    return lines
+
+
+def host_syncs(one: Callable[..., None], device: torch.device, iters: int = 2) -> List[str]:
+    """Where ``one()`` makes the host wait on the GPU through torch (an ``.item()``, a blocking
+    copy, a stream synchronize): torch's sync debug mode, one ``file:line: message`` per distinct
+    place. A wait inside an extension's own CUDA calls is not seen here (the profiler's
+    cudaStreamSynchronize / cudaEventSynchronize rows show those)."""
+    if device.type != "cuda":
+        return ["not measured off CUDA"]
+    one()
+    sync(device)
+    seen: Dict[str, int] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(iters):
+                one()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    for w in caught:
+        if "prototype feature" in str(w.message):  # torch's notice about the mode itself
+            continue
+        key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
+        seen[key] = seen.get(key, 0) + 1
+    return [f"{n // iters}x per iteration  {k}" for k, n in seen.items()]
