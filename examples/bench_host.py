@@ -126,7 +126,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             try:
                 fns = {"torch": build("torch"), "shardamp": build("shardamp")}
                 runs: Dict[str, List[float]] = {}
-                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats, runs)
+                objects: Dict[str, float] = {}
+                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
             except Exception as exc:  # noqa: BLE001 - e.g. no compiler for torch.compile
                 print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
                 rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
@@ -136,6 +137,7 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                    for impl in ("torch", "shardamp")}  # a compiled build would compile again
             row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
                        speed=ms["torch"] / ms["shardamp"], torch_runs=runs["torch"], shardamp_runs=runs["shardamp"],
+                       torch_gc_objects=objects["torch"], shardamp_gc_objects=objects["shardamp"],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
             rows.append(row)
@@ -419,7 +421,8 @@ def _fmt(row: dict) -> str:
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
         if row.get("torch_runs"):  # each repeat's own ratio (the two ran back to back): the drift
             speeds = [t / s for t, s in zip(row["torch_runs"], row["shardamp_runs"])]
-            text += f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x)"
+            text += (f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x, median {statistics.median(speeds):.2f}x;"
+                     f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:

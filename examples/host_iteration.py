@@ -83,25 +83,48 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
 
 
 def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup: int, iters: int,
-                repeats: int, samples: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
+                repeats: int, samples: Optional[Dict[str, List[float]]] = None,
+                gc_objects: Optional[Dict[str, float]] = None) -> Dict[str, float]:
     """Median ms per call of each fn, repeats interleaved (the order flips every repeat); each
-    repeat's ms into ``samples[name]`` if given."""
+    repeat's ms into ``samples[name]`` if given.
+
+    Python's cyclic garbage collector is run between repeats and kept off inside them: a
+    full collection over a heap of torch, torchvision and transformers objects takes tens of ms,
+    lands in whichever repeat triggers it and scattered single repeats by up to 30%. What each
+    fn leaves to the collector is not hidden: ``gc_objects[name]`` gets the median number of
+    tracked objects per call that it left alive (what triggers collections: allocations less
+    deallocations), so a side that would make the collector run more often shows there."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     sync(device)
     times: Dict[str, List[float]] = {k: [] for k in fns}
+    left: Dict[str, List[float]] = {k: [] for k in fns}
     names = list(fns)
-    for r in range(repeats):
-        for name in (names if r % 2 == 0 else names[::-1]):
-            sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                fns[name]()
-            sync(device)
-            times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+    was = gc.isenabled()
+    try:
+        for r in range(repeats):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                gc.collect()
+                gc.disable()
+                sync(device)
+                before = gc.get_count()[0]
+                t0 = time.perf_counter()
+                for _ in range(iters):
+                    fns[name]()
+                sync(device)
+                times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+                left[name].append((gc.get_count()[0] - before) / iters)
+                gc.enable()
+    finally:
+        if was:
+            gc.enable()
+        else:
+            gc.disable()
     if samples is not None:
         samples.update(times)
+    if gc_objects is not None:
+        gc_objects.update({k: statistics.median(v) for k, v in left.items()})
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -111,17 +134,26 @@ PHASES = ("build", "zero_grad", "forward", "backward", "unscale_", "clip", "step
 def host_pieces(one: Callable[..., None], iters: int) -> Dict[str, float]:
     """Median host microseconds of each piece of ``one()`` (zero_grad, forward, backward,
     unscale_, clip, step, update; perf_counter between its marks, no synchronization: what the
-    host spends issuing the work)."""
+    host spends issuing the work). The cyclic collector runs once before and is off during
+    them, as in :func:`interleaved` (a collection walks the whole heap and leaves the next piece
+    with cold caches: only one collection, before the first)."""
     times: Dict[str, List[float]] = {}
-    for _ in range(iters):
-        last = [time.perf_counter()]
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(iters):
+            last = [time.perf_counter()]
 
-        def mark(phase: str) -> None:
-            now = time.perf_counter()
-            times.setdefault(phase, []).append((now - last[0]) * 1e6)
-            last[0] = now
+            def mark(phase: str) -> None:
+                now = time.perf_counter()
+                times.setdefault(phase, []).append((now - last[0]) * 1e6)
+                last[0] = now
 
-        one(mark)
+            one(mark)
+    finally:
+        if was:
+            gc.enable()
     return {k: statistics.median(v) for k, v in times.items()}
 
 

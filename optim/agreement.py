@@ -299,14 +299,14 @@ def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = 
 
     host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
     n = len(opt._params)
-    extra = 0 if dev is None or dev[1] is None else dev[1].numel()
-    buf = torch.empty(HEADER + n + len(host) + extra, dtype=torch.float32, device=opt._device)
-    buf[HEADER : HEADER + n].copy_(opt._touched_patterns.get(opt._grad_sync.local_touched))
-    buf[HEADER + n : HEADER + n + len(host)].copy_(opt._touched_patterns.get_tail(host))
+    patterns = opt._touched_patterns
+    parts = [patterns.header, patterns.get(opt._grad_sync.local_touched), patterns.get_tail(host)]
+    if dev is not None and dev[1] is not None:
+        parts.append(dev[1].reshape(-1))
+    # one launch: on a GPU host each device-to-device copy_ is a cudaMemcpyAsync (~25 us each)
+    buf = torch.cat(parts)
     if dev is not None:
         buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
-        if dev[1] is not None:
-            buf[HEADER + n + len(host) :].copy_(dev[1])
     return buf, opt._comm.has_peers or dev is not None or bool(problem)
 
 

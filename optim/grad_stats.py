@@ -63,6 +63,7 @@ class TouchedPatterns:
         self.capacity = capacity
         self.masks: "OrderedDict[bytes, Tensor]" = OrderedDict()
         self.tails: "OrderedDict[tuple, Tensor]" = OrderedDict()
+        self.header = torch.zeros(HEADER, dtype=torch.float32, device=device)  # the norm header's start
 
     def get(self, mask: Union[bytes, Sequence[bool]]) -> Tensor:
         """``mask`` (0/1 bytes, or bools) as float32 0/1 on the device."""
