@@ -201,7 +201,7 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
             me.hook_error = exc
 
     entries = sync.by_stager_index
-    return make_stager(native, [e.param for e in entries], [e.bucket.index for e in entries],
+    return make_stager(native, [e.param for e in entries], [e.bucket for e in entries],
                        [e.offset for e in entries], [e.nbytes for e in entries],
                        [s.expected for s in sync.states], [s.flush_bytes for s in sync.states],
                        on_event, on_param)

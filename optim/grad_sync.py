@@ -52,7 +52,10 @@ class ParamGrad:
     param: torch.nn.Parameter  # shape and strides of its view in the bucket buffer
     offset: int  # its first element in the bucket buffer
     nbytes: int  # bytes its staged grad holds
-    bucket: "BucketGrads"
+    # its BucketGrads' index in GradSync.states (an index, not the object: a reference back to
+    # the bucket, which lists its params, would be a cycle, and the bucket's buffers would
+    # outlive the optimizer until Python's cyclic collector ran)
+    bucket: int
 
 
 @dataclass(eq=False)
@@ -152,7 +155,7 @@ class GradSync:
             if i in self.slots:
                 slot = self.slots[i]
                 state = self.states[slot.bucket]
-                entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state)
+                entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state.index)
                 state.params.append(entry)
                 self.record[id(p)] = entry
                 self.by_stager_index.append(entry)
@@ -196,8 +199,8 @@ class GradSync:
             raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
         k = self.stager_index[entry.index]
         if self.stager.is_staged(k):  # a second grad before the flush: land the first one
-            self._flush(entry.bucket)
-        self._staged(entry.bucket, self.stager.stage(k))
+            self._flush(self.states[entry.bucket])
+        self._staged(self.states[entry.bucket], self.stager.stage(k))
 
     def _on_event(self, event: int, arg: int) -> None:
         if event == grad_stager.SLOW:
