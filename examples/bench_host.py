@@ -41,73 +41,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iteration, peak_memory, sync  # noqa: E402
 from host_trace import host_syncs, python_hotspots, runtime_calls  # noqa: E402
-from host_models import ManyParams, SmallResNet, UNet  # noqa: E402
+from host_models import ManyParams, Compiled, build_model, model_specs  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam  # noqa: E402
 from shardamp.scaler import ShardedGradScaler  # noqa: E402
-
-# ------------------------------------------------------------------------------ models
-def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
-    """name -> how to build the model, its batch and loss, and its dtype."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    specs: Dict[str, dict] = {}
-
-    def images(b: int, px: int, classes: int):
-        x = torch.randn(b, 3, px, px, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
-        y = torch.randint(0, classes, (b,), generator=gen).to(device)
-        return lambda: ((x,), y)
-
-    cls_loss = F.cross_entropy
-    fp16 = torch.float16 if device.type == "cuda" else None
-    bf16 = torch.bfloat16 if device.type == "cuda" else None
-    tv = None
-    if not small:
-        try:
-            import torchvision.models as tv  # noqa: F811
-        except ImportError:
-            tv = None
-    if tv is not None:
-        specs["resnet50"] = dict(make=lambda: tv.resnet50(), batch=images(64, 160, 1000), loss=cls_loss,
-                                 amp=fp16, cl=True, loops=list(LOOPS))
-    else:
-        specs["small resnet"] = dict(make=lambda: SmallResNet(), batch=images(8 if small else 64, 32, 10),
-                                     loss=cls_loss, amp=fp16, cl=True, loops=list(LOOPS))
-    unet = (lambda: UNet(ch=16, mults=(1, 2), attn_levels=(1,), temb=32)) if small else (lambda: UNet())
-    b, px = (2, 16) if small else (16, 64)
-    lat = torch.randn(b, 4, px, px, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
-    steps = torch.randint(0, 1000, (b,), generator=gen).to(device)
-    noise = torch.randn(b, 4, px, px, generator=gen).to(device)
-    mse = lambda out, target: F.mse_loss(out.float(), target)  # noqa: E731
-    for name, amp in (("unet fp16", fp16), ("unet bf16", bf16)):
-        if name == "unet bf16" and small:
-            continue  # the CPU runs fp32 compute: one UNet row is enough for a smoke test
-        specs[name] = dict(make=unet, batch=lambda: ((lat, steps), noise), loss=mse, amp=amp, cl=True,
-                           loops=["scaler+unscale_+clip"])
-    from gpt import GPT, GPTConfig, loss_fn as gpt_loss
-
-    cfg = GPTConfig(vocab_size=256, seq_len=32, dim=32, layers=2, heads=2) if small else \
-        GPTConfig(vocab_size=50257, seq_len=1024, dim=768, layers=12, heads=12)
-    gb = 2 if small else 8
-    idx = torch.randint(0, cfg.vocab_size, (gb, cfg.seq_len + 1), generator=gen).to(device)
-    specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
-                              amp=bf16, cl=False, loops=["max_grad_norm in step"])
-    count, numel = (64, 256) if small else (1024, 4096)
-    one = torch.ones((), device=device)
-    specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((one,), None),
-                                                 loss=lambda out, _t: out, amp=None, cl=False, loops=["plain step"])
-    if tv is not None:  # last: compiling takes a while
-        specs["compiled resnet18"] = dict(make=lambda: tv.resnet18(), batch=images(32, 128, 1000), loss=cls_loss,
-                                          amp=fp16, cl=True, loops=["scaler+unscale_+clip"], compile=True)
-    return specs
-
-
-def build_model(spec: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    model = spec["make"]().to(device)
-    if spec.get("cl"):
-        model = model.to(memory_format=torch.channels_last)
-    return model
-
 
 def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> List[dict]:
     rows = []
@@ -120,7 +57,7 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
 
             def build(impl: str, spec=spec, loop=loop, compile_=compile_):
                 model = build_model(spec, device)
-                run = _Compiled(model) if compile_ else model
+                run = Compiled(model) if compile_ else model
                 return make_iteration(impl, run, spec["batch"], spec["loss"], loop, device, spec["amp"])
 
             try:
@@ -143,19 +80,6 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             rows.append(row)
             print(_fmt(row), flush=True)
     return rows
-
-
-class _Compiled(torch.nn.Module):
-    """Owns ``model`` (so ``.parameters()`` are its params, which the optimizer makes views of)
-    and forwards through ``torch.compile(model)``."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.model = model
-        self.__dict__["compiled"] = torch.compile(model)  # not a submodule
-
-    def forward(self, *inputs):
-        return self.compiled(*inputs)
 
 
 # ------------------------------------------------------------------------------ backward host time

@@ -1,4 +1,6 @@
-"""Models for examples/bench_host.py, built from plain torch modules (no torchvision needed).
+"""Models for examples/bench_host.py: ``model_specs`` (what each row trains: torchvision's
+ResNet-50 / ResNet-18 where installed, the UNet, GPT-2, many params; their batches, losses and
+AMP dtypes), and the stand-ins built from plain torch modules (no torchvision needed):
 
 * ``SmallResNet``: a ResNet-like conv net (conv-bn-relu stem, basic blocks with BatchNorm and
   strided shortcuts, pooled linear head), the CPU stand-in for torchvision's resnet50/resnet18;
@@ -11,11 +13,13 @@
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from host_iteration import LOOPS
 
 
 class BasicBlock(nn.Module):
@@ -163,3 +167,79 @@ class ManyParams(nn.Module):
         # per-param accumulation, which is what the optimizer's hooks add to. (``scale``: DDP
         # needs an input to forward.)
         return (torch.stack(list(self.ps)).float() * self.w).sum() * scale
+
+
+# ------------------------------------------------------------------------------ the rows' models
+def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
+    """name -> how to build the model, its batch and loss, and its dtype."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    specs: Dict[str, dict] = {}
+
+    def images(b: int, px: int, classes: int):
+        x = torch.randn(b, 3, px, px, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
+        y = torch.randint(0, classes, (b,), generator=gen).to(device)
+        return lambda: ((x,), y)
+
+    cls_loss = F.cross_entropy
+    fp16 = torch.float16 if device.type == "cuda" else None
+    bf16 = torch.bfloat16 if device.type == "cuda" else None
+    tv = None
+    if not small:
+        try:
+            import torchvision.models as tv  # noqa: F811
+        except ImportError:
+            tv = None
+    if tv is not None:
+        specs["resnet50"] = dict(make=lambda: tv.resnet50(), batch=images(64, 160, 1000), loss=cls_loss,
+                                 amp=fp16, cl=True, loops=list(LOOPS))
+    else:
+        specs["small resnet"] = dict(make=lambda: SmallResNet(), batch=images(8 if small else 64, 32, 10),
+                                     loss=cls_loss, amp=fp16, cl=True, loops=list(LOOPS))
+    unet = (lambda: UNet(ch=16, mults=(1, 2), attn_levels=(1,), temb=32)) if small else (lambda: UNet())
+    b, px = (2, 16) if small else (16, 64)
+    lat = torch.randn(b, 4, px, px, generator=gen).to(device).contiguous(memory_format=torch.channels_last)
+    steps = torch.randint(0, 1000, (b,), generator=gen).to(device)
+    noise = torch.randn(b, 4, px, px, generator=gen).to(device)
+    mse = lambda out, target: F.mse_loss(out.float(), target)  # noqa: E731
+    for name, amp in (("unet fp16", fp16), ("unet bf16", bf16)):
+        if name == "unet bf16" and small:
+            continue  # the CPU runs fp32 compute: one UNet row is enough for a smoke test
+        specs[name] = dict(make=unet, batch=lambda: ((lat, steps), noise), loss=mse, amp=amp, cl=True,
+                           loops=["scaler+unscale_+clip"])
+    from gpt import GPT, GPTConfig, loss_fn as gpt_loss
+
+    cfg = GPTConfig(vocab_size=256, seq_len=32, dim=32, layers=2, heads=2) if small else \
+        GPTConfig(vocab_size=50257, seq_len=1024, dim=768, layers=12, heads=12)
+    gb = 2 if small else 8
+    idx = torch.randint(0, cfg.vocab_size, (gb, cfg.seq_len + 1), generator=gen).to(device)
+    specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
+                              amp=bf16, cl=False, loops=["max_grad_norm in step"])
+    count, numel = (64, 256) if small else (1024, 4096)
+    one = torch.ones((), device=device)
+    specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((one,), None),
+                                                 loss=lambda out, _t: out, amp=None, cl=False, loops=["plain step"])
+    if tv is not None:  # last: compiling takes a while
+        specs["compiled resnet18"] = dict(make=lambda: tv.resnet18(), batch=images(32, 128, 1000), loss=cls_loss,
+                                          amp=fp16, cl=True, loops=["scaler+unscale_+clip"], compile=True)
+    return specs
+
+
+def build_model(spec: dict, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = spec["make"]().to(device)
+    if spec.get("cl"):
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+class Compiled(torch.nn.Module):
+    """Owns ``model`` (so ``.parameters()`` are its params, which the optimizer makes views of)
+    and forwards through ``torch.compile(model)``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.__dict__["compiled"] = torch.compile(model)  # not a submodule
+
+    def forward(self, *inputs):
+        return self.compiled(*inputs)
