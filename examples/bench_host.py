@@ -43,7 +43,7 @@ from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iterati
 from host_trace import host_syncs, python_hotspots, runtime_calls  # noqa: E402
 from host_models import ManyParams, Compiled, build_model, model_specs  # noqa: E402
 
-from shardamp.optim import DistributedFusedAdam  # noqa: E402
+from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
 from shardamp.scaler import ShardedGradScaler  # noqa: E402
 
 def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> List[dict]:
@@ -62,6 +62,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
 
             try:
                 fns = {"torch": build("torch"), "shardamp": build("shardamp")}
+                if args.inline_free:
+                    fns["shardamp, inline free"] = _inline_free(build("shardamp"), device)
                 runs: Dict[str, List[float]] = {}
                 objects: Dict[str, float] = {}
                 ms = interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
@@ -77,9 +79,25 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                        torch_gc_objects=objects["torch"], shardamp_gc_objects=objects["shardamp"],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
+            if "shardamp, inline free" in ms:
+                row.update(inline_free_ms=ms["shardamp, inline free"], inline_free_runs=runs["shardamp, inline free"])
             rows.append(row)
             print(_fmt(row), flush=True)
     return rows
+
+
+def _inline_free(one: Callable[..., None], device: torch.device) -> Callable[..., None]:
+    """``one`` with landed grads freed on the autograd thread (the release thread off while it
+    runs): the A/B of ``--inline-free``."""
+    native = kernels.native_module(device)
+
+    def run(*a) -> None:
+        native.set_async_release(False)
+        try:
+            one(*a)
+        finally:
+            native.set_async_release(True)
+    return run
 
 
 # ------------------------------------------------------------------------------ backward host time
@@ -347,6 +365,10 @@ def _fmt(row: dict) -> str:
             speeds = [t / s for t, s in zip(row["torch_runs"], row["shardamp_runs"])]
             text += (f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x, median {statistics.median(speeds):.2f}x;"
                      f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
+        if row.get("inline_free_runs"):  # the release thread's A/B: shardamp / shardamp inline
+            ab = [a / b for a, b in zip(row["shardamp_runs"], row["inline_free_runs"])]
+            text += (f"\n    grads freed inline {row['inline_free_ms']:.2f} ms: release thread saves "
+                     f"{(statistics.median(ab) - 1) * -100:+.1f}% (paired median)")
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:
@@ -374,6 +396,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
     ap.add_argument("--profile", default="", help="write torch.profiler tables of the first model here")
     ap.add_argument("--world2", action="store_true", help="also 2 gloo CPU ranks (backward host rows)")
+    ap.add_argument("--inline-free", action="store_true",
+                    help="model rows: also shardamp with the landed grads freed inline (the release thread's A/B)")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
