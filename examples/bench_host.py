@@ -352,6 +352,19 @@ def profile(args, device: torch.device, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ report
+def paired_ratio(a: List[float], b: List[float], draws: int = 2000) -> tuple:
+    """Geometric mean of the paired ratios a[i] / b[i] (repeats that ran back to back) and its
+    95% bootstrap interval (fixed seed): how sure a row's speed is on a drifting host."""
+    import math
+    import random
+
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    rng = random.Random(0)
+    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
+    return (math.exp(statistics.fmean(logs)), math.exp(means[int(0.025 * draws)]),
+            math.exp(means[int(0.975 * draws) - 1]))
+
+
 def _fmt(row: dict) -> str:
     def mib(b):
         return "-" if b is None else f"{b / 2**30:.2f} GiB"
@@ -363,12 +376,14 @@ def _fmt(row: dict) -> str:
                 f"speed {row['speed']:.2f}x  peak {mib(row['torch_peak'])} vs {mib(row['shardamp_peak'])}")
         if row.get("torch_runs"):  # each repeat's own ratio (the two ran back to back): the drift
             speeds = [t / s for t, s in zip(row["torch_runs"], row["shardamp_runs"])]
-            text += (f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x, median {statistics.median(speeds):.2f}x;"
+            mean, lo, hi = paired_ratio(row["torch_runs"], row["shardamp_runs"])
+            text += (f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x, median {statistics.median(speeds):.2f}x,"
+                     f" geometric mean {mean:.3f}x [95% {lo:.3f}-{hi:.3f}];"
                      f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
-        if row.get("inline_free_runs"):  # the release thread's A/B: shardamp / shardamp inline
-            ab = [a / b for a, b in zip(row["shardamp_runs"], row["inline_free_runs"])]
-            text += (f"\n    grads freed inline {row['inline_free_ms']:.2f} ms: release thread saves "
-                     f"{(statistics.median(ab) - 1) * -100:+.1f}% (paired median)")
+        if row.get("inline_free_runs"):  # the release thread's A/B
+            mean, lo, hi = paired_ratio(row["inline_free_runs"], row["shardamp_runs"])
+            text += (f"\n    grads freed inline {row['inline_free_ms']:.2f} ms: inline / release thread "
+                     f"{mean:.3f}x [95% {lo:.3f}-{hi:.3f}] (> 1: the thread is faster)")
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:
