@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -62,8 +62,9 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
 
             try:
                 fns = {"torch": build("torch"), "shardamp": build("shardamp")}
-                if args.inline_free:
-                    fns["shardamp, inline free"] = _inline_free(build("shardamp"), device)
+                inline = _inline_free(build("shardamp"), device) if args.inline_free else None
+                if inline is not None:
+                    fns["shardamp, inline free"] = inline
                 runs: Dict[str, List[float]] = {}
                 objects: Dict[str, float] = {}
                 ms = interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
@@ -86,12 +87,15 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
     return rows
 
 
-def _inline_free(one: Callable[..., None], device: torch.device) -> Callable[..., None]:
+def _inline_free(one: Callable[..., None], device: torch.device) -> Optional[Callable[..., None]]:
     """``one`` with landed grads freed on the autograd thread (the release thread off while it
     runs): the A/B of ``--inline-free``."""
     native = kernels.native_module(device)
+    if native is None or not hasattr(native, "set_async_release"):
+        print("--inline-free: no native kernels with a release thread here: the A/B is left out", flush=True)
+        return None
 
-    def run(*a) -> None:
+    def run(*a) -> None:  # the thread is on by default: back on after each call
         native.set_async_release(False)
         try:
             one(*a)
@@ -352,17 +356,29 @@ def profile(args, device: torch.device, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ report
-def paired_ratio(a: List[float], b: List[float], draws: int = 2000) -> tuple:
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def paired_ratio(a: List[float], b: List[float]) -> tuple:
     """Geometric mean of the paired ratios a[i] / b[i] (repeats that ran back to back) and its
-    95% bootstrap interval (fixed seed): how sure a row's speed is on a drifting host."""
+    95% t-interval (on the logs): how sure a row's speed is on a drifting host. It covers the
+    scatter between pairs only, not what differs between two builds of the same row (README)."""
     import math
-    import random
 
     logs = [math.log(x / y) for x, y in zip(a, b)]
-    rng = random.Random(0)
-    means = sorted(statistics.fmean(rng.choices(logs, k=len(logs))) for _ in range(draws))
-    return (math.exp(statistics.fmean(logs)), math.exp(means[int(0.025 * draws)]),
-            math.exp(means[int(0.975 * draws) - 1]))
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    df, z = len(logs) - 1, 1.959964
+    # the 0.975 quantile of Student's t: a table to 30 degrees of freedom, then its
+    # Cornish-Fisher expansion (within 1e-4 there; no scipy)
+    t = _T975[df - 1] if df <= len(_T975) else (
+        z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def _fmt(row: dict) -> str:
@@ -378,12 +394,12 @@ def _fmt(row: dict) -> str:
             speeds = [t / s for t, s in zip(row["torch_runs"], row["shardamp_runs"])]
             mean, lo, hi = paired_ratio(row["torch_runs"], row["shardamp_runs"])
             text += (f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x, median {statistics.median(speeds):.2f}x,"
-                     f" geometric mean {mean:.3f}x [95% {lo:.3f}-{hi:.3f}];"
+                     f" geometric mean {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}];"
                      f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
         if row.get("inline_free_runs"):  # the release thread's A/B
             mean, lo, hi = paired_ratio(row["inline_free_runs"], row["shardamp_runs"])
             text += (f"\n    grads freed inline {row['inline_free_ms']:.2f} ms: inline / release thread "
-                     f"{mean:.3f}x [95% {lo:.3f}-{hi:.3f}] (> 1: the thread is faster)")
+                     f"{mean:.3f}x [95% t {lo:.3f}-{hi:.3f}] (> 1: the thread is faster)")
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:

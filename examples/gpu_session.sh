@@ -11,7 +11,7 @@ source examples/gpu_env.sh  # env.log, install (or source-tree shim), kernel bui
 # PARTS picks what runs (default: tests bench overlap): tests (every CUDA test file: kernels,
 # NCCL parity and AMP loops, graphs, checkpoints, FSDP2 wrappers, fault cases), frameworks (the
 # examples/*_train.py scripts on CUDA: FRAMEWORK_TESTS picks them, default all), kernel_tests
-# (kernels only), bench, host (examples/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
+# (kernels only), bench, host (examples/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
 # (examples/profile_backward.py: ResNet-50's backward host time, piece by piece), variants (step
 # chunk sizes side by side), profile, overlap. BUDGET (seconds, default 3000) caps the whole
 # session: each part gets at most what is left of it, so a slow part cannot starve the rest of

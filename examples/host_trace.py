@@ -3,12 +3,18 @@ the CUDA runtime calls each phase makes (launches, copies, memsets, events, sync
 line that made each copy, memset or sync, and the Python functions with the most own time.
 
 A phase is the span between two of the iteration's marks (host_iteration.PHASES): zero_grad,
-forward, backward, unscale_, clip, step, update.
+forward, backward, unscale_, clip, step, update. On CUDA autograd runs backward's ops on a device
+thread of its own while the main thread waits: runtime calls are given to the phase whose span
+holds their start time, whichever thread made them. cProfile and torch's sync debug mode see the
+main thread only (so not the grad hooks' Python callbacks, nor syncs made on the device thread);
+``examples/profile_backward.py`` times those callbacks.
 """
 from __future__ import annotations
 
+import bisect
 import collections
 import cProfile
+import gc
 import io
 import pstats
 import warnings
@@ -31,21 +37,29 @@ def _phased(one: Callable[..., None]) -> Callable[[], None]:
 
         def mark(phase: str) -> None:
             current[0].__exit__(None, None, None)
+            current[0] = None
             nxt = _NEXT.get(phase, "")
             if nxt:
                 current[0] = torch.autograd.profiler.record_function(f"phase:{nxt}")
                 current[0].__enter__()
 
-        one(mark)
+        try:
+            one(mark)
+        finally:
+            if current[0] is not None:  # one() raised inside a phase
+                current[0].__exit__(None, None, None)
     return run
 
 
-def _phase_of(evt) -> str:
-    while evt is not None:
-        if evt.name.startswith("phase:"):
-            return evt.name[6:]
-        evt = evt.cpu_parent
-    return "?"
+def _phase_finder(events) -> Callable[[float], str]:
+    """start time (us) -> the phase whose ``phase:*`` range holds it ('?' outside all)."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[6:]) for e in events if e.name.startswith("phase:"))
+    starts = [sp[0] for sp in spans]
+
+    def find(t: float) -> str:
+        k = bisect.bisect_right(starts, t) - 1
+        return spans[k][2] if k >= 0 and t <= spans[k][1] else "?"
+    return find
 
 
 def _stack_of(evt) -> str:
@@ -74,17 +88,19 @@ def runtime_calls(one: Callable[..., None], device: torch.device, iters: int = 3
     count: Dict[tuple, int] = collections.Counter()
     spent: Dict[tuple, float] = collections.Counter()
     where: Dict[tuple, int] = collections.Counter()
-    for evt in prof.events():
+    events = prof.events()
+    phase_at = _phase_finder(events)
+    for evt in events:
         name = evt.name
         if not (name.startswith("cuda") or name.startswith("cu")) or evt.device_type != torch.autograd.DeviceType.CPU:
             continue
-        phase = _phase_of(evt)
+        phase = phase_at(evt.time_range.start)
         count[(phase, name)] += 1
         spent[(phase, name)] += evt.cpu_time_total
         if any(s in name for s in _STACKED):
             where[(phase, name, _stack_of(evt))] += 1
     lines = []
-    for phase in PHASES[1:]:
+    for phase in PHASES[1:] + ("?",):
         calls = sorted((k[1] for k in count if k[0] == phase), key=lambda n: -spent[(phase, n)])
         if calls:
             lines.append(f"  {phase}: " + ", ".join(
@@ -96,8 +112,9 @@ def runtime_calls(one: Callable[..., None], device: torch.device, iters: int = 3
 
 def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
                     phases: tuple = ("backward", "unscale_", "clip", "step", "update")) -> List[str]:
-    """cProfile over ``phases`` of ``iters`` iterations: the functions with the most own time,
-    in microseconds per iteration."""
+    """cProfile over ``phases`` of ``iters`` iterations (the main thread only: on CUDA the grad
+    hooks' callbacks run on autograd's device thread), the cyclic gc off: the functions with the
+    most own time, in microseconds per iteration."""
     prof = cProfile.Profile()
     first = PHASES[PHASES.index(phases[0]) - 1]  # the mark that ends the phase before them
 
@@ -107,8 +124,16 @@ def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
         elif phase == phases[-1]:
             prof.disable()
 
-    for _ in range(iters):
-        one(mark)
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(iters):
+            one(mark)
+    finally:
+        prof.disable()
+        if was:
+            gc.enable()
     stream = io.StringIO()
     stats = pstats.Stats(prof, stream=stream)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]  # by own (total) time
@@ -123,8 +148,9 @@ def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
 def host_syncs(one: Callable[..., None], device: torch.device, iters: int = 2) -> List[str]:
     """Where ``one()`` makes the host wait on the GPU through torch (an ``.item()``, a blocking
     copy, a stream synchronize): torch's sync debug mode, one ``file:line: message`` per distinct
-    place. A wait inside an extension's own CUDA calls is not seen here (the profiler's
-    cudaStreamSynchronize / cudaEventSynchronize rows show those)."""
+    place, per iteration. Not seen here: a wait inside an extension's own CUDA calls, or one made
+    on autograd's device thread (the profiler's cudaStreamSynchronize / cudaEventSynchronize
+    rows in :func:`runtime_calls` show those)."""
     if device.type != "cuda":
         return ["not measured off CUDA"]
     one()
@@ -132,16 +158,17 @@ def host_syncs(one: Callable[..., None], device: torch.device, iters: int = 2) -
     seen: Dict[str, int] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             for _ in range(iters):
                 one()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(mode)
     sync(device)
     for w in caught:
         if "prototype feature" in str(w.message):  # torch's notice about the mode itself
             continue
         key = f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:120]}"
         seen[key] = seen.get(key, 0) + 1
-    return [f"{n // iters}x per iteration  {k}" for k, n in seen.items()]
+    return [f"{n / iters:g}x per iteration  {k}" for k, n in seen.items()]

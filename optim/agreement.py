@@ -295,18 +295,16 @@ def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = 
     """The step's stats tensor with the touched pattern and agreement entries filled in (the
     norm header is the caller's), and whether the entries must be checked after the reduction
     (one rank alone has nothing to disagree with; a tensor lr's value is still checked)."""
-    from .grad_stats import HEADER
-
     host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
-    n = len(opt._params)
     patterns = opt._touched_patterns
-    parts = [patterns.header, patterns.get(opt._grad_sync.local_touched), patterns.get_tail(host)]
-    if dev is not None and dev[1] is not None:
-        parts.append(dev[1].reshape(-1))
+    tail = patterns.get_tail(host)
+    parts = [patterns.header, patterns.get(opt._grad_sync.local_touched)]
+    if dev is None:
+        parts.append(tail)
+    else:  # the device's invalid flag replaces the host's (entry 0 of the tail)
+        parts += [dev[0].reshape(1), tail[1:]] + ([] if dev[1] is None else [dev[1].reshape(-1)])
     # one launch: on a GPU host each device-to-device copy_ is a cudaMemcpyAsync (~25 us each)
     buf = torch.cat(parts)
-    if dev is not None:
-        buf[HEADER + n : HEADER + n + 1].copy_(dev[0])
     return buf, opt._comm.has_peers or dev is not None or bool(problem)
 
 

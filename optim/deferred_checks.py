@@ -49,7 +49,7 @@ class DeferredChecks:
                 slot = self.slots[key] = (torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event())
             host, event = slot
             host.copy_(flags, non_blocking=True)
-            event.record()
+            event.record(torch.cuda.current_stream(flags.device))  # where the copy ran, whatever device is current
             self.pending = (host, event, context)
         else:
             self.pending = (flags.detach().clone(), None, context)

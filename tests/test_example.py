@@ -97,7 +97,7 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
     bench = TRAIN.parent / "bench_host.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, str(bench), "--device", "cpu", "--iters", "1", "--repeats", "1", "--warmup", "1",
-           "--threads", "1", "--world2", "--out", str(tmp_path)]
+           "--threads", "1", "--world2", "--inline-free", "--profile", str(tmp_path / "prof"), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "bench_host.json").read_text())
@@ -110,9 +110,13 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
                    "small resnet: scaler+unscale_+clip", "small resnet: max_grad_norm in step",
                    "small resnet: plain step", "unet fp16", "gpt2 bf16", "many params"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
+    pieces = (tmp_path / "prof" / "pieces.txt").read_text()
+    for what in ("plain step shardamp: zero_grad", "Python own time, backward to update", "float32 shardamp: zero_grad"):
+        assert what in pieces, pieces
+    assert "== small resnet plain step torch, sorted by self_cpu_time_total" in (tmp_path / "prof" / "tables.txt").read_text()
     for r in rows:
         if r["kind"] == "model":
-            assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0, r
+            assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0 and r["inline_free_ms"] > 0, r
         elif r["kind"] == "backward":
             assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
             assert {f"{i}_with_zero_grad_us" for i in ("torch", "ddp", "shardamp")} <= set(r), r
@@ -153,3 +157,27 @@ def test_train_tiny_with_bf16_storage_options(tmp_path: Path) -> None:
         assert 1.0 <= stats["master"] / n <= 1.1 and 2.0 <= stats["moments"] / n <= 2.2, stats
     proc = _run(["--store-param-remainders"], timeout=60)
     assert proc.returncode == 2 and "--store-param-remainders needs --param-dtype bf16" in proc.stderr
+
+
+def test_bench_host_paired_ratio_interval() -> None:
+    """The model rows' speed interval: the geometric mean of paired ratios and a 95% t-interval
+    on their logs (checked against Student's t quantiles for 4, 20 and 40 degrees of freedom:
+    the last from the expansion the code uses past its table)."""
+    import math
+
+    sys.path.insert(0, str(TRAIN.parent))
+    try:
+        from bench_host import paired_ratio
+    finally:
+        sys.path.pop(0)
+    mean, lo, hi = paired_ratio([2.0] * 5, [1.0] * 5)
+    assert mean == pytest.approx(2.0) and lo == pytest.approx(2.0) and hi == pytest.approx(2.0)
+    for n, t in ((5, 2.7764), (21, 2.0860), (41, 2.0211)):
+        logs = [(-1) ** i * 0.1 for i in range(n)]
+        a = [math.exp(x) for x in logs]
+        mean, lo, hi = paired_ratio(a, [1.0] * n)
+        m = sum(logs) / n
+        sd = math.sqrt(sum((x - m) ** 2 for x in logs) / (n - 1))
+        assert math.log(mean) == pytest.approx(m)
+        assert math.log(hi) - m == pytest.approx(t * sd / math.sqrt(n), rel=2e-4), n
+        assert m - math.log(lo) == pytest.approx(t * sd / math.sqrt(n), rel=2e-4), n

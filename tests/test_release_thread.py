@@ -199,8 +199,9 @@ def test_release_thread_in_a_forked_child_frees_inline() -> None:
     import subprocess
     import sys
 
-    # no GPU in the script: with one, the parent's first backward starts autograd's device
-    # threads and torch then refuses any backward in a forked child (its fork poisoning)
+    # no GPU visible to the script (it uses none): with one visible, the parent's first backward
+    # (even a CPU one) starts autograd's device threads, and torch then refuses any backward in a
+    # forked child (its fork poisoning)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), CUDA_VISIBLE_DEVICES="")
     out = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
