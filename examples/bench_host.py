@@ -9,8 +9,10 @@ torch = ``torch.optim.AdamW(fused=True)`` + ``torch.amp.GradScaler`` + ``clip_gr
 shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_norm``. Rows:
 
 * ``model`` rows: median iteration time (ms) of interleaved repeats (torch, shardamp, shardamp,
-  torch, ...; each repeat ``--iters`` iterations, synchronized at its ends), speed ratio
-  torch / shardamp (>= 1.00 means shardamp is no slower), and peak memory of each alone. Models:
+  torch, ...; each repeat ``--iters`` iterations, synchronized at its ends; each side built
+  ``--builds`` times, pooled), speed ratio torch / shardamp (>= 1.00 means shardamp is no
+  slower) with the geometric mean of the paired repeats' ratios and its 95% t-interval, and
+  peak memory of each alone. Models:
   ResNet-50 channels_last fp16 in five loops, torch.compile(ResNet-18), a diffusion UNet (fp16
   and bf16), GPT-2 124M bf16, ``many params`` (1024 x 4096). On the CPU: a small ResNet-like
   net, a small UNet and GPT, fp32 compute with the scaler still enabled, no torch.compile.
@@ -39,7 +41,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_iteration import LOOPS, PHASES, host_pieces, interleaved, make_iteration, peak_memory, sync  # noqa: E402
+from host_iteration import (PHASES, host_pieces, interleaved, make_iteration, paired_ratio,  # noqa: E402
+                            peak_memory, sync)
 from host_trace import host_syncs, python_hotspots, runtime_calls  # noqa: E402
 from host_models import ManyParams, Compiled, build_model, model_specs  # noqa: E402
 
@@ -60,28 +63,40 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                 run = Compiled(model) if compile_ else model
                 return make_iteration(impl, run, spec["batch"], spec["loss"], loop, device, spec["amp"])
 
+            sides = ["torch", "shardamp"] + (["shardamp, inline free"] if args.inline_free else [])
+            builds = 1 if compile_ else args.builds  # a compiled build compiles again
             try:
-                fns = {"torch": build("torch"), "shardamp": build("shardamp")}
-                inline = _inline_free(build("shardamp"), device) if args.inline_free else None
-                if inline is not None:
-                    fns["shardamp, inline free"] = inline
+                # two builds of one loop differ by a few percent (memory placement): pooling several
+                # puts that inside the interval
+                fns = {}
+                for k in range(builds):
+                    for side in sides:
+                        one = build("torch" if side == "torch" else "shardamp")
+                        one = _inline_free(one, device) if side == "shardamp, inline free" else one
+                        if one is not None:
+                            fns[f"{side}#{k}"] = one
                 runs: Dict[str, List[float]] = {}
                 objects: Dict[str, float] = {}
-                ms = interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
+                interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
             except Exception as exc:  # noqa: BLE001 - e.g. no compiler for torch.compile
                 print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
                 rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
                 continue
             del fns
+            # pooled over the builds, in the same order on every side: runs[i] of two sides ran
+            # back to back (same build index, same repeat)
+            pooled = {side: [t for k in range(builds) for t in runs.get(f"{side}#{k}", [])] for side in sides}
+            ms = {side: statistics.median(v) for side, v in pooled.items() if v}
+            left = {side: statistics.median([objects[f"{side}#{k}"] for k in range(builds)]) for side in ms}
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
-                   for impl in ("torch", "shardamp")}  # a compiled build would compile again
-            row = dict(kind="model", name=name, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
-                       speed=ms["torch"] / ms["shardamp"], torch_runs=runs["torch"], shardamp_runs=runs["shardamp"],
-                       torch_gc_objects=objects["torch"], shardamp_gc_objects=objects["shardamp"],
+                   for impl in ("torch", "shardamp")}
+            row = dict(kind="model", name=name, builds=builds, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
+                       speed=ms["torch"] / ms["shardamp"], torch_runs=pooled["torch"], shardamp_runs=pooled["shardamp"],
+                       torch_gc_objects=left["torch"], shardamp_gc_objects=left["shardamp"],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
             if "shardamp, inline free" in ms:
-                row.update(inline_free_ms=ms["shardamp, inline free"], inline_free_runs=runs["shardamp, inline free"])
+                row.update(inline_free_ms=ms["shardamp, inline free"], inline_free_runs=pooled["shardamp, inline free"])
             rows.append(row)
             print(_fmt(row), flush=True)
     return rows
@@ -356,31 +371,6 @@ def profile(args, device: torch.device, out: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ report
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-         2.045, 2.042)
-
-
-def paired_ratio(a: List[float], b: List[float]) -> tuple:
-    """Geometric mean of the paired ratios a[i] / b[i] (repeats that ran back to back) and its
-    95% t-interval (on the logs): how sure a row's speed is on a drifting host. It covers the
-    scatter between pairs only, not what differs between two builds of the same row (README)."""
-    import math
-
-    logs = [math.log(x / y) for x, y in zip(a, b)]
-    mean = statistics.fmean(logs)
-    if len(logs) < 2:
-        return math.exp(mean), float("nan"), float("nan")
-    df, z = len(logs) - 1, 1.959964
-    # the 0.975 quantile of Student's t: a table to 30 degrees of freedom, then its
-    # Cornish-Fisher expansion (within 1e-4 there; no scipy)
-    t = _T975[df - 1] if df <= len(_T975) else (
-        z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
-    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
-
-
 def _fmt(row: dict) -> str:
     def mib(b):
         return "-" if b is None else f"{b / 2**30:.2f} GiB"
@@ -393,7 +383,8 @@ def _fmt(row: dict) -> str:
         if row.get("torch_runs"):  # each repeat's own ratio (the two ran back to back): the drift
             speeds = [t / s for t, s in zip(row["torch_runs"], row["shardamp_runs"])]
             mean, lo, hi = paired_ratio(row["torch_runs"], row["shardamp_runs"])
-            text += (f"  (repeats {min(speeds):.2f}-{max(speeds):.2f}x, median {statistics.median(speeds):.2f}x,"
+            text += (f"  ({row.get('builds', 1)} builds x repeats {min(speeds):.2f}-{max(speeds):.2f}x, "
+                     f"median {statistics.median(speeds):.2f}x,"
                      f" geometric mean {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}];"
                      f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
         if row.get("inline_free_runs"):  # the release thread's A/B
@@ -427,8 +418,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings of the row names to run")
     ap.add_argument("--profile", default="", help="write torch.profiler tables of the first model here")
     ap.add_argument("--world2", action="store_true", help="also 2 gloo CPU ranks (backward host rows)")
-    ap.add_argument("--inline-free", action="store_true",
-                    help="model rows: also shardamp with the landed grads freed inline (the release thread's A/B)")
+    ap.add_argument("--builds", type=int, default=None, help="model rows: builds of each side, pooled (CUDA 2, CPU 1)")
+    ap.add_argument("--inline-free", action="store_true", help="model rows: also shardamp freeing landed grads inline")
     args = ap.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -436,6 +427,7 @@ def main() -> None:
     args.small = device.type == "cpu"
     args.iters = args.iters or (10 if not args.small else 2)
     args.repeats = args.repeats or (5 if not args.small else 3)
+    args.builds = args.builds or (2 if not args.small else 1)
     args.warmup = args.warmup if args.warmup is not None else (5 if not args.small else 1)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)

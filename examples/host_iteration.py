@@ -128,6 +128,31 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def paired_ratio(a: List[float], b: List[float]) -> tuple:
+    """Geometric mean of the paired ratios a[i] / b[i] (repeats that ran back to back) and its
+    95% t-interval (on the logs): how sure a row's speed is on a drifting host. It covers the
+    scatter between pairs only, not what differs between two builds of the same row (README)."""
+    import math
+
+    logs = [math.log(x / y) for x, y in zip(a, b)]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), float("nan"), float("nan")
+    df, z = len(logs) - 1, 1.959964
+    # the 0.975 quantile of Student's t: a table to 30 degrees of freedom, then its
+    # Cornish-Fisher expansion (within 1e-4 there; no scipy)
+    t = _T975[df - 1] if df <= len(_T975) else (
+        z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+        + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
 PHASES = ("build", "zero_grad", "forward", "backward", "unscale_", "clip", "step", "update")
 
 

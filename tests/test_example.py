@@ -167,7 +167,7 @@ def test_bench_host_paired_ratio_interval() -> None:
 
     sys.path.insert(0, str(TRAIN.parent))
     try:
-        from bench_host import paired_ratio
+        from host_iteration import paired_ratio
     finally:
         sys.path.pop(0)
     mean, lo, hi = paired_ratio([2.0] * 5, [1.0] * 5)
