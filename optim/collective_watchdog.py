@@ -112,7 +112,10 @@ class Watchdog:
     """The collectives one comm (one optimizer) has ordered streams after, and their failure."""
 
     def __init__(self, comm: Any, device: torch.device) -> None:
-        self.comm = comm
+        # weakly: the comm holds its watchdog, and a strong reference back would be a cycle that
+        # keeps both (and the monitor polling them) alive after the optimizer is dropped, until
+        # Python's cyclic collector ran
+        self._comm = weakref.ref(comm)
         self.cuda, self.device = device.type == "cuda", device
         self.lanes: Dict[Any, _Lane] = {}
         self.lock = threading.Lock()
@@ -126,6 +129,13 @@ class Watchdog:
         ext = kernels.native_module(device) if self.cuda else None
         self.native = ext if ext is not None and hasattr(ext, "event_query_relaxed") else None
         _start_monitor(self)
+
+    @property
+    def comm(self) -> Any:
+        comm = self._comm()
+        if comm is None:
+            raise RuntimeError("shardamp collective watchdog: its optimizer's comm is gone")
+        return comm
 
     def _default_bound(self, device: torch.device) -> float:
         seconds = collective_order.group_timeout_s(self.comm, device.type)
@@ -287,10 +297,14 @@ class Watchdog:
                   f"{entry.bound:g} s (the process group's timeout less min(60 s, half of it), the default; SHARDAMP_COLLECTIVE_TIMEOUT "
                   "sets it)")
         reason = reason or f"not completed within {entry.bound:g} s"
-        groups = self.comm.all_groups()
+        comm = self._comm()
+        if comm is None:  # its optimizer is gone: nobody waits on it, nothing to abort for it
+            self.reported.set()
+            return
+        groups = comm.all_groups()
         try:
             error = collective_order.mismatch(
-                self.comm, entry.what, RuntimeError(reason), entry.bound, mine=dict(entry.position, waiting=entry.what),
+                comm, entry.what, RuntimeError(reason), entry.bound, mine=dict(entry.position, waiting=entry.what),
                 waited=waited, source="shardamp's collective watchdog, which then aborted the communicators of the "
                 "optimizer's process groups so that no rank hangs")
             message = str(error)
@@ -353,3 +367,4 @@ def _monitor() -> None:
                 if key not in logged:
                     logged.add(key)
                     _log.warning("shardamp collective watchdog: poll failed: %s", exc)
+        watchdog = None  # not held through the sleep: a dropped optimizer's watchdog goes at once

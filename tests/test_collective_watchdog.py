@@ -51,6 +51,14 @@ class FakeComm:
         return self.groups
 
 
+def _new_watchdog(device: torch.device) -> collective_watchdog.Watchdog:
+    """A Watchdog over a FakeComm that it keeps alive (a watchdog holds its comm weakly)."""
+    comm = FakeComm()
+    wd = collective_watchdog.Watchdog(comm, device)
+    wd.test_comm = comm
+    return wd
+
+
 @pytest.fixture
 def watchdog(monkeypatch):
     """A CUDA-path watchdog whose events come from ``marks`` (lane key, FakeEvent)."""
@@ -58,7 +66,7 @@ def watchdog(monkeypatch):
     aborted = []
     monkeypatch.setattr(_compat, "abort_group", aborted.append)
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
-    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
+    wd = _new_watchdog(torch.device("cpu"))
     collective_watchdog._watched.discard(wd)  # polled by the test, not by the monitor thread
     wd.cuda = True
     wd.marks = []
@@ -126,11 +134,11 @@ def test_default_bound_is_the_group_timeout_less_a_margin(monkeypatch):
     for minutes, bound in ((10, 540.0), (120, 7140.0), (1, 30.0)):
         monkeypatch.setattr(_compat, "group_timeout",
                             lambda group, device_type, m=minutes: datetime.timedelta(minutes=m))
-        wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
+        wd = _new_watchdog(torch.device("cpu"))
         collective_watchdog._watched.discard(wd)
         assert wd.bound() == bound, minutes
     monkeypatch.setattr(_compat, "group_timeout", lambda group, device_type: None)
-    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))
+    wd = _new_watchdog(torch.device("cpu"))
     collective_watchdog._watched.discard(wd)
     assert wd.bound() == collective_watchdog.FALLBACK_BOUND_S == 540.0
 
@@ -189,7 +197,7 @@ def test_cuda_events_and_the_monitor_thread(monkeypatch):
     aborted = []
     monkeypatch.setattr(_compat, "abort_group", aborted.append)
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
-    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cuda", torch.cuda.current_device()))
+    wd = _new_watchdog(torch.device("cuda", torch.cuda.current_device()))
     torch.cuda.set_sync_debug_mode("error")
     try:
         wd.wait(FakeWork(), STATS)  # an idle stream: its event completes at once
@@ -224,7 +232,7 @@ def test_the_monitor_polling_during_a_graph_capture_leaves_it_valid(monkeypatch)
         pytest.skip("torch.cuda._sleep is gone")
     monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "60")
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
-    wd = collective_watchdog.Watchdog(FakeComm(), torch.device("cuda", torch.cuda.current_device()))
+    wd = _new_watchdog(torch.device("cuda", torch.cuda.current_device()))
     if wd.native is None:
         pytest.skip("the CUDA kernels did not build")
     capturing = threading.Event()
@@ -300,3 +308,35 @@ def test_a_report_aborts_a_real_nccl_group():
     assert res["reported"] and len(res["aborted"]) == 1, res
     assert res["sticky"] and "did not complete" in res["sticky"], res
     assert res["after"] != "no error", res
+
+
+def test_a_dropped_comm_frees_its_watchdog_without_the_cyclic_gc(monkeypatch):
+    """A comm holds its watchdog and the watchdog its comm only weakly: dropping the comm (its
+    optimizer) frees both by refcounting, so the monitor thread stops polling it at once; a
+    report for a comm that is gone does nothing and raises nothing."""
+    import gc
+    import weakref
+
+    monkeypatch.setattr(_compat, "abort_group", lambda g: pytest.fail("nothing to abort: the comm is gone"))
+    comm = FakeComm()
+    comm.watchdog = collective_watchdog.Watchdog(comm, torch.device("cpu"))  # as Comm does
+    ref = weakref.ref(comm.watchdog)
+    assert ref() in collective_watchdog._watched
+    survivor = collective_watchdog.Watchdog(FakeComm(), torch.device("cpu"))  # its comm dies at once
+    collective_watchdog._watched.discard(survivor)
+    gc.collect()
+    gc.disable()
+    try:
+        del comm
+        for _ in range(200):  # the monitor thread holds each watchdog for the moment of its poll
+            if ref() is None:
+                break
+            time.sleep(0.01)
+        assert ref() is None, "the watchdog outlived its comm"
+    finally:
+        gc.enable()
+    with pytest.raises(RuntimeError, match="comm is gone"):
+        survivor.comm
+    entry = collective_watchdog._Entry(STATS, {"steps": 0, "backwards": 0, "dropped": 0}, 0.5)
+    survivor._report(entry, "stuck")
+    assert survivor.reported.is_set() and survivor.message is None and survivor.aborted == []
