@@ -66,8 +66,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             sides = ["torch", "shardamp"] + (["shardamp, inline free"] if args.inline_free else [])
             builds = 1 if compile_ else args.builds  # a compiled build compiles again
             try:
-                # two builds of one loop differ by a few percent (memory placement): pooling several
-                # puts that inside the interval
+                # two builds of one loop differ by a few percent (memory placement): pooled builds
+                # average that out, though the interval, over pairs, does not fully cover it
                 fns = {}
                 for k in range(builds):
                     for side in sides:
@@ -82,7 +82,7 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                 print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
                 rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
                 continue
-            del fns
+            del fns, one  # the last build too: not alive through peak_memory and the next row
             # pooled over the builds, in the same order on every side: runs[i] of two sides ran
             # back to back (same build index, same repeat)
             pooled = {side: [t for k in range(builds) for t in runs.get(f"{side}#{k}", [])] for side in sides}

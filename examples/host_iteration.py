@@ -140,12 +140,14 @@ def paired_ratio(a: List[float], b: List[float]) -> tuple:
     import math
 
     logs = [math.log(x / y) for x, y in zip(a, b)]
+    if not logs:
+        return float("nan"), float("nan"), float("nan")
     mean = statistics.fmean(logs)
     if len(logs) < 2:
         return math.exp(mean), float("nan"), float("nan")
     df, z = len(logs) - 1, 1.959964
     # the 0.975 quantile of Student's t: a table to 30 degrees of freedom, then its
-    # Cornish-Fisher expansion (within 1e-4 there; no scipy)
+    # Cornish-Fisher expansion (within 2e-6 there; no scipy)
     t = _T975[df - 1] if df <= len(_T975) else (
         z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
         + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))

@@ -5,9 +5,12 @@ line that made each copy, memset or sync, and the Python functions with the most
 A phase is the span between two of the iteration's marks (host_iteration.PHASES): zero_grad,
 forward, backward, unscale_, clip, step, update. On CUDA autograd runs backward's ops on a device
 thread of its own while the main thread waits: runtime calls are given to the phase whose span
-holds their start time, whichever thread made them. cProfile and torch's sync debug mode see the
-main thread only (so not the grad hooks' Python callbacks, nor syncs made on the device thread);
-``examples/profile_backward.py`` times those callbacks.
+holds their start time, whichever thread made them (so a call of another thread, the release
+thread's frees or a watchdog's event query, counts in the phase it happened in). cProfile sees
+the main thread only, not the grad hooks' Python callbacks on the device thread
+(``examples/profile_backward.py`` times those). torch's sync debug mode is process-wide, and
+autograd replays the warnings its device threads raised on the caller's thread after backward:
+a sync inside backward is reported at the ``backward()`` call's line.
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ def _phased(one: Callable[..., None]) -> Callable[[], None]:
             current[0] = None
             nxt = _NEXT.get(phase, "")
             if nxt:
-                current[0] = torch.autograd.profiler.record_function(f"phase:{nxt}")
-                current[0].__enter__()
+                rng = torch.autograd.profiler.record_function(f"phase:{nxt}")
+                rng.__enter__()
+                current[0] = rng  # only once entered: the finally below exits what was entered
 
         try:
             one(mark)
@@ -53,7 +57,10 @@ def _phased(one: Callable[..., None]) -> Callable[[], None]:
 
 def _phase_finder(events) -> Callable[[float], str]:
     """start time (us) -> the phase whose ``phase:*`` range holds it ('?' outside all)."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name[6:]) for e in events if e.name.startswith("phase:"))
+    # the CPU ranges only: Kineto also puts each range on the GPU timeline, later and per stream
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[6:]) for e in events
+                   if e.name.startswith("phase:") and e.device_type == torch.autograd.DeviceType.CPU)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "phase ranges overlap"
     starts = [sp[0] for sp in spans]
 
     def find(t: float) -> str:
@@ -148,9 +155,9 @@ def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
 def host_syncs(one: Callable[..., None], device: torch.device, iters: int = 2) -> List[str]:
     """Where ``one()`` makes the host wait on the GPU through torch (an ``.item()``, a blocking
     copy, a stream synchronize): torch's sync debug mode, one ``file:line: message`` per distinct
-    place, per iteration. Not seen here: a wait inside an extension's own CUDA calls, or one made
-    on autograd's device thread (the profiler's cudaStreamSynchronize / cudaEventSynchronize
-    rows in :func:`runtime_calls` show those)."""
+    place, per iteration (a sync inside backward at the ``backward()`` call's line: see the module
+    docstring). Not seen here: a wait inside an extension's own CUDA calls (the profiler's
+    cudaStreamSynchronize / cudaEventSynchronize rows in :func:`runtime_calls` show those)."""
     if device.type != "cuda":
         return ["not measured off CUDA"]
     one()

@@ -298,8 +298,10 @@ class Watchdog:
                   "sets it)")
         reason = reason or f"not completed within {entry.bound:g} s"
         comm = self._comm()
-        if comm is None:  # its optimizer is gone: nobody waits on it, nothing to abort for it
+        if comm is None:  # its optimizer is gone: nothing to abort for it (and nobody should wait)
             self.reported.set()
+            for wake in list(self.wakes):
+                wake.set()
             return
         groups = comm.all_groups()
         try:
