@@ -27,11 +27,12 @@ class DeferredChecks:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pending: Optional[tuple] = None  # (host buffer, event or None, context)
-        # CUDA: two pinned buffers and events, used in turn. A step's flags are read at the start
-        # of the next step's stats, before that step pushes into the other slot, so a slot is
-        # written again only after it was read; reusing them spares the pinned allocator's
-        # events and queries and an event creation per step on the host.
-        self.slots: dict = {}
+        # CUDA: two (pinned buffer, event) slots, used in turn. A step's flags are read at the
+        # start of the next step's stats, before that step pushes into the other slot, so a slot
+        # is written again only after it was read; reusing them spares the pinned allocator's
+        # events and queries and an event creation per step on the host. A slot is made anew
+        # when the flags' shape changes (the checks a step makes changed).
+        self.slots: List[Optional[tuple]] = [None, None]
         self.turn = 0
 
     def push(self, flags: Tensor, context: dict) -> None:
@@ -41,12 +42,10 @@ class DeferredChecks:
             if torch.cuda.is_current_stream_capturing():
                 return
             self.turn ^= 1
-            key = (tuple(flags.shape), flags.dtype, self.turn)
-            slot = self.slots.get(key)
-            if slot is None:
-                if len(self.slots) >= 8:  # shapes change with the checks a step makes: few kinds
-                    self.slots.clear()
-                slot = self.slots[key] = (torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True), torch.cuda.Event())
+            slot = self.slots[self.turn]
+            if slot is None or slot[0].shape != flags.shape or slot[0].dtype != flags.dtype:
+                slot = self.slots[self.turn] = (torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True),
+                                                torch.cuda.Event())
             host, event = slot
             host.copy_(flags, non_blocking=True)
             event.record(torch.cuda.current_stream(flags.device))  # where the copy ran, whatever device is current

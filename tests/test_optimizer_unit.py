@@ -296,3 +296,43 @@ def test_single_process_comm_has_nothing_to_communicate() -> None:
     assert type(comm) is Comm and not (comm.reduces_grads or comm.has_peers or comm.gathers_params)
     opt = DistributedFusedAdam(nn.Linear(3, 2).parameters())
     assert opt._grad_sync.in_place and opt._grad_sync.release_shards
+
+
+def test_deferred_flags_reuse_two_pinned_slots_in_turn(monkeypatch) -> None:
+    """The CUDA path of deferred_checks.DeferredChecks (pinned buffers and events faked): two
+    slots used in turn, so the next push never writes the buffer whose flags are still pending,
+    reused while the flags' shape repeats, made anew when it changes; the values read back are
+    the ones pushed."""
+    from shardamp.optim import deferred_checks
+
+    made = []
+
+    class FakeEvent:
+        def record(self, stream=None) -> None:
+            pass
+
+        def query(self) -> bool:
+            return True
+
+    def empty(shape, dtype, pin_memory):
+        assert pin_memory
+        made.append(torch.zeros(shape, dtype=dtype))
+        return made[-1]
+
+    monkeypatch.setattr(deferred_checks.torch, "empty", empty)
+    monkeypatch.setattr(deferred_checks.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(deferred_checks.torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(deferred_checks.torch.cuda, "current_stream", lambda device=None: None)
+    checks = deferred_checks.DeferredChecks(torch.device("cuda"))
+    buffers = []
+    for step, flags in enumerate([[1.0, 0.0], [0.0, 0.0], [2.0, 1.0], [3.0, 0.0, 1.0], [4.0, 1.0, 0.0], [5.0, 5.0, 5.0]]):
+        previous = checks.pending
+        checks.push(torch.tensor(flags), {"step": step})
+        host = checks.pending[0]
+        assert previous is None or host is not previous[0], step  # never the pending buffer
+        buffers.append(host)
+        values, context = checks.ready(force=True)
+        assert values == flags and context == {"step": step}
+    assert buffers[2] is buffers[0] and buffers[1] is not buffers[0]  # shape repeats: reused in turn
+    assert buffers[3] is not buffers[1] and buffers[5] is buffers[3]  # a new shape: new slots, then reused
+    assert len(made) == 4
