@@ -13,6 +13,7 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
 void adam_step(const AdamArgs& args, const at::Tensor& chunks);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
+void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 }  // namespace cpu
 
 #if defined(SHARDAMP_WITH_CUDA)
@@ -25,6 +26,7 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
                         bool bias_correction);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
+void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 int64_t event_query_relaxed(int64_t handle);  // event_query.cu
 void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor& out,
                       const c10::optional<at::Tensor>& zero_first, double norm_type);  // grad_stats.cu
@@ -256,6 +258,26 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
 }
 
+// The reduced stats' header and touched flags in one launch (optim/kernels.py checks first;
+// these checks are the backstop): out = [norm, found_inf], stats[2:end] clamped to <= 1.
+void stats_finish(at::Tensor stats, int64_t end, double norm_type, at::Tensor out) {
+  SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && out.scalar_type() == at::kFloat &&
+                     out.is_contiguous() && out.numel() == 2 && out.device() == stats.device(),
+                 "stats_finish: stats and out must be contiguous fp32 tensors on one device, out of 2 elements");
+  SHARDAMP_CHECK(end >= 2 && end <= stats.numel(), "stats_finish: end must lie in [2, stats.numel()]");
+  SHARDAMP_CHECK(norm_type == 2.0 || std::isinf(norm_type), "stats_finish: norm_type must be 2 or inf");
+  const bool sqrt_root = norm_type == 2.0;
+  if (stats.is_cuda()) {
+#if defined(SHARDAMP_WITH_CUDA)
+    return cuda::stats_finish(stats, end, sqrt_root, out);
+#else
+    SHARDAMP_CHECK(false, "stats_finish: this build of the shardamp kernels has no CUDA support");
+#endif
+  }
+  SHARDAMP_CHECK(stats.is_cpu(), "stats_finish: unsupported device ", stats.device());
+  cpu::stats_finish(stats, end, sqrt_root, out);
+}
+
 // The per-step "do the model params still live in the buffers" check (optim/buffers.py): true
 // iff every param has its ref's data pointer, dtype, sizes and strides and no .grad. (Python
 // re-checks in detail, to name the param, whenever this says false.)
@@ -310,6 +332,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - found_inf)",
         py::arg("coef_out"), py::arg("base"), py::arg("scale"), py::arg("norm"), py::arg("max_norm"),
         py::arg("found_inf"), py::arg("steps"), py::arg("touched"));
+  m.def("stats_finish", &shardamp::stats_finish,
+        "out = [root(stats[0]), found_inf]; stats[2:end] clamped to <= 1 (norm_type 2 or inf)",
+        py::arg("stats"), py::arg("end"), py::arg("norm_type"), py::arg("out"));
   py::class_<shardamp::ViewCheck>(m, "ViewCheck",
                                   "intact(params: list): params still are their buffer views (pointer, dtype, shape, "
                                   "strides) without .grad")

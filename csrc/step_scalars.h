@@ -21,4 +21,16 @@ SHARDAMP_HD float grad_coefficient(float base, float scale, const float* norm, f
   return norm != nullptr ? c * clip_coefficient(*norm, max_norm) : c;
 }
 
+// The reduced stats' header as grad_stats.finish forms it (reference.py ``stats_finish``):
+// out[0] the norm (sqrt of the partial for norm_type 2, the partial itself for inf), out[1]
+// found-inf: 1 iff the non-finite flag is set or the partial is inf/NaN (flag + 0 * partial != 0).
+SHARDAMP_HD void finish_header(const float* stats, bool sqrt_root, float* out) {
+  const float partial = stats[0];
+  out[0] = sqrt_root ? sqrtf(partial) : partial;
+  out[1] = (stats[1] + 0.0f * partial) != 0.0f ? 1.0f : 0.0f;
+}
+
+// The touched counts (SUM over ranks) as 0/1 flags: clamp(max=1), NaN kept as torch's clamp keeps it.
+SHARDAMP_HD float clamp_touched(float v) { return v > 1.0f ? 1.0f : v; }
+
 }  // namespace shardamp

@@ -79,6 +79,13 @@ def record_step(opt: Any, stats: Any, bad_clip: Optional[Tensor] = None) -> None
         parts.append(bad_clip.reshape(1))
     if stats.disagreement is not None:
         parts.append(stats.disagreement)
+    if len(parts) == 1 and opt._inv_scale is not None:
+        # found-inf alone, and a scaler unscaled this step: it acts on found-inf itself (lowers
+        # the scale) and a scaled step never counts as a skip without a scaler, so there is
+        # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
+        # GPU host, per step)
+        opt._consecutive_skips = 0
+        return
     flags = parts[0] if len(parts) == 1 else torch.cat(parts)
     opt._deferred.push(flags, _context(opt, clip_checked=bad_clip is not None))
     check_last_step(opt, force=False)

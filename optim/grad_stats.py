@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import norms
+from . import kernels, norms
 
 HEADER = norms.PARTIAL  # norm partial, non-finite flag
 
@@ -38,13 +38,11 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     """Turn the all-reduced ``stats`` into a :class:`GradStats`. With ``fingerprint``
     (agreement.StepFingerprint), ``stats[HEADER + n_params:]`` holds its entries: a mismatch or
     an invalid lr sets found-inf, so the kernel skips the step on every rank."""
-    # Few, in-place ops: on a GPU each is a launch the host pays for before the step kernel.
-    partial = stats[0]
-    raw = norms.root(partial, norm_type)
-    # flag + 0 * partial is NaN when the partial is inf/NaN, so "!= 0" covers both causes
-    found_inf = torch.add(stats[1], partial, alpha=0.0).ne_(0.0)
     end = stats.numel() if n_params is None else HEADER + n_params
-    touched = stats[HEADER:end].clamp_(max=1.0)  # SUM-reduced counts (or MAX-reduced flags) -> 0/1
+    # one launch (kernels.stats_finish): on a GPU each op is a launch the host pays for before
+    # the step kernel; the touched counts (SUM-reduced, or MAX-reduced flags) become 0/1
+    raw, found_inf = kernels.stats_finish(stats, end, norm_type)
+    touched = stats[HEADER:end]
     if fingerprint is None:
         return GradStats(norm_type, raw, found_inf, touched)
     disagreement = fingerprint.check(stats[end:], math.isinf(norm_type))

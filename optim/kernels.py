@@ -8,9 +8,10 @@ build, and a failed build warns once and falls back to the reference.
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -124,6 +125,19 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched)
     else:
         reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched)
+
+
+def stats_finish(stats: Tensor, end: int, norm_type: float) -> Tuple[Tensor, Tensor]:
+    """``(norm, found_inf)`` from the reduced stats, their touched counts ``stats[2:end]``
+    clamped to 0/1 in place: one launch where the kernels are built (norm types 2 and inf),
+    the reference's four torch ops otherwise (contract: ``reference.py``)."""
+    ext = _native(stats.device)
+    if (ext is None or not hasattr(ext, "stats_finish") or stats.dtype != torch.float32
+            or not stats.is_contiguous() or not (norm_type == 2.0 or math.isinf(norm_type))):
+        return reference.stats_finish(stats, end, norm_type)
+    out = torch.empty(2, dtype=torch.float32, device=stats.device)
+    ext.stats_finish(stats, int(end), float(norm_type), out)
+    return out[0], out[1]
 
 
 def view_check(refs: List[Tensor]) -> Optional[Any]:

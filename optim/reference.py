@@ -66,7 +66,7 @@ import torch
 from torch import Tensor
 
 from . import _compat
-from .norms import clip_coef  # torch's coefficient, never NaN: the kernels' spec too
+from .norms import PARTIAL, clip_coef, root  # torch's coefficient, never NaN: the kernels' spec too
 
 
 def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
@@ -149,6 +149,18 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         coef = coef * clip_coef(max_norm, norm)
     coef_out.copy_(coef.reshape(coef_out.shape))
     steps.addcmul_(touched, 1.0 - found_inf)
+
+
+def stats_finish(stats: Tensor, end: int, norm_type: float) -> Tuple[Tensor, Tensor]:
+    """From the reduced stats ``[partial, nonfinite, touched counts (to end), ...]``: the norm
+    ``root(partial)`` and found-inf (exactly 0.0 or 1.0: the flag is set, or the partial is
+    inf/NaN), both 0-d; the touched counts are clamped to <= 1 in place (0/1 flags)."""
+    partial = stats[0]
+    raw = root(partial, norm_type)
+    # flag + 0 * partial is NaN when the partial is inf/NaN, so "!= 0" covers both causes
+    found_inf = torch.add(stats[1], partial, alpha=0.0).ne_(0.0)
+    stats[PARTIAL:end].clamp_(max=1.0)
+    return raw, found_inf
 
 
 def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:

@@ -336,3 +336,42 @@ def test_deferred_flags_reuse_two_pinned_slots_in_turn(monkeypatch) -> None:
     assert buffers[2] is buffers[0] and buffers[1] is not buffers[0]  # shape repeats: reused in turn
     assert buffers[3] is not buffers[1] and buffers[5] is buffers[3]  # a new shape: new slots, then reused
     assert len(made) == 4
+
+
+def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
+    """A step whose scaler unscaled it, with found-inf the only flag, records nothing for the
+    host (the scaler acts on found-inf itself): no flags pushed. It still trains as
+    torch.amp.GradScaler + AdamW, an inf step included, and resets the count of unscaled skips,
+    so the no-scaler warning still needs three skipped steps in a row without a scaler."""
+    from shardamp.optim import deferred_checks
+    from shardamp.scaler import ShardedGradScaler
+
+    pushed = []
+    real_push = deferred_checks.DeferredChecks.push
+    monkeypatch.setattr(deferred_checks.DeferredChecks, "push",
+                        lambda self, flags, context: (pushed.append(flags.tolist()), real_push(self, flags, context)))
+    model, opt, ref, ropt = _pair()
+    scaler, rscaler = ShardedGradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    for step in range(4):
+        for m, o, s in ((model, opt, scaler), (ref, ropt, rscaler)):
+            o.zero_grad()
+            loss = _loss(m, step) * (float("inf") if step == 1 else 1.0)
+            s.scale(loss).backward()
+            s.unscale_(o)
+            s.step(o)
+            s.update()
+        assert scaler.get_scale() == rscaler.get_scale(), step
+        _close(model, ref)
+    assert pushed == [] and opt._consecutive_skips == 0
+    opt._consecutive_skips = 2  # two unscaled skips before: a scaled step clears them
+    opt.zero_grad()
+    scaler.scale(_loss(model, 9)).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert opt._consecutive_skips == 0 and pushed == []
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        for step in range(3):  # without a scaler: each step's flags are read back
+            opt.zero_grad()
+            (_loss(model, step) * float("nan")).backward()
+            opt.step()
+    assert pushed == [[1.0]] * 3

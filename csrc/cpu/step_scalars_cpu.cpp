@@ -1,4 +1,4 @@
-// step_scalars on the CPU (contract: optim/reference.py; arithmetic: step_scalars.h).
+// step_scalars and stats_finish on the CPU (contract: optim/reference.py; arithmetic: step_scalars.h).
 
 #include "../step_scalars.h"
 
@@ -14,6 +14,12 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
   float* s = steps.data_ptr<float>();
   const float* t = touched.data_ptr<float>();
   for (int64_t i = 0, count = steps.numel(); i < count; ++i) s[i] += t[i] * live;
+}
+
+void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out) {
+  float* s = stats.data_ptr<float>();
+  finish_header(s, sqrt_root, out.data_ptr<float>());
+  for (int64_t i = 2; i < end; ++i) s[i] = clamp_touched(s[i]);
 }
 
 }  // namespace cpu

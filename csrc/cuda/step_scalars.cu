@@ -1,6 +1,7 @@
 // step_scalars on CUDA: one small launch instead of the ~9 scalar ops that formed the grad
-// coefficient and advanced the step counts before the step kernel (contract: optim/reference.py;
-// arithmetic: step_scalars.h). Graph-capturable: no host reads, no allocation.
+// coefficient and advanced the step counts before the step kernel, and stats_finish: one launch
+// instead of grad_stats.finish's four (contract: optim/reference.py; arithmetic:
+// step_scalars.h). Graph-capturable: no host reads, no allocation.
 
 #include "../step_scalars.h"
 
@@ -25,14 +26,32 @@ __global__ void step_scalars_kernel(float* coef_out, const float* base, float sc
   }
 }
 
+__global__ void stats_finish_kernel(float* stats, int64_t end, bool sqrt_root, float* out) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (first == 0) finish_header(stats, sqrt_root, out);
+  for (int64_t i = 2 + first; i < end; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    stats[i] = clamp_touched(stats[i]);
+  }
+}
+
+int blocks_for(int64_t count) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, 64)));
+}
+
 }  // namespace
+
+void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out) {
+  const c10::cuda::CUDAGuard guard(stats.device());
+  stats_finish_kernel<<<blocks_for(end - 2), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      stats.data_ptr<float>(), end, sqrt_root, out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
 
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched) {
   const c10::cuda::CUDAGuard guard(coef_out.device());
   const int64_t count = steps.numel();
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, 64)));
-  step_scalars_kernel<<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  step_scalars_kernel<<<blocks_for(count), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       coef_out.data_ptr<float>(), base.data_ptr<float>(), static_cast<float>(scale),
       norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(max_norm), found_inf.data_ptr<float>(),
       steps.data_ptr<float>(), touched.data_ptr<float>(), count);
