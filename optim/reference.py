@@ -50,6 +50,13 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` formed as torch forms
     it (``(norm + 1e-6).reciprocal() * max_norm``), NaN and infinities read as 1; then
     ``steps += touched * (1 - found_inf)``. One launch for the ~9 scalar ops this replaces.
+``stats_finish(stats, end, norm_type)``
+    ``stats``: the reduced fp32 stats ``[partial, nonfinite, touched counts up to end, ...]``.
+    Returns 0-d ``(norm, found_inf)``: the norm is the partial's root (``sqrt`` for 2, the
+    partial itself for inf; the native kernel takes only these two), correctly rounded (torch's
+    CPU ``sqrt`` used here is 1 ulp off for some inputs, its CUDA one is IEEE); ``found_inf`` is
+    exactly 1.0 where the flag is non-zero or the partial is inf/NaN, else 0.0. In place:
+    ``stats[2:end]`` clamped to at most 1 (NaN stays NaN); nothing else is written.
 ``join_remainders(hi, lo)`` / ``split_remainders(p)``
     The fp32 master as a bf16 high half ``hi`` and an int16 low half ``lo``: the master's bit
     pattern is ``(bits(hi) << 16) + lo`` modulo 2**32 (``lo`` signed), so ``hi`` is the fp32

@@ -3,6 +3,7 @@ the torch.optim behaviours a drop-in must keep."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -369,9 +370,15 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
     scaler.step(opt)
     scaler.update()
     assert opt._consecutive_skips == 0 and pushed == []
+    def skipped_step(step: int) -> None:  # without a scaler: each step's flags are read back
+        opt.zero_grad()
+        (_loss(model, step) * float("nan")).backward()
+        opt.step()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # two in a row do not warn yet
+        skipped_step(0)
+        skipped_step(1)
     with pytest.warns(RuntimeWarning, match="skipped"):
-        for step in range(3):  # without a scaler: each step's flags are read back
-            opt.zero_grad()
-            (_loss(model, step) * float("nan")).backward()
-            opt.step()
+        skipped_step(2)
     assert pushed == [[1.0]] * 3
