@@ -293,7 +293,7 @@ def step_entries(
 
 def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = None) -> Tuple[Tensor, bool]:
     """The step's stats tensor with the touched pattern and agreement entries filled in (the
-    norm header is the caller's), and whether the entries must be checked after the reduction
+    norm header, zeros, is the caller's to fill), and whether the entries must be checked after the reduction
     (one rank alone has nothing to disagree with; a tensor lr's value is still checked)."""
     host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
     patterns = opt._touched_patterns

@@ -318,7 +318,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
-                norms.partial([b.grad_shard for b in self._buffers], norm_type, buf)
+                norms.partial([b.grad_shard for b in self._buffers], norm_type, buf, zeroed=True)
             self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             fingerprint = self._fingerprint if checked else None
             r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))

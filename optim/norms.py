@@ -45,12 +45,14 @@ def accumulate_partial_after(side, shard: Tensor, out: Tensor, zero_first: Optio
 
 
 def partial(shards: Sequence[Tensor], norm_type: float, out: Optional[Tensor] = None,
-            device: Optional[torch.device] = None) -> Tensor:
+            device: Optional[torch.device] = None, zeroed: bool = False) -> Tensor:
     """Fill ``out[:PARTIAL]`` (a new float32 tensor on ``device`` if None) with the partial of
-    all ``shards`` (this rank's); return ``out``."""
+    all ``shards`` (this rank's); return ``out``. ``zeroed``: ``out[:PARTIAL]`` already holds
+    zeros (the step's stats buffer is built so), no op to zero it again."""
     if out is None:
-        out = torch.empty(PARTIAL, dtype=torch.float32, device=device)
-    out[:PARTIAL].zero_()
+        out = torch.zeros(PARTIAL, dtype=torch.float32, device=device)
+    elif not zeroed:
+        out[:PARTIAL].zero_()
     for g in shards:
         kernels.grad_stats(g, out[:PARTIAL], norm_type)
     return out

@@ -53,8 +53,9 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
 ``stats_finish(stats, end, norm_type)``
     ``stats``: the reduced fp32 stats ``[partial, nonfinite, touched counts up to end, ...]``.
     Returns 0-d ``(norm, found_inf)``: the norm is the partial's root (``sqrt`` for 2, the
-    partial itself for inf; the native kernel takes only these two), correctly rounded (torch's
-    CPU ``sqrt`` used here is 1 ulp off for some inputs, its CUDA one is IEEE); ``found_inf`` is
+    partial itself for inf; the native kernel takes only these two), correctly rounded in the
+    kernels (this reference's torch ``sqrt`` is too on CUDA; on the CPU it can be 1 ulp off,
+    e.g. for 3e38); ``found_inf`` is
     exactly 1.0 where the flag is non-zero or the partial is inf/NaN, else 0.0. In place:
     ``stats[2:end]`` clamped to at most 1 (NaN stays NaN); nothing else is written.
 ``join_remainders(hi, lo)`` / ``split_remainders(p)``
