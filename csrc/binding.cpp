@@ -1,5 +1,5 @@
 // Python entry points of the fused kernels: argument checks, the chunk table, and dispatch to
-// the CPU build (per CPU capability) or the CUDA build. Contract: optim/reference.py.
+// the CPU build (per CPU capability) or the CUDA build. Contract: optim/kernels/reference.py.
 
 #include <torch/extension.h>
 
@@ -166,10 +166,10 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   SHARDAMP_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
   SHARDAMP_CHECK(master.scalar_type() == at::kFloat || master.scalar_type() == at::kShort,
                  "adam_step: master must be fp32, or int16 remainders under a bf16 model_out (got ",
-                 master.scalar_type(), "); other master dtypes go through the reference (optim/kernels.py)");
+                 master.scalar_type(), "); other master dtypes go through the reference (optim/kernels/dispatch.py)");
   SHARDAMP_CHECK(is_moment_type(exp_avg.scalar_type()) && is_moment_type(exp_avg_sq.scalar_type()),
                  "adam_step: exp_avg / exp_avg_sq must be fp32 or bf16 (got ", exp_avg.scalar_type(), "/",
-                 exp_avg_sq.scalar_type(), "); other dtypes go through the reference (optim/kernels.py)");
+                 exp_avg_sq.scalar_type(), "); other dtypes go through the reference (optim/kernels/dispatch.py)");
   SHARDAMP_CHECK(master.scalar_type() != at::kShort || (model_out && model_out->scalar_type() == at::kBFloat16),
                  "adam_step: int16 master remainders need model_out in bf16 (the masters' high halves)");
   check_flat(grad, master, "master");
@@ -215,7 +215,7 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
 
 // One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
 // flag of every row of `segments` (int64 [S, 4]: only the param and group columns are read; the
-// caller validated them on the host, optim/kernels.py), kRecordFloats floats each, for adam_step's
+// caller validated them on the host, optim/kernels/dispatch.py), kRecordFloats floats each, for adam_step's
 // `records` argument.
 at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                         const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
@@ -232,7 +232,7 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
 #endif
 }
 
-// The step's scalars in one launch (optim/kernels.py checks dtypes and devices before calling:
+// The step's scalars in one launch (optim/kernels/dispatch.py checks dtypes and devices before calling:
 // fp32 everywhere, one device; these checks are the backstop).
 void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched) {
@@ -258,7 +258,7 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
 }
 
-// The reduced stats' header and touched flags in one launch (optim/kernels.py checks first;
+// The reduced stats' header and touched flags in one launch (optim/kernels/dispatch.py checks first;
 // these checks are the backstop): out = [norm, found_inf], stats[2:end] clamped to <= 1.
 void stats_finish(at::Tensor stats, int64_t end, double norm_type, at::Tensor out) {
   SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && out.scalar_type() == at::kFloat &&
@@ -278,7 +278,7 @@ void stats_finish(at::Tensor stats, int64_t end, double norm_type, at::Tensor ou
   cpu::stats_finish(stats, end, sqrt_root, out);
 }
 
-// The per-step "do the model params still live in the buffers" check (optim/buffers.py): true
+// The per-step "do the model params still live in the buffers" check (optim/shards/buffers.py): true
 // iff every param has its ref's data pointer, dtype, sizes and strides and no .grad. (Python
 // re-checks in detail, to name the param, whenever this says false.)
 bool same_view(const at::Tensor& p, const at::Tensor& r) {
@@ -311,7 +311,7 @@ class ViewCheck {
 }  // namespace shardamp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "shardamp fused kernels: grad_stats and adam_step (contract: shardamp/optim/reference.py)";
+  m.doc() = "shardamp fused kernels: grad_stats and adam_step (contract: shardamp/optim/kernels/reference.py)";
   m.def("grad_stats", &shardamp::grad_stats, "Accumulate sum|g|^p (or max|g|) and a non-finite flag into out[2]",
         py::arg("grad"), py::arg("out"), py::arg("norm_type"));
   m.def("adam_step", &shardamp::adam_step, "Fused Adam/AdamW step over the segments of a shard",

@@ -1,6 +1,6 @@
 // Shared by the CPU (.cpp) and CUDA (.cu) kernels: the per-segment scalars and the per-element
 // Adam update, written once so both devices do the same arithmetic in the same order as
-// optim/reference.py (scalars in fp64 as torch.optim forms them from Python floats, then fp32).
+// optim/kernels/reference.py (scalars in fp64 as torch.optim forms them from Python floats, then fp32).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -40,7 +40,7 @@ constexpr int64_t kChunk = SHARDAMP_CHUNK;
 // records without a barrier, so a chunk costs little to start. Measured on an H200 (2026-11-29,
 // bench_step.py, CUDA-graph rows, fp32 / bf16 ms): 2048: 2.067 / 2.108; 4096: 1.930 / 1.989;
 // 8192: 2.003 / 1.994; 16384: 2.136 / 2.155 (csrc/NOTES.md). SHARDAMP_CUDA_CHUNK in the
-// environment overrides it at run time (optim/kernels.py), for such measurements.
+// environment overrides it at run time (optim/kernels/dispatch.py), for such measurements.
 #ifndef SHARDAMP_CUDA_CHUNK
 #define SHARDAMP_CUDA_CHUNK 4096
 #endif
@@ -123,7 +123,7 @@ SHARDAMP_HD SegmentScalars segment_scalars(const double* hp, double step, double
 // a * b + c by default, and where it does can differ between template instantiations (seen on an
 // H200: the remainders kernel and the fp32-master kernel disagreed in the last bit), so on the
 // device every operation is an explicitly rounded intrinsic. The host build is ISO C++ with
-// -ffp-contract=off (optim/_build.py): the same operations, the same bits on both devices.
+// -ffp-contract=off (optim/kernels/build.py): the same operations, the same bits on both devices.
 #if defined(__CUDA_ARCH__)
 #define SHARDAMP_MUL(a, b) __fmul_rn(a, b)
 #define SHARDAMP_ADD(a, b) __fadd_rn(a, b)
@@ -154,7 +154,7 @@ SHARDAMP_HD void adam_scalar(float g, float& p, float& m, float& v, const Segmen
   p = SHARDAMP_SUB(p, SHARDAMP_MUL(s.step_size, SHARDAMP_DIV(m, denom)));
 }
 
-// Param remainders (optim/reference.py: join_remainders / split_remainders): the fp32 master's
+// Param remainders (optim/kernels/reference.py: join_remainders / split_remainders): the fp32 master's
 // bit pattern is (hi << 16) + lo modulo 2^32, hi the bf16 param's bits, lo a signed int16. The
 // split rounds the pattern half-up at bit 16 (to nearest, ties away from zero), so every fp32
 // pattern has exactly one (hi, lo) and the join restores it bit for bit.

@@ -1,4 +1,4 @@
-// The backward hook of DistributedFusedAdam in C++ (contract: shardamp/optim/grad_stager.py,
+// The backward hook of DistributedFusedAdam in C++ (contract: shardamp/optim/sync/grad_stager.py,
 // whose PyStager is the reference and the fallback).
 //
 // Why: a Python post-accumulate-grad hook per param costs the autograd thread a GIL round trip
@@ -318,7 +318,7 @@ class GradStager {
 
 void register_grad_stager(py::module& m) {
   py::class_<GradStager>(m, "GradStager",
-                         "Grad staging for DistributedFusedAdam's buckets, hooked in C++ (reference: optim/grad_stager.py)")
+                         "Grad staging for DistributedFusedAdam's buckets, hooked in C++ (reference: optim/sync/grad_stager.py)")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                     std::vector<int64_t>, std::vector<int64_t>, py::object>(),
            py::arg("params"), py::arg("bucket_of"), py::arg("offset"), py::arg("nbytes"), py::arg("expected"),

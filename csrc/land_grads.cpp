@@ -1,4 +1,4 @@
-// land_grads (contract: land_grads.h; reference: optim/reference.py land_grads).
+// land_grads (contract: land_grads.h; reference: optim/kernels/reference.py land_grads).
 
 #include "land_grads.h"
 

@@ -1,4 +1,4 @@
-// The step's scalars in one launch (optim/reference.py ``step_scalars``): the grad coefficient
+// The step's scalars in one launch (optim/kernels/reference.py ``step_scalars``): the grad coefficient
 // ``base * scale * clip`` with torch.nn.utils.clip_grad_norm_'s coefficient of one clip (never
 // NaN), and the per-param step counts advanced where a param got a grad and the step is not
 // skipped. The same arithmetic, in the same order, as the torch ops of the reference.

@@ -282,7 +282,7 @@ def kernels_variant(kind: str, sizes: List[int], device: torch.device):
     v = torch.rand(numel, device=device).mul_(1e-5).to(opts.get("exp_avg_sq_dtype", torch.float32))
     model_out = torch.empty(numel, device=device, dtype=torch.bfloat16) if gdtype == torch.bfloat16 else None
     if opts.get("store_param_remainders"):
-        from shardamp.optim.reference import split_remainders
+        from shardamp.optim.kernels.reference import split_remainders
 
         model_out, master = split_remainders(master)
     hparams = torch.tensor([[1e-3, 0.9, 0.999, 1e-8, 0.01]], dtype=torch.float64, device=device)

@@ -27,7 +27,8 @@ from bench_host import backward_host  # noqa: E402
 from host_iteration import sync  # noqa: E402
 from host_models import SmallResNet  # noqa: E402
 
-from shardamp.optim import DistributedFusedAdam, grad_sync, kernels  # noqa: E402
+from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
+from shardamp.optim.sync import grad_sync
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
 
 # "default": SHARDAMP_CUDA_STEP and SHARDAMP_CUDA_CHUNK unset (each kind's own shape and chunk:
-# csrc/cuda/adam_step.cu, optim/kernels.py); "UxB": U vector steps per thread held in registers,
+# csrc/cuda/adam_step.cu, optim/kernels/dispatch.py); "UxB": U vector steps per thread held in registers,
 # B blocks per SM; "c2x4": loads staged through shared memory. Chunk 0: the kind's own.
 # --configs overrides the list (SHAPE:CHUNK,...).
 DEFAULT_CONFIGS = "default:0,2x1:8192,2x1:16384,2x3:4096,c2x4:4096,c2x4:8192"
@@ -49,7 +49,7 @@ def parse_configs(text: str) -> list:
 
 def make_state(kind: str, sizes, device, seed: int):
     from shardamp.optim.layout import ALIGN, Segment, SegmentTable
-    from shardamp.optim.reference import split_remainders
+    from shardamp.optim.kernels.reference import split_remainders
 
     spec = KINDS[kind]
     gdtype, opts = spec.get("grad", spec["dtype"]), spec["opts"]

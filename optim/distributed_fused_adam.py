@@ -15,22 +15,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import agreement, torch_scaler, deferred_checks, grad_stats, kernels, norms
-from . import state_dict as _state_dict
-from .comm import Comm, make_comm
-from .buffers import (BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, init_master,
-                      memory_stats, reattach_param)
-from .misuse import check_launcher_env, ddp_error, find_ddp
-from .grad_stats import GradStats, TouchedPatterns
-from .shard_view import ShardView
-from .step_round import StepRound
-from .grad_sync import GradSync
-from .deferred_checks import DeferredChecks
+from .checks import agreement, deferred as deferred_checks
+from .step import torch_scaler, grad_stats
+from . import kernels, norms
+from .kernels import partials
+from .checkpoint import state_dict as _state_dict
+from .comm.collectives import Comm, make_comm
+from .shards.buffers import (BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, init_master,
+                             memory_stats, reattach_param)
+from .checks.misuse import check_launcher_env, ddp_error, find_ddp
+from .step.grad_stats import GradStats, TouchedPatterns
+from .shards.view import ShardView
+from .step.step_round import StepRound
+from .sync.grad_sync import GradSync
+from .checks.deferred import DeferredChecks
 from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, check_max_norm, check_norm_type,
                       check_options, clip_invalid, tensor_lrs, validate_groups)
 from .layout import Bucket, build_layout, forward_order
-from .param_sync import ParamSync
-from .stale_read_guard import StaleReadGuard
+from .sync.param_sync import ParamSync
+from .sync.stale_read_guard import StaleReadGuard
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -318,7 +321,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
-                norms.partial([b.grad_shard for b in self._buffers], norm_type, buf, zeroed=True)
+                partials.partial([b.grad_shard for b in self._buffers], norm_type, buf, zeroed=True)
             self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             fingerprint = self._fingerprint if checked else None
             r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
@@ -326,7 +329,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 deferred_checks.check_now(self, r.stats)
         elif norm_type not in r.raw_norms:
             # a second norm type in one step costs a second (tiny) all-reduce, as extensible as the first
-            buf = norms.partial([b.grad_shard for b in self._buffers], norm_type, device=self._device)
+            buf = partials.partial([b.grad_shard for b in self._buffers], norm_type, device=self._device)
             self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             r.add_norm_type(norm_type, norms.root(buf[0], norm_type))
         return r.stats
@@ -454,7 +457,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         slot = self._grad_sync.slots[index]
         return reattach_param(self._buffers[slot.bucket], slot, self._params[index], self._device)
 
-    # ------------------------------------------------------------------ state dicts (optim/state_dict.py)
+    # ------------------------------------------------------------------ state dicts (optim/checkpoint/state_dict.py)
     def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
         """World-size independent state dict in torch.optim.AdamW's layout (a collective: every
         rank calls it). ``rank0_only=True``: only the group's rank 0 gets it, the others get

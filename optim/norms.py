@@ -2,7 +2,7 @@
 
 A norm of order ``p`` over grads spread across shards (and buckets, and ranks) is built from
 PARTIALS: ``sum |g|^p`` for finite ``p``, ``max |g|`` for ``p = inf``, each with a non-finite
-flag, computed in one pass per shard (``kernels.grad_stats``: csrc, spec in reference.py).
+flag, computed in one pass per shard (``kernels.partials``, over ``kernels.grad_stats``).
 Partials combine by SUM (finite ``p``) or MAX (``inf``): ``reduce_op`` names the collective's op,
 and a max (or sum) of 0/1 flags is still their "any". The norm is the ``p``-th root of the
 combined partial (``root``). Norms of disjoint sets of grads combine into the norm of their
@@ -10,9 +10,8 @@ union (``combine``), as ``torch.nn.utils.get_total_norm`` does. Clipping to ``ma
 multiplies grads by ``clip_coef``; clipping twice clips the already-clipped grads
 (``chained_clip_coef``).
 
-Callers: grad_sync.py (per-bucket partials on the side stream), the optimizer and step_round.py
-(the step's partial, its norm, a second norm type, the clip coefficient), clip.py (norms over
-several optimizers and plain params).
+Plain math over tensors, importing nothing of shardamp: the reference kernels use it as their
+spec; the partials themselves are computed by the kernels (``kernels/partials.py``).
 """
 from __future__ import annotations
 
@@ -23,39 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import kernels
-
 PARTIAL = 2  # a partial's length: [sum |g|^p (or max |g|), non-finite flag]
 
 
 def reduce_op(norm_type: float):
     """The op partials combine by across ranks: MAX for ``inf``, SUM otherwise."""
     return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-
-
-def accumulate_partial(shard: Tensor, out: Tensor, norm_type: float) -> None:
-    """Add ``shard``'s partial into ``out[:PARTIAL]`` (max into it for ``inf``)."""
-    kernels.grad_stats(shard, out, norm_type)
-
-
-def accumulate_partial_after(side, shard: Tensor, out: Tensor, zero_first: Optional[Tensor], norm_type: float) -> bool:
-    """``accumulate_partial`` on the CUDA stream ``side`` once it has joined the current one
-    (``zero_first`` zeroed there first) in one native call; False where there is none."""
-    return kernels.grad_stats_after(side, shard, out, zero_first, norm_type)
-
-
-def partial(shards: Sequence[Tensor], norm_type: float, out: Optional[Tensor] = None,
-            device: Optional[torch.device] = None, zeroed: bool = False) -> Tensor:
-    """Fill ``out[:PARTIAL]`` (a new float32 tensor on ``device`` if None) with the partial of
-    all ``shards`` (this rank's); return ``out``. ``zeroed``: ``out[:PARTIAL]`` already holds
-    zeros (the step's stats buffer is built so), no op to zero it again."""
-    if out is None:
-        out = torch.zeros(PARTIAL, dtype=torch.float32, device=device)
-    elif not zeroed:
-        out[:PARTIAL].zero_()
-    for g in shards:
-        kernels.grad_stats(g, out[:PARTIAL], norm_type)
-    return out
 
 
 def sum_partials(partials: Tensor, out: Tensor) -> None:

@@ -110,7 +110,7 @@ def case_grad_memory_bounded(rank, world, **kw):
     """ZeRO-2 memory: after backward, at most MAX_IN_FLIGHT full-size bucket buffers are alive
     (not one per bucket, which would be a whole unsharded grad copy)."""
     from shardamp.optim import DistributedFusedAdam
-    from shardamp.optim.grad_sync import MAX_IN_FLIGHT
+    from shardamp.optim.sync.grad_sync import MAX_IN_FLIGHT
 
     device = kw.get("device", "cpu")
     torch.manual_seed(0)
@@ -206,7 +206,7 @@ def case_remainders_bitwise(rank, world, steps=40, **kw):
     be its master's high half. Two param groups, tiny buckets (uneven shards), an inf on the
     last rank only at step 7 (every rank skips), a param unused on rank 0 at even steps."""
     from shardamp.optim import DistributedFusedAdam
-    from shardamp.optim.reference import split_remainders
+    from shardamp.optim.kernels.reference import split_remainders
 
     from parity import _masters
 

@@ -73,7 +73,7 @@ def case_one_all_reduce(rank, world, **kw):
             opt.zero_grad()
     finally:
         _compat.all_reduce = original
-    from shardamp.optim import agreement
+    from shardamp.optim.checks import agreement
 
     # the per-step agreement entries ride in the same all-reduce (no tensor lr here)
     entries = opt._fingerprint.length(len(agreement.host_categories(opt, 2.0)), 0)

@@ -258,7 +258,7 @@ def _masters(opt: DistributedFusedAdam) -> List[torch.Tensor]:
     """The fp32 master params, all-gathered (world-size independent), by param."""
     import torch.distributed as dist
 
-    from shardamp.optim.buffers import param_view
+    from shardamp.optim.shards.buffers import param_view
 
     out = [None] * len(opt._params)
     for bucket, buf in zip(opt._buckets, opt._buffers):

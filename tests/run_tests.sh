@@ -16,7 +16,7 @@ if [ "$(python -c "import torch; print(torch.__version__)")" != "$torch_version"
     exit 1
 fi
 python -m pip show torch | grep -E "^(Name|Version)"
-# A private kernel-build directory for this checkout (never a shared cache; see optim/_build.py).
+# A private kernel-build directory for this checkout (never a shared cache; see optim/kernels/build.py).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$PWD/build/torch_extensions}"
 # Build the C++ kernels once, before pytest-xdist starts its workers.
 python -c "import torch; from shardamp.optim import kernels; print('shardamp kernels on cpu:', kernels.backend(torch.device('cpu')))"

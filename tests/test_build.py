@@ -13,7 +13,8 @@ import warnings
 import pytest
 import torch
 
-from shardamp.optim import DistributedFusedAdam, _build, kernels
+from shardamp.optim import DistributedFusedAdam
+from shardamp.optim.kernels import build as _build, dispatch as kernels
 from shardamp.optim.layout import Segment, SegmentTable
 
 

@@ -11,8 +11,9 @@ import time
 import pytest
 import torch
 
-from shardamp.optim import _compat, collective_watchdog
-from shardamp.optim.collective_order import STATS, REDUCE_SCATTER
+from shardamp.optim import _compat
+from shardamp.optim.comm import watchdog as collective_watchdog
+from shardamp.optim.comm.order import STATS, REDUCE_SCATTER
 
 
 class FakeEvent:

@@ -9,7 +9,7 @@ import torch
 import cases_core
 from dist_helper import case_values, run_cases, run_distributed
 from parity import ATOL, RTOL
-from shardamp.optim.reference import split_remainders
+from shardamp.optim.kernels.reference import split_remainders
 
 WORLDS = [1, 2, 3, 4]
 PARITY_CASES = [c for c in cases_core.CASES if c not in cases_core.NOT_PARITY]

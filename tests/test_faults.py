@@ -13,8 +13,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from shardamp.optim import DistributedFusedAdam, checkpoint, clip_grad_norm_, load_sharded, save_sharded
-from shardamp.optim import atomic_publish
+from shardamp.optim import DistributedFusedAdam, clip_grad_norm_, load_sharded, save_sharded
+from shardamp.optim.checkpoint import sharded as checkpoint
+from shardamp.optim.checkpoint import atomic_publish
 from shardamp.scaler import ShardedGradScaler
 
 

@@ -1,4 +1,4 @@
-"""The backward hook's two implementations (optim/grad_stager.py): the native GradStager (a C++
+"""The backward hook's two implementations (optim/sync/grad_stager.py): the native GradStager (a C++
 post hook on each grad accumulator, the default wherever the kernels build) against the
 reference PyStager, and whole training loops on the Python hooks, which the default no longer
 takes (the core parity cases at several world sizes, against torch.optim.AdamW)."""
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dist_helper import run_cases, run_distributed
-from shardamp.optim import DistributedFusedAdam, grad_stager, kernels
+from shardamp.optim import DistributedFusedAdam, kernels
+from shardamp.optim.sync import grad_stager
 from test_core import PARITY_CASES, check_parity_case, check_staging_case
 
 NATIVE = kernels.native_module(torch.device("cpu"))
@@ -57,7 +58,7 @@ def test_native_stager_matches_reference_staging() -> None:
 
 @needs_native
 def test_native_land_equals_reference_land_grads() -> None:
-    from shardamp.optim import reference
+    from shardamp.optim.kernels import reference
 
     params, _, native = _stagers()
     full = torch.zeros(17)
@@ -178,7 +179,7 @@ def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
     CUDA by the batched kernel, at 16-, 4- and 2-byte alignments: the 3-element gaps), any other
     (other strides, other dtype: the bf16 buffer, a large CPU grad) through a view: all equal
     the reference."""
-    from shardamp.optim import reference
+    from shardamp.optim.kernels import reference
 
     native = kernels.native_module(torch.device(device))
     torch.manual_seed(0)
@@ -228,7 +229,7 @@ def test_native_land_byte_ranges_of_every_size(dtype, device) -> None:
     its 64 KiB chunk and far above it (several MiB: many chunks of one grad, spread over the
     grid), empty ones, and odd element counts (2-byte alignment in a bf16 buffer): the buffer
     equals the reference, gaps and all."""
-    from shardamp.optim import reference
+    from shardamp.optim.kernels import reference
 
     native = kernels.native_module(torch.device(device))
     if native is None:
@@ -260,7 +261,7 @@ def test_native_land_takes_grads_whose_strides_differ_only_in_size_one_dims_as_b
     multi-tensor copy (torch.profiler sees none); the values equal the reference."""
     from torch.profiler import profile
 
-    from shardamp.optim import reference
+    from shardamp.optim.kernels import reference
 
     native = kernels.native_module(torch.device(device))
     if native is None:
@@ -282,10 +283,10 @@ def test_native_land_takes_grads_whose_strides_differ_only_in_size_one_dims_as_b
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_grad_stats_after_joins_the_side_stream_then_zeroes_and_accumulates() -> None:
-    """The one-process side-stream stats (norms.accumulate_partial_after): the side stream waits
+    """The one-process side-stream stats (partials.accumulate_partial_after): the side stream waits
     for grads the current stream is still writing (behind a spinning kernel), ``zero_first`` is
     zeroed on it, and the partial equals torch's sum of squares with the non-finite flag."""
-    from shardamp.optim import norms
+    from shardamp.optim.kernels import partials
 
     if kernels.native_module(torch.device("cuda")) is None:
         pytest.skip("the CUDA kernels did not build")
@@ -296,13 +297,13 @@ def test_grad_stats_after_joins_the_side_stream_then_zeroes_and_accumulates() ->
     torch.cuda.synchronize()
     torch.cuda._sleep(int(5e8))  # the current stream is busy: the copy below lands late
     shard.copy_(values)
-    assert norms.accumulate_partial_after(side, shard, partials[1], partials, 2.0)
+    assert partials.accumulate_partial_after(side, shard, partials[1], partials, 2.0)
     torch.cuda.synchronize()
     expect = values.double().square().sum()
     torch.testing.assert_close(partials[1, 0].double(), expect, rtol=1e-5, atol=0)
     assert partials[1, 1] == 0 and torch.equal(partials[[0, 2]], torch.zeros(2, 2, device="cuda"))
     shard[7] = float("inf")
-    assert norms.accumulate_partial_after(side, shard, partials[2], None, 2.0)  # no zeroing now
+    assert partials.accumulate_partial_after(side, shard, partials[2], None, 2.0)  # no zeroing now
     torch.cuda.synchronize()
     assert partials[2, 1] == 1 and partials[1, 0] > 0
 

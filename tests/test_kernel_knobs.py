@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardamp.optim import kernels
+from shardamp.optim.kernels import dispatch as kernels
 
 
 def test_cuda_chunk_knob(monkeypatch):

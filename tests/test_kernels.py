@@ -1,4 +1,4 @@
-"""The compiled kernels (csrc/) against the reference (optim/reference.py), called directly so the
+"""The compiled kernels (csrc/) against the reference (optim/kernels/reference.py), called directly so the
 result does not depend on SHARDAMP_KERNELS. CPU cases always run; CUDA cases need a GPU."""
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ import math
 import pytest
 import torch
 
-from shardamp.optim import kernels, reference
-from shardamp.optim._build import load_extension
+from shardamp.optim import kernels
+from shardamp.optim.kernels import reference
+from shardamp.optim.kernels.build import load_extension
 from shardamp.optim.layout import Segment, SegmentTable
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]

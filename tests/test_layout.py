@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from shardamp.optim.buffers import param_view
+from shardamp.optim.shards.buffers import param_view
 from shardamp.optim.layout import ALIGN, build_layout
 
 

@@ -176,7 +176,7 @@ def test_reference_kernels_forced_by_env(monkeypatch) -> None:
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch) -> None:
-    from shardamp.optim import _build, kernels
+    from shardamp.optim.kernels import build as _build, dispatch as kernels
 
     def broken(cuda):
         raise RuntimeError("compiler said no\n" + "\n".join(f"log line {i}" for i in range(50)))
@@ -262,15 +262,16 @@ def test_load_state_dict_keeps_a_tensor_lr_object() -> None:
 
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
 def test_norm_math_matches_torch(norm_type: float) -> None:
-    """norms.py, the one home of the norm math: partials over shards combined and rooted,
+    """norms.py, the one home of the norm math (partials over shards from kernels/partials.py): partials combined and rooted,
     norms of disjoint sets combined, and the clip coefficients, against torch's."""
     from shardamp.optim import norms
+    from shardamp.optim.kernels import partials
 
     torch.manual_seed(0)
     grads = [torch.randn(7), torch.randn(3, 5), torch.randn(1)]
     want = torch.nn.utils.get_total_norm(grads, norm_type)
     parts = torch.empty(norms.PARTIAL)
-    norms.partial([g.reshape(-1) for g in grads], norm_type, parts)
+    partials.partial([g.reshape(-1) for g in grads], norm_type, parts)
     assert parts[1] == 0.0  # all finite
     torch.testing.assert_close(norms.root(parts[0], norm_type), want, rtol=1e-5, atol=0)
     each = [torch.linalg.vector_norm(g, norm_type) for g in grads]
@@ -284,7 +285,7 @@ def test_norm_math_matches_torch(norm_type: float) -> None:
     nan = torch.tensor(float("nan"))
     assert norms.clip_coef(1.0, nan) == 1.0 and torch.isnan(norms.torch_clip_coef(1.0, nan))
     bad = grads + [torch.tensor([float("inf")])]
-    norms.partial([g.reshape(-1) for g in bad], norm_type, parts)
+    partials.partial([g.reshape(-1) for g in bad], norm_type, parts)
     assert parts[1] > 0  # the non-finite flag
 
 
@@ -304,7 +305,7 @@ def test_deferred_flags_reuse_two_pinned_slots_in_turn(monkeypatch) -> None:
     slots used in turn, so the next push never writes the buffer whose flags are still pending,
     reused while the flags' shape repeats, made anew when it changes; the values read back are
     the ones pushed."""
-    from shardamp.optim import deferred_checks
+    from shardamp.optim.checks import deferred as deferred_checks
 
     made = []
 
@@ -344,7 +345,7 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
     host (the scaler acts on found-inf itself): no flags pushed. It still trains as
     torch.amp.GradScaler + AdamW, an inf step included, and resets the count of unscaled skips,
     so the no-scaler warning still needs three skipped steps in a row without a scaler."""
-    from shardamp.optim import deferred_checks
+    from shardamp.optim.checks import deferred as deferred_checks
     from shardamp.scaler import ShardedGradScaler
 
     pushed = []

@@ -33,7 +33,7 @@ def test_native_land_frees_landed_grads_on_the_release_thread(async_release: boo
     grads to the thread: ``_release_cpu_too``) the same, without the memory counts."""
     import threading
 
-    from shardamp.optim import reference
+    from shardamp.optim.kernels import reference
 
     native = kernels.native_module(torch.device(device))
     if native is None or not hasattr(native, "_hold_release"):

@@ -18,7 +18,7 @@ from dist_helper import case_values, run_distributed
 from parity import two_groups
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.checkpoint import load_sharded
-from shardamp.optim.reference import split_remainders
+from shardamp.optim.kernels.reference import split_remainders
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,4 +1,4 @@
-// CPU versions of the two kernels whose contract is written at the top of optim/reference.py:
+// CPU versions of the two kernels whose contract is written at the top of optim/kernels/reference.py:
 // grad_stats (sum |g|^p or max|g|, plus a non-finite flag, in one read pass) and adam_step
 // (one fused pass over the segments of a shard).
 //
@@ -6,7 +6,7 @@
 // size, not the thread count, decides the summation order of grad_stats, so its result is the
 // same bit for bit on 1 or N threads.
 //
-// optim/_build.py compiles this file for the vector ISA torch itself uses (at::vec's
+// optim/kernels/build.py compiles this file for the vector ISA torch itself uses (at::vec's
 // CPU_CAPABILITY_AVX512 / _AVX2) or baseline x86-64, each into a separately named module.
 
 #include "../common.h"

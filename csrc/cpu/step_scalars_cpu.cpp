@@ -1,4 +1,4 @@
-// step_scalars and stats_finish on the CPU (contract: optim/reference.py; arithmetic: step_scalars.h).
+// step_scalars and stats_finish on the CPU (contract: optim/kernels/reference.py; arithmetic: step_scalars.h).
 
 #include "../step_scalars.h"
 

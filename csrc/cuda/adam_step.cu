@@ -1,5 +1,5 @@
 // adam_step on CUDA: one pass over the shard, no temporaries beyond a per-segment scalar table
-// (contract: optim/reference.py). Two kernels:
+// (contract: optim/kernels/reference.py). Two kernels:
 //   1. prepare_kernel: one thread per segment reads found_inf / touched / steps / grad_coef and
 //      the segment's hparams row and forms the scalars derived in fp64 (bias corrections,
 //      lr / bc1, 1 - lr * wd) once, into a 48-byte record per segment;
@@ -278,7 +278,7 @@ using bf16 = __nv_bfloat16;
 //   1.418 -> 1.322, bf16 params 1.553 -> 1.511 (copy bandwidth 4141 GB/s, 2026-12-01); with fp32
 //   grads the chunk that ships is 2048, measured after these (csrc/NOTES.md, session 5);
 // * the rest: 2 steps in registers, no bound (fp32 states: 95% of the 28-byte floor).
-// optim/kernels.py picks each kind's chunk size to match (kernels.light_state).
+// optim/kernels/dispatch.py picks each kind's chunk size to match (kernels.light_state).
 template <typename G, typename M, typename V, bool R>
 using KindShape = std::conditional_t<
     R && sizeof(G) == 2 && std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<2, 4, true>,
@@ -286,7 +286,7 @@ using KindShape = std::conditional_t<
                        std::conditional_t<!R && std::is_same_v<M, bf16> && std::is_same_v<V, bf16>, Shape<1, 4>,
                                           DefaultShape>>>;
 
-// Tuning: SHARDAMP_CUDA_STEP (read once by optim/kernels.py, passed in as `shape`) picks
+// Tuning: SHARDAMP_CUDA_STEP (read once by optim/kernels/dispatch.py, passed in as `shape`) picks
 // another shape for the kinds the benchmark measures: 1 "2x1", 2 "2x3", 4 "1x4" (registers, U
 // steps x B blocks), 3 "c2x4" (staged); 0 or anything else: the kind's own. ("1x3" was timed
 // too: slower than the default for every kind, NOTES.)

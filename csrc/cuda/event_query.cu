@@ -1,7 +1,7 @@
 // cudaEventQuery from a thread that is not capturing, safe while another thread captures a CUDA
 // graph in the default ("global") capture mode, where such a query would invalidate the capture:
 // the query runs with this thread's capture mode exchanged to relaxed, as torch's own NCCL
-// watchdog does. Used by optim/collective_watchdog.py's monitor thread. Returns 1 (complete),
+// watchdog does. Used by optim/comm/watchdog.py's monitor thread. Returns 1 (complete),
 // 0 (not yet) or -1 (an error, cleared; the caller reports it). Never throws.
 
 #include <cuda_runtime.h>

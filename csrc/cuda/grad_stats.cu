@@ -1,5 +1,5 @@
 // grad_stats on CUDA: one read pass over a flat grad shard accumulating sum |g|^p (or max |g|)
-// and a non-finite flag into out[2] (contract: optim/reference.py).
+// and a non-finite flag into out[2] (contract: optim/kernels/reference.py).
 //
 // Deterministic by construction: each block reduces its grid-stride slice in a fixed order,
 // writes one partial, and the last block to finish (ticket counter) folds the partials in index
@@ -182,7 +182,7 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
   }
 }
 
-// The side stream's stats of one landed bucket (optim/grad_sync.py): ``side`` waits for what the
+// The side stream's stats of one landed bucket (optim/sync/grad_sync.py): ``side`` waits for what the
 // current stream has issued (the landed grads), then, on ``side``, zeroes ``zero_first`` if given
 // and accumulates ``grad``'s partial into ``out``. What torch's wait_stream, a stream context, a
 // zero_ and a launch cost from Python, in one call (no new event each time: a recorded event

@@ -1,6 +1,6 @@
 // step_scalars on CUDA: one small launch instead of the ~9 scalar ops that formed the grad
 // coefficient and advanced the step counts before the step kernel, and stats_finish: one launch
-// instead of grad_stats.finish's four (contract: optim/reference.py; arithmetic:
+// instead of grad_stats.finish's four (contract: optim/kernels/reference.py; arithmetic:
 // step_scalars.h). Graph-capturable: no host reads, no allocation.
 
 #include "../step_scalars.h"

@@ -14,9 +14,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .buffers import BucketBuffers
-from .comm import Comm
-from .layout import Bucket
+from ..shards.buffers import BucketBuffers
+from ..comm.collectives import Comm
+from ..layout import Bucket
 
 
 class ParamSync:

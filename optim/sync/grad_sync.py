@@ -32,10 +32,12 @@ from typing import Any, Iterator, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import _compat, grad_stager, kernels, norms
-from .buffers import BucketBuffers
-from .comm import Comm
-from .layout import Bucket, ParamSlot
+from .. import _compat, kernels, norms
+from ..kernels import partials
+from . import grad_stager
+from ..shards.buffers import BucketBuffers
+from ..comm.collectives import Comm
+from ..layout import Bucket, ParamSlot
 
 
 MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
@@ -347,7 +349,7 @@ class GradSync:
         zero = None if self.partials_zeroed else self.partials  # every partial is redone this round
         # one process (nothing reduced): the stats alone, in one native call where there is one
         # (Python's stream switch and launches cost ~150 us of host time a bucket on an H200 host)
-        if work is not None or accumulate or not norms.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
+        if work is not None or accumulate or not partials.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
             self.side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self.side):
                 if work is not None:
@@ -360,7 +362,7 @@ class GradSync:
                     shard.add_(out)
                 if zero is not None:
                     zero.zero_()
-                norms.accumulate_partial(shard, s.partial, 2.0)
+                partials.accumulate_partial(shard, s.partial, 2.0)
             for t in (full, out):
                 if t is not None:
                     # freed by the caller right away: the allocator reuses the memory only once the

@@ -45,7 +45,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from . import _compat
+from .. import _compat
 
 TIMEOUT_ENV = "SHARDAMP_COLLECTIVE_TIMEOUT"
 # How long a rank reads the others' posts: as long as it waited itself (a rank that began waiting

@@ -24,10 +24,10 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _compat
-from .misuse import ddp_error, find_ddp
-from .layout import Bucket, ParamSlot
-from .reference import join_remainders, split_remainders
+from .. import _compat
+from ..checks.misuse import ddp_error, find_ddp
+from ..layout import Bucket, ParamSlot
+from ..kernels.reference import join_remainders, split_remainders
 
 
 def param_view(buffer: Tensor, slot: ParamSlot) -> Tensor:

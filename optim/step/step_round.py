@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
-from . import norms
+from .. import norms
 from .grad_stats import GradStats
 
 

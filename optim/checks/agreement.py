@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .collective_order import TIMEOUT_ENV, collective_timeout  # noqa: F401  (re-exported)
+from ..comm.order import TIMEOUT_ENV, collective_timeout  # noqa: F401  (re-exported)
 
 HASH_BITS = 24
 

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _compat, collective_order, collective_watchdog
-from .collective_order import AGREEMENT, ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
+from .. import _compat
+from . import order as collective_order, watchdog as collective_watchdog
+from .order import AGREEMENT, ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
 
 __all__ = ["Comm", "GroupComm", "make_comm", "all_reduce_max"]
 

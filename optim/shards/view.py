@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from .buffers import BucketBuffers
-from .comm import Comm
-from .hparams import HparamTable
-from .layout import Bucket
+from ..comm.collectives import Comm
+from ..hparams import HparamTable
+from ..layout import Bucket
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ def source_dir() -> Path:
 
         path = Path(SOURCE_DIR)
     except ImportError:
-        path = Path(__file__).resolve().parent.parent / "csrc"
+        path = Path(__file__).resolve().parents[2] / "csrc"
     if not (path / "binding.cpp").is_file():
         raise RuntimeError(f"shardamp kernel sources not found in {path}")
     return path

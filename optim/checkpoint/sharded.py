@@ -35,9 +35,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 
-from . import agreement, atomic_publish
+from ..checks import agreement
+from . import atomic_publish
 from . import state_dict as sd_mod
-from .hparams import validate_groups
+from ..hparams import validate_groups
 
 FORMAT = "shardamp.dcp/1"
 META_KEY = "shardamp/meta"

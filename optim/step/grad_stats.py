@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import kernels, norms
+from .. import kernels, norms
 
 HEADER = norms.PARTIAL  # norm partial, non-finite flag
 

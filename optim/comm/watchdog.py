@@ -52,7 +52,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
-from . import _compat, collective_order, kernels
+from .. import _compat, kernels
+from . import order as collective_order
 
 ENV = "SHARDAMP_COLLECTIVE_WATCHDOG"
 POLL_S = 0.1  # how often the monitor looks: detection within the bound plus this

@@ -8,7 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from . import _compat
+from .. import _compat
 
 
 def take_over(opt: Any, scaler: Any) -> None:

@@ -38,11 +38,12 @@ from typing import Any, Callable, Dict, List, Mapping, Optional
 import torch
 from torch import Tensor
 
-from . import _compat, agreement
-from .buffers import param_view
-from .hparams import check_hparams
-from .layout import ParamSlot
-from .reference import split_remainders
+from .. import _compat
+from ..checks import agreement
+from ..shards.buffers import param_view
+from ..hparams import check_hparams
+from ..layout import ParamSlot
+from ..kernels.reference import split_remainders
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
 MASTER_KEY = "master_param"

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from . import reference
-from .layout import SegmentTable
+from ..layout import SegmentTable
 
 _ENV = "SHARDAMP_KERNELS"
 # What the compiled kernels take for grads and model-dtype outputs; anything else (fp64) runs
@@ -44,7 +44,7 @@ def _native(device: torch.device) -> Optional[Any]:
     kind = device.type
     if kind not in _native_cache:
         try:
-            from ._build import load_extension
+            from .build import load_extension
 
             _native_cache[kind] = load_extension(cuda=(kind == "cuda"))
         except Exception as exc:  # a compiler or toolchain problem

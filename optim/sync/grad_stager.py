@@ -48,7 +48,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 from torch import Tensor
 
-from . import kernels
+from .. import kernels
 
 NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
 
