@@ -10,6 +10,8 @@ import os
 import time
 
 import torch
+
+from shardamp.optim import config
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -181,6 +183,7 @@ def _only_rank0(rank, world, opt, call, seconds=4.0):
     orphaned agreement all-reduce (over the optimizer's group for small all-reduces) only after
     rank 0 gave up, so the group stays usable."""
     os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(seconds)
+    config.reload()  # settings are read once per process
     try:
         if rank == 0:
             t0 = time.monotonic()
@@ -192,6 +195,7 @@ def _only_rank0(rank, world, opt, call, seconds=4.0):
         return {"error": None, "seconds": 0.0}
     finally:
         del os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"]
+        config.reload()  # settings are read once per process
         dist.barrier()
 
 
@@ -240,6 +244,7 @@ def case_watched_state_dict_on_one_rank(rank, world, **kw):
     group = dist.new_group(list(range(world)), use_local_synchronization=True, timeout=datetime.timedelta(seconds=60))
     os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(ORDER_BOUND)
     os.environ["SHARDAMP_COLLECTIVE_WATCHDOG"] = "force"
+    config.reload()  # settings are read once per process
     try:
         torch.manual_seed(0)
         model = MLP()
@@ -259,6 +264,7 @@ def case_watched_state_dict_on_one_rank(rank, world, **kw):
     finally:
         os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
         os.environ.pop("SHARDAMP_COLLECTIVE_WATCHDOG", None)
+        config.reload()  # settings are read once per process
 
 
 def case_different_collectives(rank, world, tmp=None, **kw):

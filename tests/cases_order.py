@@ -9,6 +9,8 @@ import os
 import time
 
 import torch
+
+from shardamp.optim import config
 import torch.distributed as dist
 
 from parity import MLP, batches
@@ -56,8 +58,10 @@ def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=
                            timeout=datetime.timedelta(seconds=group_timeout))
     if bound is not None:
         os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(bound)
+        config.reload()  # settings are read once per process
     if watchdog:
         os.environ["SHARDAMP_COLLECTIVE_WATCHDOG"] = "force"
+        config.reload()  # settings are read once per process
     try:
         torch.manual_seed(0)
         model = MLP()
@@ -82,6 +86,7 @@ def _order_case(rank, world, misstep, steps=4, bound=ORDER_BOUND, group_timeout=
     finally:
         os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
         os.environ.pop("SHARDAMP_COLLECTIVE_WATCHDOG", None)
+        config.reload()  # settings are read once per process
 
 
 def _skip_step(opt, model, r, w):  # the usual way to skip: drop the grads instead of stepping

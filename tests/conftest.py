@@ -18,3 +18,23 @@ def pytest_collection_modifyitems(config, items):
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "world" in callspec.params:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-w{callspec.params['world']}"))
+
+
+def set_env(monkeypatch, name: str, value: str):
+    """Set a ``SHARDAMP_*`` variable for this test and re-read the settings (they are read once
+    per process: shardamp.optim.config). A malformed value raises here, naming the variable."""
+    from shardamp.optim import config
+
+    monkeypatch.setenv(name, value)
+    return config.reload()
+
+
+@pytest.fixture(autouse=True)
+def _settings_follow_the_environment():
+    """Each test starts and ends with the settings read from the environment it sees (autouse:
+    set up before, so torn down after, a test's monkeypatch restores the environment)."""
+    from shardamp.optim import config
+
+    config.reload()
+    yield
+    config.reload()

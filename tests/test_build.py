@@ -13,6 +13,8 @@ import warnings
 import pytest
 import torch
 
+from conftest import set_env
+
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.kernels import build as _build, dispatch as kernels
 from shardamp.optim.layout import Segment, SegmentTable
@@ -128,10 +130,9 @@ def test_cpu_build_follows_torch_and_env(monkeypatch):
     torch_cap = torch.backends.cpu.get_cpu_capability()
     if _build._x86_64():
         assert native == {"AVX512": "avx512", "AVX2": "avx2"}.get(torch_cap, "generic")
-    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "generic")
+    set_env(monkeypatch, "SHARDAMP_CPU_CAPABILITY", "generic")
     assert _build.cpu_capability() == "generic"
-    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "avx512")
+    set_env(monkeypatch, "SHARDAMP_CPU_CAPABILITY", "avx512")
     assert _build.cpu_capability() == native  # never above what torch reports
-    monkeypatch.setenv("SHARDAMP_CPU_CAPABILITY", "sse9")
     with pytest.raises(ValueError, match="SHARDAMP_CPU_CAPABILITY"):
-        _build.cpu_capability()
+        set_env(monkeypatch, "SHARDAMP_CPU_CAPABILITY", "sse9")

@@ -11,6 +11,10 @@ import time
 import pytest
 import torch
 
+from shardamp.optim import config
+
+from conftest import set_env
+
 from shardamp.optim import _compat
 from shardamp.optim.comm import watchdog as collective_watchdog
 from shardamp.optim.comm.order import STATS, REDUCE_SCATTER
@@ -63,7 +67,7 @@ def _new_watchdog(device: torch.device) -> collective_watchdog.Watchdog:
 @pytest.fixture
 def watchdog(monkeypatch):
     """A CUDA-path watchdog whose events come from ``marks`` (lane key, FakeEvent)."""
-    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
+    set_env(monkeypatch, "SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
     aborted = []
     monkeypatch.setattr(_compat, "abort_group", aborted.append)
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
@@ -177,16 +181,15 @@ def test_a_host_wait_is_woken_by_the_report(watchdog):
 
 @pytest.mark.parametrize("value, expected", [("", "on"), ("1", "on"), ("0", "off"), ("force", "force")])
 def test_mode(monkeypatch, value, expected):
-    monkeypatch.setenv(collective_watchdog.ENV, value)
+    set_env(monkeypatch, collective_watchdog.ENV, value)
     assert collective_watchdog.mode() == expected
     assert collective_watchdog.wanted(torch.device("cpu")) == (expected == "force")
     assert collective_watchdog.wanted(torch.device("cuda", 0)) == (expected != "off")
 
 
 def test_bad_mode_names_the_variable(monkeypatch):
-    monkeypatch.setenv(collective_watchdog.ENV, "yes")
     with pytest.raises(ValueError, match="SHARDAMP_COLLECTIVE_WATCHDOG='yes'"):
-        collective_watchdog.mode()
+        set_env(monkeypatch, collective_watchdog.ENV, "yes")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
@@ -194,7 +197,7 @@ def test_cuda_events_and_the_monitor_thread(monkeypatch):
     """The CUDA-only pieces: the event recorded on the current stream without a sync, the real
     monitor thread querying it under its device guard; a stream kept busy past the bound (the
     GPU spinning, standing in for a collective that never completes) is reported."""
-    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
+    set_env(monkeypatch, "SHARDAMP_COLLECTIVE_TIMEOUT", "0.5")
     aborted = []
     monkeypatch.setattr(_compat, "abort_group", aborted.append)
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
@@ -231,7 +234,7 @@ def test_the_monitor_polling_during_a_graph_capture_leaves_it_valid(monkeypatch)
     spin = getattr(torch.cuda, "_sleep", None)
     if spin is None:
         pytest.skip("torch.cuda._sleep is gone")
-    monkeypatch.setenv("SHARDAMP_COLLECTIVE_TIMEOUT", "60")
+    set_env(monkeypatch, "SHARDAMP_COLLECTIVE_TIMEOUT", "60")
     monkeypatch.setattr(_compat, "group_name", lambda g: f"group{id(g)}")
     wd = _new_watchdog(torch.device("cuda", torch.cuda.current_device()))
     if wd.native is None:
@@ -277,6 +280,7 @@ def _nccl_abort_case(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = "0.5"
+    config.reload()  # settings are read once per process
     group = dist.new_group(backend="nccl")
     x = torch.ones(4, device="cuda")
     dist.all_reduce(x, group=group)  # the communicator exists before it is aborted

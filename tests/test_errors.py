@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from conftest import set_env
 import torch.nn as nn
 
 from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
@@ -145,7 +146,7 @@ def test_world_size_env_without_process_group_raises(monkeypatch) -> None:
 def test_same_address_view_of_another_layout_breaks_the_view(kernels: str, monkeypatch) -> None:
     # the native one-call check (and the Python walk without it) compares strides, not only
     # the data pointer: a transposed view of the same storage is a break too
-    monkeypatch.setenv("SHARDAMP_KERNELS", kernels)
+    set_env(monkeypatch, "SHARDAMP_KERNELS", kernels)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     opt = DistributedFusedAdam(m.parameters())

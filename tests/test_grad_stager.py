@@ -10,6 +10,9 @@ import os
 import pytest
 import torch
 
+from shardamp.optim import config
+from conftest import set_env
+
 from dist_helper import run_cases, run_distributed
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.sync import grad_stager
@@ -100,7 +103,7 @@ def test_default_hooks_are_native_and_removed_with_the_optimizer() -> None:
 def test_newest_optimizer_owns_the_params(monkeypatch, python_hooks: str) -> None:
     """A second optimizer over the same params takes their grads; the first one's hook stands
     aside (its shards stay empty), as before, with either hook."""
-    monkeypatch.setenv("SHARDAMP_PYTHON_GRAD_HOOKS", python_hooks)
+    set_env(monkeypatch, "SHARDAMP_PYTHON_GRAD_HOOKS", python_hooks)
     model, first = _model_and_opt()
     second = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=1e-4)
     ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
@@ -119,7 +122,7 @@ def test_newest_optimizer_owns_the_params(monkeypatch, python_hooks: str) -> Non
 
 @pytest.mark.parametrize("python_hooks", ["0", "1"])
 def test_sparse_grad_raises_at_backward(monkeypatch, python_hooks: str) -> None:
-    monkeypatch.setenv("SHARDAMP_PYTHON_GRAD_HOOKS", python_hooks)
+    set_env(monkeypatch, "SHARDAMP_PYTHON_GRAD_HOOKS", python_hooks)
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = DistributedFusedAdam(emb.parameters(), lr=1e-2)
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
@@ -145,6 +148,7 @@ def test_user_post_accumulate_hook_sees_the_grad_with_native_hooks() -> None:
 # ------------------------------------------------------------------ whole loops on the Python hooks
 def _run_with_python_hooks(rank: int, world: int, names):
     os.environ["SHARDAMP_PYTHON_GRAD_HOOKS"] = "1"
+    config.reload()  # settings are read once per process
     out = run_cases(rank, world, "cases_core", names)
     probe = DistributedFusedAdam([torch.nn.Parameter(torch.ones(3))], lr=1.0)
     out["stager"] = ("ok", type(probe._grad_sync.stager).__name__)

@@ -5,45 +5,51 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import set_env
+
+from shardamp.optim import config
 from shardamp.optim.kernels import dispatch as kernels
 
 
 def test_cuda_chunk_knob(monkeypatch):
     monkeypatch.delenv("SHARDAMP_CUDA_CHUNK", raising=False)
+    config.reload()
     assert kernels.cuda_chunk(4096) == 4096
-    monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", "8192")
+    set_env(monkeypatch, "SHARDAMP_CUDA_CHUNK", "8192")
     assert kernels.cuda_chunk(4096) == 8192
     for bad in ("0", "-5", "4k", "1.5"):
-        monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", bad)
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_CHUNK"):
-            kernels.cuda_chunk(4096)
+            set_env(monkeypatch, "SHARDAMP_CUDA_CHUNK", bad)
 
 
 def test_cuda_step_shape_knob(monkeypatch):
     monkeypatch.delenv("SHARDAMP_CUDA_STEP", raising=False)
+    config.reload()
     assert kernels.cuda_step_shape() == ""
     for ok in kernels.CUDA_STEP_SHAPES:
-        monkeypatch.setenv("SHARDAMP_CUDA_STEP", ok)
+        set_env(monkeypatch, "SHARDAMP_CUDA_STEP", ok)
         assert kernels.cuda_step_shape() == ok
     for bad in ("4x2", " 2x1", "c2x3"):
-        monkeypatch.setenv("SHARDAMP_CUDA_STEP", bad)
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_STEP"):
-            kernels.cuda_step_shape()
+            set_env(monkeypatch, "SHARDAMP_CUDA_STEP", bad)
 
 
 def test_knobs_are_read_once(monkeypatch):
-    """The dispatcher reads both knobs once (``refresh_knobs`` re-reads them), not at every launch."""
+    """Both knobs are read from the environment once (shardamp.optim.config; ``config.reload()``
+    re-reads it), and the dispatcher caches them, not reading them at every launch."""
     try:
         monkeypatch.setenv("SHARDAMP_CUDA_STEP", "1x4")
         monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", "2048")
+        config.reload()
         assert kernels.refresh_knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)
         monkeypatch.setenv("SHARDAMP_CUDA_STEP", "2x1")
         assert kernels._knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)  # still the cached read
-        monkeypatch.setenv("SHARDAMP_CUDA_STEP", "4x2")
+        assert config.settings().cuda_step == "1x4"  # the environment is not read again
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_STEP"):
-            kernels.refresh_knobs()
+            set_env(monkeypatch, "SHARDAMP_CUDA_STEP", "4x2")
     finally:
         monkeypatch.undo()
+        config.reload()
         kernels.refresh_knobs()  # back to what the environment says
 
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import set_env
 
 from shardamp.optim import kernels
 from shardamp.optim.kernels import reference
@@ -237,7 +238,7 @@ def test_grad_stats_flags_non_finite(exts, device, grad_dtype, bad, norm_type):
 def test_dispatcher_uses_native_with_cached_chunks(exts, device, monkeypatch):
     """kernels.adam_step on a SegmentTable builds the chunk map once and reuses it."""
     _ext_for(exts, device)
-    monkeypatch.setenv("SHARDAMP_KERNELS", "native")
+    set_env(monkeypatch, "SHARDAMP_KERNELS", "native")
     assert kernels.backend(torch.device(device)) == "native"
     state, table, hparams, steps, touched = _shard(device, torch.bfloat16, torch.bfloat16, seed=13)
     segs = SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in SEGMENTS], table)
@@ -417,7 +418,7 @@ def test_dispatcher_runs_new_states_natively(exts, device, monkeypatch):
     """kernels.adam_step sends bf16 moments and int16 remainders to the compiled kernels (not
     the reference fallback): forced native, the results equal the reference's to round-off."""
     _ext_for(exts, device)
-    monkeypatch.setenv("SHARDAMP_KERNELS", "native")
+    set_env(monkeypatch, "SHARDAMP_KERNELS", "native")
     calls = []
     monkeypatch.setattr(reference, "adam_step", lambda *a, **k: calls.append(a))
     state, table, hparams, steps, touched = _shard_states(

@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import set_env
 import torch.nn as nn
 
 from shardamp.optim import DistributedFusedAdam
@@ -170,7 +171,7 @@ def _train_three_steps():
 def test_reference_kernels_forced_by_env(monkeypatch) -> None:
     from shardamp.optim import kernels
 
-    monkeypatch.setenv("SHARDAMP_KERNELS", "reference")
+    set_env(monkeypatch, "SHARDAMP_KERNELS", "reference")
     assert kernels.backend(torch.device("cpu")) == "reference"
     _train_three_steps()
 
@@ -189,12 +190,11 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch) -> None:
         assert kernels.backend(torch.device("cpu")) == "reference"
     _train_three_steps()
     monkeypatch.setattr(kernels, "_native_cache", {})
-    monkeypatch.setenv("SHARDAMP_KERNELS", "native")
+    set_env(monkeypatch, "SHARDAMP_KERNELS", "native")
     with pytest.raises(RuntimeError, match="SHARDAMP_KERNELS=native"):
         kernels.backend(torch.device("cpu"))
-    monkeypatch.setenv("SHARDAMP_KERNELS", "fast")
     with pytest.raises(ValueError, match="SHARDAMP_KERNELS"):
-        kernels.backend(torch.device("cpu"))
+        set_env(monkeypatch, "SHARDAMP_KERNELS", "fast")
 
 
 @pytest.mark.parametrize("param_dtype, state_dtype", [(torch.float64, torch.float32), (torch.float32, torch.float64)])

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import math
 import os
 import threading
 import time
@@ -45,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from .. import _compat
+from .. import _compat, config
 
 TIMEOUT_ENV = "SHARDAMP_COLLECTIVE_TIMEOUT"
 # How long a rank reads the others' posts: as long as it waited itself (a rank that began waiting
@@ -62,16 +61,7 @@ AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_sta
 
 def collective_timeout() -> Optional[float]:
     """``SHARDAMP_COLLECTIVE_TIMEOUT`` in seconds, None when unset (the group's timeout applies)."""
-    value = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        seconds = -1.0
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise ValueError(f"{TIMEOUT_ENV}={value!r}: expected a number of seconds > 0")
-    return seconds
+    return config.settings().collective_timeout
 
 
 # ---------------------------------------------------------------- tag spaces

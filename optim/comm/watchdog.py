@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
 import time
 import weakref
@@ -52,7 +51,7 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
-from .. import _compat, kernels
+from .. import _compat, config, kernels
 from . import order as collective_order
 
 ENV = "SHARDAMP_COLLECTIVE_WATCHDOG"
@@ -69,15 +68,7 @@ _log = logging.getLogger("shardamp")
 
 def mode() -> str:
     """``SHARDAMP_COLLECTIVE_WATCHDOG``: ``"on"`` (default: CUDA params), ``"off"`` or ``"force"``."""
-    value = os.environ.get(ENV, "").strip().lower()
-    if value in ("", "1", "on"):
-        return "on"
-    if value in ("0", "off"):
-        return "off"
-    if value == "force":
-        return "force"
-    raise ValueError(f"{ENV}={value!r}: expected 1 (default: watch CUDA collectives), 0 (off) or force "
-                     "(also on gloo CPU groups, in place of the bounded host waits)")
+    return config.settings().collective_watchdog
 
 
 def wanted(device: Optional[torch.device]) -> bool:

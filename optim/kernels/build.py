@@ -26,6 +26,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, Iterator, List
 
+from .. import config
+
 WAIT_REPORT_S = 30.0  # report a wait for another process's build after this long
 
 _loaded: Dict[bool, Any] = {}
@@ -49,7 +51,7 @@ def source_dir() -> Path:
 
 
 def _cuda_gencode() -> List[str]:
-    archs = os.environ.get("SHARDAMP_CUDA_ARCH", "").replace(",", ";").split(";")
+    archs = config.settings().cuda_arch.replace(",", ";").split(";")
     archs = [a.strip().replace(".", "") for a in archs if a.strip()]
     if not archs:
         return list(_DEFAULT_GENCODE)
@@ -74,9 +76,7 @@ def cpu_capability() -> str:
     except (AttributeError, RuntimeError):
         torch_cap = "generic"
     order = ["generic", "avx2", "avx512"]
-    asked = os.environ.get("SHARDAMP_CPU_CAPABILITY", "").strip().lower() or torch_cap
-    if asked not in order:
-        raise ValueError(f"SHARDAMP_CPU_CAPABILITY={asked!r}: expected generic, avx2 or avx512")
+    asked = config.settings().cpu_capability or torch_cap
     return order[min(order.index(asked), order.index(torch_cap))]
 
 
@@ -125,7 +125,7 @@ def load_extension(cuda: bool):
             extra_include_paths=[str(src)],
             with_cuda=cuda,
             build_directory=build_dir,
-            verbose=os.environ.get("SHARDAMP_BUILD_VERBOSE", "") not in ("", "0"),
+            verbose=config.settings().build_verbose,
             **kwargs,
         )
     _loaded[cuda] = module

@@ -9,13 +9,13 @@ build, and a failed build warns once and falls back to the reference.
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import config
 from . import reference
 from ..layout import SegmentTable
 
@@ -30,10 +30,8 @@ _warned = set()
 
 
 def requested_backend() -> str:
-    value = os.environ.get(_ENV, "auto").strip().lower() or "auto"
-    if value not in ("auto", "native", "reference"):
-        raise ValueError(f"{_ENV}={value!r}: expected 'native', 'reference' or unset")
-    return value
+    """``"auto"``, ``"native"`` or ``"reference"``: the backend asked for (``SHARDAMP_KERNELS``)."""
+    return config.settings().kernels
 
 
 def _native(device: torch.device) -> Optional[Any]:
@@ -47,6 +45,7 @@ def _native(device: torch.device) -> Optional[Any]:
             from .build import load_extension
 
             _native_cache[kind] = load_extension(cuda=(kind == "cuda"))
+            _apply_settings(_native_cache[kind], config.settings())
         except Exception as exc:  # a compiler or toolchain problem
             if mode == "native":
                 raise RuntimeError(f"{_ENV}=native but the {kind} kernels could not be built: {exc}") from exc
@@ -61,6 +60,22 @@ def _native(device: torch.device) -> Optional[Any]:
                     stacklevel=3,
                 )
     return _native_cache[kind]
+
+
+def _apply_settings(ext: Optional[Any], settings: config.Settings) -> None:
+    """Push the settings a loaded extension keeps itself (the release thread's on/off)."""
+    if ext is not None and hasattr(ext, "set_async_release"):
+        ext.set_async_release(settings.async_grad_release)
+
+
+def _settings_changed(settings: config.Settings) -> None:
+    global _knob_cache
+    _knob_cache = None
+    for ext in _native_cache.values():
+        _apply_settings(ext, settings)
+
+
+config.on_change(_settings_changed)
 
 
 def _brief(exc: Exception, lines: int = 6) -> str:
@@ -205,7 +220,8 @@ _knob_cache: Optional[tuple] = None
 
 
 def refresh_knobs() -> tuple:
-    """Re-read SHARDAMP_CUDA_STEP and SHARDAMP_CUDA_CHUNK (a bad value raises, naming it)."""
+    """The tuning knobs SHARDAMP_CUDA_STEP and SHARDAMP_CUDA_CHUNK as the settings now hold them
+    (after ``config.reload()`` re-read the environment: a bad value raises there, naming it)."""
     global _knob_cache
     shape = cuda_step_shape()
     _knob_cache = (CUDA_STEP_SHAPES.index(shape) + 1 if shape else 0, cuda_chunk(0))
@@ -219,13 +235,7 @@ def _knobs() -> tuple:
 def cuda_chunk(default: int) -> int:
     """Elements per chunk of the CUDA step: ``default`` (the kernels' ``CUDA_CHUNK``) unless the
     tuning knob ``SHARDAMP_CUDA_CHUNK`` sets another positive number (csrc/NOTES.md)."""
-    value = os.environ.get("SHARDAMP_CUDA_CHUNK", "").strip()
-    if not value:
-        return default
-    if not value.isdigit() or not 0 < int(value) < 2**31:
-        raise ValueError(f"SHARDAMP_CUDA_CHUNK={value!r}: expected a positive number of elements (e.g. 4096), "
-                         "or unset for the default")
-    return int(value)
+    return config.settings().cuda_chunk or default
 
 
 # Elements per CUDA block (chunk) of the lighter steps, by state kind: each kind's step has its
@@ -262,17 +272,13 @@ def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_dtype:
 
 # The launch shapes SHARDAMP_CUDA_STEP may pick, in the order of their codes 1, 2, ... (adam_step's
 # ``shape`` argument, csrc/cuda/adam_step.cu).
-CUDA_STEP_SHAPES = ("2x1", "2x3", "c2x4", "1x4")
+CUDA_STEP_SHAPES = config.CUDA_STEP_SHAPES
 
 
 def cuda_step_shape() -> str:
     """The tuning knob ``SHARDAMP_CUDA_STEP`` ('' when unset): another launch shape for the
     light-state kinds the benchmark measures (csrc/NOTES.md, examples/tune_step.py)."""
-    value = os.environ.get("SHARDAMP_CUDA_STEP", "")
-    if value and value not in CUDA_STEP_SHAPES:
-        raise ValueError(f"SHARDAMP_CUDA_STEP={value!r}: expected one of {', '.join(CUDA_STEP_SHAPES)}, "
-                         "or unset for each kind's own shape")
-    return value
+    return config.settings().cuda_step
 
 
 def _chunk_size(ext: Any, device: torch.device, light: int) -> int:

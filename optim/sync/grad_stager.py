@@ -42,13 +42,12 @@ calls it, so memory is where torch's is by then).
 from __future__ import annotations
 
 import atexit
-import os
 import weakref
 from typing import Any, Callable, List, Sequence, Tuple
 
 from torch import Tensor
 
-from .. import kernels
+from .. import config, kernels
 
 NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
 
@@ -226,7 +225,7 @@ def _drain_at_exit(native: Any) -> None:
 def _python_hooks_forced() -> bool:
     """``SHARDAMP_PYTHON_GRAD_HOOKS=1``: the Python hooks even where the native ones exist (to
     test both, or to rule the native hook out)."""
-    return os.environ.get("SHARDAMP_PYTHON_GRAD_HOOKS", "") == "1"
+    return config.settings().python_grad_hooks
 
 
 __all__ = ["PyStager", "make_stager", "for_grad_sync", "NONE", "SLOW", "FLUSH", "COMPLETE"]
