@@ -3,8 +3,11 @@
 
 #include <torch/extension.h>
 
+#include <limits>
+
 #include "common.h"
 #include "land_grads.h"
+#include "step_scalars.h"
 
 namespace shardamp {
 
@@ -12,8 +15,11 @@ namespace cpu {
 void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
 void adam_step(const AdamArgs& args, const at::Tensor& chunks);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
+                  const StepHealth* health);
 void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
+void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);
+void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type);
 }  // namespace cpu
 
 #if defined(SHARDAMP_WITH_CUDA)
@@ -25,8 +31,12 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
                         const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
                         bool bias_correction);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched);
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
+                  const StepHealth* health);
 void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
+void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);  // grad_stats.cu
+void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type,
+                    const at::Tensor& chunks);  // grad_stats.cu
 int64_t event_query_relaxed(int64_t handle);  // event_query.cu
 void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor& out,
                       const c10::optional<at::Tensor>& zero_first, double norm_type);  // grad_stats.cu
@@ -234,8 +244,13 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
 
 // The step's scalars in one launch (optim/kernels/dispatch.py checks dtypes and devices before calling:
 // fp32 everywhere, one device; these checks are the backstop).
+// With ``skip_out`` the same launch decides the step's skip (found-inf or a norm spike above
+// ``skip_above``) and updates the health ``counters`` (fp64 [4]) and ``record`` (fp32 [2]).
 void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                  double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched) {
+                  double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
+                  const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
+                  const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
+                  const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record) {
   auto check = [&](const at::Tensor& t, const char* name, int64_t numel) {
     SHARDAMP_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == coef_out.device(),
                    "step_scalars: ", name, " must be a contiguous fp32 tensor on ", coef_out.device());
@@ -247,15 +262,89 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   check(found_inf, "found_inf", 1);
   check(steps, "steps", -1);
   check(touched, "touched", steps.numel());
+  StepHealth health{nullptr, nullptr, nullptr, static_cast<float>(avg), skip_above, nullptr, nullptr};
+  if (skip_out) {
+    SHARDAMP_CHECK(raw_norm.has_value(), "step_scalars: skip_out needs raw_norm");
+    check(*skip_out, "skip_out", 1);
+    check(*raw_norm, "raw_norm", 1);
+    health.skip_out = skip_out->data_ptr<float>();
+    health.raw_norm = raw_norm->data_ptr<float>();
+    if (inv_scale) {
+      check(*inv_scale, "inv_scale", 1);
+      health.inv_scale = inv_scale->data_ptr<float>();
+    }
+    if (counters) {
+      SHARDAMP_CHECK(counters->scalar_type() == at::kDouble && counters->is_contiguous() && counters->numel() == 4 &&
+                         counters->device() == coef_out.device(),
+                     "step_scalars: counters must be a contiguous fp64 tensor of 4 elements on ", coef_out.device());
+      health.counters = counters->data_ptr<double>();
+    }
+    if (record) {
+      check(*record, "record", 2);
+      health.record = record->data_ptr<float>();
+    }
+  } else {
+    SHARDAMP_CHECK(!counters && !record, "step_scalars: counters and record need skip_out");
+  }
+  const StepHealth* h = skip_out ? &health : nullptr;
   if (coef_out.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)
-    return cuda::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
+    return cuda::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, h);
 #else
     SHARDAMP_CHECK(false, "step_scalars: this build of the shardamp kernels has no CUDA support");
 #endif
   }
   SHARDAMP_CHECK(coef_out.is_cpu(), "step_scalars: unsupported device ", coef_out.device());
-  cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched);
+  cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, h);
+}
+
+// Backward: the per-param non-finite flags of this rank's grads before their reduction
+// (optim/step/health.py). flags[rows[i, 2]] = 1 (and flags[-1] = 1) where the row's elements hold
+// an inf or NaN.
+void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags) {
+  SHARDAMP_CHECK(is_float_type(full.scalar_type()) && full.is_contiguous(),
+                 "nonfinite_flags: full must be a contiguous fp32/bf16/fp16 tensor");
+  SHARDAMP_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 3 &&
+                     rows.device() == full.device(),
+                 "nonfinite_flags: rows must be a contiguous int64 [k, 3] tensor on ", full.device());
+  SHARDAMP_CHECK(flags.scalar_type() == at::kFloat && flags.is_contiguous() && flags.numel() >= 1 &&
+                     flags.device() == full.device(),
+                 "nonfinite_flags: flags must be a contiguous fp32 tensor on ", full.device());
+  if (full.is_cuda()) {
+#if defined(SHARDAMP_WITH_CUDA)
+    return cuda::nonfinite_flags(full, rows, flags);
+#else
+    SHARDAMP_CHECK(false, "nonfinite_flags: this build of the shardamp kernels has no CUDA support");
+#endif
+  }
+  SHARDAMP_CHECK(full.is_cpu(), "nonfinite_flags: unsupported device ", full.device());
+  cpu::nonfinite_flags(full, rows, flags);
+}
+
+// Each param group's norm partial of a shard (optim/step/health.py: grad_norms_by_group), from
+// its segment table; CUDA also takes the table's chunk map (chunk_table()).
+void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor out, double norm_type,
+                    const c10::optional<at::Tensor>& chunks) {
+  SHARDAMP_CHECK(is_float_type(grad.scalar_type()) && grad.is_contiguous(),
+                 "group_partials: grad must be a contiguous fp32/bf16/fp16 tensor");
+  SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.is_contiguous() && segments.dim() == 2 &&
+                     segments.size(1) == 4 && segments.device() == grad.device(),
+                 "group_partials: segments must be a contiguous int64 [S, 4] tensor on ", grad.device());
+  SHARDAMP_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device() == grad.device(),
+                 "group_partials: out must be a contiguous fp32 tensor on ", grad.device());
+  SHARDAMP_CHECK(!std::isnan(norm_type), "group_partials: norm_type is NaN");
+  if (grad.is_cuda()) {
+#if defined(SHARDAMP_WITH_CUDA)
+    SHARDAMP_CHECK(chunks.has_value() && chunks->scalar_type() == at::kLong && chunks->is_contiguous() &&
+                       chunks->device() == grad.device(),
+                   "group_partials: CUDA needs the segments' chunk map (int64 [C, 2]) on ", grad.device());
+    return cuda::group_partials(grad, segments, out, norm_type, *chunks);
+#else
+    SHARDAMP_CHECK(false, "group_partials: this build of the shardamp kernels has no CUDA support");
+#endif
+  }
+  SHARDAMP_CHECK(grad.is_cpu(), "group_partials: unsupported device ", grad.device());
+  cpu::group_partials(grad, segments, out, norm_type);
 }
 
 // The reduced stats' header and touched flags in one launch (optim/kernels/dispatch.py checks first;
@@ -329,9 +418,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("land_grads", &shardamp::land_grads, "Copy (or add) grads into their slots of a flat bucket buffer (byte ranges where the layouts match)",
         py::arg("full"), py::arg("grads"), py::arg("like"), py::arg("offsets"), py::arg("accumulate"));
   m.def("step_scalars", &shardamp::step_scalars,
-        "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - found_inf)",
+        "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - skip); with skip_out the "
+        "step's skip (found-inf or a norm spike) and the health counters",
         py::arg("coef_out"), py::arg("base"), py::arg("scale"), py::arg("norm"), py::arg("max_norm"),
-        py::arg("found_inf"), py::arg("steps"), py::arg("touched"));
+        py::arg("found_inf"), py::arg("steps"), py::arg("touched"), py::arg("skip_out") = py::none(),
+        py::arg("raw_norm") = py::none(), py::arg("inv_scale") = py::none(), py::arg("avg") = 1.0,
+        py::arg("skip_above") = std::numeric_limits<double>::infinity(), py::arg("counters") = py::none(),
+        py::arg("record") = py::none());
+  m.def("nonfinite_flags", &shardamp::nonfinite_flags,
+        "flags[index] = 1 (and flags[-1] = 1) for each (start, length, index) row of full holding an inf or NaN",
+        py::arg("full"), py::arg("rows"), py::arg("flags"));
+  m.def("group_partials", &shardamp::group_partials,
+        "out[group] += each param group's norm partial of a shard (sum |g|^p, max for inf)",
+        py::arg("grad"), py::arg("segments"), py::arg("out"), py::arg("norm_type"), py::arg("chunks") = py::none());
   m.def("stats_finish", &shardamp::stats_finish,
         "out = [root(stats[0]), found_inf]; stats[2:end] clamped to <= 1 (norm_type 2 or inf)",
         py::arg("stats"), py::arg("end"), py::arg("norm_type"), py::arg("out"));

@@ -89,6 +89,22 @@ inline double read_scalar(const at::Tensor& t, int64_t i) {
 // NaN-propagating max, as torch.maximum.
 SHARDAMP_HD float nan_max(float a, float b) { return (a > b || a != a) ? a : b; }
 
+// The row of ``rows`` (int64 [k, 3] of (start, length, index), sorted by start, not overlapping)
+// holding element ``i``, or -1 where none does (padding between rows).
+SHARDAMP_HD int64_t find_row(const int64_t* rows, int64_t n_rows, int64_t i) {
+  int64_t lo = 0, hi = n_rows - 1, found = -1;
+  while (lo <= hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (rows[3 * mid] <= i) {
+      found = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return (found >= 0 && i < rows[3 * found] + rows[3 * found + 1]) ? found : -1;
+}
+
 struct SegmentScalars {
   float coef;             // grad_coef
   float decay;            // 1 - lr * wd        (AdamW)

@@ -33,4 +33,46 @@ SHARDAMP_HD void finish_header(const float* stats, bool sqrt_root, float* out) {
 // The touched counts (SUM over ranks) as 0/1 flags: clamp(max=1), NaN kept as torch's clamp keeps it.
 SHARDAMP_HD float clamp_touched(float v) { return v > 1.0f ? 1.0f : v; }
 
+// The step's health (reference.py ``step_scalars`` with ``skip_out``; optim/step/health.py). Null
+// pointers where the caller gave no such tensor.
+struct StepHealth {
+  float* skip_out;         // the step's skip flag: found-inf or a norm spike
+  const float* raw_norm;   // the reduced norm, before averaging and unscaling
+  const float* inv_scale;  // 1 / loss scale, or null (no scaler)
+  float avg;               // the averaging factor
+  double skip_above;       // a spike: the unscaled norm above this (inf: never)
+  double* counters;        // [applied, skipped non-finite, skipped spike, consecutive skips]
+  float* record;           // [reason 0 applied / 1 found-inf / 2 spike, unscaled norm]
+};
+
+// ``raw * avg * inv_scale`` in that order, as StepRound forms the norm grad_norm() hands out.
+SHARDAMP_HD float unscaled_norm(const StepHealth& h) {
+  const float n = *h.raw_norm * h.avg;
+  return h.inv_scale != nullptr ? n * *h.inv_scale : n;
+}
+
+// Found-inf or a spike (compared in double: exact; NaN is never a spike).
+SHARDAMP_HD bool step_skipped(const StepHealth& h, float found_inf) {
+  return found_inf != 0.0f || static_cast<double>(unscaled_norm(h)) > h.skip_above;
+}
+
+// Once per step (one thread): the skip flag, the counters and the record.
+SHARDAMP_HD void update_health(const StepHealth& h, float found_inf) {
+  const float norm = unscaled_norm(h);
+  const bool found = found_inf != 0.0f;
+  const bool spike = static_cast<double>(norm) > h.skip_above;
+  const bool skip = found || spike;
+  *h.skip_out = skip ? 1.0f : 0.0f;
+  if (h.counters != nullptr) {
+    h.counters[0] += skip ? 0.0 : 1.0;
+    h.counters[1] += found ? 1.0 : 0.0;
+    h.counters[2] += (spike && !found) ? 1.0 : 0.0;
+    h.counters[3] = skip ? h.counters[3] + 1.0 : 0.0;
+  }
+  if (h.record != nullptr) {
+    h.record[0] = found ? 1.0f : (spike ? 2.0f : 0.0f);
+    h.record[1] = norm;
+  }
+}
+
 }  // namespace shardamp

@@ -497,3 +497,108 @@ def test_stats_finish_matches_reference_bitwise(exts, device):
                     assert found.item() == (1.0 if flag or not math.isfinite(partial) else 0.0)
                     flags = native[2:end]
                     assert bool(((flags <= 1.0) | flags.isnan()).all()) and int(flags.isnan().sum()) == min(n_touched, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_step_scalars_health_match_reference_bitwise(exts, device):
+    """The step's health in the same launch: the skip (found-inf, or the unscaled norm ``raw *
+    avg * inv_scale`` above ``skip_above``, never for NaN), the steps advanced by it, the fp64
+    counters and the record [reason, unscaled norm]: bit for bit the reference's torch ops,
+    for norms below, at and above the threshold, inf and NaN, with and without a scale."""
+    ext = _ext_for(exts, device)
+    touched = torch.tensor([1.0, 0.0, 1.0, 1.0], device=device)
+    for raw_value in (0.0, 0.5, 2.0, 2.0 + 1e-6, 3e38, math.inf, math.nan):
+        for found in (0.0, 1.0):
+            for inv in (None, 0.25, 1.0):
+                for above in (math.inf, 1.0, 0.5):
+                    outs = []
+                    for fn in (ext.step_scalars, reference.step_scalars):
+                        coef, steps = torch.empty((), device=device), torch.arange(4.0, device=device)
+                        counters = torch.tensor([5.0, 1.0, 2.0, 3.0], dtype=torch.float64, device=device)
+                        health = dict(skip_out=torch.full((), -1.0, device=device),
+                                      raw_norm=torch.tensor(raw_value, device=device),
+                                      inv_scale=None if inv is None else torch.tensor(inv, device=device),
+                                      avg=0.5, skip_above=above, counters=counters,
+                                      record=torch.full((2,), -1.0, device=device))
+                        fn(coef, torch.tensor(1.0, device=device), 1.0, None, 0.0,
+                           torch.tensor(found, device=device), steps, touched, **health)
+                        outs.append((steps, health["skip_out"], counters, health["record"]))
+                    where = (raw_value, found, inv, above)
+                    for a, b in zip(*outs):
+                        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")
+                    steps, skip, counters, record = outs[0]
+                    unscaled = raw_value * 0.5 * (1.0 if inv is None else inv)
+                    want_skip = found != 0 or unscaled > above
+                    assert skip.item() == float(want_skip), where
+                    assert counters.tolist() == [5.0 + (not want_skip), 1.0 + found, 2.0 + (want_skip and not found),
+                                                 3.0 + 1 if want_skip else 0.0], where
+                    assert record[0].item() == (1.0 if found else 2.0 if want_skip else 0.0), where
+
+
+def _flag_rows(device):
+    # (start, length, index): padding between rows, rows of one element, a row over several chunks
+    return torch.tensor([[0, 37, 0], [48, 16400, 3], [16453, 5, 1], [16464, 1, 4], [16480, 150000, 2]],
+                        dtype=torch.int64, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+def test_nonfinite_flags_match_reference(exts, device, dtype):
+    """Per-row non-finite flags of a flat buffer: inf, -inf and NaN in any row (first, last and
+    middle elements, a one-element row, a row spanning chunks) set exactly that row's index and
+    the "any" flag; padding between rows is never looked at; flags already set stay set."""
+    ext = _ext_for(exts, device)
+    rows = _flag_rows(device)
+    numel = 16480 + 150000 + 7
+    g = torch.Generator().manual_seed(11)
+    cases = [[], [(0, math.inf)], [(36, -math.inf)], [(40, math.nan)], [(16464, math.nan)],
+             [(48 + 16399, math.inf), (16480 + 149999, math.nan)], [(16480 + 70000, -math.inf), (16455, math.inf)],
+             [(numel - 1, math.nan)]]
+    for poison in cases:
+        full = (torch.randn(numel, generator=g) * 100).to(dtype).to(device)
+        for at, value in poison:
+            full[at] = value
+        for preset in (False, True):
+            outs = []
+            for fn in (ext.nonfinite_flags, reference.nonfinite_flags):
+                flags = torch.zeros(6, device=device)
+                if preset:
+                    flags[0] = 1.0
+                fn(full, rows, flags)
+                outs.append(flags.cpu())
+            assert torch.equal(outs[0], outs[1]), (poison, preset, outs)
+            hit = {r[2] for r in rows.tolist() for at, _ in poison if r[0] <= at < r[0] + r[1]}
+            want = torch.zeros(6)
+            for i in hit | ({0} if preset else set()):
+                want[i] = 1.0
+            if hit:
+                want[-1] = 1.0
+            assert torch.equal(outs[0], want), (poison, preset, outs[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
+def test_group_partials_match_reference(exts, device, dtype, norm_type):
+    """Each param group's partial of a shard (its segments in several groups, interleaved, one
+    over several chunks), accumulated into ``out``: the reference's to fp32 round-off; a NaN
+    propagates into its group only."""
+    ext = _ext_for(exts, device)
+    table = SegmentTable.build([Segment(s, n, p, grp, 0) for s, n, p, grp in
+                                [(0, 37, 0, 0), (48, 16400, 1, 2), (16453, 5, 2, 0), (16464, 1000, 3, 1),
+                                 (17470, 40000, 5, 2)]], torch.device(device))
+    g = torch.Generator().manual_seed(2)
+    grad = (torch.randn(NUMEL, generator=g) * 3).to(dtype).to(device)
+    for poison in (False, True):
+        if poison:
+            grad[16455] = math.nan  # group 0
+        outs = []
+        for native in (True, False):
+            out = torch.tensor([0.5, 0.25, 0.0, 7.0], device=device)  # accumulated into; group 3 has no segment
+            if native:
+                kernels.group_partials(grad, table, out, norm_type, 6)
+            else:
+                reference.group_partials(grad, table.table.cpu(), out, norm_type)
+            outs.append(out.cpu())
+        torch.testing.assert_close(outs[0], outs[1], rtol=2e-5, atol=0, equal_nan=True)
+        assert outs[0][3] == 7.0 and bool(outs[0][0].isnan()) == poison and bool(torch.isfinite(outs[0][1:]).all())

@@ -148,6 +148,93 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// group_partials: each param group's partial of a shard, segment by segment (the same per-segment
+// arithmetic as grad_stats, folded into out[group] in segment order: deterministic)
+
+void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type) {
+  const int64_t* rows = segments.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  const bool max_norm = std::isinf(norm_type);
+  for (int64_t r = 0, count = segments.size(0); r < count; ++r) {
+    const int64_t start = rows[4 * r], len = rows[4 * r + 1], group = rows[4 * r + 3];
+    if (len == 0) continue;
+    float part[2] = {0.f, 0.f};
+    switch (grad.scalar_type()) {
+      case at::kFloat: stats_dispatch_norm(grad.data_ptr<float>() + start, len, norm_type, part); break;
+      case at::kBFloat16: stats_dispatch_norm(grad.data_ptr<at::BFloat16>() + start, len, norm_type, part); break;
+      case at::kHalf: stats_dispatch_norm(grad.data_ptr<at::Half>() + start, len, norm_type, part); break;
+      default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", grad.scalar_type());
+    }
+    o[group] = max_norm ? nan_max(o[group], part[0]) : o[group] + part[0];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// nonfinite_flags: one vectorized pass over the buffer (x - x is NaN exactly for inf/NaN), chunk
+// by chunk in parallel; only a chunk holding a non-finite value is read again, element by
+// element, each such element's row found by binary search (rows sorted by start).
+
+constexpr int64_t kFlagsChunk = 1 << 16;
+
+template <typename T>
+float chunk_bad(const T* x, int64_t lo, int64_t hi) {
+  fVec b0(0.f), b1(0.f);
+  int64_t i = lo;
+  for (; i + kV <= hi; i += kV) {
+    fVec x0, x1;
+    load2(x + i, x0, x1);
+    b0 = b0 + (x0 - x0);
+    b1 = b1 + (x1 - x1);
+  }
+  alignas(64) float lb[kW];
+  (b0 + b1).store(lb);
+  float f = 0.f;
+  for (int64_t k = 0; k < kW; ++k) f += lb[k];
+  for (; i < hi; ++i) {
+    const float v = static_cast<float>(x[i]);
+    f += v - v;
+  }
+  return f;
+}
+
+template <typename T>
+void flags_impl(const T* x, int64_t n, const int64_t* rows, int64_t n_rows, float* flags, int64_t any_index) {
+  const int64_t nchunks = (n + kFlagsChunk - 1) / kFlagsChunk;
+  std::vector<char> bad(nchunks, 0);
+  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      bad[c] = chunk_bad(x, c * kFlagsChunk, std::min(n, (c + 1) * kFlagsChunk)) != 0.f;  // NaN != 0 too
+    }
+  });
+  for (int64_t c = 0; c < nchunks; ++c) {
+    if (!bad[c]) continue;
+    for (int64_t i = c * kFlagsChunk, hi = std::min(n, (c + 1) * kFlagsChunk); i < hi; ++i) {
+      const float v = static_cast<float>(x[i]);
+      if (v - v == 0.f) continue;
+      const int64_t row = find_row(rows, n_rows, i);
+      if (row >= 0) {
+        flags[rows[3 * row + 2]] = 1.f;
+        flags[any_index] = 1.f;
+      }
+    }
+  }
+}
+
+void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags) {
+  const int64_t n = full.numel(), n_rows = rows.size(0);
+  if (n == 0 || n_rows == 0) return;
+  const int64_t* r = rows.data_ptr<int64_t>();
+  float* f = flags.data_ptr<float>();
+  const int64_t any = flags.numel() - 1;
+  switch (full.scalar_type()) {
+    case at::kFloat: return flags_impl(full.data_ptr<float>(), n, r, n_rows, f, any);
+    case at::kBFloat16: return flags_impl(full.data_ptr<at::BFloat16>(), n, r, n_rows, f, any);
+    case at::kHalf: return flags_impl(full.data_ptr<at::Half>(), n, r, n_rows, f, any);
+    default: SHARDAMP_CHECK(false, "nonfinite_flags: unsupported dtype ", full.scalar_type());
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // adam_step
 
 struct Step {

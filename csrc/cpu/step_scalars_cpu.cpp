@@ -6,11 +6,17 @@ namespace shardamp {
 namespace cpu {
 
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched) {
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
+                  const StepHealth* health) {
   const float* n = norm ? norm->data_ptr<float>() : nullptr;
   coef_out.data_ptr<float>()[0] =
       grad_coefficient(base.data_ptr<float>()[0], static_cast<float>(scale), n, static_cast<float>(max_norm));
-  const float live = 1.0f - found_inf.data_ptr<float>()[0];
+  const float found = found_inf.data_ptr<float>()[0];
+  float live = 1.0f - found;
+  if (health != nullptr) {
+    update_health(*health, found);
+    live = 1.0f - *health->skip_out;
+  }
   float* s = steps.data_ptr<float>();
   const float* t = touched.data_ptr<float>();
   for (int64_t i = 0, count = steps.numel(); i < count; ++i) s[i] += t[i] * live;

@@ -169,6 +169,94 @@ void dispatch_norm(const at::Tensor& grad, at::Tensor& out, double norm_type) {
   launch<T, Norm::kGeneric>(grad, out, static_cast<float>(norm_type));
 }
 
+// ---------------------------------------------------------------------------------------------
+// group_partials: each param group's partial of a shard, deterministic in two launches. One block
+// per chunk of the shard's chunk map (a chunk lies in one segment, so in one group) writes its
+// chunk's partial; then one block per group folds its chunks' partials in a fixed order.
+
+template <typename T, Norm N>
+__global__ void __launch_bounds__(kThreads)
+chunk_partials_kernel(const T* __restrict__ g, const int64_t* __restrict__ chunks, float p, float* __restrict__ part) {
+  const int64_t c = blockIdx.x;
+  const int64_t first = chunks[2 * c];
+  const int64_t len = chunk_length(chunks[2 * c + 1]);
+  float acc = 0.f;
+  for (int64_t j = threadIdx.x; j < len; j += kThreads) acc = combine<N>(acc, to_float(g[first + j]), p);
+  const float2 r = block_reduce<N>(acc, 0.f);
+  if (threadIdx.x == 0) part[c] = r.x;
+}
+
+template <Norm N>
+__global__ void __launch_bounds__(kThreads)
+fold_groups_kernel(const float* __restrict__ part, const int64_t* __restrict__ chunks, int64_t n_chunks,
+                   const int64_t* __restrict__ segments, float* __restrict__ out) {
+  const int64_t group = blockIdx.x;
+  float acc = 0.f;
+  for (int64_t c = threadIdx.x; c < n_chunks; c += kThreads) {
+    if (segments[4 * chunk_segment(chunks[2 * c + 1]) + 3] == group) acc = merge<N>(acc, part[c]);
+  }
+  const float2 r = block_reduce<N>(acc, 0.f);
+  if (threadIdx.x == 0) out[group] = merge<N>(out[group], r.x);
+}
+
+template <typename T, Norm N>
+void launch_groups(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, float p,
+                   const at::Tensor& chunks) {
+  const int64_t n_chunks = chunks.size(0);
+  if (n_chunks == 0 || out.numel() == 0) return;
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor part = at::empty({n_chunks}, grad.options().dtype(at::kFloat));
+  chunk_partials_kernel<T, N><<<static_cast<unsigned int>(n_chunks), kThreads, 0, stream>>>(
+      reinterpret_cast<const T*>(grad.data_ptr()), chunks.data_ptr<int64_t>(), p, part.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  fold_groups_kernel<N><<<static_cast<unsigned int>(out.numel()), kThreads, 0, stream>>>(
+      part.data_ptr<float>(), chunks.data_ptr<int64_t>(), n_chunks, segments.data_ptr<int64_t>(),
+      out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void dispatch_groups(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type,
+                     const at::Tensor& chunks) {
+  if (std::isinf(norm_type)) return launch_groups<T, Norm::kMax>(grad, segments, out, 0.f, chunks);
+  if (norm_type == 2.0) return launch_groups<T, Norm::kTwo>(grad, segments, out, 2.f, chunks);
+  if (norm_type == 1.0) return launch_groups<T, Norm::kOne>(grad, segments, out, 1.f, chunks);
+  launch_groups<T, Norm::kGeneric>(grad, segments, out, static_cast<float>(norm_type), chunks);
+}
+
+// ---------------------------------------------------------------------------------------------
+// nonfinite_flags: a grid-stride pass over the buffer; an element that is inf or NaN (x - x is
+// NaN exactly then) finds its row by binary search (rows sorted by start) and sets its flag and
+// the "any" flag. Every writer stores the same 1.0, so the races are benign; no atomics.
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+nonfinite_flags_kernel(const T* __restrict__ x, int64_t n, const int64_t* __restrict__ rows, int64_t n_rows,
+                       float* __restrict__ flags, int64_t any_index) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
+    const float v = to_float(x[i]);
+    if (v - v == 0.f) continue;
+    const int64_t row = find_row(rows, n_rows, i);
+    if (row >= 0) {
+      flags[rows[3 * row + 2]] = 1.f;
+      flags[any_index] = 1.f;
+    }
+  }
+}
+
+template <typename T>
+void launch_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags) {
+  const int64_t n = full.numel();
+  const int sms = multiprocessors(full.get_device());
+  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((n + kThreads - 1) / kThreads,
+                                                                          int64_t(8) * sms)));
+  nonfinite_flags_kernel<T><<<blocks, kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      reinterpret_cast<const T*>(full.data_ptr()), n, rows.data_ptr<int64_t>(), rows.size(0),
+      flags.data_ptr<float>(), flags.numel() - 1);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 
 void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
@@ -179,6 +267,29 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
     case at::kBFloat16: return dispatch_norm<__nv_bfloat16>(grad, out, norm_type);
     case at::kHalf: return dispatch_norm<__half>(grad, out, norm_type);
     default: SHARDAMP_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
+void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type,
+                    const at::Tensor& chunks) {
+  if (grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  switch (grad.scalar_type()) {
+    case at::kFloat: return dispatch_groups<float>(grad, segments, out, norm_type, chunks);
+    case at::kBFloat16: return dispatch_groups<__nv_bfloat16>(grad, segments, out, norm_type, chunks);
+    case at::kHalf: return dispatch_groups<__half>(grad, segments, out, norm_type, chunks);
+    default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", grad.scalar_type());
+  }
+}
+
+void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags) {
+  if (full.numel() == 0 || rows.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(full.device());
+  switch (full.scalar_type()) {
+    case at::kFloat: return launch_flags<float>(full, rows, flags);
+    case at::kBFloat16: return launch_flags<__nv_bfloat16>(full, rows, flags);
+    case at::kHalf: return launch_flags<__half>(full, rows, flags);
+    default: SHARDAMP_CHECK(false, "nonfinite_flags: unsupported dtype ", full.scalar_type());
   }
 }
 

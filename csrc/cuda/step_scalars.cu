@@ -17,10 +17,12 @@ constexpr int kThreads = 256;
 
 __global__ void step_scalars_kernel(float* coef_out, const float* base, float scale, const float* norm,
                                     float max_norm, const float* found_inf, float* steps, const float* touched,
-                                    int64_t count) {
+                                    int64_t count, StepHealth health, bool with_health) {
   const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (first == 0) *coef_out = grad_coefficient(*base, scale, norm, max_norm);
-  const float live = 1.0f - *found_inf;
+  if (first == 0 && with_health) update_health(health, *found_inf);
+  // every thread decides the skip itself from the inputs (no barrier between blocks)
+  const float live = with_health ? (step_skipped(health, *found_inf) ? 0.0f : 1.0f) : 1.0f - *found_inf;
   for (int64_t i = first; i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     steps[i] += touched[i] * live;
   }
@@ -48,13 +50,16 @@ void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& ou
 }
 
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched) {
+                  double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
+                  const StepHealth* health) {
   const c10::cuda::CUDAGuard guard(coef_out.device());
   const int64_t count = steps.numel();
+  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr};
   step_scalars_kernel<<<blocks_for(count), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       coef_out.data_ptr<float>(), base.data_ptr<float>(), static_cast<float>(scale),
       norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(max_norm), found_inf.data_ptr<float>(),
-      steps.data_ptr<float>(), touched.data_ptr<float>(), count);
+      steps.data_ptr<float>(), touched.data_ptr<float>(), count, health != nullptr ? *health : none,
+      health != nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

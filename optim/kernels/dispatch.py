@@ -127,19 +127,60 @@ def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: L
 
 
 def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Tensor], max_norm: float,
-                 found_inf: Tensor, steps: Tensor, touched: Tensor) -> None:
+                 found_inf: Tensor, steps: Tensor, touched: Tensor, health: Optional[Dict[str, Any]] = None) -> None:
     """``coef_out = base * scale * clip_coef(max_norm, norm)`` (no clip without ``norm``) and
-    ``steps += touched * (1 - found_inf)``, in one launch (contract: ``reference.py``)."""
+    ``steps += touched * (1 - found_inf)``, in one launch (contract: ``reference.py``). With
+    ``health`` (``skip_out``, ``raw_norm``, ``inv_scale``, ``avg``, ``skip_above``, ``counters``,
+    ``record``: optim/step/health.py), the same launch decides the step's skip (found-inf or a
+    norm spike), advances the steps by it and updates the health counters."""
     ext = _native(coef_out.device)
-    tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm])
+    h = health or {}
+    tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm]) + [
+        h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record") if h.get(k) is not None]
     native = ext is not None and hasattr(ext, "step_scalars") and all(
         t.dtype == torch.float32 and t.device == coef_out.device and t.is_contiguous() for t in tensors) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
-        and touched.numel() == steps.numel())
+        and touched.numel() == steps.numel()) and (
+        h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == coef_out.device
+                                      and h["counters"].is_contiguous()))
     if native:
-        ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched)
+        ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, **h)
     else:
-        reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched)
+        reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, **h)
+
+
+def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:
+    """``flags[index] = 1`` (and ``flags[-1] = 1``) for each ``(start, length, index)`` row of
+    ``rows`` whose elements of ``full`` hold an inf or NaN: one launch (contract: ``reference.py``)."""
+    ext = _native(full.device)
+    if (ext is None or not hasattr(ext, "nonfinite_flags") or full.dtype not in _NATIVE_DTYPES
+            or not full.is_contiguous() or flags.dtype != torch.float32):
+        reference.nonfinite_flags(full, rows, flags)
+    else:
+        ext.nonfinite_flags(full, rows, flags)
+
+
+def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> None:
+    """Accumulate each param group's partial (``sum |g|^p``, ``max`` for inf) of the shard
+    ``grad`` into ``out[group]``, over ``segments`` (contract: ``reference.py``)."""
+    if not segments.segments:
+        return
+    ext = _native(grad.device)
+    if ext is None or not hasattr(ext, "group_partials") or grad.dtype not in _NATIVE_DTYPES:
+        host = segments.extra.get("host")
+        if host is None:  # from the host-side segments: no device-to-host copy
+            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
+            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
+        reference.group_partials(grad, host, out, norm_type)
+        return
+    chunks = None
+    if grad.device.type == "cuda":  # the blocks' map, built once from the host-side segments
+        key = f"group_chunks_{grad.device}"
+        if key not in segments.extra:
+            _store(segments, key, chunk_table(segments, grad.numel(), n_params, out.numel(), ext.CUDA_CHUNK),
+                   grad.device)
+        chunks = segments.extra[key]
+    ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float) -> Tuple[Tensor, Tensor]:

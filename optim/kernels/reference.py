@@ -45,11 +45,31 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     For every i: ``v = full.as_strided(like[i].shape, like[i].stride(), full.storage_offset() +
     offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
     are converted to ``full``'s dtype). Nothing else in ``full`` is written.
-``step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched)``
-    All fp32 on one device. ``coef_out[0] = base * scale`` times, with ``norm`` given,
+``step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out=None,
+raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=None)``
+    All fp32 on one device (``counters`` fp64). ``coef_out[0] = base * scale`` times, with ``norm`` given,
     ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` formed as torch forms
     it (``(norm + 1e-6).reciprocal() * max_norm``), NaN and infinities read as 1; then
     ``steps += touched * (1 - found_inf)``. One launch for the ~9 scalar ops this replaces.
+    With ``skip_out`` (the step's health, optim/step/health.py): ``unscaled = raw_norm * avg``
+    (times ``inv_scale`` if given: the norm ``grad_norm()`` hands out), ``spike = unscaled >
+    skip_above`` compared exactly (as float64; never for NaN), ``skip = found_inf != 0 or spike``;
+    ``skip_out[0] = skip`` (0.0 / 1.0) and ``steps += touched * (1 - skip)`` instead; with
+    ``counters`` (fp64 ``[applied, skipped non-finite, skipped spike, consecutive skips]``)
+    ``counters += [not skip, found, spike and not found, -]``, ``counters[3] = skip ?
+    counters[3] + 1 : 0``; with ``record`` (fp32 [2]) ``record = [reason, unscaled]``, the
+    reason 0 (applied), 1 (found-inf) or 2 (spike).
+``nonfinite_flags(full, rows, flags)``
+    ``full``: a flat grad buffer (fp32 / bf16 / fp16); ``rows``: int64 ``[k, 3]`` of ``(start,
+    length, index)`` on ``full``'s device, sorted by start, not overlapping; ``flags``: fp32 on
+    the same device. For every row whose elements ``full[start:start + length]`` hold an inf or
+    NaN: ``flags[index] = 1.0`` and ``flags[-1] = 1.0``. Nothing else is written (elements in no
+    row, padding, are not looked at).
+``group_partials(grad, segments, out, norm_type)``
+    ``grad``: a flat shard; ``segments``: its ``(start, length, param_index, group)`` rows
+    (int64 ``[S, 4]``); ``out``: fp32 ``[G]``, ACCUMULATED into: ``out[group] += sum |g|**p``
+    over the group's segments (``max`` for ``p = inf``), in fp32 from the raw values, as
+    ``grad_stats`` forms a partial (summation order free: compared with a tolerance).
 ``stats_finish(stats, end, norm_type)``
     ``stats``: the reduced fp32 stats ``[partial, nonfinite, touched counts up to end, ...]``.
     Returns 0-d ``(norm, found_inf)``: the norm is the partial's root (``sqrt`` for 2, the
@@ -151,12 +171,54 @@ def adam_step(
 
 
 def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Tensor], max_norm: float,
-                 found_inf: Tensor, steps: Tensor, touched: Tensor) -> None:
+                 found_inf: Tensor, steps: Tensor, touched: Tensor, skip_out: Optional[Tensor] = None,
+                 raw_norm: Optional[Tensor] = None, inv_scale: Optional[Tensor] = None, avg: float = 1.0,
+                 skip_above: float = math.inf, counters: Optional[Tensor] = None,
+                 record: Optional[Tensor] = None) -> None:
     coef = base * scale
     if norm is not None:
         coef = coef * clip_coef(max_norm, norm)
     coef_out.copy_(coef.reshape(coef_out.shape))
-    steps.addcmul_(touched, 1.0 - found_inf)
+    if skip_out is None:
+        steps.addcmul_(touched, 1.0 - found_inf)
+        return
+    unscaled = raw_norm.reshape(()) * avg
+    if inv_scale is not None:
+        unscaled = unscaled * inv_scale.reshape(())
+    spike = unscaled.double() > skip_above  # False for NaN
+    found = found_inf.reshape(()) != 0
+    skip = (found | spike).float()
+    skip_out.copy_(skip.reshape(skip_out.shape))
+    steps.addcmul_(touched, 1.0 - skip)
+    if counters is not None:
+        spike_only = spike & ~found
+        counters[:3] += torch.stack([1.0 - skip.double(), found.double(), spike_only.double()])
+        counters[3] = (counters[3] + 1.0) * skip.double()
+    if record is not None:
+        reason = torch.where(found, 1.0, torch.where(spike, 2.0, 0.0)).float()
+        record.copy_(torch.stack([reason, unscaled.float()]))
+
+
+def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:
+    if rows.numel() == 0 or full.numel() == 0:
+        return
+    bad = ~torch.isfinite(full)
+    # before[j]: non-finite elements in full[:j]; a row holds one iff the count grows over it
+    before = torch.cat([torch.zeros(1, dtype=torch.int64, device=full.device), bad.cumsum(0)])
+    start, length, index = rows.unbind(1)
+    hit = ((before[start + length] - before[start]) > 0).to(flags.dtype)
+    flags.index_copy_(0, index, torch.maximum(flags.index_select(0, index), hit))  # indices are unique
+    flags[-1:].copy_(torch.maximum(flags[-1:], hit.amax().reshape(1)))
+
+
+def group_partials(grad: Tensor, segments: Tensor, out: Tensor, norm_type: float) -> None:
+    for start, length, _param, group in segments.tolist():  # host-side rows: no device read
+        partial = torch.zeros(PARTIAL, dtype=torch.float32, device=grad.device)
+        grad_stats(grad[start:start + length], partial, norm_type)
+        if math.isinf(norm_type):
+            out[group] = torch.maximum(out[group], partial[0])
+        else:
+            out[group] += partial[0]
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float) -> Tuple[Tensor, Tensor]:
