@@ -7,6 +7,7 @@ the step's math: reference.py / csrc (through kernels.py).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
@@ -24,7 +25,8 @@ from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, allocate, check_moment_dtypes, check_remainders, check_views, init_master,
                              memory_stats, reattach_param)
 from .checks.misuse import check_launcher_env, ddp_error, find_ddp
-from .step.grad_stats import GradStats, TouchedPatterns
+from .step.grad_stats import HEADER, GradStats, TouchedPatterns
+from .step.health import StepHealth, check_skip_above
 from .shards.view import ShardView
 from .step.step_round import StepRound
 from .sync.grad_sync import GradSync
@@ -68,6 +70,21 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     all-gather): keep only the low 16 bits of each fp32 master, whose high 16 bits are the bf16
     param itself; updates are bitwise those of a separate fp32 master, the bf16 params are the
     master rounded to nearest with ties away from zero (reference.split_remainders).
+    ``skip_grad_norm_above`` (a finite float > 0, or None): skip, on every rank, a step whose
+    global grad norm (unscaled, before clipping, in the step's norm type: 2 unless the first norm
+    asked for that step was another) exceeds it; decided on the device from the one stats
+    all-reduce (no host sync, capturable). A spike is not an overflow: a scaler does not back off
+    for it, and, as torch.amp.GradScaler counts every step without an overflow, it counts toward
+    the scaler's growth interval. ``step_stats()`` counts such steps apart (``skipped_spike``).
+
+    ``params`` may be ``model.named_parameters()`` (or groups of ``(name, param)`` pairs), as for
+    torch's optimizers: each group then has ``param_names``, kept in state dicts, and the names
+    appear in ``last_nonfinite()`` and the ``shardamp`` logger's messages.
+
+    Step health (optim/step/health.py): ``last_nonfinite()`` (which rank's grads of which param
+    held inf/NaN before the reduction), ``grad_norms_by_group()``, ``step_stats()``; the
+    ``logging.getLogger("shardamp")`` logger reports skipped steps and loss-scale back-offs once
+    per burst, where the step's flags are read on the host anyway.
 
     The model must be on its final device and dtype before the optimizer is built: its params
     become views into the optimizer's flat buffers, and replacing their storage afterwards is
@@ -111,8 +128,10 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         exp_avg_dtype: Optional[torch.dtype] = None,
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         store_param_remainders: bool = False,
+        skip_grad_norm_above: Optional[float] = None,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay, "")
+        self._skip_above = check_skip_above(skip_grad_norm_above)  # fixed: a captured graph holds it
         check_options(
             dict(adam_w_mode=adam_w_mode, bias_correction=bias_correction, average_grad_sync=average_grad_sync,
                  overlap_grad_sync=overlap_grad_sync, overlap_param_sync=overlap_param_sync, capturable=capturable,
@@ -190,8 +209,13 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._view_check = kernels.view_check(self._view_refs)
+        # all per-step health state: skip reasons, counters, non-finite flags, per-group norms
+        self._health = StepHealth(self._device, self._comm, self._buckets, self.param_groups, self._skip_above,
+                                  capturable,
+                                  fp16_grads=any(b.grad_dtype == torch.float16 for b in self._buffers))
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
-                                   keep_buffers=capturable, native_hooks=not capturable)
+                                   keep_buffers=capturable, native_hooks=not capturable,
+                                   check_landed=self._health.check_landed)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         agreement.track_position(self)  # named in the error when the ranks' collectives do not line up
@@ -207,8 +231,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._deferred = DeferredChecks(self._device)
         self._step_problem = ""  # this rank's invalid hyperparameter this step, if any
         self._step_names: List[str] = []
-        self._consecutive_skips = 0
-        self._warned_skips = False
         self._warned_clip_before_unscale = False
         self._warned_unscaled_by_torch = False
         self._round: Optional[StepRound] = None  # this step's protocol (step_round.py)
@@ -291,6 +313,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         updates (weight decay, momentum) every param that had a grad, as torch does."""
         agreement.dropping(self)
         self._grad_sync.zero(set_to_none)
+        self._health.grads_dropped()
         self._round = None  # the last step's norms stay readable (grad_norm) until the next backward
         agreement.settle(self)
 
@@ -298,14 +321,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
         """Extension point: all-reduce this rank's partial grad stats in place.
 
-        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}, agreement
-        entries...]`` (``agreement.py``: what the ranks must agree on this step) and ``op`` is SUM
-        (finite norm types) or MAX (``inf``); reduce all of it. The default reduces over the
-        optimizer's process group. A subclass whose params are also split over another group (tensor or
-        pipeline model parallelism) calls ``super()`` and then reduces ``stats[:2]`` over that
-        group with the same ``op``, so the norm and found-inf cover the whole model.
+        ``stats`` is float32 ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}, health
+        entries, agreement entries...]`` (health.py: ranks whose own grads held inf/NaN, then,
+        with several param groups, each group's norm partial; ``agreement.py``: what the ranks
+        must agree on this step) and ``op`` is SUM (finite norm types) or MAX (``inf``); reduce
+        all of it. The default reduces over the optimizer's process group. A subclass whose
+        params are also split over another group (tensor or pipeline model parallelism) calls
+        ``super()`` and then reduces ``stats[:2]`` over that group with the same ``op``, so the
+        norm and found-inf cover the whole model (and, for ``grad_norms_by_group`` with G > 1
+        groups, the group partials ``stats[P + 3 : P + 3 + G]``).
         """
-        self._comm.all_reduce_stats(stats, op)
+        groups = self._health.group_slice(HEADER + len(self._params)) if stats.numel() > HEADER else None
+        self._comm.all_reduce_stats(stats, op, groups)
 
     def _ensure_stats(self, norm_type: float) -> GradStats:
         r = self._current_round()
@@ -319,12 +346,19 @@ class DistributedFusedAdam(torch.optim.Optimizer):
                 self._step_problem = agreement.TWO_OPTIMIZERS
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
-            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
+            health = self._health
+            buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs, health.entries())
             if not (norm_type == 2.0 and self._grad_sync.landed_stats(buf)):
                 partials.partial([b.grad_shard for b in self._buffers], norm_type, buf, zeroed=True)
+            offset = HEADER + len(self._params)  # where the health entries start
+            groups = health.group_slice(offset)
+            if groups is not None:  # each group's partial too (one launch per bucket), for grad_norms_by_group
+                for bucket, b in zip(self._buckets, self._buffers):
+                    kernels.group_partials(b.grad_shard, bucket.segments, buf[groups], norm_type, len(self._params))
             self._reduce_grad_stats(buf, norms.reduce_op(norm_type))
             fingerprint = self._fingerprint if checked else None
-            r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint))
+            r.set_stats(grad_stats.finish(buf, norm_type, len(self._params), fingerprint, health.n_entries))
+            health.note_stats(buf, offset, norm_type)
             if checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
                 deferred_checks.check_now(self, r.stats)
         elif norm_type not in r.raw_norms:
@@ -433,17 +467,22 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         found_inf, coef = stats.found_inf, self._coef
         bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
         found_inf = found_inf if bad_clip is None else torch.maximum(found_inf, bad_clip)
-        # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
-        kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
-        records = self._records.compute(hparams, self._steps, stats.touched, coef, found_inf, self.bias_correction)
+        # one launch: the grad coefficient (avg * inv_scale * clip), the step's skip (found-inf or a
+        # norm spike), the step counts and the health counters
+        health = self._health
+        kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched,
+                             health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor))
+        skip = health.skip
+        records = self._records.compute(hparams, self._steps, stats.touched, coef, skip, self.bias_correction)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
             buf = self._buffers[i]
             kernels.adam_step(
                 buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(), self._buckets[i].segments,
-                hparams, self._steps, stats.touched, coef, found_inf, self.adam_w_mode, self.bias_correction,
+                hparams, self._steps, stats.touched, coef, skip, self.adam_w_mode, self.bias_correction,
                 records, self._records.offsets[i])
             self._param_sync.launch(i)
         self._param_sync.launched_all()
+        health.stepped(r.inv_scale)
         deferred_checks.record_step(self, stats, bad_clip)
         r.cache_after_step = not self.capturable  # graph replays rewrite its raw norms
         agreement.stepped(self, [c for c, _ in r.clips], r.raw_norms)
@@ -452,6 +491,94 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         agreement.settle(self)
         self._grad_sync.step_done()
         return loss
+
+    # ------------------------------------------------------------------ step health (optim/step/health.py)
+    @property
+    def skip_grad_norm_above(self) -> Optional[float]:
+        """The constructor's ``skip_grad_norm_above`` (None: no step is skipped for its norm)."""
+        return None if math.isinf(self._skip_above) else self._skip_above
+
+    def last_nonfinite(self) -> List[Tuple[int, str]]:
+        """Where the last step's gradients overflowed: the sorted ``(rank, param_name)`` pairs
+        whose gradient held an inf or NaN on that rank BEFORE the reduction.
+
+        ``rank`` is the global rank; ``param_name`` the name given with ``named_parameters()``,
+        else ``"group {g}, param {i}, shape (...)"`` (``i`` counted within the group). Empty for
+        a step that was not skipped for non-finite grads (a finite step, a spike), and empty when
+        the inf/NaN arose only in the reduction (an fp16 sum overflowing), the norm, or an
+        invalid loss scale: ``step_stats()["skipped_nonfinite"]`` (or the scaler's found-inf)
+        counted the step but this list is empty.
+
+        Returns:
+            list of ``(int, str)``, the same on every rank.
+
+        Collective / host sync: none where the report is ready, which it is once the step's
+        flags have been read on the host (at once on the CPU; on CUDA from the next step's
+        first ``unscale_``/``clip_grad_norm``/``grad_norm``/``step`` on; after a step a
+        ``_step_supports_amp_scaling = False`` scaler skipped): the ranks' flags were then
+        all-gathered there. Asked earlier (CUDA right after ``step``; CUDA graphs, whose replays
+        read nothing back; world 1 with a scaler), it reads the device (a host sync) and, if
+        some rank's own grads held inf/NaN in a skipped step, all-gathers the ranks' flags: a
+        collective, so then call it on every rank.
+        """
+        return self._health.last_nonfinite()
+
+    def grad_norms_by_group(self) -> Tensor:
+        """Each param group's global grad norm, from the step's one stats all-reduce.
+
+        Returns:
+            1-D float32 tensor on the params' device, one entry per param group: unscaled (as
+            far as the scale is known, as :meth:`grad_norm`), before clipping, averaged as the
+            grads are, in the norm type of the step's stats (2 unless the first norm asked for
+            the step was another, e.g. ``clip_grad_norm(norm_type=inf)``). After ``step`` (and
+            ``zero_grad``): that step's norms, until the next stats.
+
+        Collective: before the step's stats exist (after backward, before any norm, unscale or
+        step) this computes them: the step's one all-reduce, so every rank calls it then.
+        Never reads a value on the host.
+
+        Raises:
+            RuntimeError: no step and no backward yet (nothing to report).
+        """
+        r = self._current_round()
+        if r.stats is None and self._last is not None:
+            return self._health.group_norms(True, self._avg_factor, None)
+        self._ensure_stats(r.first_norm_type())
+        return self._health.group_norms(False, self._avg_factor, r.inv_scale)
+
+    def step_stats(self) -> Dict[str, Any]:
+        """Counters of the steps so far, every key always present:
+
+        * ``steps``: updates applied; ``skipped_steps``: ``skipped_spike + skipped_nonfinite``;
+        * ``skipped_spike``: skipped for a norm above ``skip_grad_norm_above``;
+        * ``skipped_nonfinite``: skipped for inf/NaN grads, a non-finite norm or loss scale (also
+          skips the device made on invalid values or ranks that disagree, which raise);
+        * ``consecutive_skips``: skipped steps in a row up to the last one;
+        * ``last_grad_norm``: the last step's global norm (unscaled, before clipping, the step's
+          norm type; inf/NaN for an overflow), None before the first step;
+        * ``loss_scale``: the scale of the scaler driving this optimizer after its last update
+          (ShardedGradScaler, or torch.amp.GradScaler handing itself to ``step``), None without one.
+
+        Returns:
+            dict of int / float / None.
+
+        Host sync: ONE host read of the device counters (and the scale), when called; nothing
+        is read per step. Not a collective (the counters are the same on every rank).
+        """
+        return self._health.stats()
+
+    def _note_scaler(self, scaler: Any) -> None:
+        """A scaler unscales (or steps) this optimizer: ``step_stats()`` reports its scale."""
+        self._health.note_scaler(scaler)
+
+    def _note_step_skipped_by_scaler(self) -> None:
+        """A scaler skipped this round's ``step`` on the host (``_step_supports_amp_scaling =
+        False``: torch's path read found-inf): the health counts the skip as a found-inf step and
+        reports it (every rank: the scaler's found-inf is agreed)."""
+        r = self._round
+        if r is None or r.stats is None:
+            return
+        self._health.host_skipped(r.norm(r.first_norm_type()), r.inv_scale)
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]
@@ -494,10 +621,11 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             f"{type(self).__name__} (",
             f"  world_size={self.world_size}, rank={self.rank}, buckets={len(self._buckets)}, "
             f"adam_w_mode={self.adam_w_mode}, max_grad_norm={self.max_grad_norm}, dtype={self.dtype}, "
-            f"capturable={self.capturable}, kernels={kernels.backend(self._device)}",
+            f"capturable={self.capturable}, skip_grad_norm_above={self.skip_grad_norm_above}, "
+            f"kernels={kernels.backend(self._device)}",
         ]
         for i, group in enumerate(self.param_groups):
-            keys = ", ".join(f"{k}={group[k]}" for k in sorted(group) if k != "params")
+            keys = ", ".join(f"{k}={group[k]}" for k in sorted(group) if k not in ("params", "param_names"))
             lines.append(f"  group {i}: {len(group['params'])} params, {keys}")
         lines.append(")")
         return "\n".join(lines)

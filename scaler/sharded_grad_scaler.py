@@ -74,6 +74,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if state["stage"] is _compat.OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
         inv_scale = _compat.scaler_scale(self).double().reciprocal().float()
+        if hasattr(optimizer, "_note_scaler"):
+            optimizer._note_scaler(self)  # its step_stats() reports this scaler's scale
         found_inf = optimizer.unscale_grads(inv_scale, grad_scaler=self)
         state["found_inf_per_device"] = {found_inf.device: found_inf}
         state["stage"] = _compat.OptState.UNSCALED
@@ -97,7 +99,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             retval = optimizer.step(*args, **kwargs)  # the kernel skips on the device flag
         else:
+            # torch's skip-or-step reads found-inf on the host anyway; a skipped step is counted
+            # (and its non-finite grads reported) by the optimizer's step health
+            skipped = bool(sum(float(f) for f in state["found_inf_per_device"].values()))
             retval = _compat.scaler_maybe_opt_step(self, optimizer, state, *args, **kwargs)
+            if skipped and hasattr(optimizer, "_note_step_skipped_by_scaler"):
+                optimizer._note_step_skipped_by_scaler()
         state["stage"] = _compat.OptState.STEPPED
         return retval
 

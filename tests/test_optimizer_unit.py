@@ -3,6 +3,7 @@ the torch.optim behaviours a drop-in must keep."""
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import pytest
@@ -364,22 +365,32 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
             s.update()
         assert scaler.get_scale() == rscaler.get_scale(), step
         _close(model, ref)
-    assert pushed == [] and opt._consecutive_skips == 0
-    opt._consecutive_skips = 2  # two unscaled skips before: a scaled step clears them
-    opt.zero_grad()
-    scaler.scale(_loss(model, 9)).backward()
-    scaler.step(opt)
-    scaler.update()
-    assert opt._consecutive_skips == 0 and pushed == []
+    assert pushed == []
+
     def skipped_step(step: int) -> None:  # without a scaler: each step's flags are read back
         opt.zero_grad()
         (_loss(model, step) * float("nan")).backward()
         opt.step()
 
+    def scaled_step() -> None:
+        opt.zero_grad()
+        scaler.scale(_loss(model, 9)).backward()
+        scaler.step(opt)
+        scaler.update()
+
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # two in a row do not warn yet
+        warnings.simplefilter("error")  # two in a row do not warn yet, and a scaled step clears them
         skipped_step(0)
         skipped_step(1)
-    with pytest.warns(RuntimeWarning, match="skipped"):
+        n = len(pushed)
+        scaled_step()
+        assert len(pushed) == n  # a scaled step reads nothing back
         skipped_step(2)
-    assert pushed == [[1.0]] * 3
+        skipped_step(3)
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        skipped_step(4)
+    # found-inf, then the health record [reason 1 (non-finite), unscaled norm NaN, ranks with own
+    # non-finite grads 1, inverse scale 1 (no scaler)]
+    assert len(pushed) == 5
+    for flags in pushed:
+        assert flags[0] == 1.0 and flags[1] == 1.0 and math.isnan(flags[2]) and flags[3:] == [1.0, 1.0], flags

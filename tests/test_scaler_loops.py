@@ -75,12 +75,13 @@ def test_one_all_reduce_per_step(world: int) -> None:
         for calls in value["counts"]:
             assert len(calls) == 1, calls
             # the one all-reduce carries exactly: norm partial + non-finite flag (2), a touched flag
-            # per param (7 for this MLP) and 31 agreement floats (an invalid flag, then 6 per
-            # category: hyperparameters of the one group, norm type, step options, reductions
-            # since the last step, the clips of the last step: agreement.py), whatever the model
-            # size; written out here, not computed by the code under test
+            # per param (7 for this MLP), the step's health (1: ranks whose own grads held inf/NaN;
+            # one param group, so no per-group partials: health.py) and 31 agreement floats (an
+            # invalid flag, then 6 per category: hyperparameters of the one group, norm type, step
+            # options, reductions since the last step, the clips of the last step: agreement.py),
+            # whatever the model size; written out here, not computed by the code under test
             assert value["n_params"] == 7
-            assert calls[0] == 2 + 7 + 31, calls
+            assert calls[0] == 2 + 7 + 1 + 31, calls
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -66,6 +66,7 @@ def describe(opt: Any) -> Dict[str, Any]:
             average_grad_sync=opt.average_grad_sync, dtype=str(opt.dtype), grad_sync_dtype=str(opt.grad_sync_dtype),
             param_sync_dtype=str(opt.param_sync_dtype), overlap_grad_sync=opt.overlap_grad_sync,
             overlap_param_sync=opt.overlap_param_sync, capturable=opt.capturable,
+            skip_grad_norm_above=opt.skip_grad_norm_above,
         ),
         "bucket_cap_mb": opt.bucket_cap_mb,
         "device mesh (replicate x shard)": opt._comm.describe(),
@@ -291,14 +292,16 @@ def step_entries(
     return host, (invalid, fp.device_entries(values, use_max)), names
 
 
-def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = None) -> Tuple[Tensor, bool]:
-    """The step's stats tensor with the touched pattern and agreement entries filled in (the
-    norm header, zeros, is the caller's to fill), and whether the entries must be checked after the reduction
-    (one rank alone has nothing to disagree with; a tensor lr's value is still checked)."""
+def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = None,
+                 extra: Sequence[Tensor] = ()) -> Tuple[Tensor, bool]:
+    """The step's stats tensor with the touched pattern, ``extra`` (the health entries) and the
+    agreement entries filled in (the norm header, zeros, is the caller's to fill), and whether
+    the entries must be checked after the reduction (one rank alone has nothing to disagree
+    with; a tensor lr's value is still checked)."""
     host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
     patterns = opt._touched_patterns
     tail = patterns.get_tail(host)
-    parts = [patterns.header, patterns.get(opt._grad_sync.local_touched)]
+    parts = [patterns.header, patterns.get(opt._grad_sync.local_touched), *extra]
     if dev is None:
         parts.append(tail)
     else:  # the device's invalid flag replaces the host's (entry 0 of the tail)

@@ -1,27 +1,25 @@
 """Host-side reads of per-step device flags without a host sync on the step path.
 
-After each step the optimizer records ``[found_inf, invalid tensor max_norm, agreement flags...]``
-here (except a step its scaler unscaled whose only flag is found-inf: the scaler acts on it,
+After each step the optimizer records ``[found_inf, invalid tensor max_norm, agreement flags...,
+health record]`` here (except a step its scaler unscaled whose only flag is found-inf: the scaler acts on it,
 nothing is left for the host to read). On the CPU the values are read at once (reading is free), and the agreement flags are
 already read right after the stats all-reduce (``check_now``), before anything trains. On CUDA they are copied, non-blocking, into pinned
 memory behind an event, and read at the start of the NEXT step's stats, when that copy finished
 long ago (``event.query()``; only a host that ran a whole step ahead of its GPU waits), and
 every rank reads at the same point, so every rank raises (or warns) alike. During CUDA-graph
 capture nothing is recorded (the device still skips mismatched steps; only the host-side
-message is lost).
+message is lost). The health record's values go to the optimizer's StepHealth (health.py:
+the non-finite report's all-gather, the logger, the no-scaler skip warning).
 """
 from __future__ import annotations
 
-import warnings
 from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
 
 from . import agreement
-
-SKIPS_BEFORE_WARNING = 3  # consecutive skipped steps without a scaler before the warning
-
+from ..step.health import RECORD, SKIPS_BEFORE_WARNING  # noqa: F401  (re-exported)
 
 
 class DeferredChecks:
@@ -84,11 +82,13 @@ def record_step(opt: Any, stats: Any, bad_clip: Optional[Tensor] = None) -> None
         # found-inf alone, and a scaler unscaled this step: it acts on found-inf itself (lowers
         # the scale) and a scaled step never counts as a skip without a scaler, so there is
         # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
-        # GPU host, per step)
-        opt._consecutive_skips = 0
+        # GPU host, per step); the step's health stays on the device (step_stats() reads it)
         return
-    flags = parts[0] if len(parts) == 1 else torch.cat(parts)
-    opt._deferred.push(flags, _context(opt, clip_checked=bad_clip is not None))
+    health = opt._health
+    parts += health.record_parts()  # views: the same one cat
+    context = _context(opt, clip_checked=bad_clip is not None)
+    context["step"] = health.steps
+    opt._deferred.push(torch.cat(parts), context)
     check_last_step(opt, force=False)
 
 
@@ -107,6 +107,8 @@ def _context(opt: Any, clip_checked: bool) -> dict:
 def _raise_if_flagged(values: List[float], context: dict) -> None:
     """``values``: ``[found_inf, clip invalid (if checked), invalid, mismatch per category...]``."""
     rest = values[1:]
+    if "step" in context:  # a step's record: its health record ends it
+        rest = rest[:-RECORD]
     if context["clip_checked"]:
         if rest[0] > 0:
             raise ValueError(
@@ -120,25 +122,13 @@ def _raise_if_flagged(values: List[float], context: dict) -> None:
 
 def check_last_step(opt: Any, force: bool) -> None:
     """Act on a recorded step's flags once readable: raise on disagreement or an invalid value
-    (on CUDA at the next step: the device skipped that step already), and warn when steps
-    without a scaler keep being skipped."""
+    (on CUDA at the next step: the device skipped that step already), and hand the step's
+    health record to the optimizer's StepHealth (on every rank at the same point: it may
+    all-gather the ranks' non-finite flags, log and warn)."""
     got = opt._deferred.ready(force)
     if got is None:
         return
     values, context = got
     _raise_if_flagged(values, context)
-    if values[0] > 0 and not context["scaled"]:
-        opt._consecutive_skips += 1
-    else:
-        opt._consecutive_skips = 0
-    if opt._consecutive_skips >= SKIPS_BEFORE_WARNING and not opt._warned_skips:
-        opt._warned_skips = True
-        fp16 = any(b.grad_shard.dtype == torch.float16 for b in opt._buffers)
-        warnings.warn(
-            f"DistributedFusedAdam: the last {opt._consecutive_skips} steps were all skipped because the "
-            "gradients (summed over the ranks) held inf/NaN, and no grad scaler is in use"
-            + (" (grads are reduced in float16, whose max is 65504)" if fp16 else "") + ". Nothing is "
-            "training. Reduce the grads in float32 (grad_sync_dtype=torch.float32) or use "
-            "shardamp.scaler.ShardedGradScaler, which lowers the loss scale when this happens.",
-            RuntimeWarning, stacklevel=4,
-        )
+    if "step" in context:
+        opt._health.observe(context["step"], values[-RECORD:], scaled=context["scaled"])

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import _compat
 from . import order as collective_order, watchdog as collective_watchdog
-from .order import AGREEMENT, ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
+from .order import AGREEMENT, ALL_GATHER, NONFINITE_REPORT, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
 
 __all__ = ["Comm", "GroupComm", "make_comm", "all_reduce_max"]
 
@@ -118,10 +118,20 @@ class Comm:
         this rank's slice of ``full``); None when the shard is the whole bucket."""
         return None
 
-    def all_reduce_stats(self, stats: Tensor, op: Any) -> None:
+    def all_reduce_stats(self, stats: Tensor, op: Any, partials: Optional[slice] = None) -> None:
         """The step's one small all-reduce, over the whole span, in place. Replicas hold the same
-        grad shard, so with SUM only replicate rank 0 contributes the norm partial (``stats[0]``):
-        the norm counts every element once whatever the mesh."""
+        grad shard, so with SUM only replicate rank 0 contributes the norm partial (``stats[0]``,
+        and the per-group partials at ``stats[partials]``): the norm counts every element once
+        whatever the mesh."""
+
+    def all_gather_flags(self, mine: Tensor) -> Tensor:
+        """Every rank's ``mine`` (1-D, small) as ``[world_size, n]``, synchronous (the ranks'
+        non-finite grad flags after a skipped step: every rank calls it at the same point)."""
+        return mine.reshape(1, -1)
+
+    def global_ranks(self) -> List[int]:
+        """The global rank of each rank of the span, in span order."""
+        return [dist.get_rank() if dist.is_available() and dist.is_initialized() else 0]
 
     # ------------------------------------------------------------ construction, checks, state
     def broadcast(self, tensor: Tensor) -> None:
@@ -231,13 +241,27 @@ class GroupComm(Comm):
         self.check()
         return self._handle(_compat.all_gather(full, shard, self.gather_group, async_op=True), ALL_GATHER)
 
-    def all_reduce_stats(self, stats: Tensor, op: Any) -> None:
+    def all_reduce_stats(self, stats: Tensor, op: Any, partials: Optional[slice] = None) -> None:
         if self.replicate_rank != 0 and op == dist.ReduceOp.SUM:
             stats[0].zero_()  # a MAX (inf norm) of equal partials needs no such care
+            if partials is not None:
+                stats[partials].zero_()
         what = SECOND_NORM if stats.numel() <= 2 else STATS  # a second norm type's header only
         self.check()
         # control_group is the span's own group unless gloo's side groups are in use
         self._handle(_compat.all_reduce(stats, op, self.control_group, async_op=True), what).wait()
+
+    def all_gather_flags(self, mine: Tensor) -> Tensor:
+        flat = mine.reshape(-1)
+        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        self.check()
+        # over the step's small collectives' group: it follows the stats all-reduce on every rank
+        self._handle(_compat.all_gather(out, flat, self.control_group, async_op=True), NONFINITE_REPORT).wait()
+        return out.view(self.world_size, -1)
+
+    def global_ranks(self) -> List[int]:
+        group = self.control_group if self.control_group is not None else _compat.world_group()
+        return list(dist.get_process_group_ranks(group))
 
     def broadcast(self, tensor: Tensor) -> None:
         _compat.broadcast_from_group_rank0(tensor, self.group)

@@ -56,6 +56,7 @@ SECOND_NORM = "the all-reduce of a second norm type"
 REDUCE_SCATTER = "a gradient reduce-scatter (backward)"
 REPLICAS = "the all-reduce of a grad shard over the replicas"
 ALL_GATHER = "a param all-gather (end of step)"
+NONFINITE_REPORT = "the all-gather of the ranks' non-finite grad flags (after a skipped step)"
 AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_state_dict, save_sharded, load_sharded)"
 
 

@@ -1,6 +1,8 @@
 """The one small all-reduce per step, and the scalars derived from it.
 
-Each rank fills a float32 tensor ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}]``: the
+Each rank fills a float32 tensor ``[norm_partial, nonfinite, touched_0 .. touched_{P-1}, health
+entries, agreement entries]`` (health.py: ranks whose own grads held inf/NaN, per-group norm
+partials; agreement.py: what the ranks must agree on): the
 partial norm of its grad shards (``sum |g|^p``, or ``max |g|`` for ``p = inf``) and its
 non-finite flag in one pass per shard, plus which params got a grad on this rank. ONE
 all-reduce (SUM for finite ``p``; MAX for ``inf``, where a max of 0/1 flags is still the "any")
@@ -34,10 +36,12 @@ class GradStats:
     disagreement: Optional[Tensor] = None
 
 
-def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fingerprint=None) -> GradStats:
-    """Turn the all-reduced ``stats`` into a :class:`GradStats`. With ``fingerprint``
-    (agreement.StepFingerprint), ``stats[HEADER + n_params:]`` holds its entries: a mismatch or
-    an invalid lr sets found-inf, so the kernel skips the step on every rank."""
+def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fingerprint=None,
+           n_health: int = 0) -> GradStats:
+    """Turn the all-reduced ``stats`` into a :class:`GradStats`. The ``n_health`` entries of the
+    step's health (health.py) follow the touched flags; with ``fingerprint``
+    (agreement.StepFingerprint), ``stats[HEADER + n_params + n_health:]`` holds its entries: a
+    mismatch or an invalid lr sets found-inf, so the kernel skips the step on every rank."""
     end = stats.numel() if n_params is None else HEADER + n_params
     # one launch (kernels.stats_finish): on a GPU each op is a launch the host pays for before
     # the step kernel; the touched counts (SUM-reduced, or MAX-reduced flags) become 0/1
@@ -45,7 +49,7 @@ def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fing
     touched = stats[HEADER:end]
     if fingerprint is None:
         return GradStats(norm_type, raw, found_inf, touched)
-    disagreement = fingerprint.check(stats[end:], math.isinf(norm_type))
+    disagreement = fingerprint.check(stats[end + n_health:], math.isinf(norm_type))
     found_inf = torch.maximum(found_inf, disagreement.reshape(()) if disagreement.numel() == 1 else disagreement.amax())
     return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
 

@@ -18,6 +18,7 @@ def take_over(opt: Any, scaler: Any) -> None:
     ``unscale_`` found no grads, so its clip clipped nothing: warn once), and write the GLOBAL
     found-inf into the scaler's per-optimizer state, so ``update()`` agrees on every rank."""
     state = _compat.scaler_optimizer_state(scaler, opt)
+    opt._note_scaler(scaler)  # step_stats() reports its scale
     if opt._inv_scale is None:
         if state["stage"] is _compat.OptState.UNSCALED and not opt._warned_unscaled_by_torch:
             opt._warned_unscaled_by_torch = True

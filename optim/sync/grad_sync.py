@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -113,8 +113,11 @@ class GradSync:
         overlap: bool,
         keep_buffers: bool,
         native_hooks: bool = True,
+        check_landed: Optional[Callable[[int, Tensor], None]] = None,
     ) -> None:
         self.comm = comm
+        # called with (bucket, buffer) just before a bucket's grads are reduced (health.py)
+        self.check_landed = check_landed
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
         self.in_place = not comm.reduces_grads
         self.overlap = overlap
@@ -320,6 +323,8 @@ class GradSync:
         self._flush(s)
         s.in_buffer.clear()
         full = self._writable_full(s)  # no grad here on this rank: contribute zeros
+        if self.check_landed is not None:
+            self.check_landed(s.index, full)
         if self.in_place:
             s.shard_valid = True
             if self.side is not None:

@@ -1,0 +1,347 @@
+"""The step's health in one object: why steps were skipped, whose grads overflowed, each param
+group's norm, and the counters ``step_stats()`` reports. The optimizer, deferred.py and the
+scalers ask a :class:`StepHealth` through its methods; it holds no reference to the optimizer.
+
+Where each piece lives, and when the host sees it:
+
+* **Per-param non-finite flags of THIS rank's grads before their reduction** (float32 ``[P + 1]``,
+  the last entry "any param"): set in backward by ``kernels.nonfinite_flags`` over each bucket's
+  buffer just before its reduce-scatter (grad_sync.py calls :meth:`StepHealth.check_landed`), so
+  an inf that only the reduction produced (an fp16 sum overflowing) sets none. They follow the
+  grads: zeroed by the first landing after ``zero_grad``, accumulated otherwise. The last step's
+  flags are kept beside the current ones (``last_flags``): on CUDA the host learns that a step
+  was skipped only at the next step's stats, after the next backward landed.
+* **In the one stats all-reduce**, after the touched flags (:meth:`entries`): the number of ranks
+  whose own grads held inf/NaN (their "any" flags, SUM; MAX for the inf norm: still "any"), then,
+  with several param groups, each group's norm partial (the norm type of the step's stats).
+* **On the device, written by the step's scalar launch** (``kernels.step_scalars``): the step's
+  skip flag (found-inf, or a spike: the unscaled norm above ``skip_grad_norm_above``), fp64
+  counters ``[applied, skipped non-finite, skipped spike, consecutive skips]`` and the record
+  ``[reason, unscaled norm]`` (reason 0 applied, 1 non-finite, 2 spike). Nothing is read on the
+  host per step.
+* **On the host**, where a step's flags are read anyway (deferred.py: at once on the CPU, at the
+  next step's stats on CUDA; never at world 1 with a scaler and float lrs, nor for steps
+  replayed in a CUDA graph, where nothing is read back per step): :meth:`observe` learns the
+  outcome; if the step was skipped for non-finite grads and some rank's own grads held inf/NaN,
+  every rank all-gathers the per-param flags there (one small collective, after such a step
+  only) and the report ``[(global rank, param name)]`` is kept. The ``shardamp`` logger names
+  them, once per burst of consecutive skipped steps, and loss-scale back-offs once per burst.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .. import _compat, kernels, norms
+
+LOGGER = logging.getLogger("shardamp")
+SKIPS_BEFORE_WARNING = 3  # consecutive skipped steps without a scaler before the warning
+APPLIED, NONFINITE, SPIKE = 0, 1, 2  # the record's reasons
+RECORD = 4  # floats a step pushes for the host: [reason, unscaled norm, ranks with own inf/NaN, inv scale]
+
+
+def check_skip_above(value: Any) -> float:
+    """``skip_grad_norm_above`` as the threshold the step compares with (``inf``: never)."""
+    if value is None:
+        return math.inf
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 < value < math.inf):
+        raise ValueError(
+            f"skip_grad_norm_above={value!r}: expected None or a finite float > 0, the global grad norm "
+            "(unscaled, before clipping) above which a step is skipped on every rank")
+    return float(value)
+
+
+def param_names(param_groups: Sequence[Dict[str, Any]]) -> List[str]:
+    """Every param's name in the optimizer's order: its ``param_names`` entry (the optimizer was
+    given ``named_parameters()``), else ``"group {g}, param {i}, shape (...)"``, ``i`` counted
+    within the group."""
+    names: List[str] = []
+    for g, group in enumerate(param_groups):
+        given = group.get("param_names")
+        for i, p in enumerate(group["params"]):
+            names.append(str(given[i]) if given is not None and i < len(given)
+                         else f"group {g}, param {i}, shape {tuple(p.shape)}")
+    return names
+
+
+def bucket_rows(slots: Sequence[Any], device: torch.device) -> Tensor:
+    """The ``(start, length, param index)`` rows of a bucket's params in its flat buffer, sorted by
+    start (``kernels.nonfinite_flags``' input; ``slots``: layout.ParamSlot)."""
+    rows = sorted((s.offset, s.numel, s.index) for s in slots)
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 3).to(device)
+
+
+@dataclass
+class _StepNorms:
+    """The reduced stats of one step that stay readable after it: views into its stats tensor."""
+
+    partials: Tensor  # each group's norm partial (G == 1: the whole norm's)
+    norm_type: float
+    nonfinite_ranks: Tensor  # 0-d: ranks whose own grads held inf/NaN
+    inv_scale: Optional[Tensor] = None  # the step's 1 / scale (set when it is stepped)
+
+
+class StepHealth:
+    """Per-step health state of one optimizer (see the module docstring).
+
+    Args:
+        device: the params' device. comm: the optimizer's ``Comm`` (the report's all-gather).
+        buckets: the layout's buckets (each bucket's param rows). param_groups: the optimizer's
+        groups (names, read when a report is made). skip_above: ``check_skip_above``'s threshold.
+        capturable: the flags keep their addresses (CUDA graphs): copied, never swapped.
+        fp16_grads: grads are reduced in fp16 (named by the no-scaler skip warning).
+    """
+
+    def __init__(self, device: torch.device, comm: Any, buckets: Sequence[Any], param_groups: List[Dict[str, Any]],
+                 skip_above: float, capturable: bool, fp16_grads: bool = False) -> None:
+        self.device = device
+        self.comm = comm
+        self.param_groups = param_groups
+        self.n_params = sum(len(g["params"]) for g in param_groups)
+        self.n_groups = len(param_groups)
+        self.skip_above = skip_above
+        self.capturable = capturable
+        self.fp16_grads = fp16_grads
+        self.rows = [bucket_rows(b.slots, device) for b in buckets]
+        f32 = dict(dtype=torch.float32, device=device)
+        self.flags = torch.zeros(self.n_params + 1, **f32)  # this step's (the grads since zero_grad)
+        self.last_flags = torch.zeros(self.n_params + 1, **f32)  # the last step's, once this one landed
+        self.counters = torch.zeros(4, dtype=torch.float64, device=device)
+        self.record = torch.zeros(2, **f32)  # the last step's [reason, unscaled norm]
+        self.skip = torch.zeros((), **f32)  # the step's skip flag: what the step kernel skips on
+        self._group_zeros = torch.zeros(self.n_groups, **f32) if self.n_groups > 1 else None
+        self._one = torch.ones(1, **f32)  # the pushed inverse scale of an unscaled step
+        # host side
+        self._landed = False  # a bucket was checked since the last step (the flags are the next step's)
+        self._reset = False  # zero_grad since: the next landing starts the flags from zero
+        self._round: Optional[_StepNorms] = None  # this round's, from its stats
+        self._last: Optional[_StepNorms] = None  # the last step's
+        self.steps = 0  # step() calls (and steps a scaler skipped on the host)
+        self._report: List[Tuple[int, str]] = []
+        self._report_of = 0  # the step the report belongs to (0: none)
+        self._scaler: Optional[weakref.ref] = None
+        self._pushed = False  # the last step's record was pushed for the host (deferred.py)
+        # what the host has seen, for the logger and the no-scaler warning
+        self._burst = 0  # consecutive skipped steps seen so far
+        self._backing_off = False
+        self._last_scale: Optional[float] = None
+        self._unscaled_skips = 0
+        self._warned_skips = False
+        self._summarised = 0.0  # skipped steps already summarised by step_stats()
+
+    # ------------------------------------------------------------------ backward
+    def check_landed(self, bucket: int, full: Tensor) -> None:
+        """Backward, just before bucket ``bucket``'s buffer ``full`` (this rank's grads, not yet
+        reduced; at world 1 the shard itself) is reduce-scattered: flag its params holding inf/NaN.
+        One launch, no host read (grad_sync.py calls it)."""
+        if not self._landed:  # the first landing after a step: keep that step's flags
+            self._landed = True
+            if self._reset and not self.capturable:
+                self.flags, self.last_flags = self.last_flags, self.flags
+                self.flags.zero_()
+            else:
+                self.last_flags.copy_(self.flags)
+                if self._reset:
+                    self.flags.zero_()
+            self._reset = False
+        elif self._reset:
+            self.flags.zero_()
+            self._reset = False
+        kernels.nonfinite_flags(full, self.rows[bucket], self.flags)
+
+    def grads_dropped(self) -> None:
+        """``zero_grad``: the grads (so their flags) start over; this round's norms are dropped."""
+        self._reset = True
+        self._round = None
+
+    # ------------------------------------------------------------------ the stats all-reduce
+    @property
+    def n_entries(self) -> int:
+        """Floats this object adds to the stats all-reduce (after the touched flags)."""
+        return 1 + (self.n_groups if self.n_groups > 1 else 0)
+
+    def entries(self) -> List[Tensor]:
+        """This rank's entries for the stats tensor: its "any non-finite" flag (a view), and
+        zeros where the group partials are accumulated (several groups only)."""
+        return [self.flags[-1:]] + ([] if self._group_zeros is None else [self._group_zeros])
+
+    def group_slice(self, offset: int) -> Optional[slice]:
+        """Where the group partials sit in a stats tensor whose entries start at ``offset`` (None
+        with one group: its partial is the whole norm's, ``stats[0]``)."""
+        return slice(offset + 1, offset + 1 + self.n_groups) if self.n_groups > 1 else None
+
+    def note_stats(self, stats: Tensor, offset: int, norm_type: float) -> None:
+        """The step's stats were all-reduced; its entries start at ``stats[offset]``."""
+        groups = self.group_slice(offset)
+        self._round = _StepNorms(stats[groups] if groups is not None else stats[0:1], norm_type, stats[offset])
+
+    # ------------------------------------------------------------------ the step
+    def step_args(self, raw_norm: Tensor, inv_scale: Optional[Tensor], avg: float) -> Dict[str, Any]:
+        """``kernels.step_scalars``' ``health`` argument: it decides the skip flag (:attr:`skip`)
+        and updates the counters and the record in the step's one scalar launch."""
+        return dict(skip_out=self.skip, raw_norm=raw_norm, inv_scale=inv_scale, avg=float(avg),
+                    skip_above=self.skip_above, counters=self.counters, record=self.record)
+
+    def stepped(self, inv_scale: Optional[Tensor]) -> None:
+        """The step consumed this round: its norms and flags become the last step's."""
+        self.steps += 1
+        self._landed = False
+        if self._round is not None:
+            self._round.inv_scale = inv_scale
+        self._last, self._round = self._round, None
+        self._pushed = False
+        if inv_scale is not None:  # a scaled step: the no-scaler warning counts unscaled skips in a row
+            self._unscaled_skips = 0
+
+    def record_parts(self) -> List[Tensor]:
+        """What the last step pushes for the host (deferred.py), float32 ``[reason, unscaled norm,
+        ranks whose own grads held inf/NaN, inverse scale (1 without a scaler)]``: views, no op."""
+        self._pushed = True
+        last = self._last
+        inv = last.inv_scale if last is not None and last.inv_scale is not None else self._one
+        ranks = last.nonfinite_ranks.reshape(1) if last is not None else self._one.mul(0.0)
+        return [self.record, ranks, inv.reshape(1)]
+
+    def host_skipped(self, unscaled_norm: Tensor, inv_scale: Optional[Tensor]) -> None:
+        """A scaler skipped this round's step on the host (``_step_supports_amp_scaling = False``:
+        torch's path read found-inf): count it as the kernel counts a found-inf step, and learn
+        its outcome at once (every rank: the scaler's found-inf is agreed). A host sync, as the
+        scaler's own."""
+        self.counters.add_(torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=self.device))
+        self.record.copy_(torch.stack([torch.ones((), dtype=torch.float32, device=self.device),
+                                       unscaled_norm.reshape(()).float()]))
+        self.stepped(inv_scale)
+        self.observe(self.steps, torch.cat(self.record_parts()).tolist(), scaled=inv_scale is not None)
+
+    # ------------------------------------------------------------------ the host learns the outcome
+    def observe(self, step: int, values: Sequence[float], scaled: bool) -> None:
+        """Step ``step``'s pushed record (:meth:`record_parts`) read on the host, on every rank at
+        the same point (deferred.py): all-gather the ranks' flags if some rank's own grads held
+        inf/NaN in a skipped step (a collective), keep the report, log, warn."""
+        reason, norm, ranks, inv = int(values[0]), float(values[1]), float(values[2]), float(values[3])
+        if step != self._report_of:
+            report = self._gather() if reason == NONFINITE and ranks > 0 else []
+            if step == self.steps:
+                self._report, self._report_of = report, step
+        else:
+            report = self._report
+        self._log(step, reason, norm, ranks, report, (1.0 / inv) if scaled and inv > 0 else None)
+        if reason == NONFINITE and not scaled:
+            self._unscaled_skips += 1
+        elif reason != NONFINITE:
+            self._unscaled_skips = 0
+        if self._unscaled_skips >= SKIPS_BEFORE_WARNING and not self._warned_skips:
+            self._warned_skips = True
+            warnings.warn(
+                f"DistributedFusedAdam: the last {self._unscaled_skips} steps were all skipped because the "
+                "gradients (summed over the ranks) held inf/NaN, and no grad scaler is in use"
+                + (" (grads are reduced in float16, whose max is 65504)" if self.fp16_grads else "") + ". Nothing is "
+                "training. Reduce the grads in float32 (grad_sync_dtype=torch.float32) or use "
+                "shardamp.scaler.ShardedGradScaler, which lowers the loss scale when this happens.",
+                RuntimeWarning, stacklevel=5,
+            )
+
+    def flags_of_last_step(self) -> Tensor:
+        """The last step's per-param flags (``[-1]``: any): the current ones until the next
+        landing, then the kept copy."""
+        return self.last_flags if self._landed else self.flags
+
+    def _gather(self) -> List[Tuple[int, str]]:
+        """All-gather every rank's flags of the last step (a collective over the optimizer's
+        ranks; nothing at world 1) and name them: sorted ``(global rank, param name)``."""
+        mine = (self.flags_of_last_step()[: self.n_params] > 0).to(torch.uint8)
+        table = self.comm.all_gather_flags(mine).cpu()
+        ranks = self.comm.global_ranks()
+        names = param_names(self.param_groups)
+        return sorted((ranks[r], names[i]) for r, i in table.nonzero().tolist())
+
+    def _log(self, step: int, reason: int, norm: float, ranks: float, report: List[Tuple[int, str]],
+             scale: Optional[float]) -> None:
+        if reason != APPLIED:
+            if self._burst == 0:
+                if reason == NONFINITE:
+                    where = ("; ".join(f"rank {r}: {n}" for r, n in report) if report else
+                             "no rank's own gradients held inf/NaN: it arose in their reduction, the norm or "
+                             "the loss scale" if ranks == 0 else "on some rank")
+                    LOGGER.warning("step %d skipped: non-finite gradients (%s); further skips in a row are not "
+                                   "logged", step, where)
+                else:
+                    LOGGER.warning("step %d skipped: gradient norm %.6g above skip_grad_norm_above=%g; further "
+                                   "skips in a row are not logged", step, norm, self.skip_above)
+            self._burst += 1
+        else:
+            if self._burst > 1:
+                LOGGER.info("step %d applied after %d skipped steps in a row", step, self._burst)
+            self._burst = 0
+        if scale is None:
+            return
+        if self._last_scale is not None and scale < self._last_scale:
+            if not self._backing_off:
+                LOGGER.warning("loss scale backed off from %g to %g before step %d; further back-offs in a row are "
+                               "not logged", self._last_scale, scale, step)
+            self._backing_off = True
+        else:
+            self._backing_off = False
+        self._last_scale = scale
+
+    # ------------------------------------------------------------------ asked by the user
+    def last_nonfinite(self) -> List[Tuple[int, str]]:
+        """See ``DistributedFusedAdam.last_nonfinite``."""
+        if self.steps == 0:
+            return []
+        if self._report_of == self.steps and not self.capturable:
+            return list(self._report)
+        last = self._last
+        ranks = last.nonfinite_ranks.reshape(1).float() if last is not None else self._one.mul(0.0)
+        reason, count = torch.cat([self.record[:1], ranks]).tolist()  # a host read
+        report = self._gather() if int(reason) == NONFINITE and count > 0 else []
+        if not self.capturable:  # a graph replay rewrites the device values: read them every time
+            self._report, self._report_of = report, self.steps
+        return list(report)
+
+    def group_norms(self, last: bool, avg: float, inv_scale: Optional[Tensor]) -> Tensor:
+        """Each group's norm of this round (``last=False``) or the last step, averaged and
+        multiplied by ``inv_scale`` (the last step's own when ``last``); a new 1-D float32 tensor."""
+        norms_of = self._last if last else self._round
+        if norms_of is None:
+            raise RuntimeError("grad_norms_by_group(): no step's norms yet; call it after backward (every rank) "
+                               "or after step()")
+        inv = norms_of.inv_scale if last else inv_scale
+        out = norms.root(norms_of.partials, norms_of.norm_type) * avg
+        return out if inv is None else out * inv
+
+    def note_scaler(self, scaler: Any) -> None:
+        """The scaler driving this optimizer (``step_stats``' ``loss_scale``); held weakly."""
+        self._scaler = weakref.ref(scaler)
+
+    def stats(self) -> Dict[str, Any]:
+        """See ``DistributedFusedAdam.step_stats``: ONE host read (counters, record and scale
+        together)."""
+        scaler = self._scaler() if self._scaler is not None else None
+        scale = _compat.scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
+        parts = [self.counters, self.record.double()]
+        if scale is not None:
+            parts.append(scale.detach().reshape(1).to(device=self.device, dtype=torch.float64))
+        values = torch.cat(parts).tolist()
+        applied, nonfinite, spike, consecutive, _reason, norm = values[:6]
+        skipped = nonfinite + spike
+        if not self._pushed and skipped > self._summarised:  # no per-step read saw them: say so here
+            LOGGER.warning("%d steps skipped since the last report (in all %d of %d: %d non-finite, %d above "
+                           "skip_grad_norm_above)", skipped - self._summarised, skipped, self.steps, nonfinite, spike)
+        self._summarised = skipped
+        return {
+            "steps": int(applied),
+            "skipped_steps": int(skipped),
+            "skipped_spike": int(spike),
+            "skipped_nonfinite": int(nonfinite),
+            "consecutive_skips": int(consecutive),
+            "last_grad_norm": None if self.steps == 0 else norm,
+            "loss_scale": None if scale is None else values[6],
+        }
