@@ -11,7 +11,10 @@ sharded and against the unsharded torch reference:
 
 ``run_loop(rank, world, loop)`` trains the MLP of parity.py for a few steps with loop A..G,
 injecting an inf into ONE rank's batch at ``INF_STEP``, and returns per step the params, the
-scale and the returned norm for both runs.
+scale and the returned norm for both runs, what ``last_nonfinite()`` named, and at the end
+``step_stats()`` beside the reference's counts. ``spike=True``: ``skip_grad_norm_above`` is set
+and the batches of ``SPIKE_STEPS`` are scaled up; the reference skips the steps whose unscaled
+norm exceeds it (its scaler neither backs off nor stops counting toward growth).
 """
 from __future__ import annotations
 
@@ -30,6 +33,10 @@ from shardamp.scaler import ShardedGradScaler
 
 INF_STEP = 2
 STEPS = 7
+SPIKE_STEPS = (4, 5, 8)  # two in a row, then one more
+SPIKE_STEPS_TOTAL = 11
+SPIKE_ABOVE = 40.0  # unscaled norms are ~1-3 here, hundreds at a spike
+SPIKE_FACTOR = 1000.0
 MAX_NORM = 0.2
 SCALER_KW = dict(init_scale=2.0**12, growth_interval=2)
 
@@ -60,10 +67,13 @@ def _poison(x: torch.Tensor, step: int, rank: int, world: int) -> torch.Tensor:
     return x
 
 
-def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: bool = False,
+def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: bool = False, spike: bool = False,
              **opt_kwargs: Any) -> Dict[str, Any]:
     """``sync_check``: on CUDA, run unscale_/clip/step/update after the first step under
     ``torch.cuda.set_sync_debug_mode("error")``, so any host sync there raises."""
+    steps = SPIKE_STEPS_TOTAL if spike else STEPS
+    if spike:
+        opt_kwargs = dict(opt_kwargs, skip_grad_norm_above=SPIKE_ABOVE)
     torch.manual_seed(0)
     model = MLP().to(device)
     ref = copy.deepcopy(model)
@@ -82,21 +92,31 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
     rscaler = None if no_scaler else torch.amp.GradScaler(device, **SCALER_KW)
     ref_clips = loop in ("B", "C", "D", "D0", "E", "G", "Gf")
     loss_fn = nn.MSELoss()
-    out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "scale", "ref_scale", "norm", "ref_norm", "skipped")}
+    out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "scale", "ref_scale", "norm", "ref_norm", "skipped",
+                                                 "nonfinite", "ref_skip", "ref_unscaled")}
     caught: List[str] = []
-    for step in range(STEPS):
+    for step in range(steps):
         data = batches(step, world, device=device)
+        if spike and step in SPIKE_STEPS:
+            data = [(x, y * SPIKE_FACTOR) for x, y in data]  # the loss, so the grads, grow with it
         # ---- reference: one process, all ranks' batches, torch's own AMP loop
         total = sum(loss_fn(ref(_poison(x, step, r, world)), y) for r, (x, y) in enumerate(data)) / world
         (rscaler.scale(total) if rscaler else total).backward()
         if rscaler:
             rscaler.unscale_(ropt)
+        overflow = not bool(torch.isfinite(torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()])))
         rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM) if ref_clips else None
+        # the unscaled norm before clipping decides a spike (rnorm is clip_grad_norm_'s: pre-clip)
+        unscaled = float(rnorm if rnorm is not None else torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]))
+        spiked = spike and not overflow and unscaled > SPIKE_ABOVE
+        out["ref_unscaled"].append(unscaled)
         if rscaler:
-            rscaler.step(ropt)
+            if not spiked:  # a spike is not an overflow: the scaler updates as after any finite step
+                rscaler.step(ropt)
             rscaler.update()
-        elif torch.isfinite(rnorm):
+        elif not overflow and not spiked:
             ropt.step()
+        out["ref_skip"].append("nonfinite" if overflow else "spike" if spiked else None)
         ropt.zero_grad()
         # ---- ours
         x, y = data[rank]
@@ -128,6 +148,8 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
             if loop in ("D", "D0"):
                 norm = opt.grad_norm()
         caught += [f"{x.category.__name__}: {x.message}" for x in w]
+        # on the CPU ready at once; on CUDA read from the device now (every rank calls it)
+        out["nonfinite"].append(opt.last_nonfinite())
         opt.zero_grad()
         out["ours"].append([p.detach().cpu().clone() for p in model.parameters()])
         out["ref"].append([p.detach().cpu().clone() for p in ref.parameters()])
@@ -137,4 +159,7 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
         out["ref_norm"].append(None if rnorm is None else float(rnorm))
         out["skipped"].append(bool(scaler.last_step_skipped) if isinstance(scaler, ShardedGradScaler) else None)
     out["warnings"] = caught
+    out["stats"] = opt.step_stats()
+    out["ref_final_scale"] = rscaler.get_scale() if rscaler else None
+    out["nonfinite_name"] = "group 0, param 0, shape (20, 12)"  # a.weight: where the poisoned input lands
     return out

@@ -45,6 +45,42 @@ def case_loop_Gf(rank, world, **kw):
     return run_loop(rank, world, "Gf", **kw)
 
 
+def case_loop_A_spike(rank, world, **kw):
+    return run_loop(rank, world, "A", spike=True, **kw)
+
+
+def case_loop_B_spike(rank, world, **kw):
+    return run_loop(rank, world, "B", spike=True, **kw)
+
+
+def case_loop_C_spike(rank, world, **kw):
+    return run_loop(rank, world, "C", spike=True, **kw)
+
+
+def case_loop_D_spike(rank, world, **kw):
+    return run_loop(rank, world, "D", spike=True, **kw)
+
+
+def case_loop_D_no_scaler_spike(rank, world, **kw):
+    return run_loop(rank, world, "D0", spike=True, **kw)
+
+
+def case_loop_E_spike(rank, world, **kw):
+    return run_loop(rank, world, "E", spike=True, **kw)
+
+
+def case_loop_F_spike(rank, world, **kw):
+    return run_loop(rank, world, "F", spike=True, **kw)
+
+
+def case_loop_G_spike(rank, world, **kw):
+    return run_loop(rank, world, "G", spike=True, **kw)
+
+
+def case_loop_Gf_spike(rank, world, **kw):
+    return run_loop(rank, world, "Gf", spike=True, **kw)
+
+
 def case_one_all_reduce(rank, world, **kw):
     """unscale_ + clip_grad_norm + step issue exactly one all-reduce (norm + found-inf + touched)."""
     torch.manual_seed(0)

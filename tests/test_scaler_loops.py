@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cases_scaler
-from amp_loops import INF_STEP, MAX_NORM
+from amp_loops import INF_STEP, MAX_NORM, SPIKE_ABOVE, SPIKE_STEPS
 from dist_helper import case_values, run_cases, run_distributed
 from parity import ATOL, RTOL
 
@@ -35,10 +35,15 @@ def test_loop_matches_torch(world: int, case: str) -> None:
 
 def check_loop_case(per_rank, case: str) -> None:
     """Same params as torch's loop every step, same scale and skipped steps on every rank,
-    norms equal torch's, and the warnings each loop must (not) give."""
+    norms equal torch's, and the warnings each loop must (not) give; the step's health: the inf
+    named where it was injected (that rank, that param), step_stats() counting the reference's
+    skips (spikes apart: the scaler never backs off for one), its loss scale and last norm."""
     loop = case[len("case_loop_"):].replace("D_no_scaler", "D0")
+    spike = loop.endswith("_spike")
+    loop = loop[: -len("_spike")] if spike else loop
     values = case_values(per_rank, case)
     v0 = values[0]
+    check_health(values, loop, spike)
     clipped = False
     for step in range(len(v0["ours"])):
         for i, (ours, ref) in enumerate(zip(v0["ours"][step], v0["ref"][step])):
@@ -54,9 +59,11 @@ def check_loop_case(per_rank, case: str) -> None:
             assert v0["skipped"][step] == (step == INF_STEP)
     if loop in CLIPPING:
         assert clipped, "the clip never engaged: the test would not catch a missing clip"
-    # the skipped step really was skipped (with or without a scaler): params did not move
-    for a, b in zip(v0["ours"][INF_STEP - 1], v0["ours"][INF_STEP]):
-        assert torch.equal(a, b)
+    # the skipped steps really were skipped (with or without a scaler): params did not move
+    for step, why in enumerate(v0["ref_skip"]):
+        if why is not None:
+            for a, b in zip(v0["ours"][step - 1], v0["ours"][step]):
+                assert torch.equal(a, b), (step, why)
     # every rank: same params, same scale
     for other in values[1:]:
         assert other["scale"] == v0["scale"]
@@ -104,3 +111,41 @@ def test_found_inf_is_exactly_one_when_several_ranks_overflow(world: int) -> Non
 def test_foreign_optimizer_found_inf_agreed_over_ranks(world: int) -> None:
     for scales in _case(world, "case_foreign_optimizer_agrees"):
         assert scales == [2.0**10, 2.0**9, 2.0**9]  # every rank backed off at step 1
+
+
+def check_health(values, loop: str, spike: bool) -> None:
+    """Every rank: ``last_nonfinite()`` names exactly the rank and param the inf was injected
+    into at INF_STEP (the last rank's batch reaches the first layer's weight) and nothing at
+    the other steps; ``step_stats()`` counts what the reference skipped."""
+    world = len(values)
+    v0 = values[0]
+    skips = v0["ref_skip"]
+    assert skips.count("nonfinite") == 1 and skips.count("spike") == (len(SPIKE_STEPS) if spike else 0), skips
+    for rank, v in enumerate(values):
+        for step, named in enumerate(v["nonfinite"]):
+            want = [(world - 1, v0["nonfinite_name"])] if step == INF_STEP else []
+            assert [tuple(x) for x in named] == want, (rank, step, named)
+        stats = v["stats"]
+        assert set(stats) == {"steps", "skipped_steps", "skipped_spike", "skipped_nonfinite", "consecutive_skips",
+                              "last_grad_norm", "loss_scale"}, stats
+        assert stats["skipped_nonfinite"] == 1 and stats["skipped_spike"] == skips.count("spike"), stats
+        assert stats["skipped_steps"] == stats["skipped_nonfinite"] + stats["skipped_spike"]
+        assert stats["steps"] == len(skips) - stats["skipped_steps"], stats
+        trailing = 0
+        for why in reversed(skips):
+            if why is None:
+                break
+            trailing += 1
+        assert stats["consecutive_skips"] == trailing, (stats, skips)
+        assert stats["loss_scale"] == v["ref_final_scale"], stats
+        assert math.isclose(stats["last_grad_norm"], v["ref_unscaled"][-1], rel_tol=1e-4), (stats, v["ref_unscaled"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_spike_steps_counted_and_not_overflows(world: int) -> None:
+    """The spike cases engaged: their norms really were above the threshold at SPIKE_STEPS only,
+    and the scaler did not back off at them (its scale equals torch's, which never saw them)."""
+    for case in [c for c in LOOPS if c.endswith("_spike")]:
+        v0 = _case(world, case)[0]
+        for step, norm in enumerate(v0["ref_unscaled"]):
+            assert (norm > SPIKE_ABOVE) == (step in SPIKE_STEPS), (case, step, norm)

@@ -274,6 +274,10 @@ def plan_hparams(opt: Any, saved_groups: Any, saved_extras: Optional[Mapping[str
             raise ValueError(
                 f"{where} has {len(saved['params'])} params, the optimizer's group {g} has {len(group['params'])}"
             )
+        names = saved.get("param_names")
+        if names is not None and (not isinstance(names, (list, tuple)) or len(names) != len(group["params"])):
+            raise ValueError(f"{where}: 'param_names' must list one name per param of the group "
+                             f"({len(group['params'])}), got {names!r:.200}")
         missing = [k for k in _HPARAM_ORDER if k not in saved]
         if missing:
             raise ValueError(f"{where}: missing hyperparameter(s) {missing}")
@@ -324,9 +328,12 @@ def apply_hparams(opt: Any, plan: HparamPlan) -> None:
     for group, new in zip(opt.param_groups, plan.groups):
         params = group["params"]
         old_lr = group.get("lr")
+        names = group.get("param_names")
         group.clear()
         group.update(new)
         group["params"] = params
+        if names is not None and "param_names" not in new:
+            group["param_names"] = names  # as torch.optim: a dict without names keeps the optimizer's
         if isinstance(old_lr, torch.Tensor) and "lr" in new:
             # a device lr (capturable, CUDA graphs) stays the same tensor, now holding the
             # loaded value: captured graphs and LR schedulers keep reading it
