@@ -20,7 +20,7 @@ import torch.distributed
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parity import ConvNet, MLP, two_groups
+from parity import named_two_groups, ConvNet, MLP, two_groups
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.checkpoint import load_sharded, save_sharded
 from shardamp.scaler import ShardedGradScaler
@@ -76,12 +76,12 @@ def train(model: nn.Module, opt: Any, steps: Sequence[int], rank: int = 0, world
 
 
 def torch_run(kind: str = "mlp", steps: Sequence[int] = range(TOTAL), cls: type = torch.optim.AdamW,
-              channels_last: bool = False, per_step: Optional[int] = None,
+              channels_last: bool = False, per_step: Optional[int] = None, named: bool = False,
               **kw: Any) -> Tuple[nn.Module, torch.optim.Optimizer]:
     """The unsharded reference, on the CPU: torch.optim over the same model and groups, whole
-    batches of ``per_step`` samples (default ``PER_STEP``)."""
+    batches of ``per_step`` samples (default ``PER_STEP``); ``named``: groups of ``(name, param)``."""
     model = new_model(kind, channels_last=channels_last)
-    opt = cls(two_groups(model), **kw)
+    opt = cls((named_two_groups if named else two_groups)(model), **kw)
     train(model, opt, steps, kind=kind, per_step=per_step)
     return model, opt
 
@@ -106,10 +106,11 @@ def assert_sd_equal(a: Dict[str, Any], b: Dict[str, Any]) -> None:
 
 
 def build(kind: str = "mlp", dtype: torch.dtype = torch.float32, channels_last: bool = False,
-          device: Optional[str] = None, **kw: Any) -> Tuple[nn.Module, DistributedFusedAdam]:
-    """A model on ``device`` (default ``DEVICE``) and DistributedFusedAdam over its two groups."""
+          device: Optional[str] = None, named: bool = False, **kw: Any) -> Tuple[nn.Module, DistributedFusedAdam]:
+    """A model on ``device`` (default ``DEVICE``) and DistributedFusedAdam over its two groups
+    (``named``: of ``(name, param)`` pairs, as ``named_parameters()`` gives them)."""
     model = new_model(kind, dtype, channels_last, device or DEVICE)
-    return model, DistributedFusedAdam(two_groups(model), **kw)
+    return model, DistributedFusedAdam((named_two_groups if named else two_groups)(model), **kw)
 
 
 def _load(tmp: str, name: str) -> Any:
@@ -234,6 +235,17 @@ def case_errors(rank: int, world: int, tmp: str) -> List[str]:
     return messages
 
 
+def case_save_named(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """Named params (groups of ``(name, param)``): the state dict carries ``param_groups[g]
+    ["param_names"]`` as torch's does; saved for world 2, torch and world 1 to resume."""
+    model, opt = build(bucket_cap_mb=TINY, named=True)
+    train(model, opt, range(SAVE_AT), rank, world)
+    sd = opt.state_dict()
+    save_sharded(opt, os.path.join(tmp, "dcp_named"))
+    _save({"model": model.state_dict(), "opt": sd}, tmp, "named.pt", rank)
+    return {"sd": sd}
+
+
 # ====================================================================== world 2 (and 1): resume
 def case_resume(rank: int, world: int, tmp: str) -> List[torch.Tensor]:
     saved = _load(tmp, "w3.pt")
@@ -292,9 +304,29 @@ def case_from_torch(rank: int, world: int, tmp: str) -> List[torch.Tensor]:
     return params_of(model)
 
 
+def case_resume_named(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """The named world-3 state dict into a named optimizer (another layout), and the same into
+    an unnamed one, which takes the dict's names (torch's rule); DCP too; then training on."""
+    saved = _load(tmp, "named.pt")
+    unnamed_model, unnamed = build(bucket_cap_mb=1000.0)
+    unnamed.load_state_dict(saved["opt"])
+    names = [g.get("param_names") for g in unnamed.param_groups]
+    del unnamed  # one live optimizer per process group
+    dcp_model, dcp = build(bucket_cap_mb=3 * TINY, named=True)
+    load_sharded(dcp, os.path.join(tmp, "dcp_named"))
+    dcp_sd = dcp.state_dict()
+    del dcp
+    model, opt = build(bucket_cap_mb=2 * TINY, named=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    train(model, opt, range(SAVE_AT, TOTAL), rank, world)
+    return {"names_taken": names, "dcp_sd": dcp_sd, "params": params_of(model), "sd": opt.state_dict()}
+
+
 # ====================================================================== runner
-W3_CASES = ["case_save", "case_roundtrip", "case_bf16", "case_channels_last", "case_errors"]
-W2_CASES = ["case_resume", "case_dcp", "case_bf16_resume", "case_channels_last_resume", "case_from_torch"]
+W3_CASES = ["case_save", "case_roundtrip", "case_bf16", "case_channels_last", "case_errors", "case_save_named"]
+W2_CASES = ["case_resume", "case_dcp", "case_bf16_resume", "case_channels_last_resume", "case_from_torch",
+            "case_resume_named"]
 
 
 def run(rank: int, world: int, tmp: str, names: List[str], device: str = "cpu",

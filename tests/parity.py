@@ -126,6 +126,13 @@ def two_groups(model: nn.Module) -> List[Dict[str, Any]]:
     ]
 
 
+def named_two_groups(model: nn.Module) -> List[Dict[str, Any]]:
+    """``two_groups`` with ``(name, param)`` pairs, as ``named_parameters()`` gives them."""
+    groups = two_groups(model)
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    return [dict(g, params=[(name_of[id(p)], p) for p in g["params"]]) for g in groups]
+
+
 def train(
     rank: int,
     world: int,

@@ -192,3 +192,33 @@ def test_dcp_bf16_master_and_layout_change(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cc.assert_sd_equal(opt2.state_dict(), expected)
+
+
+def test_named_params_state_dicts_across_worlds_and_torch(groups, reference):
+    """named_parameters() groups: the state dict saved at world 3 has torch.optim.AdamW's own
+    param_groups, names included; world 2 loads it (another layout) and trains on like the
+    uninterrupted run; an unnamed optimizer loading it takes its names and a DCP checkpoint keeps
+    them (torch's rules); world 1 and torch.optim.AdamW over named params load it too."""
+    tmp, w3, w2 = groups
+    sd = _ok(w3, "case_save_named")[0]["sd"]
+    _, ref = cc.torch_run(steps=range(cc.SAVE_AT), named=True)
+    assert sd["param_groups"] == [dict(g) for g in ref.state_dict()["param_groups"]]
+    assert sd["param_groups"][0]["param_names"] == ["a.weight", "a.bias"]
+    for value in _ok(w2, "case_resume_named"):
+        assert value["names_taken"] == [g["param_names"] for g in sd["param_groups"]]
+        assert value["dcp_sd"]["param_groups"] == sd["param_groups"]
+        assert value["sd"]["param_groups"] == sd["param_groups"]
+        _close(value["params"], reference, "named, world 2")
+    saved = torch.load(os.path.join(tmp, "named.pt"), weights_only=True)
+    model, opt = cc.build(bucket_cap_mb=cc.TINY, named=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL))
+    _close(cc.params_of(model), reference, "named, world 1")
+    model = cc.new_model()
+    model.load_state_dict(saved["model"])
+    topt = torch.optim.AdamW(cc.named_two_groups(model))
+    topt.load_state_dict(saved["opt"])
+    cc.train(model, topt, range(cc.SAVE_AT, cc.TOTAL))
+    _close(cc.params_of(model), reference, "named, torch.optim.AdamW")
+
