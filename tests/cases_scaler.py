@@ -191,4 +191,170 @@ def case_norm_types(rank, world, device="cpu", opt_kwargs=None, **kw):
     return out
 
 
+class _Records(__import__("logging").Handler):
+    """Collects the ``shardamp`` logger's messages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record) -> None:
+        self.messages.append((record.levelname, record.getMessage()))
+
+
+# (step, rank, param name, value): the grads poisoned on that rank only, before their reduction
+NAMED_POISON = {2: [(-1, "b.weight", float("inf"))], 5: [(0, "head.bias", float("nan")), (1, "a.weight", float("-inf"))]}
+NAMED_STEPS = 8
+
+
+def case_nonfinite_named(rank, world, device="cpu", **kw):
+    """named_parameters() in two groups, tiny buckets (uneven shards): an inf in ONE named
+    param's grad on ONE rank (step 2: the last rank's b.weight), then on two ranks at once
+    (step 5: rank 0's head.bias NaN, rank 1's a.weight -inf): every rank's last_nonfinite()
+    names exactly those (rank, name) pairs, the step is skipped as torch skips it (params equal
+    unsharded AdamW's, with and without a scaler), step_stats() counts it, and the shardamp
+    logger names them once per burst."""
+    import copy
+    import logging
+
+    import torch.nn as nn
+
+    from parity import named_two_groups
+
+    out = {}
+    for scaled in (True, False):
+        torch.manual_seed(0)
+        model = MLP().to(device)
+        ref = copy.deepcopy(model)
+        opt = DistributedFusedAdam(named_two_groups(model), bucket_cap_mb=0.0004)
+        ropt = torch.optim.AdamW(named_two_groups(ref))
+        scaler = ShardedGradScaler(device, init_scale=2.0**10, growth_interval=3) if scaled else None
+        rscaler = torch.amp.GradScaler(device, init_scale=2.0**10, growth_interval=3) if scaled else None
+        mine = dict(model.named_parameters())
+        refs = dict(ref.named_parameters())
+        handles = []
+        step_now = [0]
+        for name, p in mine.items():
+            def poison(g, name=name):
+                for r, n, value in NAMED_POISON.get(step_now[0], []):
+                    if n == name and r % world == rank:
+                        g = g.clone()
+                        g.view(-1)[3 % g.numel()] = value
+                return g
+            handles.append(p.register_hook(poison))
+        log = _Records()
+        logging.getLogger("shardamp").addHandler(log)
+        named, params, ref_params, scales, ref_scales = [], [], [], [], []
+        try:
+            for step in range(NAMED_STEPS):
+                step_now[0] = step
+                data = batches(step, world, device=device)
+                total = sum(nn.functional.mse_loss(ref(x), y) for x, y in data) / world
+                (rscaler.scale(total) if scaled else total).backward()
+                for r, n, value in NAMED_POISON.get(step, []):  # the sum over ranks holds it too
+                    refs[n].grad.view(-1)[3 % refs[n].numel()] = value
+                if scaled:
+                    rscaler.step(ropt)
+                    rscaler.update()
+                elif all(bool(torch.isfinite(p.grad).all()) for p in ref.parameters()):
+                    ropt.step()
+                ropt.zero_grad()
+                x, y = data[rank]
+                loss = nn.functional.mse_loss(model(x), y)
+                if scaled:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad()
+                named.append(opt.last_nonfinite())
+                params.append([p.detach().cpu().clone() for p in model.parameters()])
+                ref_params.append([p.detach().cpu().clone() for p in ref.parameters()])
+                scales.append(scaler.get_scale() if scaled else None)
+                ref_scales.append(rscaler.get_scale() if scaled else None)
+        finally:
+            logging.getLogger("shardamp").removeHandler(log)
+            for h in handles:
+                h.remove()
+        out[f"scaled={scaled}"] = dict(named=named, params=params, ref_params=ref_params, scales=scales,
+                                       ref_scales=ref_scales, stats=opt.step_stats(), log=log.messages)
+        del opt  # one live optimizer per process group
+    return out
+
+
+def case_nonfinite_in_reduction(rank, world, device="cpu", **kw):
+    """Grads reduced in float16: every rank's grad element holds 40000 (finite in fp16), their
+    sum overflows in the reduce-scatter. The step is skipped (non-finite), yet no rank's own
+    grads held inf/NaN: last_nonfinite() is empty, which is how to tell."""
+    import logging
+
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.zeros(40, device=device))
+    q = torch.nn.Parameter(torch.zeros(7, device=device))
+    opt = DistributedFusedAdam([p, q], grad_sync_dtype=torch.float16, bucket_cap_mb=0.0001)
+    log = _Records()
+    logging.getLogger("shardamp").addHandler(log)
+    try:
+        w = torch.ones(40, device=device)
+        w[5] = 40000.0
+        ((p * w).sum() + q.sum()).backward()
+        opt.step()
+        named = opt.last_nonfinite()
+        stats = opt.step_stats()
+        moved = bool(p.detach().abs().sum() > 0)
+    finally:
+        logging.getLogger("shardamp").removeHandler(log)
+    return dict(named=named, stats=stats, moved=moved, log=log.messages)
+
+
+def case_group_norms(rank, world, device="cpu", **kw):
+    """grad_norms_by_group() of three param groups (tiny buckets: groups straddle buckets and
+    shards) against torch.nn.utils.get_total_norm per group of the unsharded grads: unscaled
+    after unscale_, in the step's norm type (2, or inf when the clip asks for it first), the same
+    after step; one group: the whole norm."""
+    import copy
+
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+
+    def three(m):
+        ps = list(m.parameters())
+        return [{"params": ps[:2]}, {"params": ps[2:5], "lr": 2e-3}, {"params": ps[5:], "weight_decay": 0.1}]
+
+    opt = DistributedFusedAdam(three(model), bucket_cap_mb=0.0004)
+    ropt = torch.optim.AdamW(three(ref))
+    scaler = ShardedGradScaler(device, init_scale=2.0**6)
+    out = []
+    for step in range(4):
+        norm_type = float("inf") if step == 2 else 2.0
+        data = batches(step, world, device=device)
+        (sum(nn.functional.mse_loss(ref(x), y) for x, y in data) / world).backward()
+        want = [float(torch.nn.utils.get_total_norm([p.grad for p in g["params"]], norm_type))
+                for g in ropt.param_groups]
+        ropt.step()
+        ropt.zero_grad()
+        x, y = data[rank]
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if step == 2:  # asked first, before unscaling: the step's stats are in the inf norm
+            opt.clip_grad_norm(100.0, norm_type=norm_type)
+        scaler.unscale_(opt)
+        before = opt.grad_norms_by_group().tolist()
+        scaler.step(opt)
+        scaler.update()
+        after = opt.grad_norms_by_group().tolist()
+        opt.zero_grad()
+        out.append(dict(want=want, before=before, after=after, total=float(opt.grad_norm(norm_type))))
+    del opt
+    one = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
+    x, y = batches(9, world, device=device)[rank]
+    nn.functional.mse_loss(model(x), y).backward()
+    single = (one.grad_norms_by_group().tolist(), float(one.grad_norm()))
+    return dict(steps=out, single=single)
+
+
 CASES = [name for name in dir() if name.startswith("case_")]

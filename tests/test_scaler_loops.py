@@ -149,3 +149,62 @@ def test_spike_steps_counted_and_not_overflows(world: int) -> None:
         v0 = _case(world, case)[0]
         for step, norm in enumerate(v0["ref_unscaled"]):
             assert (norm > SPIKE_ABOVE) == (step in SPIKE_STEPS), (case, step, norm)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nonfinite_named_on_one_rank_reported_everywhere(world: int) -> None:
+    """An inf in one named param's grad on one rank only (then NaN and -inf on two ranks at
+    once) is reported as exactly those (rank, name) pairs on every rank; the steps are skipped
+    as torch skips them (params equal unsharded AdamW's, with and without a scaler, same
+    scale); step_stats() counts them; the logger names them once per skip and the scaler's
+    back-offs once each."""
+    import cases_scaler as cs
+
+    values = _case(world, "case_nonfinite_named")
+    for key in ("scaled=True", "scaled=False"):
+        per_rank = [v[key] for v in values]
+        for rank, v in enumerate(per_rank):
+            for step, named in enumerate(v["named"]):
+                want = sorted((r % world, n) for r, n, _ in cs.NAMED_POISON.get(step, []))
+                assert [tuple(x) for x in named] == want, (key, rank, step, named)
+                for i, (a, b) in enumerate(zip(v["params"][step], v["ref_params"][step])):
+                    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL, msg=lambda m: f"{key} step {step} {i}: {m}")
+            assert v["scales"] == v["ref_scales"], key
+            assert v["stats"]["skipped_nonfinite"] == len(cs.NAMED_POISON) and v["stats"]["skipped_spike"] == 0
+            assert v["stats"]["steps"] == cs.NAMED_STEPS - len(cs.NAMED_POISON)
+            warned = [m for level, m in v["log"] if level == "WARNING"]
+            skips = [m for m in warned if "skipped: non-finite" in m]
+            assert len(skips) == 2, warned
+            assert "step 3 skipped" in skips[0] and f"rank {world - 1}: b.weight" in skips[0], skips
+            assert "step 6 skipped" in skips[1] and "rank 0: head.bias; rank 1: a.weight" in skips[1], skips
+            backoffs = [m for m in warned if "backed off" in m]
+            assert len(backoffs) == (2 if key == "scaled=True" else 0), warned
+        for other in per_rank[1:]:
+            assert other["named"] == per_rank[0]["named"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nonfinite_only_in_the_reduction_reports_no_rank(world: int) -> None:
+    """fp16 grads each finite on every rank, their sum overflowing in the reduce-scatter: the
+    step is skipped and counted, but last_nonfinite() is empty (no rank's own grads held
+    inf/NaN), and the logger says where it arose."""
+    for v in _case(world, "case_nonfinite_in_reduction"):
+        assert v["named"] == [] and not v["moved"], v
+        assert v["stats"]["skipped_nonfinite"] == 1 and v["stats"]["steps"] == 0, v["stats"]
+        assert any("arose in their reduction" in m for _, m in v["log"]), v["log"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grad_norms_by_group_match_torch(world: int) -> None:
+    for v in _case(world, "case_group_norms"):
+        for step, s in enumerate(v["steps"]):
+            assert len(s["before"]) == 3
+            for ours, after, want in zip(s["before"], s["after"], s["want"]):
+                assert ours == pytest.approx(want, rel=1e-4), (step, s)
+                assert after == ours, (step, s)
+            # the groups make up the whole norm (2: root of the sum of squares; inf: the max)
+            whole = max(s["want"]) if step == 2 else math.sqrt(sum(w * w for w in s["want"]))
+            assert s["total"] == pytest.approx(whole, rel=1e-4), (step, s)
+        groups, total = v["single"]
+        assert len(groups) == 1 and groups[0] == pytest.approx(total, rel=1e-6)
+
