@@ -152,9 +152,17 @@ def case_norm_types(rank: int, world: int, mesh) -> Dict[str, Any]:
     return cases_scaler.case_norm_types(rank, world, opt_kwargs=dict(device_mesh=mesh))
 
 
+def case_group_norms(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """grad_norms_by_group against torch's per group: replicas hold the same shard, so only
+    replicate rank 0 contributes the group partials, as the whole norm's."""
+    import cases_scaler
+
+    return cases_scaler.case_group_norms(rank, world, device_mesh=mesh)
+
+
 CASES = ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
          "case_parity_capturable_no_overlap", "case_loops", "case_collectives", "case_memory",
-         "case_norm_types"]
+         "case_norm_types", "case_group_norms"]
 
 
 # ====================================================================== checkpoints across meshes

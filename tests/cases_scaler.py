@@ -309,7 +309,7 @@ def case_nonfinite_in_reduction(rank, world, device="cpu", **kw):
     return dict(named=named, stats=stats, moved=moved, log=log.messages)
 
 
-def case_group_norms(rank, world, device="cpu", **kw):
+def case_group_norms(rank, world, device="cpu", device_mesh=None, **kw):
     """grad_norms_by_group() of three param groups (tiny buckets: groups straddle buckets and
     shards) against torch.nn.utils.get_total_norm per group of the unsharded grads: unscaled
     after unscale_, in the step's norm type (2, or inf when the clip asks for it first), the same
@@ -326,7 +326,7 @@ def case_group_norms(rank, world, device="cpu", **kw):
         ps = list(m.parameters())
         return [{"params": ps[:2]}, {"params": ps[2:5], "lr": 2e-3}, {"params": ps[5:], "weight_decay": 0.1}]
 
-    opt = DistributedFusedAdam(three(model), bucket_cap_mb=0.0004)
+    opt = DistributedFusedAdam(three(model), bucket_cap_mb=0.0004, device_mesh=device_mesh)
     ropt = torch.optim.AdamW(three(ref))
     scaler = ShardedGradScaler(device, init_scale=2.0**6)
     out = []
@@ -350,10 +350,11 @@ def case_group_norms(rank, world, device="cpu", **kw):
         opt.zero_grad()
         out.append(dict(want=want, before=before, after=after, total=float(opt.grad_norm(norm_type))))
     del opt
-    one = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
+    one = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004, device_mesh=device_mesh)
     x, y = batches(9, world, device=device)[rank]
     nn.functional.mse_loss(model(x), y).backward()
     single = (one.grad_norms_by_group().tolist(), float(one.grad_norm()))
+    del one
     return dict(steps=out, single=single)
 
 

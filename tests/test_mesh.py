@@ -17,7 +17,7 @@ from parity import ATOL, RTOL, two_groups
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.checkpoint import load_sharded
 from test_core import check_parity_case
-from test_scaler_loops import check_loop_case
+from test_scaler_loops import check_group_norms, check_loop_case
 
 SHAPES = [cm.shape_name(s) for s in cm.SHAPES]
 
@@ -44,6 +44,11 @@ def test_mesh_parity_with_torch_adamw(shape: str, case: str) -> None:
 def test_mesh_amp_loops_match_torch(shape: str, loop: str) -> None:
     per_rank = [{f"case_loop_{loop}": ("ok", value[loop])} for value in _case(f"case_loops[{shape}]")]
     check_loop_case(per_rank, f"case_loop_{loop}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mesh_grad_norms_by_group_match_torch(shape: str) -> None:
+    check_group_norms(_case(f"case_group_norms[{shape}]"))
 
 
 @pytest.mark.parametrize("shape", SHAPES)
