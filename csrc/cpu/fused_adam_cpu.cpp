@@ -78,44 +78,49 @@ struct Partial {
   float acc, bad;
 };
 
+// One chunk's partial [lo, hi): the unit of grad_stats' fixed summation order.
+template <typename T, Norm N>
+inline Partial chunk_partial(const T* g, int64_t lo, int64_t hi, float p) {
+  const fVec vp(p);
+  // Two accumulators per lane keep two independent dependency chains in flight. `bad`
+  // sums x - x, which is 0 for finite x and NaN for inf/NaN, and stays NaN once it is.
+  fVec a0(0.f), a1(0.f), b0(0.f), b1(0.f);
+  int64_t i = lo;
+  for (; i + kV <= hi; i += kV) {
+    fVec x0, x1;
+    load2(g + i, x0, x1);
+    a0 = stat_combine<N>(a0, x0, vp);
+    a1 = stat_combine<N>(a1, x1, vp);
+    b0 = b0 + (x0 - x0);
+    b1 = b1 + (x1 - x1);
+  }
+  float s = 0.f, f = 0.f;
+  alignas(64) float la[kW], lb[kW];
+  if constexpr (N == Norm::kMax) {
+    at::vec::maximum(a0, a1).store(la);
+  } else {
+    (a0 + a1).store(la);
+  }
+  (b0 + b1).store(lb);
+  for (int64_t k = 0; k < kW; ++k) {
+    s = N == Norm::kMax ? nan_max(s, la[k]) : s + la[k];
+    f += lb[k];
+  }
+  for (; i < hi; ++i) {
+    const float x = static_cast<float>(g[i]);
+    s = stat_combine<N>(s, x, p);
+    f += x - x;
+  }
+  return Partial{s, f};
+}
+
 template <typename T, Norm N>
 void stats_impl(const T* g, int64_t n, float p, float* out) {
   const int64_t nchunks = (n + kStatsChunk - 1) / kStatsChunk;
   std::vector<Partial> part(nchunks);
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    const fVec vp(p);
     for (int64_t c = c0; c < c1; ++c) {
-      const int64_t lo = c * kStatsChunk, hi = std::min(n, lo + kStatsChunk);
-      // Two accumulators per lane keep two independent dependency chains in flight. `bad`
-      // sums x - x, which is 0 for finite x and NaN for inf/NaN, and stays NaN once it is.
-      fVec a0(0.f), a1(0.f), b0(0.f), b1(0.f);
-      int64_t i = lo;
-      for (; i + kV <= hi; i += kV) {
-        fVec x0, x1;
-        load2(g + i, x0, x1);
-        a0 = stat_combine<N>(a0, x0, vp);
-        a1 = stat_combine<N>(a1, x1, vp);
-        b0 = b0 + (x0 - x0);
-        b1 = b1 + (x1 - x1);
-      }
-      float s = 0.f, f = 0.f;
-      alignas(64) float la[kW], lb[kW];
-      if constexpr (N == Norm::kMax) {
-        at::vec::maximum(a0, a1).store(la);
-      } else {
-        (a0 + a1).store(la);
-      }
-      (b0 + b1).store(lb);
-      for (int64_t k = 0; k < kW; ++k) {
-        s = N == Norm::kMax ? nan_max(s, la[k]) : s + la[k];
-        f += lb[k];
-      }
-      for (; i < hi; ++i) {
-        const float x = static_cast<float>(g[i]);
-        s = stat_combine<N>(s, x, p);
-        f += x - x;
-      }
-      part[c] = Partial{s, f};
+      part[c] = chunk_partial<T, N>(g, c * kStatsChunk, std::min(n, (c + 1) * kStatsChunk), p);
     }
   });
   float s = N == Norm::kMax ? out[0] : 0.f, f = 0.f;
@@ -148,24 +153,48 @@ void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// group_partials: each param group's partial of a shard, segment by segment (the same per-segment
-// arithmetic as grad_stats, folded into out[group] in segment order: deterministic)
+// group_partials: each param group's partial of a shard, segment by segment, with grad_stats'
+// arithmetic: a segment of at most one chunk is one chunk's partial (many small segments are
+// computed in parallel, each by one thread), a longer one goes through stats_impl; folded into
+// out[group] in segment order, so the result does not depend on the thread count.
+template <typename T, Norm N>
+void groups_impl(const T* g, const int64_t* rows, int64_t count, float p, float* o) {
+  std::vector<float> part(count, 0.f);
+  at::parallel_for(0, count, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t start = rows[4 * r], len = rows[4 * r + 1];
+      if (len > 0 && len <= kStatsChunk) part[r] = chunk_partial<T, N>(g + start, 0, len, p).acc;
+    }
+  });
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t start = rows[4 * r], len = rows[4 * r + 1], group = rows[4 * r + 3];
+    if (len == 0) continue;
+    if (len > kStatsChunk) {
+      float big[2] = {0.f, 0.f};
+      stats_impl<T, N>(g + start, len, p, big);
+      part[r] = big[0];
+    }
+    o[group] = N == Norm::kMax ? nan_max(o[group], part[r]) : o[group] + part[r];
+  }
+}
+
+template <typename T>
+void groups_dispatch_norm(const T* g, const int64_t* rows, int64_t count, double norm_type, float* o) {
+  if (std::isinf(norm_type)) return groups_impl<T, Norm::kMax>(g, rows, count, 0.f, o);
+  if (norm_type == 2.0) return groups_impl<T, Norm::kTwo>(g, rows, count, 2.f, o);
+  if (norm_type == 1.0) return groups_impl<T, Norm::kOne>(g, rows, count, 1.f, o);
+  groups_impl<T, Norm::kGeneric>(g, rows, count, static_cast<float>(norm_type), o);
+}
 
 void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type) {
   const int64_t* rows = segments.data_ptr<int64_t>();
+  const int64_t count = segments.size(0);
   float* o = out.data_ptr<float>();
-  const bool max_norm = std::isinf(norm_type);
-  for (int64_t r = 0, count = segments.size(0); r < count; ++r) {
-    const int64_t start = rows[4 * r], len = rows[4 * r + 1], group = rows[4 * r + 3];
-    if (len == 0) continue;
-    float part[2] = {0.f, 0.f};
-    switch (grad.scalar_type()) {
-      case at::kFloat: stats_dispatch_norm(grad.data_ptr<float>() + start, len, norm_type, part); break;
-      case at::kBFloat16: stats_dispatch_norm(grad.data_ptr<at::BFloat16>() + start, len, norm_type, part); break;
-      case at::kHalf: stats_dispatch_norm(grad.data_ptr<at::Half>() + start, len, norm_type, part); break;
-      default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", grad.scalar_type());
-    }
-    o[group] = max_norm ? nan_max(o[group], part[0]) : o[group] + part[0];
+  switch (grad.scalar_type()) {
+    case at::kFloat: return groups_dispatch_norm(grad.data_ptr<float>(), rows, count, norm_type, o);
+    case at::kBFloat16: return groups_dispatch_norm(grad.data_ptr<at::BFloat16>(), rows, count, norm_type, o);
+    case at::kHalf: return groups_dispatch_norm(grad.data_ptr<at::Half>(), rows, count, norm_type, o);
+    default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", grad.scalar_type());
   }
 }
 
