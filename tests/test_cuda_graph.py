@@ -124,6 +124,45 @@ def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
     assert max(e[2] for e in eager) > 2.0**10  # the scale grew too, inside the graph
 
 
+SPIKE_AT, SPIKE_ABOVE = 14, 100.0
+
+
+def test_step_health_inside_a_cuda_graph() -> None:
+    """skip_grad_norm_above inside the graph: the spike step is skipped on the device, the scale
+    neither backs off nor stops growing; the overflow step is named when asked (read from the
+    device flags after the replay: no per-step read-back), and step_stats() counts the replayed
+    steps (the counters live on the device)."""
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = DistributedFusedAdam(model.named_parameters(), lr=torch.tensor(2e-2, device="cuda"), weight_decay=0.01,
+                               capturable=True, skip_grad_norm_above=SPIKE_ABOVE)
+    scaler = ShardedGradScaler("cuda", init_scale=2.0**10, growth_interval=4)
+    graph, static_x, static_y, _loss, static_norm = _warm_up_and_capture(model, opt, scaler, _data)
+    applied, scale = WARMUP, scaler.get_scale()
+    for step in range(WARMUP, STEPS):
+        x, y = _data(step)
+        static_x.copy_(x)
+        static_y.copy_(y * 1000.0 if step == SPIKE_AT else y)
+        before = [p.detach().clone() for p in model.parameters()]
+        graph.replay()
+        torch.cuda.synchronize()
+        unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+        assert unchanged == (step in (INF_AT, SPIKE_AT)), step
+        assert opt.last_nonfinite() == ([(0, "a.weight")] if step == INF_AT else []), step
+        stats = opt.step_stats()
+        applied += step not in (INF_AT, SPIKE_AT)
+        assert stats["steps"] == applied and stats["skipped_nonfinite"] == (step >= INF_AT), (step, stats)
+        assert stats["skipped_spike"] == (step >= SPIKE_AT), (step, stats)
+        assert stats["consecutive_skips"] == (step in (INF_AT, SPIKE_AT)), (step, stats)
+        assert stats["loss_scale"] == scaler.get_scale()
+        if step == SPIKE_AT:
+            assert float(static_norm) > SPIKE_ABOVE and not bool(scaler.last_step_skipped)
+            assert scaler.get_scale() >= scale  # no back-off for a spike
+        elif step != INF_AT:
+            assert stats["last_grad_norm"] == pytest.approx(float(static_norm), rel=1e-6)
+        scale = scaler.get_scale()
+
+
 # ====================================================================== world 2, NCCL
 def _params(model: nn.Module) -> List[torch.Tensor]:
     return [p.detach().cpu().clone() for p in model.parameters()]
@@ -167,6 +206,8 @@ def _graph_vs_eager_on_ranks(rank: int, world: int) -> Dict[str, List[Dict[str, 
             step=step, loss=float(static_loss), norm=float(static_norm), scale=scaler.get_scale(),
             skipped=bool(scaler.last_step_skipped), params=_params(model),
             unchanged=all(torch.equal(a, b) for a, b in zip(before, model.parameters())),
+            # read from the device flags (every rank asks: after an overflow it all-gathers them)
+            named=opt.last_nonfinite(),
         ))
     graph.reset()  # release the graph (and NCCL's resources it holds) before the group goes
     torch.cuda.synchronize()
@@ -188,6 +229,7 @@ def test_whole_iteration_graph_on_two_nccl_ranks_matches_eager() -> None:
             where = f"rank {rank} step {step}"
             assert rec["skipped"] == e["skipped"] == (step == INF_AT), where
             assert rec["scale"] == e["scale"], where
+            assert rec["named"] == ([(INF_RANK, "group 0, param 0, shape (20, 12)")] if step == INF_AT else []), where
             if step == INF_AT:
                 assert rec["unchanged"], where  # skipped inside the graph
                 assert e["scale"] == eager[step - 1]["scale"] / 2, where  # backed off
