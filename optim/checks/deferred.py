@@ -19,7 +19,6 @@ import torch
 from torch import Tensor
 
 from . import agreement
-from ..step.health import RECORD, SKIPS_BEFORE_WARNING  # noqa: F401  (re-exported)
 
 
 class DeferredChecks:
@@ -85,9 +84,10 @@ def record_step(opt: Any, stats: Any, bad_clip: Optional[Tensor] = None) -> None
         # GPU host, per step); the step's health stays on the device (step_stats() reads it)
         return
     health = opt._health
-    parts += health.record_parts()  # views: the same one cat
+    record = health.record_parts()  # views: the same one cat
+    parts += record
     context = _context(opt, clip_checked=bad_clip is not None)
-    context["step"] = health.steps
+    context["step"], context["record"] = health.steps, sum(t.numel() for t in record)
     opt._deferred.push(torch.cat(parts), context)
     check_last_step(opt, force=False)
 
@@ -108,7 +108,7 @@ def _raise_if_flagged(values: List[float], context: dict) -> None:
     """``values``: ``[found_inf, clip invalid (if checked), invalid, mismatch per category...]``."""
     rest = values[1:]
     if "step" in context:  # a step's record: its health record ends it
-        rest = rest[:-RECORD]
+        rest = rest[:-context["record"]]
     if context["clip_checked"]:
         if rest[0] > 0:
             raise ValueError(
@@ -131,4 +131,4 @@ def check_last_step(opt: Any, force: bool) -> None:
     values, context = got
     _raise_if_flagged(values, context)
     if "step" in context:
-        opt._health.observe(context["step"], values[-RECORD:], scaled=context["scaled"])
+        opt._health.observe(context["step"], values[-context["record"]:], scaled=context["scaled"])

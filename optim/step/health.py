@@ -44,7 +44,6 @@ from .. import _compat, kernels, norms
 LOGGER = logging.getLogger("shardamp")
 SKIPS_BEFORE_WARNING = 3  # consecutive skipped steps without a scaler before the warning
 APPLIED, NONFINITE, SPIKE = 0, 1, 2  # the record's reasons
-RECORD = 4  # floats a step pushes for the host: [reason, unscaled norm, ranks with own inf/NaN, inv scale]
 
 
 def check_skip_above(value: Any) -> float:
