@@ -149,13 +149,14 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, **h)
 
 
-def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:
+def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor, host_rows: Optional[List[List[int]]] = None) -> None:
     """``flags[index] = 1`` (and ``flags[-1] = 1``) for each ``(start, length, index)`` row of
-    ``rows`` whose elements of ``full`` hold an inf or NaN: one launch (contract: ``reference.py``)."""
+    ``rows`` (on ``full``'s device) whose elements of ``full`` hold an inf or NaN: one launch
+    (contract: ``reference.py``, which reads ``host_rows``, the same rows on the host, if given)."""
     ext = _native(full.device)
     if (ext is None or not hasattr(ext, "nonfinite_flags") or full.dtype not in _NATIVE_DTYPES
             or not full.is_contiguous() or flags.dtype != torch.float32):
-        reference.nonfinite_flags(full, rows, flags)
+        reference.nonfinite_flags(full, rows if host_rows is None else host_rows, flags)
     else:
         ext.nonfinite_flags(full, rows, flags)
 

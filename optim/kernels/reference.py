@@ -200,15 +200,15 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
 
 
 def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:
-    if rows.numel() == 0 or full.numel() == 0:
-        return
-    bad = ~torch.isfinite(full)
-    # before[j]: non-finite elements in full[:j]; a row holds one iff the count grows over it
-    before = torch.cat([torch.zeros(1, dtype=torch.int64, device=full.device), bad.cumsum(0)])
-    start, length, index = rows.unbind(1)
-    hit = ((before[start + length] - before[start]) > 0).to(flags.dtype)
-    flags.index_copy_(0, index, torch.maximum(flags.index_select(0, index), hit))  # indices are unique
-    flags[-1:].copy_(torch.maximum(flags[-1:], hit.amax().reshape(1)))
+    # rows: host-side (a CPU tensor or list), so no device value is read; one check per row
+    hits = []
+    for start, length, index in (rows.tolist() if isinstance(rows, Tensor) else rows):
+        if length:
+            hit = (~torch.isfinite(full[start:start + length])).any().to(flags.dtype).reshape(1)
+            flags[index:index + 1].copy_(torch.maximum(flags[index:index + 1], hit))
+            hits.append(hit)
+    if hits:
+        flags[-1:].copy_(torch.maximum(flags[-1:], torch.cat(hits).amax().reshape(1)))
 
 
 def group_partials(grad: Tensor, segments: Tensor, out: Tensor, norm_type: float) -> None:

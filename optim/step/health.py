@@ -70,11 +70,10 @@ def param_names(param_groups: Sequence[Dict[str, Any]]) -> List[str]:
     return names
 
 
-def bucket_rows(slots: Sequence[Any], device: torch.device) -> Tensor:
+def bucket_rows(slots: Sequence[Any]) -> List[List[int]]:
     """The ``(start, length, param index)`` rows of a bucket's params in its flat buffer, sorted by
     start (``kernels.nonfinite_flags``' input; ``slots``: layout.ParamSlot)."""
-    rows = sorted((s.offset, s.numel, s.index) for s in slots)
-    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 3).to(device)
+    return [list(r) for r in sorted((s.offset, s.numel, s.index) for s in slots)]
 
 
 @dataclass
@@ -108,7 +107,8 @@ class StepHealth:
         self.skip_above = skip_above
         self.capturable = capturable
         self.fp16_grads = fp16_grads
-        self.rows = [bucket_rows(b.slots, device) for b in buckets]
+        self.host_rows = [bucket_rows(b.slots) for b in buckets]  # what the reference reads: no device read
+        self.rows = [torch.tensor(r, dtype=torch.int64).reshape(len(r), 3).to(device) for r in self.host_rows]
         f32 = dict(dtype=torch.float32, device=device)
         self.flags = torch.zeros(self.n_params + 1, **f32)  # this step's (the grads since zero_grad)
         self.last_flags = torch.zeros(self.n_params + 1, **f32)  # the last step's, once this one landed
@@ -153,7 +153,7 @@ class StepHealth:
         elif self._reset:
             self.flags.zero_()
             self._reset = False
-        kernels.nonfinite_flags(full, self.rows[bucket], self.flags)
+        kernels.nonfinite_flags(full, self.rows[bucket], self.flags, self.host_rows[bucket])
 
     def grads_dropped(self) -> None:
         """``zero_grad``: the grads (so their flags) start over; this round's norms are dropped."""
