@@ -13,7 +13,7 @@ fused on CUDA), then prints:
 
 The parity criterion. Training is chaotic at the CUDA default (33M params, lr 1e-3, clipped
 every step, grad norm 18 -> 450 -> 3): an ulp of difference at step 1 grows to far beyond any
-fixed tolerance, for torch against itself too (measured on the CPU with examples/parity_floor.py:
+fixed tolerance, for torch against itself too (measured on the CPU with benchmarks/parity_floor.py:
 its fused AdamW against its foreach one, same norm, 116x the fp32 tolerance after 40 steps; its
 fused or fp64-norm variants against its default, 1.6-2.3x the bf16 tolerance after 6 bf16 steps
 and 98-114x after 40; on an H200, fp32, 40 steps: fused 76x and 265x in two runs, where

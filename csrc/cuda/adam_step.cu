@@ -264,7 +264,7 @@ void launch_shape(const Params& P, int64_t nchunks) {
 
 using bf16 = __nv_bfloat16;
 
-// The shape of each kind, measured on an H200 (csrc/NOTES.md, examples/tune_step.py; the step
+// The shape of each kind, measured on an H200 (csrc/NOTES.md, benchmarks/tune_step.py; the step
 // alone, 256M elements, copy bandwidth 4161-4194 GB/s):
 // * remainders with bf16 moments and 16-bit grads (every array 16-bit): loads staged through
 //   shared memory, 2 steps per thread, 4 blocks per SM (<= 64 registers): 1.465 -> 1.205 ms
@@ -290,7 +290,7 @@ using KindShape = std::conditional_t<
 // another shape for the kinds the benchmark measures: 1 "2x1", 2 "2x3", 4 "1x4" (registers, U
 // steps x B blocks), 3 "c2x4" (staged); 0 or anything else: the kind's own. ("1x3" was timed
 // too: slower than the default for every kind, NOTES.)
-// The kinds the knob reaches (examples/tune_step.py times them): bench_step.py's light-state
+// The kinds the knob reaches (benchmarks/tune_step.py times them): bench_step.py's light-state
 // kinds, and fp32 params with bf16 grads and bf16 moments. (fp32 and bf16 params with fp32
 // states were timed under every shape too: the default was the fastest, NOTES.)
 template <typename G, typename O, typename M, typename V, bool R>

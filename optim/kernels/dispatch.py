@@ -215,7 +215,7 @@ def adam_step(
 
 # The tuning knobs as read at their first use: (SHARDAMP_CUDA_STEP's shape code, or 0;
 # SHARDAMP_CUDA_CHUNK's chunk, or 0). Not read again at every step; ``refresh_knobs`` re-reads
-# them (examples/tune_step.py switches them between launches).
+# them (benchmarks/tune_step.py switches them between launches).
 _knob_cache: Optional[tuple] = None
 
 
@@ -240,7 +240,7 @@ def cuda_chunk(default: int) -> int:
 
 # Elements per CUDA block (chunk) of the lighter steps, by state kind: each kind's step has its
 # own shape (csrc/cuda/adam_step.cu, KindShape), and each was timed at several chunk sizes on an
-# H200 (csrc/NOTES.md, examples/tune_step.py, the step alone over 256M elements):
+# H200 (csrc/NOTES.md, benchmarks/tune_step.py, the step alone over 256M elements):
 # * fp32 master + bf16 moments: 2 steps per thread: 1.570 ms at 4096, 1.490 at 8192, 1.474 at
 #   16384; 1 step, 4 blocks per SM (the shape now): 1.417 at 4096, 1.479 at 8192, 1.589 at 16384
 #   (fp32 grads; bf16 grads 1.322 / 1.386 / 1.499; bf16 params 1.511 / 1.614 / 1.731); with fp32
@@ -277,7 +277,7 @@ CUDA_STEP_SHAPES = config.CUDA_STEP_SHAPES
 
 def cuda_step_shape() -> str:
     """The tuning knob ``SHARDAMP_CUDA_STEP`` ('' when unset): another launch shape for the
-    light-state kinds the benchmark measures (csrc/NOTES.md, examples/tune_step.py)."""
+    light-state kinds the benchmark measures (csrc/NOTES.md, benchmarks/tune_step.py)."""
     return config.settings().cuda_step
 
 

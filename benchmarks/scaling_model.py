@@ -1,8 +1,8 @@
 """Scaling model: communication bytes and time per GPU per step, flat vs hybrid sharding, past
 the machines we can measure on (8 to 1024 GPUs, nodes of 8).
 
-    python examples/scaling_model.py                 # the README's table
-    python examples/scaling_model.py --efficiency 1  # at the nominal bandwidths
+    python benchmarks/scaling_model.py                 # the README's table
+    python benchmarks/scaling_model.py --efficiency 1  # at the nominal bandwidths
 
 Assumptions (all stated, all flags):
 

@@ -1,4 +1,4 @@
-"""One training iteration of plain torch or of shardamp in each AMP loop of examples/bench_host.py,
+"""One training iteration of plain torch or of shardamp in each AMP loop of benchmarks/bench_host.py,
 and how that benchmark times and measures them: repeats interleaved, median, peak memory of one
 implementation alone.
 
