@@ -42,36 +42,68 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     """ZeRO-2 sharded Adam/AdamW with fused, scaler-aware unscale, clip and step.
 
     Every rank keeps the fp32 master params, ``exp_avg`` and ``exp_avg_sq`` of one contiguous
-    shard of every bucket. Grads are reduce-scattered during backward (post-accumulate-grad
-    hooks, fixed bucket order), ``param.grad`` is left ``None``, and ``step`` updates the local
-    shard with one fused kernel per bucket, then all-gathers the params in place. Training
+    shard of every bucket. Grads are reduce-scattered during backward (hooks on the grad
+    accumulators, fixed bucket order), ``param.grad`` stays ``None``, and ``step`` updates the
+    local shard with one fused kernel per bucket, then all-gathers the params in place. Training
     matches unsharded ``torch.optim.AdamW`` (``adam_w_mode=True``) or ``Adam`` (``False``) fed the
     union of all ranks' batches.
 
-    Args mirror torch.optim.AdamW, plus: ``max_grad_norm`` (clip every step, in-kernel),
-    ``process_group`` (the group the state is sharded over; default WORLD, or no communication
-    at all when torch.distributed is not initialised), ``device_mesh`` (instead of
-    ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over its ranks as a group does;
-    a 2-D ``(replicate, shard)`` mesh shards over its last dim and keeps one copy of the state
-    per replica: grads are reduce-scattered over the shard dim and the shard all-reduced over
-    the replicate dim, params all-gathered over the shard dim, norm and found-inf agreed over
-    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks),
-    ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype`` (collective
-    dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
-    (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
-    (leave the all-gather in flight after ``step``; each module waits for its own params in a
-    forward pre-hook; call ``param_sync()`` before reading params elsewhere), ``capturable``
-    (lr may be a device tensor, no host syncs: the iteration can be captured in a CUDA graph),
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32`` or ``torch.bfloat16``; default
-    ``dtype``): the moments' storage dtype, read as fp32 by the step and written back rounded to
-    nearest even, and ``store_param_remainders`` (bf16 params, fp32 master, bf16 param
-    all-gather): keep only the low 16 bits of each fp32 master, whose high 16 bits are the bf16
-    param itself; updates are bitwise those of a separate fp32 master, the bf16 params are the
-    master rounded to nearest with ties away from zero (reference.split_remainders).
+    Build it after the model is on its final device and dtype: the params become views into the
+    optimizer's flat buffers, and replacing their storage afterwards is detected at the next
+    ``step``. Construction is a collective when there are peers (every rank of the group builds
+    the same optimizer; one all-gather compares them, and the params are broadcast from rank 0).
 
-    The model must be on its final device and dtype before the optimizer is built: its params
-    become views into the optimizer's flat buffers, and replacing their storage afterwards is
-    detected at the next ``step``.
+    Args:
+        params: the params to train, or dicts defining param groups (``lr``, ``betas``, ``eps``,
+            ``weight_decay`` per group), as for ``torch.optim.AdamW``. Every param that will
+            ever train must be here and require grad; all on one device.
+        lr: learning rate; a float, or a one-element tensor (on the params' device for
+            ``capturable``: an LR scheduler writing that tensor reaches CUDA-graph replays).
+        betas: coefficients of the running averages of the grad and its square.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay with ``adam_w_mode=True`` (default 0.0; torch's
+            AdamW defaults to 0.01), an L2 term added to the grad with ``False``.
+        adam_w_mode: ``True``: AdamW; ``False``: Adam with L2 regularisation.
+        bias_correction: apply Adam's bias corrections (torch always does).
+        max_grad_norm: clip the global grad norm to this value at every step, inside the step
+            kernel, with the true (unscaled) norm; ``None``: no clipping here (``clip_grad_norm``
+            and ``shardamp.optim.clip_grad_norm_`` still clip).
+        process_group: the group the state is sharded over; default the WORLD group, or no
+            communication at all when ``torch.distributed`` is not initialised.
+        device_mesh: instead of ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over
+            its ranks as a group does; a 2-D ``(replicate, shard)`` mesh shards over its last
+            dim and keeps one copy of the state per replica (grads reduce-scattered over the
+            shard dim and the shard all-reduced over the replicate dim, params all-gathered over
+            the shard dim, norm and found-inf agreed over all ranks).
+        average_grad_sync: average the grads over ALL ranks (``True``) or sum them.
+        dtype: the master params' and moments' dtype (``torch.float32``).
+        grad_sync_dtype: the dtype grads are reduce-scattered in; default the param dtype.
+        param_sync_dtype: the dtype params are all-gathered in; default the param dtype.
+        bucket_cap_mb: the size of a flat bucket, in MB; below ~100 MB, backward becomes
+            host-bound on GPUs.
+        overlap_grad_sync: reduce-scatter each bucket during backward as soon as it is complete
+            (``False``: at ``grad_sync()`` / ``step``).
+        overlap_param_sync: leave the all-gathers in flight after ``step``; each module waits
+            for its own params in a forward pre-hook. Call ``param_sync()`` before reading params
+            elsewhere, or ``attach(model)`` to guard every read in the model's forward.
+        capturable: no host syncs and static buffers, so that the whole iteration can be
+            captured in a CUDA graph (``lr`` then a device tensor).
+        exp_avg_dtype: storage dtype of ``exp_avg``, ``torch.float32`` or ``torch.bfloat16``
+            (default ``dtype``); read as fp32 by the step, written back rounded to nearest even.
+        exp_avg_sq_dtype: the same for ``exp_avg_sq``.
+        store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
+            keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
+            itself. Updates are bitwise those of a separate fp32 master; the bf16 params are the
+            master rounded to nearest with ties away from zero.
+
+    Raises:
+        ValueError: an invalid hyperparameter or option (naming it and the fix), params on
+            several devices or on the meta device, a param given twice, or storage options that
+            do not fit the params' dtypes.
+        RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer
+            reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, or the ranks
+            built different optimizers (raised on every rank, naming the field and each rank's
+            value).
 
     Extension points for subclasses (e.g. NeMo-style wrappers):
 
@@ -218,6 +250,23 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ setup helpers
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Register a param group; only possible while the optimizer is being built.
+
+        ``torch.optim.Optimizer.__init__`` calls this once per group of ``params``; each group's
+        hyperparameters and options are validated here. The flat-buffer layout is fixed at
+        construction, so a group cannot be added later: pass every group to the constructor.
+        Local (no collective, no host sync).
+
+        Args:
+            param_group: a dict with ``params`` (``torch.nn.Parameter`` leaves) and optionally
+                ``lr``, ``betas``, ``eps``, ``weight_decay`` (the constructor's defaults fill in
+                the rest).
+
+        Raises:
+            RuntimeError: called after construction.
+            ValueError: an invalid hyperparameter or group option, a plain tensor instead of a
+                ``Parameter``, or a param given twice.
+        """
         if getattr(self, "_initialized", False):
             raise RuntimeError(
                 "DistributedFusedAdam.add_param_group: the flat-buffer layout is fixed at "
@@ -459,15 +508,62 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state dicts (optim/checkpoint/state_dict.py)
     def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
-        """World-size independent state dict in torch.optim.AdamW's layout (a collective: every
-        rank calls it). ``rank0_only=True``: only the group's rank 0 gets it, the others get
-        ``None``; ``cpu_offload=False`` keeps the tensors on the params' device. See
-        ``shardamp.optim.state_dict`` for the format."""
+        """The optimizer's full state, world-size independent, in ``torch.optim.AdamW``'s layout.
+
+        ``state[i]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq`` shaped like param ``i``
+        (plus ``master_param`` where the model dtype differs from the state dtype), and
+        ``param_groups`` uses torch's keys, so the dict loads into ``torch.optim.AdamW`` / ``Adam``
+        and into a DistributedFusedAdam at any world size and bucket size.
+
+        A collective: every rank of the process group calls it, at the same point. It starts
+        with one small all-reduce that checks the ranks are in the same call with the same
+        arguments (and that the last step clipped alike on every rank), then gathers each
+        bucket's shards (an all-gather, or a gather to rank 0 with ``rank0_only``). It waits
+        for pending param all-gathers, and syncs the host: the step counts and, with
+        ``cpu_offload``, every tensor are copied to the CPU.
+
+        Args:
+            rank0_only: only the group's rank 0 receives the dict; the others get ``None`` and
+                never hold more than one bucket's gather buffer.
+            cpu_offload: return CPU tensors (default); ``False`` keeps them on the params'
+                device.
+
+        Returns:
+            The state dict, or ``None`` on the ranks other than 0 with ``rank0_only``.
+
+        Raises:
+            RuntimeError: the ranks called different collectives, or the others never joined
+                (after ``SHARDAMP_COLLECTIVE_TIMEOUT`` on gloo, else the group's timeout), or the
+                last step clipped on some ranks only; nothing is read.
+            ValueError: the ranks passed different arguments.
+        """
         return _state_dict.gather_state_dict(self, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a full state dict (ours or torch.optim.AdamW/Adam's) into this rank's shard, at
-        any world size and bucket layout; validates everything before writing anything."""
+        """Load a full state dict (ours, or ``torch.optim.AdamW`` / ``Adam``'s over the same
+        params) into this rank's shard, at any world size and bucket layout.
+
+        Master params come from ``master_param`` entries when present, otherwise from the
+        model's current params: load the model's weights first (``load_state_dict(assign=False)``,
+        so they land in the optimizer's buffers). Params without a state entry restart from step 0
+        with zero moments, as in torch. Moments are converted to their storage dtype (fp32 into
+        bf16 moments rounds to nearest even).
+
+        A collective: every rank calls it with the same dict. Everything is validated on every
+        rank before anything is written, and one small all-reduce carries the verdict and a
+        summary of each rank's dict, so a problem on any rank raises on every rank and leaves
+        every optimizer untouched. Validation reads the dict's values on the host (a host sync
+        when the dict holds device tensors).
+
+        Args:
+            state_dict: the full dict every rank loads.
+
+        Raises:
+            ValueError: the dict is malformed, does not fit the params (count, shapes), holds
+                invalid values (negative ``exp_avg_sq``, a NaN lr, meta tensors), or the ranks
+                were given different dicts; nothing is written.
+            RuntimeError: the ranks called different collectives, or the others never joined.
+        """
         _state_dict.load_state_dict(self, state_dict)
 
     def shard_view(self) -> ShardView:
