@@ -87,6 +87,13 @@ class ShardampAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        """``Accelerator.prepare``, with a ``DistributedFusedAdam``'s model left unwrapped (no DDP).
+
+        Raises:
+            ValueError: a ``DistributedFusedAdam`` is prepared without its model (pass the model
+                with or before the optimizer: otherwise autocast and ``save_state`` would silently
+                miss it).
+        """
         # the model comes before its optimizer in prepare's first pass: announce the optimizer
         pending = [_unwrap(a) for a in args if isinstance(_unwrap(a), DistributedFusedAdam)]
         self._shardamp_pending = pending
@@ -111,6 +118,9 @@ class ShardampAccelerator(Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
+        """``Accelerator.prepare_model``; a model whose params a prepared ``DistributedFusedAdam``
+        manages gets device placement, autocast and ``torch.compile`` as usual, but no DDP wrapper.
+        """
         if not evaluation_mode and self._plain_setup() and self._optimizers_of(model.parameters()):
             # evaluation_mode=True is prepare_model minus the distributed wrapper (DDP): device
             # placement, autocast and torch.compile still apply
@@ -118,6 +128,10 @@ class ShardampAccelerator(Accelerator):
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        """``Accelerator.prepare_optimizer``; for a ``DistributedFusedAdam``, fp16's ``GradScaler`` is
+        replaced by a ``ShardedGradScaler`` with the same settings, and ``step_was_skipped`` reports
+        its device-side skip (read on the host only when asked).
+        """
         opt = _unwrap(optimizer)
         if not isinstance(opt, DistributedFusedAdam) or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
@@ -139,6 +153,9 @@ class ShardampAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ clipping, accumulation
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Unscale, then clip through ``shardamp.optim.clip_grad_norm_``: a ``DistributedFusedAdam``'s
+        params are clipped inside its step kernel, and the returned norm is the true global norm.
+        """
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not (self._plain_setup() and self._optimizers_of(params)):
             return super().clip_grad_norm_(params, max_norm, norm_type)
@@ -146,6 +163,12 @@ class ShardampAccelerator(Accelerator):
         return clip_grad_norm_(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """``Accelerator.clip_grad_value_`` for other params.
+
+        Raises:
+            ValueError: the params belong to a ``DistributedFusedAdam`` (their grads are sharded:
+                clip by norm instead).
+        """
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self._optimizers_of(params):
             raise ValueError(
@@ -156,6 +179,9 @@ class ShardampAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Accumulate locally: the ``no_sync()`` of every ``DistributedFusedAdam`` over ``model``'s
+        params (accelerate's own for other models).
+        """
         opts = self._optimizers_of(model.parameters())
         if not opts:
             with super().no_sync(model):

@@ -151,6 +151,12 @@ class ShardampStrategy(DDPStrategy):
 
     @property
     def precision_plugin(self) -> Precision:
+        """The precision plugin in use, with clipping routed through the optimizer.
+
+        Lightning's own plugins are wrapped on first access: ``gradient_clip_val`` (norm) then clips
+        through ``shardamp.optim.clip_grad_norm_`` in every precision, and ``"16-mixed"`` uses a
+        ``ShardedGradScaler`` with the same settings. An unsupported plugin raises ``ValueError``.
+        """
         plugin = self._precision_plugin
         if plugin is not None and not getattr(plugin, "_shardamp", False):
             plugin = self._precision_plugin = _route_precision(plugin)
@@ -161,6 +167,12 @@ class ShardampStrategy(DDPStrategy):
         self._precision_plugin = plugin
 
     def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's optimizer setup, then a check that every optimizer is a ``DistributedFusedAdam``.
+
+        Raises:
+            ValueError: ``configure_optimizers`` returned another optimizer (nothing else would
+                reduce the grads without DDP; use ``strategy="ddp"`` for it).
+        """
         super().setup_optimizers(trainer)
         for opt in self.optimizers:
             if not isinstance(_unwrap(opt), DistributedFusedAdam):
@@ -194,6 +206,11 @@ class ShardampStrategy(DDPStrategy):
         return opt.state_dict(rank0_only=True)
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Write the checkpoint; with ``sharded_checkpoint``, every rank first writes its optimizer
+        shard through DCP into ``<filepath>.optim<i>/`` and the checkpoint keeps that absolute path.
+
+        Called on every rank by ``Trainer.save_checkpoint`` (the sharded save is a collective).
+        """
         if self.sharded_checkpoint and "optimizer_states" in checkpoint:
             states = checkpoint["optimizer_states"]
             for i, (opt, state) in enumerate(zip(self.optimizers, states)):
@@ -204,6 +221,9 @@ class ShardampStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load each optimizer's state from ``checkpoint``: a full state dict, or the DCP directory a
+        sharded checkpoint names. A collective (every rank loads), at any world size.
+        """
         states = checkpoint["optimizer_states"]
         for opt, state in zip(self.optimizers, states):
             if isinstance(state, dict) and _DCP_KEY in state:
@@ -212,6 +232,9 @@ class ShardampStrategy(DDPStrategy):
                 _unwrap(opt).load_state_dict(state)
 
     def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint, and with ``sharded_checkpoint`` its ``.optim<i>/`` directories (on
+        global rank 0).
+        """
         super().remove_checkpoint(filepath)
         if self.sharded_checkpoint and self.is_global_zero:
             for i in range(len(self.optimizers)):

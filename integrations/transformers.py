@@ -60,6 +60,7 @@ class ShardampTrainer(Trainer):
         self.add_callback(_ZeroShardedGrads(self))
 
     def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's accelerator setup, with the accelerator made a ``ShardampAccelerator``."""
         super().create_accelerator_and_postprocess()
         if type(self.accelerator) is Accelerator:
             # ShardampAccelerator adds behaviour only, no state: the Trainer's configured instance
@@ -67,6 +68,13 @@ class ShardampTrainer(Trainer):
             self.accelerator.__class__ = ShardampAccelerator
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        """A ``DistributedFusedAdam`` from ``TrainingArguments`` (``learning_rate``, ``adam_beta1/2``,
+        ``adam_epsilon``, ``weight_decay`` with the Trainer's decay / no-decay split), built after the
+        Trainer put the model on its device; an optimizer passed in ``optimizers=`` is kept.
+
+        Raises:
+            ValueError: ``TrainingArguments.optim`` is not ``adamw_torch`` or ``adamw_torch_fused``.
+        """
         if self.optimizer is not None or getattr(self, "optimizer_cls_and_kwargs", None) is not None:
             return super().create_optimizer(*([model] if model is not None else []))
         args = self.args
