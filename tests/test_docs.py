@@ -188,7 +188,9 @@ _TWO_RANKS = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from dist_helper import run_distributed
     from doc_snippets import run_on_rank
-    run_distributed(run_on_rank, 2, open({code!r}).read(), {workdir!r}, timeout=540.0, pg_timeout=300.0)
+
+    if __name__ == "__main__":  # the ranks are spawned: they import this file again
+        run_distributed(run_on_rank, 2, open({code!r}).read(), {workdir!r}, timeout=540.0, pg_timeout=300.0)
 """)
 
 
