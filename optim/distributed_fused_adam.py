@@ -220,6 +220,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._records = kernels.prepare(
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
+        self._launches: Optional[List[kernels.AdamLaunch]] = None  # each bucket's step, built at the first step
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._view_check = kernels.view_check(self._view_refs)
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
@@ -485,12 +486,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
         records = self._records.compute(hparams, self._steps, stats.touched, coef, found_inf, self.bias_correction)
+        launches = self._adam_launches(hparams, stats.touched, coef, found_inf)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
-            buf = self._buffers[i]
-            kernels.adam_step(
-                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(), self._buckets[i].segments,
-                hparams, self._steps, stats.touched, coef, found_inf, self.adam_w_mode, self.bias_correction,
-                records, self._records.offsets[i])
+            launch = launches[i]
+            launch.grad, launch.hparams, launch.records = self._buffers[i].grad_shard, hparams, records
+            launch.touched, launch.found_inf = stats.touched, found_inf
+            kernels.launch_adam(launch)
             self._param_sync.launch(i)
         self._param_sync.launched_all()
         deferred_checks.record_step(self, stats, bad_clip)
@@ -501,6 +502,18 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         agreement.settle(self)
         self._grad_sync.step_done()
         return loss
+
+    def _adam_launches(self, hparams: Tensor, touched: Tensor, coef: Tensor, found_inf: Tensor) -> List[Any]:
+        """Each bucket's step launch, built at the first step: the state buffers persist (a param
+        re-attached after a broken view keeps them); the grad shard and the step's flags are
+        assigned at every step."""
+        if self._launches is None:
+            self._launches = [
+                kernels.AdamLaunch(buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
+                                   bucket.segments, hparams, self._steps, touched, coef, found_inf, self.adam_w_mode,
+                                   self.bias_correction, None, self._records.offsets[i])
+                for i, (buf, bucket) in enumerate(zip(self._buffers, self._buckets))]
+        return self._launches
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]

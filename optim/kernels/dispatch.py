@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -165,6 +166,87 @@ def view_check(refs: List[Tensor]) -> Optional[Any]:
     return ext.ViewCheck(refs)
 
 
+@dataclass(eq=False)
+class AdamLaunch:
+    """One shard's fused Adam/AdamW step, its arguments by name (contract: ``reference.py``).
+
+    Built once per bucket (the shard's state, the step counts, the grad coefficient and the
+    hyperparameter table persist across steps); before each step the optimizer assigns what is
+    new that step: ``grad`` (the grad shard is released between steps), ``touched``,
+    ``found_inf`` and ``records`` (:meth:`StepRecords.compute` over
+    several shards, CUDA; this shard's rows start at ``record_offset``; without them the CUDA
+    step forms its scalars itself, one more launch). :func:`launch_adam` runs it.
+    """
+
+    grad: Tensor
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    model_out: Optional[Tensor]
+    segments: SegmentTable
+    hparams: Tensor
+    steps: Tensor
+    touched: Tensor
+    grad_coef: Tensor
+    found_inf: Tensor
+    adam_w_mode: bool
+    bias_correction: bool
+    records: Optional[Tensor] = None
+    record_offset: int = 0
+    _native: Any = field(default=None, repr=False)  # the extension's AdamLaunch, made at the first native launch
+
+    def native_state(self) -> bool:
+        """Whether the compiled kernels take this shard's state: an fp32 master (or int16
+        remainders under a bf16 ``model_out``), fp32 or bf16 moments, fp32/bf16/fp16 grads and
+        params. Anything else (fp64 state) takes the reference path: correct, not fused."""
+        master, out = self.master, self.model_out
+        state = (master.dtype == torch.float32 or (
+            master.dtype == torch.int16 and out is not None and out.dtype == torch.bfloat16)) and (
+            self.exp_avg.dtype in _MOMENT_DTYPES and self.exp_avg_sq.dtype in _MOMENT_DTYPES)
+        return state and self.grad.dtype in _NATIVE_DTYPES and (out is None or out.dtype in _NATIVE_DTYPES)
+
+
+def launch_adam(launch: AdamLaunch) -> None:
+    """Run one shard's step: the compiled kernel where it takes the state, else the reference."""
+    segments = launch.segments
+    if not segments.segments:
+        return
+    ext = _native(launch.grad.device)
+    if ext is None or not launch.native_state():
+        host = segments.extra.get("host")
+        if host is None:  # from the host-side segments: no device-to-host copy
+            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
+            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
+        reference.adam_step(
+            launch.grad, launch.master, launch.exp_avg, launch.exp_avg_sq, launch.model_out, host, launch.hparams,
+            launch.steps, launch.touched, launch.grad_coef, launch.found_inf, launch.adam_w_mode,
+            launch.bias_correction,
+        )
+        return
+    native = launch._native
+    if native is None or not hasattr(ext, "AdamLaunch"):
+        native = _native_launch(ext, launch)
+    native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
+        launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
+    cuda = launch.grad.device.type == "cuda"
+    native.chunks = _chunk_table(ext, segments, launch.grad, launch.steps, launch.hparams,
+                                 light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, launch.grad.dtype))
+    native.records = launch.records if cuda else None
+    native.record_offset = launch.record_offset
+    native.shape = _knobs()[0] if cuda else 0
+    ext.adam_launch(native)
+
+
+def _native_launch(ext: Any, launch: AdamLaunch) -> Any:
+    native = ext.AdamLaunch(
+        grad=launch.grad, master=launch.master, exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq,
+        model_out=launch.model_out, segments=launch.segments.table, hparams=launch.hparams, steps=launch.steps,
+        touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
+        adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
+    launch._native = native
+    return native
+
+
 def adam_step(
     grad: Tensor,
     master: Tensor,
@@ -182,35 +264,10 @@ def adam_step(
     records: Optional[Tensor] = None,
     record_offset: int = 0,
 ) -> None:
-    """One fused Adam/AdamW update of a shard (contract: ``reference.py``). ``records``: this
-    step's :meth:`StepRecords.compute` over several shards (CUDA), this shard's segments from row
-    ``record_offset``; without it the CUDA step forms them itself (one more launch)."""
-    if not segments.segments:
-        return
-    ext = _native(grad.device)
-    # The kernels take an fp32 master (or int16 remainders under a bf16 model_out) and fp32 or
-    # bf16 moments; any other state dtype (fp64) takes the reference path (correct, not fused).
-    native_state = (master.dtype == torch.float32 or (
-        master.dtype == torch.int16 and model_out is not None and model_out.dtype == torch.bfloat16)) and (
-        exp_avg.dtype in _MOMENT_DTYPES and exp_avg_sq.dtype in _MOMENT_DTYPES)
-    supported = grad.dtype in _NATIVE_DTYPES and (model_out is None or model_out.dtype in _NATIVE_DTYPES)
-    if ext is None or not native_state or not supported:
-        host = segments.extra.get("host")
-        if host is None:  # from the host-side segments: no device-to-host copy
-            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
-            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-        reference.adam_step(
-            grad, master, exp_avg, exp_avg_sq, model_out, host, hparams, steps, touched,
-            grad_coef, found_inf, adam_w_mode, bias_correction,
-        )
-    else:
-        cuda = grad.device.type == "cuda"
-        ext.adam_step(
-            grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
-            touched, grad_coef, found_inf, adam_w_mode, bias_correction,
-            _chunk_table(ext, segments, grad, steps, hparams, light_state(master, exp_avg, exp_avg_sq, grad.dtype)),
-            records if cuda else None, record_offset, _knobs()[0] if cuda else 0,
-        )
+    """One step of one shard from its arguments as the reference states them (the kernels' tests
+    and benchmarks call it so); the optimizer keeps an :class:`AdamLaunch` per bucket instead."""
+    launch_adam(AdamLaunch(grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched,
+                           grad_coef, found_inf, adam_w_mode, bias_correction, records, record_offset))
 
 
 # The tuning knobs as read at their first use: (SHARDAMP_CUDA_STEP's shape code, or 0;
