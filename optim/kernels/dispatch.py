@@ -296,16 +296,15 @@ def cuda_chunk(default: int) -> int:
 
 
 # Elements per CUDA block (chunk) of the lighter steps, by state kind: each kind's step has its
-# own shape (csrc/cuda/adam_step.cu, KindShape), and each was timed at several chunk sizes on an
-# H200 (csrc/NOTES.md, benchmarks/tune_step.py, the step alone over 256M elements):
-# * fp32 master + bf16 moments: 2 steps per thread: 1.570 ms at 4096, 1.490 at 8192, 1.474 at
-#   16384; 1 step, 4 blocks per SM (the shape now): 1.417 at 4096, 1.479 at 8192, 1.589 at 16384
-#   (fp32 grads; bf16 grads 1.322 / 1.386 / 1.499; bf16 params 1.511 / 1.614 / 1.731); with fp32
-#   grads 1.300 at 2048 against 1.389 at 4096 in one later run (2048 untimed with 16-bit grads);
-# * remainders + bf16 moments (staged loads): 1.205 at 4096, 1.274 at 8192;
-# * remainders + fp32 moments (3 blocks per SM): 1.720 at 4096, 1.852 at 8192;
-# * one bf16 moment and one fp32 (2 steps per thread, untimed here): 8192, as session 3 measured
-#   for the 2-step shape on the light kinds. fp32 master and moments keep ext.CUDA_CHUNK (4096).
+# own launch shape (csrc/cuda/adam_step.cu, KindShape), and each chunk size is the fastest of the
+# sizes timed for that shape (csrc/NOTES.md says why; docs/performance.md has the measurements):
+# * fp32 master + bf16 moments, 1 step per thread at 4 blocks per SM: smaller chunks win as the
+#   per-block start is amortised over fewer bytes: 2048 with fp32 grads; 4096 with 16-bit grads
+#   (2048 was not timed there);
+# * remainders, with bf16 moments (staged loads) or fp32 moments (3 blocks per SM): 4096;
+# * one bf16 moment and one fp32 (2 steps per thread, not timed on its own): 8192, the size that
+#   suited the 2-step shape of the other light kinds. fp32 master and moments keep ext.CUDA_CHUNK
+#   (4096).
 LIGHT_STATE_CUDA_CHUNK = 8192
 BF16_MOMENTS_CUDA_CHUNK = 4096
 BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK = 2048
