@@ -25,6 +25,7 @@ grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
@@ -478,6 +479,8 @@ class GradSync:
             self.enabled = previous
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # module globals are being torn down; the hooks go with the params
+            return
         self.remove_hooks()
 
     def remove_hooks(self) -> None:
