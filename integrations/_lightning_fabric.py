@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import re
-import weakref
 from datetime import timedelta
 from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
@@ -27,14 +26,13 @@ class _NoBackwardSync:
     keep their grads local (``opt.no_sync()``) until the first backward outside."""
 
     def __init__(self, strategy: "FabricStrategyMixin") -> None:
-        self._strategy = weakref.ref(strategy)
+        self._strategy = strategy  # not a weakref: the strategy is pickled to spawned processes
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
         if not enabled:
             return contextlib.nullcontext()
-        strategy = self._strategy()
         held = {id(p) for p in module.parameters()}
-        opts = [opt for opt in (strategy._fused_adams() if strategy is not None else [])
+        opts = [opt for opt in self._strategy._set_up
                 if any(id(p) in held for group in opt.param_groups for p in group["params"])]
         if not opts:
             raise ValueError(
@@ -124,7 +122,7 @@ class FabricStrategyMixin:
         self.sharded_checkpoint = bool(sharded_checkpoint)
         self.staging_dir = staging_dir
         self._backward_sync_control = _NoBackwardSync(self)
-        self._set_up: List[weakref.ref] = []
+        self._set_up: List[DistributedFusedAdam] = []  # by setup_optimizer, for no_backward_sync
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -157,12 +155,9 @@ class FabricStrategyMixin:
         """
         opt = common.require_fused_adam(optimizer, f"{type(self).__name__}: fabric.setup",
                                         "Build a DistributedFusedAdam, or use strategy='ddp' for other optimizers.")
-        if not any(ref() is opt for ref in self._set_up):
-            self._set_up.append(weakref.ref(opt))
+        if not any(known is opt for known in self._set_up):
+            self._set_up.append(opt)
         return optimizer
-
-    def _fused_adams(self) -> List[DistributedFusedAdam]:
-        return [opt for opt in (ref() for ref in self._set_up) if opt is not None]
 
     # ------------------------------------------------------------------ clipping
     def clip_gradients_norm(

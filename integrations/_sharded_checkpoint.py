@@ -178,7 +178,7 @@ def _stage(ranks: Ranks, staging_dir: Optional[str], url: str) -> str:
         except OSError as exc:
             problem = f"cannot create a staging directory under staging_dir={staging_dir!r}: {exc}"
     stage, problem = ranks.broadcast((stage, problem), src=0)
-    if not ranks.reduce_boolean_decision(not problem and os.path.isdir(stage), all=True):
+    if not ranks.reduce_boolean_decision(not problem and _visible(stage), all=True):
         if ranks.is_global_zero and stage:
             shutil.rmtree(stage, ignore_errors=True)
         raise RuntimeError(
@@ -187,6 +187,10 @@ def _stage(ranks: Ranks, staging_dir: Optional[str], url: str) -> str:
             "by rank 0: pass staging_dir= a directory on a filesystem all ranks share (or save to a shared local path)."
         )
     return stage
+
+
+def _visible(path: str) -> bool:
+    return os.path.isdir(path)
 
 
 def _upload(local_dir: str, fs: Any, target: str) -> None:
