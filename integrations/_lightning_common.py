@@ -88,9 +88,9 @@ def route_precision(plugin: Any, table: Mapping[type, Tuple[str, type]], who: st
     ``table`` maps a package's plugin class to ``(kind, replacement class)``, kind being
     ``"plain"``, ``"half"`` or ``"mixed"``; a mixed plugin's torch GradScaler becomes a
     ShardedGradScaler with the same settings (every rank skips the same steps). Plugins already
-    routed (``_shardamp`` set, or the replacement class itself with a sharded scaler) come back
-    unchanged. Anything else raises ValueError naming the precisions that work."""
-    if plugin is None or getattr(plugin, "_shardamp", False):
+    routed (this package's with ``_shardamp`` set, or the replacement class itself with a sharded
+    scaler) come back unchanged. Anything else raises ValueError naming the precisions that work."""
+    if plugin is None or (getattr(plugin, "_shardamp", False) and isinstance(plugin, tuple(table))):
         return plugin
     entry = table.get(type(plugin))
     if entry is None:
