@@ -13,8 +13,6 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
-pytest.importorskip("pytorch_lightning")
-pytest.importorskip("jsonargparse")  # LightningCLI
 
 import cases_lightning as cases  # noqa: E402
 import framework_ref as ref  # noqa: E402
@@ -31,6 +29,13 @@ STANDALONE_FABRIC = "shardamp.integrations.lightning_fabric.ShardampFabricStrate
 @functools.lru_cache(maxsize=None)
 def _results(world: int):
     return run_distributed(run_cases, world, "cases_lightning", cases.CASES, {"tmp": _TMP.name})
+
+
+def _values(world: int, case: str):
+    """The case's values on every rank; skipped where it needs a package not installed."""
+    if case in cases.NEEDS:
+        pytest.importorskip(cases.NEEDS[case])
+    return case_values(_results(world), case)
 
 
 def _check_run(values, autocast_dtype=None, accumulate=1, lr_lambda=None, strategy=TRAINER):
@@ -68,22 +73,22 @@ def _assert_resumed_exactly(full, resumed) -> None:
 # ---------------------------------------------------------------------- lightning.pytorch Trainer
 @pytest.mark.parametrize("world", [WORLD])
 def test_registered_name_with_gradient_clip_val(world) -> None:
-    _check_run(case_values(_results(world), "case_fp32_clip"))
+    _check_run(_values(world, "case_fp32_clip"))
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_lr_scheduler_from_configure_optimizers(world) -> None:
-    _check_run(case_values(_results(world), "case_lr_scheduler"), lr_lambda=cases.lr_lambda)
+    _check_run(_values(world, "case_lr_scheduler"), lr_lambda=cases.lr_lambda)
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_bf16_mixed_with_gradient_clip_val(world) -> None:
-    _check_run(case_values(_results(world), "case_bf16_clip"), autocast_dtype=torch.bfloat16)
+    _check_run(_values(world, "case_bf16_clip"), autocast_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_16_mixed_uses_sharded_grad_scaler_and_clips(world) -> None:
-    values = case_values(_results(world), "case_fp16_sharded_scaler")
+    values = _values(world, "case_fp16_sharded_scaler")
     for v in values:
         assert v["scaler"] == "ShardedGradScaler"
         assert v["skipped"] == [False] * cases.N_STEPS and v["scale"] == v["init_scale"]
@@ -94,7 +99,7 @@ def test_16_mixed_uses_sharded_grad_scaler_and_clips(world) -> None:
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_accumulate_grad_batches_reduces_once_per_step(world) -> None:
-    values = _check_run(case_values(_results(world), "case_accumulate_no_sync"), accumulate=3)
+    values = _check_run(_values(world, "case_accumulate_no_sync"), accumulate=3)
     for v in values:  # no_sync on the first two micro-batches: one reduce-scatter per bucket per step
         assert v["reduce_scatters"] == cases.N_STEPS * v["buckets"], v["reduce_scatters"]
 
@@ -102,14 +107,14 @@ def test_accumulate_grad_batches_reduces_once_per_step(world) -> None:
 @pytest.mark.parametrize("world", [WORLD])
 @pytest.mark.parametrize("case", ["case_checkpoint_resume", "case_checkpoint_resume_sharded"])
 def test_model_checkpoint_resume_equals_uninterrupted(world, case) -> None:
-    for v in case_values(_results(world), case):
+    for v in _values(world, case):
         assert "step=2.ckpt" in v["full"]["ckpts"]
         _assert_resumed_exactly(v["full"], v["resumed"])
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_sharded_checkpoint_names_its_shards_relative_and_removes_them_with_the_file(world) -> None:
-    for v in case_values(_results(world), "case_checkpoint_resume_sharded"):
+    for v in _values(world, "case_checkpoint_resume_sharded"):
         assert v["entry"] == {"shardamp_dcp_dir": "step=2.ckpt.optim0"}  # a name beside the file, not a path
         assert v["full"]["ckpts"] == ["step=2.ckpt", "step=2.ckpt.optim0", "step=4.ckpt", "step=4.ckpt.optim0"]
         # save_top_k=1 removed step=2.ckpt: its shards went with it
@@ -118,7 +123,7 @@ def test_sharded_checkpoint_names_its_shards_relative_and_removes_them_with_the_
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_sharded_checkpoint_at_a_url_moved_and_in_the_old_format(world) -> None:
-    values = case_values(_results(world), "case_checkpoint_sharded_url_moved_and_old_format")
+    values = _values(world, "case_checkpoint_sharded_url_moved_and_old_format")
     _check_run([v["full"] for v in values])
     for v in values:
         assert v["full"]["strategy"] == TRAINER
@@ -131,18 +136,18 @@ def test_sharded_checkpoint_at_a_url_moved_and_in_the_old_format(world) -> None:
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_lightning_cli_fits_with_the_strategy_from_yaml(world) -> None:
-    _check_run(case_values(_results(world), "case_cli_fit_from_yaml"))
+    _check_run(_values(world, "case_cli_fit_from_yaml"))
 
 
 # ---------------------------------------------------------------------- pytorch_lightning Trainer
 @pytest.mark.parametrize("world", [WORLD])
 def test_pytorch_lightning_16_mixed_skips_an_overflow_on_one_rank(world) -> None:
-    _check_overflow_run(case_values(_results(world), "case_pl_standalone_fp16_overflow"), STANDALONE_TRAINER)
+    _check_overflow_run(_values(world, "case_pl_standalone_fp16_overflow"), STANDALONE_TRAINER)
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_pytorch_lightning_accumulates_and_resumes_sharded(world) -> None:
-    values = case_values(_results(world), "case_pl_standalone_accumulate_sharded_resume")
+    values = _values(world, "case_pl_standalone_accumulate_sharded_resume")
     _check_run([v["full"] for v in values], accumulate=2, strategy=STANDALONE_TRAINER)
     for v in values:
         assert "step=2.ckpt.optim0" in v["full"]["ckpts"]
@@ -152,26 +157,26 @@ def test_pytorch_lightning_accumulates_and_resumes_sharded(world) -> None:
 # ---------------------------------------------------------------------- Fabric
 @pytest.mark.parametrize("world", [WORLD])
 def test_fabric_clip_gradients_returns_the_true_norm_and_clips(world) -> None:
-    values = _check_run(case_values(_results(world), "case_fabric_fp32_clip"), strategy=FABRIC)
+    values = _check_run(_values(world, "case_fabric_fp32_clip"), strategy=FABRIC)
     assert all(v["wrapped"] == "TinyNet" for v in values)  # no DDP around the model
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_standalone_fabric_16_mixed_skips_an_overflow_on_one_rank(world) -> None:
     # clip_gradients ran with Fabric's default error_if_nonfinite=True: the step is skipped, nothing raised
-    _check_overflow_run(case_values(_results(world), "case_fabric_standalone_fp16_overflow"), STANDALONE_FABRIC)
+    _check_overflow_run(_values(world, "case_fabric_standalone_fp16_overflow"), STANDALONE_FABRIC)
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_fabric_no_backward_sync_reduces_once_per_step(world) -> None:
-    values = _check_run(case_values(_results(world), "case_fabric_accumulate_no_sync"), accumulate=3, strategy=FABRIC)
+    values = _check_run(_values(world, "case_fabric_accumulate_no_sync"), accumulate=3, strategy=FABRIC)
     for v in values:
         assert v["reduce_scatters"] == cases.N_STEPS * v["buckets"], v["reduce_scatters"]
 
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_fabric_save_load_full_and_sharded_at_a_url(world) -> None:
-    values = case_values(_results(world), "case_fabric_save_load")
+    values = _values(world, "case_fabric_save_load")
     _check_run([v["full"] for v in values], strategy=FABRIC)
     for v in values:
         _assert_resumed_exactly(v["full"], v["resumed"])
@@ -186,6 +191,6 @@ def test_fabric_save_load_full_and_sharded_at_a_url(world) -> None:
 
 @pytest.mark.parametrize("world", [WORLD])
 def test_fabric_sharded_save_refuses_a_staging_dir_not_every_rank_sees(world) -> None:
-    for v in case_values(_results(world), "case_fabric_staging_dir_not_shared_raises"):
+    for v in _values(world, "case_fabric_staging_dir_not_shared_raises"):
         assert v["error"] is not None and "not visible on every rank" in v["error"] and "staging_dir=" in v["error"]
         assert v["written"] == [] and v["stage_left"] == []

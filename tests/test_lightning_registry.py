@@ -19,7 +19,6 @@ import pytest
 import torch
 
 pytest.importorskip("lightning")
-pytest.importorskip("pytorch_lightning")
 
 import framework_ref as ref  # noqa: E402
 
@@ -34,17 +33,25 @@ FABRICS = {
 }
 
 
+def _need(pkg: str) -> None:
+    """Skip where a standalone package (pytorch_lightning, lightning_fabric) is not installed."""
+    pytest.importorskip(pkg.split(".")[0])
+
+
 def _trainer_registry(pkg: str):
+    _need(pkg)
     strategies, integration = TRAINERS[pkg]
     return importlib.import_module(strategies).StrategyRegistry, importlib.import_module(integration).ShardampStrategy
 
 
 def _fabric_registry(pkg: str):
+    _need(pkg)
     strategies, integration = FABRICS[pkg]
     return importlib.import_module(strategies).STRATEGY_REGISTRY, importlib.import_module(integration).ShardampFabricStrategy
 
 
 def _trainer(pkg: str, **kwargs):
+    _need(pkg)
     pl = importlib.import_module(pkg)
     importlib.import_module(TRAINERS[pkg][1])
     return pl.Trainer(accelerator="cpu", devices=2, logger=False, enable_progress_bar=False,
@@ -52,6 +59,7 @@ def _trainer(pkg: str, **kwargs):
 
 
 def _fabric(pkg: str, **kwargs):
+    _need(pkg)
     fabric_cls = importlib.import_module(pkg).Fabric
     importlib.import_module(FABRICS[pkg][1])
     return fabric_cls(accelerator="cpu", devices=2, **kwargs)
@@ -106,6 +114,7 @@ def test_reimport_keeps_the_names_and_another_owner_is_left_alone() -> None:
 def test_trainer_strategy_by_name_routes_every_precision(pkg) -> None:
     from shardamp.scaler import ShardedGradScaler
 
+    _need(pkg)
     integration = importlib.import_module(TRAINERS[pkg][1])
     routed = {"32-true": "ShardampPrecision", "bf16-mixed": "ShardampMixedPrecision",
               "bf16-true": "ShardampHalfPrecision", "16-true": "ShardampHalfPrecision"}
@@ -130,6 +139,7 @@ def test_trainer_strategy_by_name_routes_every_precision(pkg) -> None:
 def test_fabric_strategy_by_name_routes_every_precision(pkg) -> None:
     from shardamp.scaler import ShardedGradScaler
 
+    _need(pkg)
     integration = importlib.import_module(FABRICS[pkg][1])
     precisions = importlib.import_module(f"{pkg}.plugins.precision")
     for precision, plugin in {"32-true": "Precision", "bf16-mixed": "MixedPrecision", "bf16-true": "HalfPrecision"}.items():
@@ -149,6 +159,7 @@ def test_fabric_strategy_by_name_routes_every_precision(pkg) -> None:
                                       "lightning.ShardampFabricStrategy", "lightning_fabric.ShardampFabricStrategy"])
 def test_options_and_errors_name_the_argument(cls_name) -> None:
     module, name = cls_name.split(".")
+    _need(module)
     cls = getattr(importlib.import_module(f"shardamp.integrations.{module}"), name)
     strategy = cls(sharded_checkpoint=True, start_method="spawn", timeout=timedelta(seconds=42), staging_dir="/x",
                    process_group_backend="gloo")
@@ -164,6 +175,7 @@ def test_options_and_errors_name_the_argument(cls_name) -> None:
 def test_spawn_variants_pickle_with_their_routed_precision(pkg) -> None:
     """start_method='spawn' pickles the strategy (with its precision plugin and scaler) into the
     new processes."""
+    _need(pkg)
     precisions = importlib.import_module(f"{pkg}.plugins.precision")
     plugins = [precisions.MixedPrecision("16-mixed", "cpu")]
     if pkg in TRAINERS:
@@ -201,6 +213,7 @@ def test_fabric_refuses_other_optimizers_and_clipping_by_value() -> None:
 @pytest.mark.parametrize("form", ["name", "class_path"])
 def test_lightning_cli_selects_the_strategy_from_yaml(pkg, form, tmp_path, monkeypatch) -> None:
     pytest.importorskip("jsonargparse")
+    _need(pkg)
     monkeypatch.setattr(sys, "argv", ["train.py"])  # the config comes through args=
     import cases_lightning
 
@@ -243,6 +256,8 @@ for blocked in {blocked!r}:
     (["pytorch_lightning", "lightning_fabric"], ["lightning"], "pytorch_lightning", "shardamp.integrations.lightning"),
 ])
 def test_each_module_imports_with_only_its_package(blocked, works, fails, fix) -> None:
+    for pkg in ("pytorch_lightning", "lightning_fabric"):  # both installed, one blocked at a time
+        _need(pkg)
     body = textwrap.dedent(f"""
         import importlib
         for name in {works!r}:
