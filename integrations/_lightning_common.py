@@ -43,8 +43,8 @@ def require_fused_adam(optimizer: Any, who: str, fix: str) -> DistributedFusedAd
     opt = unwrap(optimizer)
     if not isinstance(opt, DistributedFusedAdam):
         raise ValueError(
-            f"{who}: got a {type(opt).__name__}; the strategy does not wrap the model in DDP, so only "
-            f"shardamp.optim.DistributedFusedAdam reduces the grads. {fix}"
+            f"{who}: {type(opt).__name__} is not a DistributedFusedAdam; the strategy does not wrap the model in "
+            f"DDP, so only shardamp.optim.DistributedFusedAdam reduces the grads. {fix}"
         )
     return opt
 
