@@ -33,7 +33,7 @@ DistributedFusedAdam's both expect. What it changes is a default: ``SFTConfig`` 
 ``bf16=True``, on the CPU too. Under bf16 autocast, two runs whose fp32 params differ by one ulp
 (any two AdamW implementations do after one step: torch's fused and foreach AdamW too) drift apart
 as soon as one such weight rounds to the other bf16 neighbour in a forward: one bf16 ulp on a
-single weight moves that step's grads by ~0.5% (the same in SFTTrainer's fused-LM-head loss as in
+single weight moves that step's grads by up to ~0.7% (the same in SFTTrainer's fused-LM-head loss as in
 the Trainer's), and Adam carries it on. Whether that happens within a few steps is chance, not
 weight decay or clipping: on a tiny GPT-2 at lr 1e-3 (2 ranks, 6 steps, weight decay 0 / 0.1 x
 clipping off / on), torch's own fused and foreach AdamW SFTTrainer runs ended 4e-5 to 2.5e-3 apart
