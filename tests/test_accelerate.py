@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -120,13 +121,19 @@ def test_accelerate_launch_with_the_example_config_trains_two_cpu_ranks(tmp_path
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         "NODE_RANK") and not k.startswith("ACCELERATE_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(ROOT / "examples" / "accelerate_config.yaml"), str(ROOT / "examples" / "accelerate_train.py"),
-         "--steps", "4", "--warmup", "1", "--no-baseline", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    out = proc.stdout + proc.stderr
+    examples = ROOT / "examples"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(examples / "accelerate_config.yaml"), str(examples / "accelerate_train.py"),
+           "--steps", "4", "--warmup", "1", "--no-baseline", "--out", str(tmp_path)]
+    # its own session: a launch that hangs is killed with torchrun's ranks, not only the launcher
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"accelerate launch did not finish in 600 s:\n{out[-5000:]}")
     assert proc.returncode == 0, out[-5000:]
     assert "world 2, clipped every step: yes" in out and "PASS" in out, out[-5000:]
     assert "save_state wrote: ['model.safetensors', 'optimizer.bin'" in out, out[-5000:]
