@@ -26,7 +26,10 @@ Launching (``accelerate launch --config_file ...``): accelerate picks the launch
 * ``MULTI_CPU`` also wraps in DDP (skipped here), but its launcher starts several processes only
   through ``mpirun`` (``mpirun_hostfile``): without it, ``accelerate launch --cpu`` or
   ``use_cpu: true`` start ONE process;
-* ``NO`` is one process: the optimizer shards over nothing;
+* ``NO`` is one process: the optimizer shards over nothing. A ``MULTI_GPU`` launch where no GPU
+  is visible (and ``cpu`` is not set) also gives ``NO`` in every rank, with a process group of
+  all of them initialised: ``prepare`` refuses a ``DistributedFusedAdam`` spanning several ranks
+  there (every rank would be the main process and see the whole dataset);
 * ``FSDP``, ``DEEPSPEED``, ``MEGATRON_LM`` and ``XLA`` shard or replace the model and optimizer
   themselves: ``prepare`` refuses a ``DistributedFusedAdam`` there (as it refuses a
   ``parallelism_config`` that shards the model: ``dp_shard``, ``tp``, ``cp``, ``sp``), naming the
@@ -133,10 +136,22 @@ class ShardampAccelerator(Accelerator):
         optimizer there)."""
         return self.distributed_type not in _OWN_ENGINE
 
-    def _check_setup(self) -> None:
+    def _check_setup(self, opts: List[DistributedFusedAdam]) -> None:
         """Raises ``ValueError`` where accelerate would shard or wrap a ``DistributedFusedAdam``'s
-        model itself: a distributed type with its own engine, a ``parallelism_config`` that
-        shards the model, a DDP kwargs handler the user passed."""
+        model itself (a distributed type with its own engine, a ``parallelism_config`` that
+        shards the model, a DDP kwargs handler the user passed), or runs its ranks as one
+        process each."""
+        ranks = max(opt.world_size for opt in opts)
+        if self.distributed_type == DistributedType.NO and ranks > 1:
+            # a MULTI_GPU launch where no GPU is visible and cpu is not set: accelerate's state
+            # initialises the process group, then sees no backend and calls the process alone
+            raise ValueError(
+                f"ShardampAccelerator.prepare: accelerate runs this process as distributed_type=NO (num_processes=1, "
+                f"every rank its main process, every rank the whole dataset), but the DistributedFusedAdam spans "
+                f"{ranks} ranks of torch.distributed. This is what `accelerate launch` with a MULTI_GPU config gives "
+                "where no GPU is visible: for CPU ranks build the accelerator with cpu=True (or export "
+                "ACCELERATE_USE_CPU=true) so that each rank runs as MULTI_CPU; for GPUs make them visible."
+            )
         engine = _OWN_ENGINE.get(self.distributed_type)
         if engine is not None:
             raise ValueError(
@@ -186,13 +201,14 @@ class ShardampAccelerator(Accelerator):
         Raises:
             ValueError: with a ``DistributedFusedAdam`` among ``args``, before anything is
                 prepared: under FSDP / DeepSpeed / Megatron-LM / XLA, a model-sharding
-                ``parallelism_config``, or a ``DistributedDataParallelKwargs`` handler passed to
-                this accelerator; after preparing: its model was not prepared with or before it.
+                ``parallelism_config``, a ``DistributedDataParallelKwargs`` handler passed to
+                this accelerator, or distributed type ``NO`` while the optimizer spans several
+                ranks; after preparing: its model was not prepared with or before it.
         """
         # the model comes before its optimizer in prepare's first pass: announce the optimizer
         pending = [_unwrap(a) for a in args if isinstance(_unwrap(a), DistributedFusedAdam)]
         if pending:
-            self._check_setup()  # before anything is prepared
+            self._check_setup(pending)  # before anything is prepared
         self._shardamp_pending = pending
         try:
             result = super().prepare(*args, device_placement=device_placement)
@@ -252,7 +268,7 @@ class ShardampAccelerator(Accelerator):
         opt = _unwrap(optimizer)
         if not isinstance(opt, DistributedFusedAdam) or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
-        self._check_setup()
+        self._check_setup([opt])
         if self.scaler is not None and not isinstance(self.scaler, ShardedGradScaler):
             old = self.scaler
             self.scaler = ShardedGradScaler(  # the same settings, agreeing on found-inf over ranks

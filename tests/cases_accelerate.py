@@ -166,8 +166,8 @@ def case_ddp_kwargs_handler_raises_for_distributed_fused_adam_only(rank, world, 
 
 
 def case_sharding_setups_refuse_distributed_fused_adam(rank, world, **kw):
-    """Distributed types and parallelism configs whose engine takes over the model: prepare
-    raises before preparing anything (each stands in through a subclass overriding the one
+    """Distributed types and parallelism configs whose engine takes over the model, and NO while
+    the optimizer spans both ranks: prepare raises before preparing anything (each stands in through a subclass overriding the one
     property that selects it, on an accelerator built as MULTI_CPU)."""
     from types import SimpleNamespace
 
@@ -179,7 +179,8 @@ def case_sharding_setups_refuse_distributed_fused_adam(rank, world, **kw):
     model = ref.make_model()
     opt = DistributedFusedAdam(model.parameters(), lr=ref.LR)
     setups = {dt.value: {"distributed_type": dt} for dt in (
-        DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA)}
+        DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA,
+        DistributedType.NO)}  # NO: what a MULTI_GPU launch gives every rank where no GPU is visible
     setups["tp"] = {"parallelism_config": SimpleNamespace(dp_replicate_size=1, dp_shard_size=1, tp_size=2, cp_size=1,
                                                           sp_size=1)}
     setups["dp_shard"] = {"parallelism_config": SimpleNamespace(dp_replicate_size=1, dp_shard_size=2, tp_size=1,

@@ -102,14 +102,16 @@ def test_users_ddp_kwargs_handler_raises_naming_it_and_the_fix(world) -> None:
 
 
 @pytest.mark.parametrize("world", [WORLD])
-def test_fsdp_deepspeed_megatron_xla_and_sharding_parallelism_refuse_the_optimizer(world) -> None:
+def test_fsdp_deepspeed_megatron_xla_sharding_parallelism_and_no_refuse_the_optimizer(world) -> None:
     for v in case_values(_results(world), "case_sharding_setups_refuse_distributed_fused_adam"):
         for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
             assert v[name] is not None and f"distributed_type={name}" in v[name], (name, v[name])
             assert "distributed_type: MULTI_GPU" in v[name] and "examples/accelerate_config.yaml" in v[name]
         assert v["tp"] is not None and "tp_size=2" in v["tp"] and "dp_replicate_size" in v["tp"], v["tp"]
         assert v["dp_shard"] is not None and "dp_shard_size=2" in v["dp_shard"], v["dp_shard"]
-        assert all(v[name + " prepared"] == 0 for name in ("FSDP", "DEEPSPEED", "tp"))  # raised before preparing
+        assert v["NO"] is not None and "distributed_type=NO" in v["NO"] and "spans 2 ranks" in v["NO"], v["NO"]
+        assert "cpu=True" in v["NO"] and "ACCELERATE_USE_CPU=true" in v["NO"], v["NO"]
+        assert all(v[name + " prepared"] == 0 for name in ("FSDP", "DEEPSPEED", "tp", "NO"))  # raised before preparing
 
 
 def test_accelerate_launch_with_the_example_config_trains_two_cpu_ranks(tmp_path) -> None:
