@@ -275,14 +275,15 @@ class _Side:
     """One side of the comparison: ours (this rank's batch, the optimizers average) or the
     unsharded reference (every rank's batch, the loss averaged over them)."""
 
-    def __init__(self, ref, a, b, opt_a, opt_b, scaler):
-        self.ref, self.a, self.b, self.opt_a, self.opt_b, self.scaler = ref, a, b, opt_a, opt_b, scaler
+    def __init__(self, ref, world, a, b, opt_a, opt_b, scaler):
+        self.ref, self.world, self.scaler = ref, world, scaler
+        self.a, self.b, self.opt_a, self.opt_b = a, b, opt_a, opt_b
         self.rows, self.denom = [], 1.0
 
-    def data(self, rank, world, step):
-        rows = list(enumerate(batches(step, world)))
+    def data(self, rank, step):
+        rows = list(enumerate(batches(step, self.world)))
         self.rows = rows if self.ref else [rows[rank]]
-        self.denom = float(world) if self.ref else 1.0
+        self.denom = float(self.world) if self.ref else 1.0
 
     def loss(self, fn):
         return sum(fn(r, x, y) for r, (x, y) in self.rows) / self.denom
@@ -311,9 +312,9 @@ def _mse(out, target):
     return ((out - target) ** 2).mean()
 
 
-def _loss_a(side, skip=lambda r: ()):
+def _loss_a(side):
     """Model A alone (12 -> 12, an autoencoder's loss)."""
-    return side.loss(lambda r, x, y: _mse(side.a(x, skip=skip(r)), x))
+    return side.loss(lambda r, x, y: _mse(side.a(x), x))
 
 
 def _iter_ab(side, step):
@@ -448,6 +449,7 @@ def _iter_scaler(side, step):
     only, at INF_STEP), unscale_ and step each, one update."""
     side.opt_a.zero_grad()
     side.opt_b.zero_grad()
+
     def lb(r, x, y):
         if step == INF_STEP and r == side.world - 1:
             x = x.clone()
@@ -465,6 +467,7 @@ def _iter_scaler_shared(side, step):
     """(d) one scaler over one backward through both models (the inf as in _iter_scaler, in B)."""
     side.opt_a.zero_grad()
     side.opt_b.zero_grad()
+
     def both(r, x, y):
         xb = x
         if step == INF_STEP and r == side.world - 1:
@@ -481,8 +484,8 @@ def _iter_scaler_shared(side, step):
 TWO_PATTERNS = {
     "ab": _iter_ab, "ab_step_ba": _iter_ab_step_ba, "gan_frozen": _iter_gan_frozen,
     "gan_not_frozen": _iter_gan_not_frozen, "no_sync": _iter_no_sync, "shared": _iter_shared,
-    "chain": _iter_chain, "chain_reentrant": _iter_chain_reentrant, "no_sync_shared": _iter_no_sync_shared, "scaler": _iter_scaler,
-    "scaler_shared": _iter_scaler_shared,
+    "chain": _iter_chain, "chain_reentrant": _iter_chain_reentrant, "no_sync_shared": _iter_no_sync_shared,
+    "scaler": _iter_scaler, "scaler_shared": _iter_scaler_shared,
 }
 
 
@@ -510,9 +513,8 @@ def _two_optimizers(rank, world, pattern, steps=TWO_STEPS):
     ropt_a = torch.optim.AdamW(two_groups(ref_a))
     ropt_b = torch.optim.AdamW(ref_groups_b, betas=(0.85, 0.98))
     scaler_kw = dict(init_scale=2.0**12, growth_interval=2)
-    ours = _Side(False, a, b, opt_a, opt_b, ShardedGradScaler("cpu", **scaler_kw) if scaled else None)
-    ref = _Side(True, ref_a, ref_b, ropt_a, ropt_b, torch.amp.GradScaler("cpu", **scaler_kw) if scaled else None)
-    ours.world = ref.world = world
+    ours = _Side(False, world, a, b, opt_a, opt_b, ShardedGradScaler("cpu", **scaler_kw) if scaled else None)
+    ref = _Side(True, world, ref_a, ref_b, ropt_a, ropt_b, torch.amp.GradScaler("cpu", **scaler_kw) if scaled else None)
     launches = _Launches(a=opt_a, b=opt_b)
     out = {"ours": [], "ref": [], "scale": [], "ref_scale": []}
     with warnings.catch_warnings():
@@ -521,7 +523,7 @@ def _two_optimizers(rank, world, pattern, steps=TWO_STEPS):
         for step in range(steps):
             launches.mark(("step", step))
             for side in (ours, ref):
-                side.data(rank, world, step)
+                side.data(rank, step)
                 TWO_PATTERNS[pattern](side, step)
             out["ours"].append([p.detach().clone() for p in list(a.parameters()) + list(b.parameters())])
             out["ref"].append([p.detach().clone() for p in list(ref_a.parameters()) + list(ref_b.parameters())])

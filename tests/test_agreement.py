@@ -97,7 +97,8 @@ def test_two_optimizers_over_one_group_train_exactly(world, pattern):
     for rank, value in enumerate(values):
         for step, (ours, ref) in enumerate(zip(value["ours"], value["ref"])):
             for i, (p, q) in enumerate(zip(ours, ref)):
-                torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=lambda m: f"rank {rank} step {step} param {i}: {m}")
+                torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL,
+                                           msg=lambda m: f"rank {rank} step {step} param {i}: {m}")
         assert value["scale"] == value["ref_scale"], (rank, value["scale"], value["ref_scale"])
         # every rank launched the same reduce-scatters in the same order (gloo aborts on a pair of
         # different sizes, and sums same-sized ones of different optimizers silently)
