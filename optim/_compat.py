@@ -29,6 +29,9 @@ __all__ = [
     "default_store",
     "flat_mesh_group",
     "queue_backward_callback",
+    "graph_task_id",
+    "grad_accumulator",
+    "reached_in_backward",
     "OptState",
     "scaler_optimizer_state",
     "amp_update_scale_",
@@ -60,6 +63,28 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def in_backward() -> bool:
     """Whether this thread is running an autograd backward (a hook or callback of it)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def graph_task_id() -> int:
+    """The id of the autograd graph task this thread is running (one per ``backward()`` call; a
+    reentrant backward nested in another has its own), -1 outside any backward."""
+    return torch._C._current_graph_task_id()
+
+
+def grad_accumulator(param: Tensor) -> Any:
+    """The ``AccumulateGrad`` node of leaf ``param`` (requiring grad): the one its autograd graphs
+    lead to while one is alive (held here, it stays that one), else a new one."""
+    return torch.autograd.graph.get_gradient_edge(param).node
+
+
+def reached_in_backward(node: Any) -> bool:
+    """Inside a backward: whether the current graph task will run ``node`` (it is reachable from
+    the roots, and with ``backward(inputs=)`` needed). True where autograd cannot tell (the
+    caller then assumes the worst)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
 
 
 def cuda_event_handle(event: Any) -> int:

@@ -204,7 +204,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank)
         # before anything is allocated or communicated: every rank built the same optimizer
-        agreement.register(self)
         agreement.agree_on_construction(self)
         self._buffers: List[BucketBuffers] = []
         for bucket in self._buckets:
@@ -342,7 +341,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         agreement.dropping(self)
         self._grad_sync.zero(set_to_none)
         self._round = None  # the last step's norms stay readable (grad_norm) until the next backward
-        agreement.settle(self)
 
     # ------------------------------------------------------------------ stats, unscale, clip
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
@@ -365,8 +363,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
-            if not self._step_problem and agreement.overlapping(self):
-                self._step_problem = agreement.TWO_OPTIMIZERS
+            # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
+            self._step_problem = self._step_problem or self._grad_sync.refusal
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
@@ -499,7 +497,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         agreement.stepped(self, [c for c, _ in r.clips], r.raw_norms)
         r.done()
         self._last, self._round = r, None  # its norms are unscaled lazily: no work here
-        agreement.settle(self)
         self._grad_sync.step_done()
         return loss
 

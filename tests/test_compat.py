@@ -103,6 +103,30 @@ def test_backward_callback_runs_after_backward() -> None:
     assert seen == ["end"]
 
 
+def test_graph_task_reachability() -> None:
+    """What sync/backward_order.py asks at a backward's first grad: the graph task's id, and
+    whether it runs a param's grad accumulator (reachable; not a frozen or unused param's; with
+    ``backward(inputs=)`` only the inputs')."""
+    used, unused, frozen = (torch.nn.Parameter(torch.ones(3)) for _ in range(3))
+    frozen.requires_grad_(False)
+    held = _compat.grad_accumulator(used)  # held: the one the next graph leads to
+    assert "AccumulateGrad" in held.name()
+    seen = []
+
+    def hook(_):
+        seen.append((_compat.graph_task_id(), _compat.reached_in_backward(held),
+                     _compat.reached_in_backward(_compat.grad_accumulator(unused))))
+
+    used.register_post_accumulate_grad_hook(hook)
+    (used * frozen).sum().backward()
+    (used * unused).sum().backward(inputs=[used])
+    (used * unused).sum().backward()
+    assert [s[1:] for s in seen] == [(True, False), (True, False), (True, True)], seen
+    ids = [s[0] for s in seen]
+    assert all(i >= 0 for i in ids) and len(set(ids)) == 3, ids  # one graph task per backward()
+    assert _compat.graph_task_id() == -1 and not _compat.in_backward()
+
+
 def test_dense_layout_check() -> None:
     assert _compat.is_dense_non_overlapping(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
     assert _compat.is_dense_non_overlapping(torch.zeros(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d))

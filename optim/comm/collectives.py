@@ -74,7 +74,8 @@ class Comm:
     reduces_grads = False
     # ``has_peers``: other ranks exist that must build and step identically: the agreement
     # checks (construction, per step, per collective call) and the order of collectives
-    # between optimizers over one group matter (agreement.py). False: nothing to disagree with.
+    # between optimizers over one group matter (agreement.py, sync/backward_order.py). False: nothing
+    # to disagree with.
     has_peers = False
     # ``gathers_params``: the shard dim splits buckets, so params are all-gathered after the step
     # (and a lower-precision param_sync_dtype needs a buffer of its own); False: the shard is the bucket.
