@@ -206,7 +206,7 @@ _HANDLERS: Dict[Any, Callable] = {
 # ====================================================================== torch's functions, wrapped
 _originals: Dict[str, Callable] = {}  # torch's functions, by name (_compat.torch_clip_functions); kept
 _replaced: Dict[Tuple[Any, str], Callable] = {}  # (module, attribute) -> what it held before the wrapper
-_live = 0  # DistributedFusedAdam instances alive since install
+_live: set = set()  # one token per DistributedFusedAdam alive (removed by its finalizer)
 _switched: "weakref.WeakSet[Tensor]" = weakref.WeakSet()  # params whose class install() switched
 
 
@@ -287,27 +287,26 @@ _WRAPPERS = {"get_total_norm": get_total_norm, "clip_grads_with_norm_": clip_gra
 # ====================================================================== install / uninstall
 def installed() -> bool:
     """torch's functions are wrapped now."""
-    return bool(_originals)
+    return bool(_replaced)
 
 
 def install(opt: Any) -> None:
     """At ``opt``'s construction: wrap torch's functions (once) and switch ``opt``'s params to the
     ``.grad``-reading subclass of their class (once per param). Undone when the last
     DistributedFusedAdam is garbage-collected."""
-    global _live
     _wrap_torch()
     for p in opt._params:
         if getattr(type(p), "_shardamp_grad_base", None) is None:
             if _compat.switch_class(p, _compat.grad_property_class(type(p), _grad_of_managed)):
                 _switched.add(p)
-    _live += 1
-    weakref.finalize(opt, _released)
+    token = object()
+    _live.add(token)
+    weakref.finalize(opt, _released, token)
 
 
-def _released() -> None:
-    global _live
-    _live -= 1
-    if _live <= 0:
+def _released(token: object) -> None:
+    _live.discard(token)
+    if not _live:
         uninstall()
 
 
@@ -327,9 +326,8 @@ def _wrap_torch() -> None:
 
 def uninstall() -> None:
     """Give torch its functions back (each only where it is still shardamp's wrapper) and the
-    switched params their classes. Managed params then show ``param.grad`` None again."""
-    global _live
-    _live = 0
+    switched params their classes. Managed params then show ``param.grad`` None again (an
+    optimizer built later installs again)."""
     for name, places in _compat.torch_clip_functions().items():
         for module, attr in places:
             if getattr(module, attr) is _WRAPPERS[name] and (module, attr) in _replaced:
