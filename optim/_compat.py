@@ -242,14 +242,11 @@ def storage_alias(buffer: torch.Tensor, offset: int, numel: int, shape, stride) 
 _TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level getset over autograd's own grad field
 
 
-def raw_grad(t: Tensor) -> Optional[Tensor]:
-    """``t.grad`` as autograd holds it (the C field), bypassing any Python-level ``grad`` property."""
-    return _TENSOR_GRAD.__get__(t)
-
-
-def set_raw_grad(t: Tensor, value: Optional[Tensor]) -> None:
-    """``t.grad = value`` on the C field (torch's own checks of shape, dtype and device apply)."""
-    _TENSOR_GRAD.__set__(t, value)
+# ``raw_grad(t)``: ``t.grad`` as autograd holds it (the C field), past any Python-level ``grad``
+# property; ``set_raw_grad(t, value)``: ``t.grad = value`` on that field (torch's checks of shape,
+# dtype and device apply). The descriptor's own methods: read per param by torch's clip, no frame.
+raw_grad: Callable[[Tensor], Optional[Tensor]] = _TENSOR_GRAD.__get__
+set_raw_grad: Callable[[Tensor, Optional[Tensor]], None] = _TENSOR_GRAD.__set__
 
 
 _grad_classes: dict = {}

@@ -83,7 +83,7 @@ class GradsView:
 
     def __init__(self, opt: Any) -> None:
         self._opt = weakref.ref(opt)
-        self._index: Dict[int, int] = {id(p): i for i, p in enumerate(opt._params)}
+        self.index_of: Dict[int, int] = {id(p): i for i, p in enumerate(opt._params)}  # by id(param)
         self.handles: List[Optional[Tensor]] = [None] * len(opt._params)
         self.generation = 0  # zero_grad calls: the cached norms are of dropped grads after one
         self._norms: Optional[Tuple[tuple, Tensor]] = None  # (key, raw per-param norms)
@@ -100,7 +100,7 @@ class GradsView:
     def index(self, p: Any, what: str) -> int:
         """``p``'s position in the optimizer's params; ``ValueError`` if it does not manage ``p``."""
         opt = self.optimizer()
-        i = self._index.get(id(p))
+        i = self.index_of.get(id(p))
         if i is None or opt._params[i] is not p:
             shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
             raise ValueError(f"{what}: the tensor given ({shape}) is not a parameter of this DistributedFusedAdam; "

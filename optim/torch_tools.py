@@ -83,17 +83,19 @@ from .grads_view import owner
 
 # ====================================================================== the grad a managed param shows
 def _grad_of_managed(p: Tensor) -> Optional[Tensor]:
-    """The Python-level ``.grad`` of a managed param (see the module docstring)."""
+    """The Python-level ``.grad`` of a managed param (see the module docstring). Read per param
+    by torch's clip and GradScaler: kept to a few attribute reads (grads_view.owner, inlined)."""
     g = _compat.raw_grad(p)
-    if g is not None or _compat.in_backward():
-        return g  # autograd's own, or inside a backward (hooks read the field as before)
-    opt = owner(p)
-    if opt is None:
-        return None
+    if g is not None:
+        return g  # autograd's own (a stray grad, or one not taken by the hooks yet)
+    ref = getattr(p, "_shardamp_optimizer", None)
+    opt = ref() if ref is not None else None
+    if opt is None or getattr(p, "_shardamp_owner", None) is not opt._grad_sync.owner_token:
+        return None  # not managed by a live optimizer (any more)
+    if not opt._grad_sync.grad_since_zero or _compat.in_backward():
+        return None  # no grads; or inside a backward, where hooks read autograd's field as before
     view = opt._grads_view
-    if not view.has_grads():
-        return None
-    i = view.index(p, "param.grad")
+    i = view.index_of[id(p)]  # p is opt's (checked above), which keeps it alive: ids are unique
     handle = view.handles[i]
     if handle is None:
         handle = view.handles[i] = ShardedGrad(p, opt, i)
