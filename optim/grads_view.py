@@ -25,8 +25,9 @@ What is read here, and what it costs:
   the device's streams).
 * :meth:`GradsView.param_norms`: every param's grad norm of one order, for torch's per-param
   norms (``p.grad.norm()``, Lightning's ``grad_norm``): one all-reduce of ``2 x params`` floats
-  over the shard dim, after an agreement all-reduce, once per step and norm order (cached until
-  the grads change); every rank must read them, as a framework's logging hook does.
+  over the shard dim, after an agreement all-reduce (its flags are read on the host), once per
+  step and norm order (cached until the grads change); every rank must read them, as a
+  framework's logging hook does.
 * :meth:`GradsView.total_norm`: the norm over some params' grads (torch's ``get_total_norm``):
   over ALL of the optimizer's params it is ``opt.grad_norm()``, i.e. the step's one stats
   all-reduce, shared with ``unscale_``, clip and ``step``; over a subset, the per-param norms.

@@ -118,7 +118,10 @@ class ShardedGrad(torch.Tensor):
     Shape, dtype, device and strides are the param's; its values are those torch's
     ``param.grad`` would hold in the same unsharded loop (grads_view.py: averaged as configured,
     scaled before ``unscale_``, clipped after a clip). Only norms and GradScaler's unscale run
-    on it; see the module docstring. It reads the optimizer's grads when an op runs.
+    on it; see the module docstring. It reads the optimizer's grads when an op runs. Every
+    param of an optimizer holding grads shows one: a param no rank produced a grad for shows
+    zeros where torch has None (telling them apart takes a collective; ``opt.full_grad(p)``
+    returns None for it).
     """
 
     __torch_function__ = _compat.disabled_torch_function
@@ -182,6 +185,9 @@ def _foreach_norm(func: Any, args: Tuple, kwargs: Dict) -> List[Tensor]:
 
 
 def _unscale(func: Any, args: Tuple, kwargs: Dict) -> None:
+    # torch's GradScaler.unscale_ (once per dtype group of the optimizer's grads). Its other caller,
+    # GradScaler._check_inf_per_device (inv_scale 1: a found-inf check), runs only for optimizers
+    # whose step takes no ``grad_scaler``; DistributedFusedAdam's takes it (torch_scaler.py).
     grads, found_inf, inv_scale = args
     plain = [t for t in grads if type(t) is not ShardedGrad]
     views = {}
