@@ -252,20 +252,25 @@ set_raw_grad: Callable[[Tensor, Optional[Tensor]], None] = _TENSOR_GRAD.__set__
 _grad_classes: dict = {}
 
 
-def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]]) -> type:
+def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
+                        fset: Optional[Callable[[Tensor, Optional[Tensor]], None]] = None) -> type:
     """A subclass of the Parameter class ``base`` whose Python-level ``.grad`` reads ``fget(p)``
-    (writes and deletes go to the C field). Autograd (C++) keeps reading and accumulating into
-    the C field, so backward and ``register_post_accumulate_grad_hook`` are unchanged. Cached per
-    ``base`` and ``fget``; the subclass keeps ``base``'s name, and adds no slots (so an instance
-    of ``base`` can be switched to it and back by assigning ``__class__``)."""
-    key = (base, fget)
+    and writes ``fset(p, value)`` (default: autograd's field; deletes always go there). Autograd
+    (C++) keeps reading and accumulating into the C field, so backward and
+    ``register_post_accumulate_grad_hook`` are unchanged. Cached per ``(base, fget, fset)``; the
+    subclass keeps ``base``'s name, and adds no slots (so an instance of ``base`` can be switched
+    to it and back by assigning ``__class__``)."""
+    key = (base, fget, fset)
     cls = _grad_classes.get(key)
     if cls is None:
         def _get(self: Tensor) -> Optional[Tensor]:
             return fget(self)
 
         def _set(self: Tensor, value: Optional[Tensor]) -> None:
-            _TENSOR_GRAD.__set__(self, value)
+            if fset is None:
+                _TENSOR_GRAD.__set__(self, value)
+            else:
+                fset(self, value)
 
         def _del(self: Tensor) -> None:
             _TENSOR_GRAD.__delete__(self)

@@ -102,6 +102,14 @@ def _grad_of_managed(p: Tensor) -> Optional[Tensor]:
     return handle
 
 
+def _set_grad_of_managed(p: Tensor, value: Optional[Tensor]) -> None:
+    """``p.grad = value`` on a managed param: to autograd's field, except a ShardedGrad (what
+    ``Module._apply`` assigns back after ``model.to(...)`` of a model holding grads), which changes
+    nothing: the grads stay where they are, in the optimizer."""
+    if type(value) is not ShardedGrad:
+        _compat.set_raw_grad(p, value)
+
+
 _UNSUPPORTED = (
     "{op} on p.grad of a param a DistributedFusedAdam manages: that grad is a read-only view of the "
     "optimizer's reduce-scattered shards (no storage of its own). Supported on it: norms "
@@ -163,6 +171,26 @@ def _detach(func: Any, args: Tuple, kwargs: Dict) -> ShardedGrad:
     return ShardedGrad(g, g._opt(), g._index) if g._opt() is not None else g  # ``.data``, ``.detach()``
 
 
+def _to_copy(func: Any, args: Tuple, kwargs: Dict) -> ShardedGrad:
+    """``.to()`` (``model.to(device)`` applies it to every ``p.grad``): to where the grad already
+    is, it is the same view; anything else would move or cast the optimizer's grads alone."""
+    g = args[0]
+    device = kwargs.get("device")
+    device = g.device if device is None else torch.device(device)
+    same_device = device.type == g.device.type and (device.index is None or g.device.index is None
+                                                    or device.index == g.device.index)
+    if device.type == "cuda" and device.index is None:
+        same_device = g.device.index == torch.cuda.current_device()
+    if not same_device or kwargs.get("dtype", g.dtype) not in (None, g.dtype) \
+            or kwargs.get("layout", torch.strided) not in (None, torch.strided) \
+            or kwargs.get("memory_format", torch.preserve_format) not in (None, torch.preserve_format):
+        what = f".to({device}, {kwargs.get('dtype')})"
+        raise RuntimeError(
+            _UNSUPPORTED.format(op=what) + " Move and cast a model whose params a DistributedFusedAdam manages "
+            "BEFORE building the optimizer: its params are views into the optimizer's buffers.")
+    return _detach(func, args, kwargs)
+
+
 def _norm_of(g: ShardedGrad, ord: Any, dtype: Optional[torch.dtype]) -> Tensor:
     return g._view().param_norms(float(ord), "the norm of p.grad")[g._index].to(dtype or g.dtype)
 
@@ -205,6 +233,7 @@ def _unscale(func: Any, args: Tuple, kwargs: Dict) -> None:
 _HANDLERS: Dict[Any, Callable] = {
     _compat.aten_op("detach.default"): _detach,
     _compat.aten_op("alias.default"): _detach,
+    _compat.aten_op("_to_copy.default"): _to_copy,
     _compat.aten_op("linalg_vector_norm.default"): _vector_norm,
     _compat.aten_op("_foreach_norm.Scalar"): _foreach_norm,
     _compat.aten_op("_amp_foreach_non_finite_check_and_unscale_.default"): _unscale,
@@ -305,7 +334,7 @@ def install(opt: Any) -> None:
     _wrap_torch()
     for p in opt._params:
         if getattr(type(p), "_shardamp_grad_base", None) is None:
-            if _compat.switch_class(p, _compat.grad_property_class(type(p), _grad_of_managed)):
+            if _compat.switch_class(p, _compat.grad_property_class(type(p), _grad_of_managed, _set_grad_of_managed)):
                 _switched.add(p)
     token = object()
     _live.add(token)

@@ -264,3 +264,22 @@ def test_world1_loop_with_torchs_clip_matches_torch() -> None:
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
     assert engaged
+
+
+def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() -> None:
+    """``model.to(device)`` (a Trainer moves the model at each call) applies ``.to`` to every
+    ``p.grad`` and assigns the result back: to where it is, the view is kept (autograd's field stays
+    empty) and the step trains like torch; a cast of the grads alone raises naming the fix."""
+    model, ref, opt = _setup()
+    ropt = torch.optim.AdamW(two_groups(ref))
+    _backward(model)
+    _backward(ref)
+    model.to("cpu:0")
+    model.to(torch.device("cpu"))
+    assert all(type(p.grad) is ShardedGrad and _compat.raw_grad(p) is None for p in model.parameters())
+    opt.step()
+    ropt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    with pytest.raises(RuntimeError, match="BEFORE building the optimizer"):
+        model.conv1.weight.grad.to(torch.float64)
