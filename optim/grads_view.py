@@ -73,7 +73,7 @@ def owner(p: Tensor) -> Optional[Any]:
 
 def _fix_no_sync(what: str) -> str:
     return (f"{what}: called inside opt.no_sync(): the grads accumulated there are this rank's own, not "
-            "reduced over the ranks yet (a torch loop without sharding would not hold them either). Read them "
+            "reduced over the ranks yet (the unsharded loop's param.grad would hold every rank's). Read them "
             "after the backward that reduces (the last micro-batch's, outside no_sync), or leave no_sync and "
             "call opt.grad_sync() on every rank first (it reduces what has accumulated so far).")
 
