@@ -71,6 +71,7 @@ since) and the params' classes; it can also be called directly.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -332,10 +333,19 @@ def install(opt: Any) -> None:
     ``.grad``-reading subclass of their class (once per param). Undone when the last
     DistributedFusedAdam is garbage-collected."""
     _wrap_torch()
-    for p in opt._params:
+    refused = []
+    for i, p in enumerate(opt._params):
         if getattr(type(p), "_shardamp_grad_base", None) is None:
             if _compat.switch_class(p, _compat.grad_property_class(type(p), _grad_of_managed, _set_grad_of_managed)):
                 _switched.add(p)
+            else:
+                refused.append(f"{i} ({type(p).__qualname__})")
+    if refused:
+        warnings.warn(
+            f"DistributedFusedAdam: the class of params {', '.join(refused[:5])} cannot take the .grad that shows "
+            "the optimizer's grads (another memory layout): their p.grad stays None, so torch's tools reading it "
+            "see nothing there. Use opt.clip_grad_norm / shardamp.optim.clip_grad_norm_, opt.grad_norm, "
+            "opt.full_grad(p) for them.", UserWarning, stacklevel=3)
     token = object()
     _live.add(token)
     weakref.finalize(opt, _released, token)
