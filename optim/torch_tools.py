@@ -52,7 +52,10 @@ exact and cheaper.
   clip is ``opt._add_clip`` (the coefficient is resolved in the step kernel, as
   ``shardamp.optim.clip_grad_norm_`` does). A subset of an optimizer's params cannot be clipped
   by one kernel coefficient: it raises. ``clip_grad_value_`` over managed params raises (clip
-  by norm). Everything else goes to torch's original, unchanged.
+  by norm). Everything else goes to torch's original, unchanged. A caller that bound
+  ``get_total_norm`` before the first optimizer was built runs torch's own on the views: the
+  per-param norms, true, one all-reduce more; one that bound ``clip_grads_with_norm_`` meets the
+  view's ``mul_``, which raises naming the fix.
 
 COLLECTIVES. ``torch.nn.utils.clip_grad_norm_`` is a local function in torch; over managed params
 it is global-norm-correct, so it is a collective: every rank must call it (frameworks do), as
