@@ -283,3 +283,17 @@ def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() ->
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
     with pytest.raises(RuntimeError, match="BEFORE building the optimizer"):
         model.conv1.weight.grad.to(torch.float64)
+
+
+def test_torchs_own_functions_bound_before_the_wrapping_are_true_or_raise() -> None:
+    """A caller that bound torch's functions before any optimizer existed (``from torch.nn.utils
+    import get_total_norm`` at import) runs torch's own: over the views get_total_norm is still
+    the true norm (the per-param norms), clip_grads_with_norm_ raises naming the fix."""
+    model, ref, opt = _setup()
+    _backward(model)
+    _backward(ref)
+    own_norm, own_clip = torch_tools._originals["get_total_norm"], torch_tools._originals["clip_grads_with_norm_"]
+    expected = own_norm([p.grad for p in ref.parameters()])
+    torch.testing.assert_close(own_norm([p.grad for p in model.parameters()]), expected, rtol=1e-5, atol=0)
+    with pytest.raises(RuntimeError, match=r"opt\.full_grad\(p\)"):
+        own_clip(model.parameters(), 0.01, expected)
