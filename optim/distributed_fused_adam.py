@@ -34,6 +34,8 @@ from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, 
 from .layout import Bucket, build_layout, forward_order
 from .sync.param_sync import ParamSync
 from .sync.stale_read_guard import StaleReadGuard
+from . import torch_tools
+from .grads_view import GradsView, LocalGrad
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -246,6 +248,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._round: Optional[StepRound] = None  # this step's protocol (step_round.py)
         self._round_backwards = 0  # GradSync.backwards when it started
         self._last: Optional[StepRound] = None  # the last step's, readable until the next backward
+        self._grads_view = GradsView(self)  # reading the grads as torch would hold them (grads_view.py)
+        torch_tools.install(self)  # param.grad and torch's clip functions see them (torch_tools.py)
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
@@ -340,7 +344,60 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         updates (weight decay, momentum) every param that had a grad, as torch does."""
         agreement.dropping(self)
         self._grad_sync.zero(set_to_none)
+        self._grads_view.dropped()
         self._round = None  # the last step's norms stay readable (grad_norm) until the next backward
+
+    # ------------------------------------------------------------------ reading the grads (grads_view.py)
+    def full_grad(self, p: torch.nn.Parameter) -> Optional[Tensor]:
+        """What ``p.grad`` would hold in the same unsharded torch loop at this point, on every rank
+        (as DeepSpeed's ``safe_get_full_grad``).
+
+        A COLLECTIVE: every rank calls it, for the same param, at the same point (an agreement
+        all-reduce checks that; then a MAX all-reduce, the reduction of any pending grads
+        (``grad_sync``) and an all-gather over the shard dim of at most ``min(p.numel(), shard
+        size)`` elements per rank). SYNCS THE HOST (it reads whether any rank produced a grad).
+
+        Args:
+            p: a param of this optimizer.
+
+        Returns:
+            A new tensor with ``p``'s shape, dtype and strides (its memory order: a channels_last
+            weight's grad is channels_last), holding the reduced grad averaged over the ranks as
+            ``average_grad_sync`` says; still multiplied by the loss scale before ``unscale_``
+            (ShardedGradScaler's or torch.amp.GradScaler's), unscaled after; times the coefficients
+            of the clips recorded so far; after ``step`` (until ``zero_grad``) the grads times the
+            coefficient that step used. ``None`` when no rank produced a grad for ``p`` since
+            ``zero_grad(set_to_none=True)``, as ``p.grad`` in torch.
+
+        Raises:
+            ValueError: ``p`` is not a param of this optimizer.
+            RuntimeError: called inside ``no_sync()``, where the accumulated grads are not reduced
+                (call it after the backward that reduces, or call ``grad_sync()`` on every rank
+                outside ``no_sync`` first); or the ranks did not all call it for the same param.
+        """
+        return self._grads_view.full_grad(p)
+
+    def local_grad(self, p: torch.nn.Parameter) -> Optional[LocalGrad]:
+        """This rank's slice of ``p``'s reduced grad. NOT a collective; no host sync.
+
+        Args:
+            p: a param of this optimizer.
+
+        Returns:
+            ``LocalGrad(tensor, start, end)``: ``tensor`` (1-D, ``p``'s dtype, a new tensor) holds
+            elements ``[start, end)`` of ``full_grad(p)`` in ``p``'s memory order (the order of
+            ``torch.empty_like(p)``'s storage), with the same values (averaged, scaled before
+            ``unscale_``, clipped as recorded so far). ``None`` where this rank's shard holds
+            none of ``p``, or when this optimizer holds no grads (no backward since
+            ``zero_grad(set_to_none=True)``) on this rank.
+
+        Raises:
+            ValueError: ``p`` is not a param of this optimizer.
+            RuntimeError: called inside ``no_sync()``, or while this rank holds grads not reduced
+                yet (``overlap_grad_sync=False`` before ``step``, or after a ``no_sync`` backward):
+                call ``grad_sync()`` on every rank first.
+        """
+        return self._grads_view.local_grad(p)
 
     # ------------------------------------------------------------------ stats, unscale, clip
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
