@@ -92,11 +92,11 @@ class FabricStrategyMixin:
         staging_dir: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
-        """
+        """``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+        ``precision``, ``process_group_backend`` and ``timeout`` are as Fabric's ``DDPStrategy``'s
+        (usually left to ``Fabric(accelerator=, devices=, precision=, plugins=)``).
+
         Args:
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision,
-                process_group_backend, timeout: as Fabric's ``DDPStrategy`` (usually left to
-                ``Fabric(accelerator=, devices=, precision=, plugins=)``).
             start_method: ``"popen"``, ``"spawn"``, ``"fork"`` or ``"forkserver"`` (the
                 registered ``shardamp_spawn``, ``shardamp_fork``, ``shardamp_notebook``).
             sharded_checkpoint: ``fabric.save(path, state)`` writes each DistributedFusedAdam in

@@ -97,11 +97,12 @@ class TrainerStrategyMixin:
         staging_dir: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
-        """
+        """``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+        ``precision_plugin``, ``process_group_backend`` and ``timeout`` are as Lightning's
+        ``DDPStrategy``'s (usually left to the Trainer: ``accelerator=``, ``devices=``,
+        ``precision=``, ``plugins=``).
+
         Args:
-            accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-                process_group_backend, timeout: as Lightning's ``DDPStrategy`` (usually left to
-                the Trainer: ``accelerator=``, ``devices=``, ``precision=``, ``plugins=``).
             start_method: ``"popen"`` (a script per rank, as ``strategy="ddp"``), ``"spawn"``,
                 ``"fork"`` or ``"forkserver"``; the registered names ``shardamp_spawn``,
                 ``shardamp_fork`` and ``shardamp_notebook`` pick them.

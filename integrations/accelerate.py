@@ -110,7 +110,8 @@ class ShardampAccelerator(Accelerator):
     module docstring).
 
     Args:
-        *args, **kwargs: exactly ``Accelerator``'s. A ``DistributedDataParallelKwargs`` among
+        *args: exactly ``Accelerator``'s.
+        **kwargs: exactly ``Accelerator``'s. A ``DistributedDataParallelKwargs`` among
             ``kwargs_handlers`` is kept for models trained by other optimizers (which DDP
             wraps as usual) and refused by ``prepare`` for a ``DistributedFusedAdam``'s model.
     """
@@ -193,7 +194,8 @@ class ShardampAccelerator(Accelerator):
         """``Accelerator.prepare``, with a ``DistributedFusedAdam``'s model left without DDP.
 
         Args:
-            *args, device_placement: as ``Accelerator.prepare``.
+            *args: as ``Accelerator.prepare``.
+            device_placement: as ``Accelerator.prepare``.
 
         Returns:
             The prepared objects, as ``Accelerator.prepare``.
@@ -235,7 +237,9 @@ class ShardampAccelerator(Accelerator):
         the DDP wrapper.
 
         Args:
-            model, device_placement, evaluation_mode: as ``Accelerator.prepare_model``.
+            model: as ``Accelerator.prepare_model``.
+            device_placement: as ``Accelerator.prepare_model``.
+            evaluation_mode: as ``Accelerator.prepare_model``.
 
         Returns:
             The prepared model (not DDP-wrapped when a ``DistributedFusedAdam`` manages its params).
@@ -257,7 +261,8 @@ class ShardampAccelerator(Accelerator):
         is, and a torch ``GradScaler`` becomes a ``ShardedGradScaler`` with the same settings.
 
         Args:
-            optimizer, device_placement: as ``Accelerator.prepare_optimizer``.
+            optimizer: as ``Accelerator.prepare_optimizer``.
+            device_placement: as ``Accelerator.prepare_optimizer``.
 
         Returns:
             The ``AcceleratedOptimizer``.

@@ -31,6 +31,11 @@ def build_tree() -> str:
         source, link = os.path.join(ROOT, part), os.path.join(package, part)
         if os.path.isdir(source) and not os.path.lexists(link):
             os.symlink(source, link)
+    init = os.path.join(package, "__init__.py")
+    if not os.path.lexists(init):
+        # a regular package, not a namespace one: griffe prefers any regular ``shardamp`` found on
+        # sys.path (an installed or editable copy, maybe of other sources) over a namespace package
+        open(init, "w").close()
     return TREE
 
 
