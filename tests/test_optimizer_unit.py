@@ -394,3 +394,22 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
     assert len(pushed) == 5
     for flags in pushed:
         assert flags[0] == 1.0 and flags[1] == 1.0 and math.isnan(flags[2]) and flags[3:] == [1.0, 1.0], flags
+
+
+def test_clean_interpreter_exit_after_training(tmp_path) -> None:
+    """A script that trains and ends without cleaning up exits quietly: no "Exception ignored"
+    from the grad hooks' finaliser while the interpreter tears its modules down."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_and_exit.py"
+    script.write_text(
+        "import torch\n"
+        "from shardamp.optim import DistributedFusedAdam\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "opt = DistributedFusedAdam(m.parameters(), lr=0.1)\n"
+        "m(torch.randn(2, 4)).sum().backward()\n"
+        "opt.step()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -57,6 +57,7 @@ REDUCE_SCATTER = "a gradient reduce-scatter (backward)"
 REPLICAS = "the all-reduce of a grad shard over the replicas"
 ALL_GATHER = "a param all-gather (end of step)"
 NONFINITE_REPORT = "the all-gather of the ranks' non-finite grad flags (after a skipped step)"
+GRAD_READS = "the all-reduce of per-param grad norms (p.grad norms: torch_tools.py, grads_view.py)"
 AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_state_dict, save_sharded, load_sharded)"
 
 
