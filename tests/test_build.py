@@ -232,3 +232,55 @@ def test_the_optimizer_builds_its_kernels_before_its_first_collective(monkeypatc
     monkeypatch.setattr(dfa, "make_comm", lambda *a: order.append("comm") or real_make_comm(*a))
     DistributedFusedAdam(torch.nn.Linear(4, 4).parameters())
     assert order.index("kernels") < order.index("comm")
+
+
+def _fake_prebuilt(monkeypatch, info):
+    from shardamp.optim.kernels import prebuilt
+
+    monkeypatch.setattr(prebuilt, "build_info", lambda: info)
+    monkeypatch.setattr(prebuilt, "_module_path", lambda base: f"/site/shardamp/_kernels/{base}.so")
+    return prebuilt
+
+
+def test_prebuilt_kernels_for_another_torch_or_gpu_name_both_and_the_fixes(monkeypatch):
+    src = _build.source_dir()
+    cpu, cuda = _build.current_variant(False), _build.current_variant(True)
+    info = {"torch": "2.12.0+cu128", "sources": _build.source_hash(src, []),
+            "modules": {cpu.base: {"cuda": False, "cpu_capability": cpu.cpu_capability},
+                        cuda.base: {"cuda": True, "archs": "8.0;8.6"}}}
+    prebuilt = _fake_prebuilt(monkeypatch, info)
+    with pytest.raises(prebuilt.PrebuiltMismatch) as err:
+        prebuilt.load(cpu, src)
+    text = str(err.value)
+    assert text.startswith(f"the prebuilt {cpu.label} kernels in /site/shardamp/_kernels were built for torch "
+                           f"2.12.0+cu128, and this process runs torch {torch.__version__}")
+    assert "SHARDAMP_BUILD_KERNELS=1 pip install --no-build-isolation" in text and "SHARDAMP_PREBUILT=0" in text
+    info["torch"] = torch.__version__
+    h200 = (0, "NVIDIA H200", (9, 0))
+    with pytest.raises(prebuilt.PrebuiltMismatch, match=r"built for archs 8\.0;8\.6, which GPU 0 \(NVIDIA H200, "
+                                                        r"compute capability 9\.0\) cannot run.*8\.0;8\.6;9\.0.*SHARDAMP_PREBUILT=0"):
+        prebuilt.load(cuda, src, h200)
+    assert prebuilt.check(cuda, src, (0, "NVIDIA A10", (8, 6)))[0] == "prebuilt"
+    info["modules"][cuda.base]["archs"] = "8.0+PTX"
+    assert prebuilt.check(cuda, src, h200)[0] == "prebuilt"  # the PTX runs on it
+    info["sources"] = "another-tree"
+    assert prebuilt.check(cpu, src) is None  # built from other sources: the JIT build runs instead
+
+
+def test_a_prebuilt_mismatch_warns_first_and_prebuilt_0_ignores_them(monkeypatch):
+    src = _build.source_dir()
+    cpu = _build.current_variant(False)
+    _fake_prebuilt(monkeypatch, {"torch": "2.12.0", "modules": {cpu.base: {"cuda": False}}})
+    monkeypatch.setattr(_build, "_loaded", {})
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"^shardamp: the cpu kernels could not be loaded: the prebuilt CPU .* "
+                                            r"built for torch 2\.12\.0, and this process runs"):
+        assert kernels.backend(torch.device("cpu")) == "reference"
+    monkeypatch.setattr(_build, "_loaded", {})
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    set_env(monkeypatch, "SHARDAMP_PREBUILT", "0")
+    calls = []
+    monkeypatch.setattr(_build, "_jit", lambda var, src, gpu: calls.append(var.base) or "jit module")
+    assert _build.load_extension(cuda=False) == "jit module" and calls == [cpu.base]
+    assert src.is_dir()
