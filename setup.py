@@ -140,12 +140,6 @@ def _kernel_extensions():
                 folder.mkdir(parents=True, exist_ok=True)
                 (folder / "build_info.json").write_text(json.dumps(info, indent=1) + "\n")
 
-        def get_outputs(self):
-            outputs = super().get_outputs()
-            if self.extensions:
-                outputs.append(str(Path(self.get_ext_fullpath(self.extensions[0].name)).parent / "build_info.json"))
-            return outputs
-
     return exts, {"build_ext": BuildKernels.with_options(use_ninja=True)}
 
 

@@ -164,7 +164,14 @@ def _dotted(item: str) -> str:
 
 
 def gencode_flags(archs: Sequence[Arch]) -> List[str]:
-    """The nvcc ``-gencode`` flags of ``archs``, sorted and de-duplicated as torch returns them."""
+    """The nvcc ``-gencode`` flags of ``archs``, sorted and de-duplicated as torch returns them.
+
+    Args:
+        archs: parsed entries (:func:`parse_arch_list`).
+
+    Returns:
+        e.g. ``["-gencode=arch=compute_90,code=compute_90", "-gencode=arch=compute_90,code=sm_90"]``.
+    """
     return sorted({flag for arch in archs for flag in arch.gencode()})
 
 
@@ -293,8 +300,14 @@ def select(cuda_arch: str = "", environ: Optional[Dict[str, str]] = None,
 
 
 def unsupported_by_nvcc(choice: ArchChoice) -> List[str]:
-    """The archs of ``choice`` the installed nvcc cannot compile (empty when it can, or when
-    nvcc's list is unknown)."""
+    """The archs of ``choice`` the installed nvcc cannot compile.
+
+    Args:
+        choice: what a build would target.
+
+    Returns:
+        Their names (``["10.0"]``); empty when nvcc compiles them all, or its list is unknown.
+    """
     nvcc = nvcc_archs()
     if not nvcc:
         return []
@@ -302,8 +315,12 @@ def unsupported_by_nvcc(choice: ArchChoice) -> List[str]:
 
 
 def device_capabilities() -> List[Tuple[str, Tuple[int, int]]]:
-    """The visible GPUs as ``[(name, (major, minor))]``; empty without CUDA (a CPU build of torch,
-    no driver or no GPU)."""
+    """The visible GPUs.
+
+    Returns:
+        ``[(name, (major, minor))]`` per visible GPU; empty without CUDA (a CPU build of torch,
+        no driver or no GPU).
+    """
     try:
         import torch
 
@@ -319,8 +336,12 @@ _nvcc_cache: Dict[str, object] = {}
 
 
 def nvcc_path() -> Optional[str]:
-    """The nvcc a CUDA build uses: torch's ``CUDA_HOME`` (``CUDA_HOME``/``CUDA_PATH``, the nvcc
-    on ``PATH``, ``/usr/local/cuda``), or None where there is none."""
+    """The nvcc a CUDA build uses.
+
+    Returns:
+        The executable under torch's ``CUDA_HOME`` (from ``CUDA_HOME``/``CUDA_PATH``, the nvcc on
+        ``PATH``, ``/usr/local/cuda``), else the first of those that exists; None where none does.
+    """
     home = None
     try:
         from torch.utils import cpp_extension
@@ -353,7 +374,11 @@ def _run(args: List[str]) -> Optional[str]:
 
 
 def nvcc_version() -> Optional[Tuple[int, int, int]]:
-    """nvcc's release, e.g. ``(13, 0, 88)``, or None without a working nvcc (cached)."""
+    """nvcc's release (cached per process).
+
+    Returns:
+        e.g. ``(13, 0, 88)``; None without a working nvcc.
+    """
     if "version" not in _nvcc_cache:
         path = nvcc_path()
         out = _run([path, "--version"]) if path else None
@@ -368,9 +393,13 @@ def _version_text() -> str:
 
 
 def nvcc_archs() -> Optional[List[Tuple[int, int]]]:
-    """The compute capabilities the installed nvcc compiles (``nvcc --list-gpu-arch``; for an
-    nvcc that cannot list them, every standard arch up to the newest its release knows), or None
-    without nvcc. Cached per process."""
+    """The compute capabilities the installed nvcc compiles (cached per process).
+
+    Returns:
+        Sorted ``(major, minor)`` pairs from ``nvcc --list-gpu-arch``; for an nvcc that cannot
+        list them, every arch of torch's table up to the newest its release knows; None without
+        nvcc.
+    """
     if "archs" not in _nvcc_cache:
         path = nvcc_path()
         archs: Optional[List[Tuple[int, int]]] = None

@@ -97,7 +97,14 @@ def cuda_archs() -> _archs.ArchChoice:
 
 
 def current_variant(cuda: bool) -> Variant:
-    """The module that serves ``cuda`` (else CPU) tensors in this process."""
+    """The module that serves ``cuda`` (else CPU) tensors in this process.
+
+    Args:
+        cuda: the CUDA module, else the CPU one for this CPU's vector ISA.
+
+    Returns:
+        Its :class:`Variant` (name, sources, flags).
+    """
     return variant(cuda, cpu_capability(), source_dir())
 
 
@@ -159,14 +166,27 @@ def _gpu(device: Optional[Any]) -> Optional[Tuple[int, str, Tuple[int, int]]]:
 
 
 def jit_name(var: Variant, gencode: List[str], src: Path) -> str:
-    """The just-in-time module's name: the variant's, then a hash of the sources and flags."""
+    """The just-in-time module's name.
+
+    Args:
+        var: the module.
+        gencode: nvcc's ``-gencode`` flags (CUDA; empty for CPU).
+        src: the kernel sources.
+
+    Returns:
+        ``<variant name>_<12 hex digits over the sources and every flag>``.
+    """
     extra: Dict[str, Any] = {"extra_cuda_cflags": [*var.cuda_cflags, *gencode]} if var.cuda else {}
     return f"{var.base}_{source_hash(src, [list(var.cflags), extra])}"
 
 
 def _jit(var: Variant, src: Path, gpu: Optional[Tuple[int, str, Tuple[int, int]]]) -> Any:
+    import torch
     from torch.utils.cpp_extension import load
 
+    if var.cuda and getattr(torch.version, "hip", None):
+        raise BuildError(f"an unsupported platform: torch {torch.__version__} is a ROCm build, and shardamp's GPU "
+                         "kernels are CUDA only; set SHARDAMP_KERNELS=reference")
     choice = cuda_archs() if var.cuda else None
     gencode = choice.gencode_flags() if choice is not None else []
     if choice is not None and gpu is not None and not choice.runs_on(gpu[2]):
@@ -315,8 +335,12 @@ def diagnose(exc: BaseException, var: Optional[Variant] = None) -> str:
 
 
 def build_root() -> str:
-    """The directory just-in-time builds go under: ``TORCH_EXTENSIONS_DIR`` or torch's default
-    extension root, then ``shardamp-py<ver>-torch<ver>``."""
+    """Where just-in-time builds go (not created here).
+
+    Returns:
+        ``TORCH_EXTENSIONS_DIR`` (else torch's default extension root), then
+        ``shardamp-py<ver>-torch<ver>``.
+    """
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
@@ -325,8 +349,14 @@ def build_root() -> str:
 
 
 def build_directory(name: str) -> str:
-    """Where ``name`` is built: per Python and torch version, under TORCH_EXTENSIONS_DIR or
-    torch's default extension root; created if missing."""
+    """Where module ``name`` is built (created if missing).
+
+    Args:
+        name: the just-in-time module's name (:func:`jit_name`).
+
+    Returns:
+        ``build_root()/name``.
+    """
     path = os.path.join(build_root(), name)
     os.makedirs(path, exist_ok=True)
     return path
@@ -335,7 +365,12 @@ def build_directory(name: str) -> str:
 @contextlib.contextmanager
 def build_lock(build_dir: str, what: str = "") -> Iterator[None]:
     """Hold the build directory's flock; inside it, a torch ``lock`` file is stale: remove it.
-    A process that waits for it more than ``WAIT_REPORT_S`` seconds says so once (stderr)."""
+    A process that waits for it more than ``WAIT_REPORT_S`` seconds says so once (stderr).
+
+    Args:
+        build_dir: the module's build directory (holds ``shardamp-build.lock``).
+        what: how the wait message names the kernels (``"CPU (AVX2)"``).
+    """
     lock_path = os.path.join(build_dir, "shardamp-build.lock")
     with open(lock_path, "a") as f:
         start, reported = time.monotonic(), False
