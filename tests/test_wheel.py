@@ -112,3 +112,20 @@ def test_wheel_with_prebuilt_cpu_kernels_trains_without_a_compiler(tmp_path):
     assert f"installed at {venv}" in report.stdout
     assert ": prebuilt:" in report.stdout and "runs: native" in report.stdout
     assert f"prebuilt kernels          {venv}" in report.stdout
+
+
+def test_build_kernels_without_torch_says_how(tmp_path):
+    """SHARDAMP_BUILD_KERNELS=1 where torch cannot be imported (pip's isolated build
+    environment): setup.py stops at once, naming --no-build-isolation, and never asks for torch."""
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError('no torch in this environment')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "SHARDAMP_BUILD_KERNELS": "1"}
+    run = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--name"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode != 0
+    assert "torch cannot be imported here (no torch in this environment)" in run.stderr
+    assert "SHARDAMP_BUILD_KERNELS=1 pip install --no-build-isolation ." in run.stderr
+    plain = subprocess.run([sys.executable, str(ROOT / "setup.py"), "--name"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120, env={**env, "SHARDAMP_BUILD_KERNELS": "0"})
+    assert plain.returncode == 0 and plain.stdout.strip().splitlines()[-1] == "shardamp", plain.stderr
