@@ -278,6 +278,27 @@ void stats_finish(at::Tensor stats, int64_t end, double norm_type, at::Tensor ou
   cpu::stats_finish(stats, end, sqrt_root, out);
 }
 
+// One bucket's step launch as a named structure (Python: kernels.AdamLaunch builds it once per
+// bucket). The shard's tensors, the persistent step scalars and the flags are set at
+// construction; what changes between steps (the grad shard, released between steps; touched,
+// found_inf, the records row, the chunk map and launch shape) is assigned before each launch. Every launch is validated as adam_step is.
+struct AdamLaunch {
+  at::Tensor grad, master, exp_avg, exp_avg_sq;
+  c10::optional<at::Tensor> model_out;
+  at::Tensor segments, hparams, steps, touched, grad_coef, found_inf;
+  bool adam_w_mode = true;
+  bool bias_correction = true;
+  c10::optional<at::Tensor> chunks, records;
+  int64_t record_offset = 0;
+  int64_t shape = 0;
+};
+
+void adam_launch(const AdamLaunch& l) {
+  adam_step(l.grad, l.master, l.exp_avg, l.exp_avg_sq, l.model_out, l.segments, l.hparams, l.steps, l.touched,
+            l.grad_coef, l.found_inf, l.adam_w_mode, l.bias_correction, l.chunks, l.records, l.record_offset,
+            l.shape);
+}
+
 // The per-step "do the model params still live in the buffers" check (optim/shards/buffers.py): true
 // iff every param has its ref's data pointer, dtype, sizes and strides and no .grad. (Python
 // re-checks in detail, to name the param, whenever this says false.)
@@ -319,6 +340,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
         py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none(),
         py::arg("records") = py::none(), py::arg("record_offset") = 0, py::arg("shape") = 0);
+  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", "One bucket's step launch: adam_step's arguments by name")
+      .def(py::init([](at::Tensor grad, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                       c10::optional<at::Tensor> model_out, at::Tensor segments, at::Tensor hparams, at::Tensor steps,
+                       at::Tensor touched, at::Tensor grad_coef, at::Tensor found_inf, bool adam_w_mode,
+                       bool bias_correction) {
+             return shardamp::AdamLaunch{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps,
+                                         touched, grad_coef, found_inf, adam_w_mode, bias_correction};
+           }),
+           py::kw_only(), py::arg("grad"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+           py::arg("model_out"), py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"),
+           py::arg("grad_coef"), py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"))
+      .def_readwrite("grad", &shardamp::AdamLaunch::grad)
+      .def_readwrite("touched", &shardamp::AdamLaunch::touched)
+      .def_readwrite("found_inf", &shardamp::AdamLaunch::found_inf)
+      .def_readwrite("grad_coef", &shardamp::AdamLaunch::grad_coef)
+      .def_readwrite("hparams", &shardamp::AdamLaunch::hparams)
+      .def_readwrite("chunks", &shardamp::AdamLaunch::chunks)
+      .def_readwrite("records", &shardamp::AdamLaunch::records)
+      .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
+      .def_readwrite("shape", &shardamp::AdamLaunch::shape);
+  m.def("adam_launch", &shardamp::adam_launch, "adam_step over a prepared AdamLaunch", py::arg("launch"));
   m.def("adam_prepare", &shardamp::adam_prepare,
         "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),

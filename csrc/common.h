@@ -37,10 +37,10 @@ namespace shardamp {
 constexpr int64_t kChunk = SHARDAMP_CHUNK;
 
 // The CUDA step's unit of work (one block each). Its blocks read their scalars from per-segment
-// records without a barrier, so a chunk costs little to start. Measured on an H200 (2026-11-29,
-// bench_step.py, CUDA-graph rows, fp32 / bf16 ms): 2048: 2.067 / 2.108; 4096: 1.930 / 1.989;
-// 8192: 2.003 / 1.994; 16384: 2.136 / 2.155 (csrc/NOTES.md). SHARDAMP_CUDA_CHUNK in the
-// environment overrides it at run time (optim/kernels/dispatch.py), for such measurements.
+// records without a barrier, so a chunk costs little to start, and 4096 elements was the fastest
+// size for the fp32 state kinds (larger chunks leave a ragged last wave, smaller ones pay the
+// start more often: csrc/NOTES.md; the timings are in docs/performance.md). SHARDAMP_CUDA_CHUNK
+// in the environment overrides it at run time (optim/kernels/dispatch.py), for such measurements.
 #ifndef SHARDAMP_CUDA_CHUNK
 #define SHARDAMP_CUDA_CHUNK 4096
 #endif

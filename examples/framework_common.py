@@ -13,7 +13,7 @@ fused on CUDA), then prints:
 
 The parity criterion. Training is chaotic at the CUDA default (33M params, lr 1e-3, clipped
 every step, grad norm 18 -> 450 -> 3): an ulp of difference at step 1 grows to far beyond any
-fixed tolerance, for torch against itself too (measured on the CPU with examples/parity_floor.py:
+fixed tolerance, for torch against itself too (measured on the CPU with benchmarks/parity_floor.py:
 its fused AdamW against its foreach one, same norm, 116x the fp32 tolerance after 40 steps; its
 fused or fp64-norm variants against its default, 1.6-2.3x the bf16 tolerance after 6 bf16 steps
 and 98-114x after 40; on an H200, fp32, 40 steps: fused 76x and 265x in two runs, where
@@ -64,8 +64,11 @@ FLOOR_K = 10.0  # a correct run deviates at most this many times more than torch
 NORM_RTOL = {"fp32": 1e-4, "bf16": 1e-4, "fp16": 2e-3}
 
 
-def parse_args(description: str) -> argparse.Namespace:
+def parse_args(description: str, add_args: Optional[Callable[[argparse.ArgumentParser], None]] = None
+               ) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
+    if add_args is not None:  # a script's own flags
+        add_args(p)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default=None,
                    help="autocast dtype (default: fp32 on cpu, bf16 on cuda); fp16 uses a grad scaler")
@@ -413,10 +416,12 @@ def clean(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def start(description: str, torchrun: bool) -> argparse.Namespace:
-    """Parse the flags; accelerate and the Trainer (``torchrun=True``) have no fp16 on the CPU and
-    relaunch themselves under torchrun for several ranks (Lightning launches on its own)."""
-    args = parse_args(description)
+def start(description: str, torchrun: bool,
+          add_args: Optional[Callable[[argparse.ArgumentParser], None]] = None) -> argparse.Namespace:
+    """Parse the flags (``add_args`` adds a script's own); accelerate and the Trainer
+    (``torchrun=True``) have no fp16 on the CPU and relaunch themselves under torchrun for several
+    ranks (Lightning launches on its own)."""
+    args = parse_args(description, add_args)
     if torchrun:
         if args.precision == "fp16" and args.device == "cpu":
             sys.exit("--precision fp16 needs --device cuda: accelerate has no fp16 autocast or grad scaler on "

@@ -1,8 +1,11 @@
-"""PyTorch Lightning + shardamp: ``strategy=ShardampStrategy()`` is the one changed line.
+"""PyTorch Lightning + shardamp: ``strategy="shardamp"`` is the one changed line (importing
+``shardamp.integrations.lightning`` registers the name; ``strategy=ShardampStrategy(...)`` takes
+its options as arguments).
 
     python examples/lightning_train.py                       # 2 CPU ranks (gloo), Lightning's launcher
     python examples/lightning_train.py --device cuda         # the visible GPUs (NCCL), bf16
     python examples/lightning_train.py --device cuda --precision fp16
+    python examples/lightning_train.py --strategy-name shardamp_sharded_checkpoint   # per-rank optimizer shards
 
 Trains a small MLP with gradient_clip_val, accumulate_grad_batches and a ModelCheckpoint, checks
 the result against unsharded torch.optim.AdamW, then times the same run with Lightning's default
@@ -10,6 +13,7 @@ the result against unsharded torch.optim.AdamW, then times the same run with Lig
 """
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any, Dict, List
 
@@ -18,8 +22,12 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import framework_common as common
-from shardamp.integrations.lightning import ShardampStrategy
+import shardamp.integrations.lightning  # noqa: F401  (registers strategy="shardamp" and its variants)
 from shardamp.optim import DistributedFusedAdam
+
+# the registered names this script can run: Lightning's own launcher starts a script per rank
+# (popen); the spawn/fork variants would train in child processes this script cannot read back
+STRATEGY_NAMES = ("shardamp", "shardamp_sharded_checkpoint")
 
 
 class Indexed(Dataset):
@@ -78,7 +86,7 @@ def fit(args, shardamp: bool) -> Dict[str, Any]:
     module, timer = Module(args, shardamp), Timer(args)
     ckpt_dir = os.path.join(args.out, "shardamp" if shardamp else "default")
     trainer = pl.Trainer(
-        strategy=ShardampStrategy() if shardamp else ("ddp" if args.world_size > 1 else "auto"),
+        strategy=args.strategy_name if shardamp else ("ddp" if args.world_size > 1 else "auto"),
         accelerator="gpu" if args.device == "cuda" else "cpu", devices=args.world_size,
         precision=precision, plugins=plugins, gradient_clip_val=clip, accumulate_grad_batches=args.accumulate,
         max_steps=args.steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -90,10 +98,16 @@ def fit(args, shardamp: bool) -> Dict[str, Any]:
             "ckpts": os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []}
 
 
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--strategy-name", choices=STRATEGY_NAMES, default="shardamp",
+                   help="Trainer(strategy=NAME); shardamp_sharded_checkpoint: each rank writes its optimizer shard "
+                        "beside the checkpoint file")
+
+
 def main() -> None:
-    args = common.start(__doc__.splitlines()[0], torchrun=False)
+    args = common.start(__doc__.splitlines()[0], torchrun=False, add_args=add_args)
     ours = fit(args, shardamp=True)
-    ok = common.report_parity(args, "Lightning ShardampStrategy", ours["params"], ours["seen"],
+    ok = common.report_parity(args, f"Lightning strategy={args.strategy_name!r}", ours["params"], ours["seen"],
                               snapshots=ours["snapshots"])
     if common.rank() == 0:
         print(f"checkpoint written by ModelCheckpoint: {sorted(ours['ckpts'])}", flush=True)

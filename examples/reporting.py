@@ -52,7 +52,10 @@ def _collect(obj: Any, exclude: Set[int], seen: Set[int], out: Dict[int, int]) -
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided:
             return
-        storage = obj.untyped_storage()
+        try:
+            storage = obj.untyped_storage()
+        except RuntimeError:  # no storage of its own (a managed param's p.grad view): holds no bytes
+            return
         ptr = storage.data_ptr()
         if ptr and ptr not in exclude:
             out[ptr] = storage.nbytes()

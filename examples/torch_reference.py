@@ -2,7 +2,7 @@
 torch.nn.utils.clip_grad_norm_ (+ torch.amp.GradScaler) on ONE process fed the union of all
 ranks' batches, and the comparison of its parameters with the sharded run's.
 
-shardamp's contract (README, Usage) is that loop B (scale, backward, unscale_, clip, step, update) with
+shardamp's contract (docs/amp-loops.md) is that loop B (scale, backward, unscale_, clip, step, update) with
 DistributedFusedAdam trains exactly like this, within fp32 round-off (rtol 1e-5, atol 1e-6).
 """
 from __future__ import annotations

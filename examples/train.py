@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Train a small character-level GPT with shardamp's ZeRO-2 DistributedFusedAdam.
 
-The loop is the README's loop B, the standard PyTorch AMP recipe, which works unchanged with a
+The loop is loop B of docs/amp-loops.md, the standard PyTorch AMP recipe, which works unchanged with a
 sharded optimizer:
 
     scaler.scale(loss).backward()   # grads are reduce-scattered into shards during backward

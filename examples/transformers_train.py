@@ -9,7 +9,8 @@ Trains with max_grad_norm and gradient_accumulation_steps, saves one checkpoint 
 _save_checkpoint, as save_steps does) and resumes from it, checking the resumed run ends on the
 same params, checks the result and the logged
 grad_norm against unsharded torch.optim.AdamW, and times the same run with ``Trainer`` (DDP +
-optim="adamw_torch_fused" on CUDA). See framework_common.py.
+optim="adamw_torch_fused" on CUDA). See framework_common.py. A Trainer subclass (TRL's SFTTrainer, ...)
+takes ``ShardampTrainerMixin`` instead: see trl_sft.py.
 """
 from __future__ import annotations
 

@@ -15,6 +15,32 @@ With a ``DistributedFusedAdam`` among the prepared optimizers:
 * ``save_state``/``load_state`` work unchanged: every rank takes part in the optimizer's
   collective ``state_dict``, and the model's weights go through safetensors.
 
+Launching (``accelerate launch --config_file ...``): accelerate picks the launcher from the config's
+``distributed_type``, and each process derives its own distributed type from the environment
+(``LOCAL_RANK`` and the device; ``ACCELERATE_USE_FSDP`` / ``ACCELERATE_USE_DEEPSPEED`` / ...):
+
+* ``MULTI_GPU`` (and ``MULTI_NPU``/``MULTI_XPU``/... for other devices) starts the ranks through
+  torchrun; ``prepare`` would wrap the model in DDP, which is skipped here. With
+  ``Accelerator(cpu=True)`` (or ``ACCELERATE_USE_CPU=true`` exported) the same launch runs on CPU
+  ranks as ``MULTI_CPU`` over gloo. ``examples/accelerate_config.yaml`` is such a config;
+* ``MULTI_CPU`` also wraps in DDP (skipped here), but its launcher starts several processes only
+  through ``mpirun`` (``mpirun_hostfile``): without it, ``accelerate launch --cpu`` or
+  ``use_cpu: true`` start ONE process;
+* ``NO`` is one process: the optimizer shards over nothing. A ``MULTI_GPU`` launch where no GPU
+  is visible (and ``cpu`` is not set) also gives ``NO`` in every rank, with a process group of
+  all of them initialised: ``prepare`` refuses a ``DistributedFusedAdam`` spanning several ranks
+  there (every rank would be the main process and see the whole dataset);
+* ``FSDP``, ``DEEPSPEED``, ``MEGATRON_LM`` and ``XLA`` shard or replace the model and optimizer
+  themselves: ``prepare`` refuses a ``DistributedFusedAdam`` there (as it refuses a
+  ``parallelism_config`` that shards the model: ``dp_shard``, ``tp``, ``cp``, ``sp``), naming the
+  setting to change.
+
+A ``DistributedDataParallelKwargs`` passed in ``kwargs_handlers`` configures the DDP wrapper that a
+``DistributedFusedAdam``'s model does not get: ``prepare`` raises rather than ignore it. The
+handler the transformers Trainer always builds itself (from ``TrainingArguments.ddp_*``) is not
+the user's: ``shardamp.integrations.transformers`` adopts the Trainer's ``Accelerator``, which
+never went through ``ShardampAccelerator.__init__``, and declares its handler internal.
+
 With any other optimizer it behaves exactly like ``Accelerator``.
 """
 from __future__ import annotations
@@ -25,7 +51,7 @@ from typing import Any, Iterable, Iterator, List, Optional, Set
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
 from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
 from shardamp.scaler import ShardedGradScaler
@@ -41,6 +67,20 @@ def _unwrap(optimizer: Any) -> Any:
 
 def _params(opt: DistributedFusedAdam) -> List[torch.nn.Parameter]:
     return [p for group in opt.param_groups for p in group["params"]]
+
+
+# distributed types whose own engine shards or replaces the model and its optimizer
+_OWN_ENGINE = {
+    DistributedType.FSDP: "FullyShardedDataParallel (the FSDP plugin, ACCELERATE_USE_FSDP)",
+    DistributedType.DEEPSPEED: "a DeepSpeed engine (the DeepSpeed plugin, ACCELERATE_USE_DEEPSPEED)",
+    DistributedType.MEGATRON_LM: "Megatron-LM (the Megatron-LM plugin, ACCELERATE_USE_MEGATRON_LM)",
+    DistributedType.XLA: "torch_xla's replicated model",
+}
+
+
+def _ddp_settings(handler: DistributedDataParallelKwargs) -> str:
+    settings = handler.to_kwargs()
+    return ", ".join(f"{k}={getattr(v, 'value', v)!r}" for k, v in settings.items()) or "defaults only"
 
 
 class _ShardampAcceleratedOptimizer(AcceleratedOptimizer):
@@ -67,7 +107,20 @@ class _ShardampAcceleratedOptimizer(AcceleratedOptimizer):
 
 class ShardampAccelerator(Accelerator):
     """``accelerate.Accelerator`` that trains a ``DistributedFusedAdam`` correctly (see the
-    module docstring); takes exactly Accelerator's arguments."""
+    module docstring).
+
+    Args:
+        *args: exactly ``Accelerator``'s.
+        **kwargs: exactly ``Accelerator``'s. A ``DistributedDataParallelKwargs`` among
+            ``kwargs_handlers`` is kept for models trained by other optimizers (which DDP
+            wraps as usual) and refused by ``prepare`` for a ``DistributedFusedAdam``'s model.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # the DDP handler passed HERE is the user's; an Accelerator built elsewhere (the Trainer's,
+        # adopted by ShardampTrainerMixin) never runs this and has none recorded
+        self._shardamp_user_ddp_handler: Optional[DistributedDataParallelKwargs] = self.ddp_handler
 
     # ------------------------------------------------------------------ which params are ours
     def _shardamp_optimizers(self) -> List[DistributedFusedAdam]:
@@ -80,15 +133,84 @@ class ShardampAccelerator(Accelerator):
         return [o for o in self._shardamp_optimizers() if any(id(p) in ids for p in _params(o))]
 
     def _plain_setup(self) -> bool:
-        """FSDP, DeepSpeed, Megatron and XLA keep their own paths (and refuse this optimizer)."""
-        return self.distributed_type not in (
-            DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA,
-        )
+        """FSDP, DeepSpeed, Megatron and XLA keep their own paths (``prepare`` refuses this
+        optimizer there)."""
+        return self.distributed_type not in _OWN_ENGINE
+
+    def _check_setup(self, opts: List[DistributedFusedAdam]) -> None:
+        """Raises ``ValueError`` where accelerate would shard or wrap a ``DistributedFusedAdam``'s
+        model itself (a distributed type with its own engine, a ``parallelism_config`` that
+        shards the model, a DDP kwargs handler the user passed), or runs its ranks as one
+        process each."""
+        ranks = max(opt.world_size for opt in opts)
+        if self.distributed_type == DistributedType.NO and ranks > 1:
+            # a MULTI_GPU launch where no GPU is visible and cpu is not set: accelerate's state
+            # initialises the process group, then sees no backend and calls the process alone
+            raise ValueError(
+                f"ShardampAccelerator.prepare: accelerate runs this process as distributed_type=NO (num_processes=1, "
+                f"every rank its main process, every rank the whole dataset), but the DistributedFusedAdam spans "
+                f"{ranks} ranks of torch.distributed. This is what `accelerate launch` with a MULTI_GPU config gives "
+                "where no GPU is visible: for CPU ranks build the accelerator with cpu=True (or export "
+                "ACCELERATE_USE_CPU=true) so that each rank runs as MULTI_CPU; for GPUs make them visible."
+            )
+        engine = _OWN_ENGINE.get(self.distributed_type)
+        if engine is not None:
+            raise ValueError(
+                f"ShardampAccelerator.prepare: distributed_type={self.distributed_type.value} trains through "
+                f"{engine}, which takes over the model's grads and params that DistributedFusedAdam reduce-scatters "
+                "and all-gathers itself. DistributedFusedAdam already shards the optimizer state (ZeRO-2) over "
+                "plain data-parallel ranks: launch with distributed_type: MULTI_GPU (MULTI_CPU on CPUs, NO for one "
+                "process; see examples/accelerate_config.yaml) and no FSDP/DeepSpeed/Megatron plugin (with the "
+                "transformers Trainer: no TrainingArguments fsdp= / deepspeed=), or keep "
+                f"{self.distributed_type.value} with a torch optimizer."
+            )
+        config = getattr(self, "parallelism_config", None)
+        if config is not None:
+            sharded = [f"{dim}_size={getattr(config, dim + '_size')}" for dim in ("dp_shard", "tp", "cp", "sp")
+                       if getattr(config, dim + "_size", 1) > 1]
+            if sharded:
+                raise ValueError(
+                    f"ShardampAccelerator.prepare: parallelism_config has {', '.join(sharded)}: accelerate shards "
+                    "or splits the model across ranks (FSDP2 / tensor / context / sequence parallel), which "
+                    "DistributedFusedAdam does not train. Use data parallelism only (parallelism_config=None, or "
+                    "only dp_replicate_size): DistributedFusedAdam shards the optimizer state over those ranks."
+                )
+        self._check_ddp_handler()
+
+    def _check_ddp_handler(self) -> None:
+        handler = getattr(self, "_shardamp_user_ddp_handler", None)
+        if handler is not None:
+            raise ValueError(
+                "ShardampAccelerator(kwargs_handlers=[DistributedDataParallelKwargs("
+                f"{_ddp_settings(handler)})]): the model a DistributedFusedAdam trains is not wrapped in "
+                "DistributedDataParallel (the optimizer reduce-scatters its grads itself), so these DDP settings "
+                "would be silently ignored. Remove the DistributedDataParallelKwargs handler and configure the grad "
+                "sync on the optimizer: DistributedFusedAdam(bucket_cap_mb=..., overlap_grad_sync=..., "
+                "grad_sync_dtype=...). Params that get no grad need no find_unused_parameters."
+            )
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        """``Accelerator.prepare``, with a ``DistributedFusedAdam``'s model left without DDP.
+
+        Args:
+            *args: as ``Accelerator.prepare``.
+            device_placement: as ``Accelerator.prepare``.
+
+        Returns:
+            The prepared objects, as ``Accelerator.prepare``.
+
+        Raises:
+            ValueError: with a ``DistributedFusedAdam`` among ``args``, before anything is
+                prepared: under FSDP / DeepSpeed / Megatron-LM / XLA, a model-sharding
+                ``parallelism_config``, a ``DistributedDataParallelKwargs`` handler passed to
+                this accelerator, or distributed type ``NO`` while the optimizer spans several
+                ranks; after preparing: its model was not prepared with or before it.
+        """
         # the model comes before its optimizer in prepare's first pass: announce the optimizer
         pending = [_unwrap(a) for a in args if isinstance(_unwrap(a), DistributedFusedAdam)]
+        if pending:
+            self._check_setup(pending)  # before anything is prepared
         self._shardamp_pending = pending
         try:
             result = super().prepare(*args, device_placement=device_placement)
@@ -111,16 +233,47 @@ class ShardampAccelerator(Accelerator):
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
+        """``Accelerator.prepare_model``; a ``DistributedFusedAdam``'s model gets everything but
+        the DDP wrapper.
+
+        Args:
+            model: as ``Accelerator.prepare_model``.
+            device_placement: as ``Accelerator.prepare_model``.
+            evaluation_mode: as ``Accelerator.prepare_model``.
+
+        Returns:
+            The prepared model (not DDP-wrapped when a ``DistributedFusedAdam`` manages its params).
+
+        Raises:
+            ValueError: a ``DistributedDataParallelKwargs`` handler passed to this accelerator,
+                for a ``DistributedFusedAdam``'s model.
+        """
         if not evaluation_mode and self._plain_setup() and self._optimizers_of(model.parameters()):
-            # evaluation_mode=True is prepare_model minus the distributed wrapper (DDP): device
-            # placement, autocast and torch.compile still apply
+            self._check_ddp_handler()
+            # evaluation_mode=True is prepare_model minus the distributed wrapper (DDP, for
+            # MULTI_CPU and every MULTI_<device>): device placement, autocast and torch.compile
+            # still apply
             return super().prepare_model(model, device_placement=device_placement, evaluation_mode=True)
         return super().prepare_model(model, device_placement=device_placement, evaluation_mode=evaluation_mode)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement: Optional[bool] = None) -> Any:
+        """``Accelerator.prepare_optimizer``; a ``DistributedFusedAdam`` keeps its state where it
+        is, and a torch ``GradScaler`` becomes a ``ShardedGradScaler`` with the same settings.
+
+        Args:
+            optimizer: as ``Accelerator.prepare_optimizer``.
+            device_placement: as ``Accelerator.prepare_optimizer``.
+
+        Returns:
+            The ``AcceleratedOptimizer``.
+
+        Raises:
+            ValueError: a ``DistributedFusedAdam`` in a setup ``prepare`` refuses.
+        """
         opt = _unwrap(optimizer)
         if not isinstance(opt, DistributedFusedAdam) or getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        self._check_setup([opt])
         if self.scaler is not None and not isinstance(self.scaler, ShardedGradScaler):
             old = self.scaler
             self.scaler = ShardedGradScaler(  # the same settings, agreeing on found-inf over ranks
@@ -139,6 +292,9 @@ class ShardampAccelerator(Accelerator):
 
     # ------------------------------------------------------------------ clipping, accumulation
     def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> torch.Tensor:
+        """Unscale, then clip through ``shardamp.optim.clip_grad_norm_``: a ``DistributedFusedAdam``'s
+        params are clipped inside its step kernel, and the returned norm is the true global norm.
+        """
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if not (self._plain_setup() and self._optimizers_of(params)):
             return super().clip_grad_norm_(params, max_norm, norm_type)
@@ -146,6 +302,12 @@ class ShardampAccelerator(Accelerator):
         return clip_grad_norm_(params, max_norm, norm_type)
 
     def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """``Accelerator.clip_grad_value_`` for other params.
+
+        Raises:
+            ValueError: the params belong to a ``DistributedFusedAdam`` (their grads are sharded:
+                clip by norm instead).
+        """
         params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         if self._optimizers_of(params):
             raise ValueError(
@@ -156,6 +318,9 @@ class ShardampAccelerator(Accelerator):
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Accumulate locally: the ``no_sync()`` of every ``DistributedFusedAdam`` over ``model``'s
+        params (accelerate's own for other models).
+        """
         opts = self._optimizers_of(model.parameters())
         if not opts:
             with super().no_sync(model):

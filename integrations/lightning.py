@@ -1,218 +1,111 @@
-"""PyTorch Lightning: ``pl.Trainer(strategy=ShardampStrategy(), ...)`` with a
-``DistributedFusedAdam`` returned by ``configure_optimizers``.
+"""Lightning (the ``lightning`` package): the Trainer's and Fabric's ``strategy="shardamp"`` for a
+``DistributedFusedAdam``.
+
+Importing this module registers the strategies in ``lightning.pytorch``'s ``StrategyRegistry``
+and ``lightning.fabric``'s ``STRATEGY_REGISTRY``::
+
+    import lightning as L
+    import shardamp.integrations.lightning  # noqa: F401  (registers "shardamp")
+
+    trainer = L.Trainer(strategy="shardamp", devices=8, precision="bf16-mixed", gradient_clip_val=1.0)
+    trainer = L.Trainer(strategy=ShardampStrategy(sharded_checkpoint=True), ...)  # options: the class
+    fabric = L.Fabric(strategy="shardamp", devices=8)
+
+Registered names, for the Trainer and Fabric alike (as ``"ddp"``, ``"ddp_spawn"``, ...):
+``shardamp`` (``start_method="popen"``), ``shardamp_spawn``, ``shardamp_fork``,
+``shardamp_notebook`` and ``shardamp_sharded_checkpoint``. In a LightningCLI config,
+``trainer: {strategy: shardamp}`` once the script imports this module, or
+``strategy: {class_path: shardamp.integrations.lightning.ShardampStrategy, init_args: {...}}``.
 
 ``ShardampStrategy`` is Lightning's ``DDPStrategy`` (same launchers, process-group setup and
-distributed sampler) with five things changed:
+distributed sampler) with these changes:
 
 * the model is never wrapped in DDP: the optimizer reduce-scatters the grads itself;
 * ``gradient_clip_val`` (norm) clips through ``shardamp.optim.clip_grad_norm_``, i.e. inside the
   optimizer's step kernel with the true global norm, in every precision (Lightning's own AMP
   plugin refuses to clip optimizers that unscale inside ``step``);
-* ``precision="16-mixed"`` uses ``ShardedGradScaler`` (every rank skips the same steps);
+* ``precision="16-mixed"`` uses ``ShardedGradScaler`` (every rank skips the same steps), which
+  unscales before ``on_before_optimizer_step`` as Lightning does for torch optimizers;
 * ``accumulate_grad_batches`` runs all but the last micro-batch under ``opt.no_sync()``;
 * checkpoints: every rank takes part in the optimizer's (collective) ``state_dict``; rank 0
-  writes it. ``sharded_checkpoint=True`` writes each rank's shard through
-  ``torch.distributed.checkpoint`` next to the checkpoint file instead.
+  writes it. ``sharded_checkpoint=True`` has each rank write its shard through
+  ``torch.distributed.checkpoint`` beside the checkpoint file instead (referenced by a name
+  relative to it; paths may be fsspec URLs: see ``shardamp.integrations._sharded_checkpoint``).
+
+``ShardampFabricStrategy`` is the same for Fabric: no DDP wrapper; ``fabric.clip_gradients(model,
+optimizer, max_norm=...)`` through ``clip_grad_norm_``; ``16-mixed`` with a ShardedGradScaler;
+``fabric.no_backward_sync(model)`` through ``opt.no_sync()``; ``fabric.save``/``fabric.load`` with
+the collective ``state_dict`` on every rank (or ``sharded_checkpoint=True``). Build the
+DistributedFusedAdam after the model is on its device (``fabric.init_module()``, or
+``fabric.setup_module(model)`` first), inside the launched processes.
+
+Every optimizer must be a ``DistributedFusedAdam``: nothing else would reduce the grads.
+
+The standalone packages have their own modules: ``shardamp.integrations.pytorch_lightning``
+(``pytorch_lightning.Trainer``) and ``shardamp.integrations.lightning_fabric``
+(``lightning_fabric.Fabric``); the logic is shared (``_lightning_trainer.py``,
+``_lightning_fabric.py``).
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-from typing import Any, Dict, Iterator, List, Mapping, Optional
+try:
+    from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+    from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "shardamp.integrations.lightning needs the `lightning` package (pip install 'lightning>=2.6.6,<2.7'). "
+        "With the standalone packages use shardamp.integrations.pytorch_lightning (pytorch_lightning.Trainer) "
+        "or shardamp.integrations.lightning_fabric (lightning_fabric.Fabric)."
+    ) from exc
 
-import torch
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from ._lightning_fabric import FabricStrategyMixin
+from ._lightning_trainer import ClipThroughOptimizer, TrainerStrategyMixin
 
-from shardamp.optim import DistributedFusedAdam, clip_grad_norm_, load_sharded, save_sharded
-from shardamp.scaler import ShardedGradScaler
-
-__all__ = ["ShardampStrategy"]
-
-_DCP_KEY = "shardamp_dcp_dir"
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer -> the optimizer
-
-
-class _ClipThroughOptimizer:
-    """Precision-plugin mixin: norm clipping that reaches a DistributedFusedAdam's shards."""
-
-    _shardamp = True
-
-    def clip_gradients(
-        self,
-        optimizer: torch.optim.Optimizer,
-        clip_val: float = 0.0,
-        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
-    ) -> None:
-        if clip_val <= 0:
-            return
-        if gradient_clip_algorithm == GradClipAlgorithmType.NORM:
-            # torch's clip_grad_norm_ would see param.grad None and clip nothing; shardamp's clips a
-            # DistributedFusedAdam's params in its step (with the true scale) and others as torch
-            clip_grad_norm_(self.main_params(optimizer), clip_val)
-        elif isinstance(_unwrap(optimizer), DistributedFusedAdam):
-            raise ValueError(
-                "gradient_clip_algorithm='value' with DistributedFusedAdam: its grads live in "
-                "reduce-scattered shards (param.grad is None), so they cannot be clipped by value. "
-                "Use gradient_clip_algorithm='norm'."
-            )
-        else:
-            self.clip_grad_by_value(optimizer, clip_val)
+__all__ = ["ShardampStrategy", "ShardampFabricStrategy"]
 
 
-class _Precision(_ClipThroughOptimizer, Precision):
-    pass
+class ShardampPrecision(ClipThroughOptimizer, Precision):
+    """``precision="32-true"`` under ShardampStrategy."""
 
 
-class _HalfPrecision(_ClipThroughOptimizer, HalfPrecision):
-    pass
+class ShardampHalfPrecision(ClipThroughOptimizer, HalfPrecision):
+    """``precision="bf16-true"`` / ``"16-true"`` under ShardampStrategy."""
 
 
-class _MixedPrecision(_ClipThroughOptimizer, MixedPrecision):
-    pass
+class ShardampMixedPrecision(ClipThroughOptimizer, MixedPrecision):
+    """``precision="bf16-mixed"`` / ``"16-mixed"`` (with a ShardedGradScaler) under ShardampStrategy."""
 
 
-def _sharded_scaler(scaler: Optional[torch.amp.GradScaler], device: str) -> Optional[ShardedGradScaler]:
-    if scaler is None or isinstance(scaler, ShardedGradScaler):
-        return scaler
-    return ShardedGradScaler(  # same settings as the scaler Lightning (or the user) made
-        device, init_scale=scaler.get_scale(), growth_factor=scaler.get_growth_factor(),
-        backoff_factor=scaler.get_backoff_factor(), growth_interval=scaler.get_growth_interval(),
-        enabled=scaler.is_enabled(),
-    )
+class ShardampStrategy(TrainerStrategyMixin, DDPStrategy):
+    """``lightning.pytorch.Trainer(strategy=ShardampStrategy(...))``, or ``strategy="shardamp"``:
+    DDP's launch and process group without DDP, for ``DistributedFusedAdam`` (module docstring;
+    arguments: ``__init__``)."""
+
+    _precision_table = {
+        Precision: ("plain", ShardampPrecision),
+        HalfPrecision: ("half", ShardampHalfPrecision),
+        MixedPrecision: ("mixed", ShardampMixedPrecision),
+    }
+    _plain_precision = ShardampPrecision
 
 
-def _route_precision(plugin: Precision) -> Precision:
-    if getattr(plugin, "_shardamp", False):
-        return plugin
-    if type(plugin) is MixedPrecision:
-        return _MixedPrecision(plugin.precision, plugin.device, _sharded_scaler(plugin.scaler, plugin.device))
-    if type(plugin) is HalfPrecision:
-        return _HalfPrecision(plugin.precision)
-    if type(plugin) is Precision:
-        return _Precision()
-    raise ValueError(
-        f"ShardampStrategy: precision plugin {type(plugin).__name__} is not supported; use "
-        "precision='32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'."
-    )
+class ShardampFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
+    """``lightning.fabric.Fabric(strategy=ShardampFabricStrategy(...))``, or ``strategy="shardamp"``:
+    Fabric's DDP launch and process group without DDP, for ``DistributedFusedAdam`` (module
+    docstring; arguments: ``__init__``)."""
+
+    _precision_table = {
+        FabricPrecision: ("plain", FabricPrecision),
+        FabricHalfPrecision: ("half", FabricHalfPrecision),
+        FabricMixedPrecision: ("mixed", FabricMixedPrecision),
+    }
+    _plain_precision = FabricPrecision
 
 
-class ShardampStrategy(DDPStrategy):
-    """Lightning's DDP launch and process group, without DDP: for ``DistributedFusedAdam``.
-
-    Takes DDPStrategy's launch arguments (``accelerator``, ``parallel_devices``,
-    ``cluster_environment``, ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``,
-    ``timeout``, ``start_method``) plus ``sharded_checkpoint`` (write the optimizer state per rank
-    through DCP into ``<checkpoint>.optim<i>/`` instead of into the checkpoint file; the
-    checkpoint stores that directory's absolute path). Every optimizer must be a
-    DistributedFusedAdam: nothing else would reduce the grads.
-    """
-
-    strategy_name = "shardamp"
-
-    def __init__(
-        self,
-        accelerator: Optional[Any] = None,
-        parallel_devices: Optional[List[torch.device]] = None,
-        cluster_environment: Optional[Any] = None,
-        checkpoint_io: Optional[Any] = None,
-        precision_plugin: Optional[Precision] = None,
-        process_group_backend: Optional[str] = None,
-        start_method: str = "popen",
-        sharded_checkpoint: bool = False,
-        **kwargs: Any,
-    ) -> None:
-        unknown = set(kwargs) - {"timeout"}
-        if unknown:
-            raise ValueError(
-                f"ShardampStrategy: unexpected arguments {sorted(unknown)} (DDP options do not apply: "
-                "the model is not wrapped in DDP)"
-            )
-        super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, start_method=start_method, **kwargs,
-        )
-        self.sharded_checkpoint = bool(sharded_checkpoint)
-
-    # ------------------------------------------------------------------ no DDP
-    def configure_ddp(self) -> None:
-        """Keep the LightningModule unwrapped (DDPStrategy.setup would wrap it here). As DDP's
-        constructor does, start every rank from rank 0's buffers (the optimizer broadcasts the
-        params itself); unlike DDP's default, buffers are not re-broadcast at every forward."""
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            for buf in self.model.buffers():
-                torch.distributed.broadcast(buf, src=0)
-
-    @property
-    def precision_plugin(self) -> Precision:
-        plugin = self._precision_plugin
-        if plugin is not None and not getattr(plugin, "_shardamp", False):
-            plugin = self._precision_plugin = _route_precision(plugin)
-        return plugin if plugin is not None else _Precision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        self._precision_plugin = plugin
-
-    def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
-        for opt in self.optimizers:
-            if not isinstance(_unwrap(opt), DistributedFusedAdam):
-                raise ValueError(
-                    f"ShardampStrategy: configure_optimizers returned {type(_unwrap(opt)).__name__}; "
-                    "ShardampStrategy does not wrap the model in DDP, so only "
-                    "shardamp.optim.DistributedFusedAdam reduces the grads. Return a "
-                    "DistributedFusedAdam, or use strategy='ddp' for other optimizers."
-                )
-
-    def _shardamp_optimizers(self) -> List[DistributedFusedAdam]:
-        return [_unwrap(opt) for opt in self.optimizers if isinstance(_unwrap(opt), DistributedFusedAdam)]
-
-    @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
-        """Accumulating micro-batches: grads stay local until the last one's backward."""
-        with contextlib.ExitStack() as stack:
-            for opt in self._shardamp_optimizers():
-                stack.enter_context(opt.no_sync())
-            yield None
-
-    # ------------------------------------------------------------------ checkpoints
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
-        """Called on every rank by Trainer.save_checkpoint: the collective state dict, whole on
-        rank 0 (which writes the file) and None elsewhere."""
-        opt = _unwrap(optimizer)
-        if not isinstance(opt, DistributedFusedAdam):
-            return super().optimizer_state(optimizer)
-        if self.sharded_checkpoint:
-            return {_DCP_KEY: None}  # filled in by save_checkpoint, which knows the path
-        return opt.state_dict(rank0_only=True)
-
-    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        if self.sharded_checkpoint and "optimizer_states" in checkpoint:
-            states = checkpoint["optimizer_states"]
-            for i, (opt, state) in enumerate(zip(self.optimizers, states)):
-                if isinstance(state, dict) and _DCP_KEY in state:
-                    path = os.path.abspath(f"{os.fspath(filepath)}.optim{i}")
-                    save_sharded(_unwrap(opt), path)  # every rank writes its own shard
-                    states[i] = {_DCP_KEY: path}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        for opt, state in zip(self.optimizers, states):
-            if isinstance(state, dict) and _DCP_KEY in state:
-                load_sharded(_unwrap(opt), state[_DCP_KEY])
-            else:
-                _unwrap(opt).load_state_dict(state)
-
-    def remove_checkpoint(self, filepath: Any) -> None:
-        super().remove_checkpoint(filepath)
-        if self.sharded_checkpoint and self.is_global_zero:
-            for i in range(len(self.optimizers)):
-                shutil.rmtree(f"{os.fspath(filepath)}.optim{i}", ignore_errors=True)
+ShardampStrategy.register_strategies(StrategyRegistry)
+ShardampFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -3,7 +3,10 @@
 torch 2.13 renames ``reduce_scatter_tensor`` / ``all_gather_into_tensor`` to ``*_single`` (the
 old names warn); torch 2.11 has only the old names. GradScaler's per-optimizer bookkeeping
 (``_per_optimizer_states``, ``OptState``) and autograd's end-of-backward callback queue are
-private. tests/test_compat.py checks each of these on the torch version it runs on.
+private. Grads visible to torch's tools (torch_tools.py) rest on autograd's C-level grad field
+under a Python-level ``grad`` property, a wrapper tensor subclass's ``__torch_dispatch__``, and
+the module globals torch's ``clip_grad_norm_`` calls. tests/test_compat.py checks each of these
+on the torch version it runs on.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ __all__ = [
     "default_store",
     "flat_mesh_group",
     "queue_backward_callback",
+    "graph_task_id",
+    "grad_accumulator",
+    "reached_in_backward",
     "OptState",
     "scaler_optimizer_state",
     "amp_update_scale_",
@@ -36,6 +42,15 @@ __all__ = [
     "storage_alias",
     "foreach_copy_",
     "foreach_add_",
+    "raw_grad",
+    "set_raw_grad",
+    "grad_property_class",
+    "switch_class",
+    "make_wrapper_subclass",
+    "disabled_torch_function",
+    "foreach_norm",
+    "torch_clip_functions",
+    "aten_op",
 ]
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -60,6 +75,28 @@ def queue_backward_callback(callback: Callable[[], None]) -> None:
 def in_backward() -> bool:
     """Whether this thread is running an autograd backward (a hook or callback of it)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def graph_task_id() -> int:
+    """The id of the autograd graph task this thread is running (one per ``backward()`` call; a
+    reentrant backward nested in another has its own), -1 outside any backward."""
+    return torch._C._current_graph_task_id()
+
+
+def grad_accumulator(param: Tensor) -> Any:
+    """The ``AccumulateGrad`` node of leaf ``param`` (requiring grad): the one its autograd graphs
+    lead to while one is alive (held here, it stays that one), else a new one."""
+    return torch.autograd.graph.get_gradient_edge(param).node
+
+
+def reached_in_backward(node: Any) -> bool:
+    """Inside a backward: whether the current graph task will run ``node`` (it is reachable from
+    the roots, and with ``backward(inputs=)`` needed). True where autograd cannot tell (the
+    caller then assumes the worst)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
 
 
 def cuda_event_handle(event: Any) -> int:
@@ -223,3 +260,97 @@ def storage_alias(buffer: torch.Tensor, offset: int, numel: int, shape, stride) 
     esize = buffer.element_size()
     sub = buffer.untyped_storage()[offset * esize:(offset + numel) * esize]
     return torch.empty(0, dtype=buffer.dtype, device=buffer.device).set_(sub, 0, tuple(shape), tuple(stride))
+
+
+# ---------------------------------------------------------------- grads visible to torch's tools
+# (torch_tools.py: why a param's Python-level ``.grad`` is overridden and its grad is a tensor subclass)
+_TENSOR_GRAD = torch._C.TensorBase.grad  # the C-level getset over autograd's own grad field
+
+
+# ``raw_grad(t)``: ``t.grad`` as autograd holds it (the C field), past any Python-level ``grad``
+# property; ``set_raw_grad(t, value)``: ``t.grad = value`` on that field (torch's checks of shape,
+# dtype and device apply). The descriptor's own methods: read per param by torch's clip, no frame.
+raw_grad: Callable[[Tensor], Optional[Tensor]] = _TENSOR_GRAD.__get__
+set_raw_grad: Callable[[Tensor, Optional[Tensor]], None] = _TENSOR_GRAD.__set__
+
+
+_grad_classes: dict = {}
+
+
+def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
+                        fset: Optional[Callable[[Tensor, Optional[Tensor]], None]] = None) -> type:
+    """A subclass of the Parameter class ``base`` whose Python-level ``.grad`` reads ``fget(p)``
+    and writes ``fset(p, value)`` (default: autograd's field; deletes always go there). Autograd
+    (C++) keeps reading and accumulating into the C field, so backward and
+    ``register_post_accumulate_grad_hook`` are unchanged. Cached per ``(base, fget, fset)``; the
+    subclass keeps ``base``'s name, and adds no slots (so an instance of ``base`` can be switched
+    to it and back by assigning ``__class__``)."""
+    key = (base, fget, fset)
+    cls = _grad_classes.get(key)
+    if cls is None:
+        def _get(self: Tensor) -> Optional[Tensor]:
+            return fget(self)
+
+        def _set(self: Tensor, value: Optional[Tensor]) -> None:
+            if fset is None:
+                _TENSOR_GRAD.__set__(self, value)
+            else:
+                fset(self, value)
+
+        def _del(self: Tensor) -> None:
+            _TENSOR_GRAD.__delete__(self)
+
+        cls = type(base.__name__, (base,), {
+            "grad": property(_get, _set, _del, _TENSOR_GRAD.__doc__),
+            "__module__": __name__,
+            "__qualname__": base.__qualname__,
+            "_shardamp_grad_base": base,
+        })
+        _grad_classes[key] = cls
+    return cls
+
+
+def switch_class(t: Tensor, cls: type) -> bool:
+    """Assign ``t.__class__ = cls``; False (``t`` unchanged) where Python refuses (another layout)."""
+    try:
+        t.__class__ = cls
+    except TypeError:
+        return False
+    return True
+
+
+def make_wrapper_subclass(cls: type, like: Tensor) -> Tensor:
+    """An instance of the tensor subclass ``cls`` with ``like``'s shape, strides, dtype and device
+    and no storage of its own: every op on it goes to ``cls.__torch_dispatch__``."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, like.shape, strides=like.stride(), dtype=like.dtype, device=like.device, requires_grad=False)
+
+
+disabled_torch_function = torch._C._disabled_torch_function_impl
+
+
+def foreach_norm(tensors: List[Tensor], ord: float, dtype: Optional[torch.dtype] = None) -> List[Tensor]:
+    """``[torch.linalg.vector_norm(t, ord, dtype=dtype) for t in tensors]`` in as few launches as
+    the multi-tensor kernels allow."""
+    return list(torch._foreach_norm(tensors, ord, dtype=dtype))
+
+
+# torch's clipping functions as shardamp wraps them (torch_tools.py): (module, attribute) pairs per
+# function. ``clip_grad_norm_`` itself is not wrapped: it looks ``_get_total_norm`` and
+# ``_clip_grads_with_norm_`` up in its module's globals at each call, so it goes through the
+# wrapped ones, also where a caller bound it (``from torch.nn.utils import clip_grad_norm_``) first.
+def torch_clip_functions() -> dict:
+    import torch.nn.utils as utils
+    from torch.nn.utils import clip_grad
+
+    return {
+        "get_total_norm": [(clip_grad, "_get_total_norm"), (utils, "get_total_norm")],
+        "clip_grads_with_norm_": [(clip_grad, "_clip_grads_with_norm_"), (utils, "clip_grads_with_norm_")],
+        "clip_grad_value_": [(clip_grad, "clip_grad_value_"), (utils, "clip_grad_value_")],
+    }
+
+
+def aten_op(name: str) -> Any:
+    """The ATen op overload ``name`` ("packet.overload") as ``__torch_dispatch__`` receives it."""
+    packet, overload = name.split(".")
+    return getattr(getattr(torch.ops.aten, packet), overload)

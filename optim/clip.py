@@ -10,15 +10,8 @@ from torch import Tensor
 
 from . import norms as norm_math
 from .distributed_fused_adam import DistributedFusedAdam
+from .grads_view import owner as _owner
 from .hparams import check_max_norm
-
-
-def _owner(p: Tensor):
-    ref = getattr(p, "_shardamp_optimizer", None)
-    opt = ref() if ref is not None else None
-    if opt is not None and getattr(p, "_shardamp_owner", None) is opt._grad_sync.owner_token:
-        return opt
-    return None
 
 
 def clip_grad_norm_(

@@ -34,6 +34,8 @@ from .hparams import (NO_COPY, HparamTable, check_group_options, check_hparams, 
 from .layout import Bucket, build_layout, forward_order
 from .sync.param_sync import ParamSync
 from .sync.stale_read_guard import StaleReadGuard
+from . import torch_tools
+from .grads_view import GradsView, LocalGrad
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -42,36 +44,68 @@ class DistributedFusedAdam(torch.optim.Optimizer):
     """ZeRO-2 sharded Adam/AdamW with fused, scaler-aware unscale, clip and step.
 
     Every rank keeps the fp32 master params, ``exp_avg`` and ``exp_avg_sq`` of one contiguous
-    shard of every bucket. Grads are reduce-scattered during backward (post-accumulate-grad
-    hooks, fixed bucket order), ``param.grad`` is left ``None``, and ``step`` updates the local
-    shard with one fused kernel per bucket, then all-gathers the params in place. Training
+    shard of every bucket. Grads are reduce-scattered during backward (hooks on the grad
+    accumulators, fixed bucket order), ``param.grad`` stays ``None``, and ``step`` updates the
+    local shard with one fused kernel per bucket, then all-gathers the params in place. Training
     matches unsharded ``torch.optim.AdamW`` (``adam_w_mode=True``) or ``Adam`` (``False``) fed the
     union of all ranks' batches.
 
-    Args mirror torch.optim.AdamW, plus: ``max_grad_norm`` (clip every step, in-kernel),
-    ``process_group`` (the group the state is sharded over; default WORLD, or no communication
-    at all when torch.distributed is not initialised), ``device_mesh`` (instead of
-    ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over its ranks as a group does;
-    a 2-D ``(replicate, shard)`` mesh shards over its last dim and keeps one copy of the state
-    per replica: grads are reduce-scattered over the shard dim and the shard all-reduced over
-    the replicate dim, params all-gathered over the shard dim, norm and found-inf agreed over
-    all ranks; see comm.py), ``average_grad_sync`` (average or sum grads over ALL ranks),
-    ``dtype`` (master/state dtype), ``grad_sync_dtype`` / ``param_sync_dtype`` (collective
-    dtypes, default the param dtype), ``bucket_cap_mb``, ``overlap_grad_sync``
-    (reduce-scatter during backward rather than at ``grad_sync()``), ``overlap_param_sync``
-    (leave the all-gather in flight after ``step``; each module waits for its own params in a
-    forward pre-hook; call ``param_sync()`` before reading params elsewhere), ``capturable``
-    (lr may be a device tensor, no host syncs: the iteration can be captured in a CUDA graph),
-    ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` (``torch.float32`` or ``torch.bfloat16``; default
-    ``dtype``): the moments' storage dtype, read as fp32 by the step and written back rounded to
-    nearest even, and ``store_param_remainders`` (bf16 params, fp32 master, bf16 param
-    all-gather): keep only the low 16 bits of each fp32 master, whose high 16 bits are the bf16
-    param itself; updates are bitwise those of a separate fp32 master, the bf16 params are the
-    master rounded to nearest with ties away from zero (reference.split_remainders).
+    Build it after the model is on its final device and dtype: the params become views into the
+    optimizer's flat buffers, and replacing their storage afterwards is detected at the next
+    ``step``. Construction is a collective when there are peers (every rank of the group builds
+    the same optimizer; one all-gather compares them, and the params are broadcast from rank 0).
 
-    The model must be on its final device and dtype before the optimizer is built: its params
-    become views into the optimizer's flat buffers, and replacing their storage afterwards is
-    detected at the next ``step``.
+    Args:
+        params: the params to train, or dicts defining param groups (``lr``, ``betas``, ``eps``,
+            ``weight_decay`` per group), as for ``torch.optim.AdamW``. Every param that will
+            ever train must be here and require grad; all on one device.
+        lr: learning rate; a float, or a one-element tensor (on the params' device for
+            ``capturable``: an LR scheduler writing that tensor reaches CUDA-graph replays).
+        betas: coefficients of the running averages of the grad and its square.
+        eps: added to the denominator.
+        weight_decay: decoupled weight decay with ``adam_w_mode=True`` (default 0.0; torch's
+            AdamW defaults to 0.01), an L2 term added to the grad with ``False``.
+        adam_w_mode: ``True``: AdamW; ``False``: Adam with L2 regularisation.
+        bias_correction: apply Adam's bias corrections (torch always does).
+        max_grad_norm: clip the global grad norm to this value at every step, inside the step
+            kernel, with the true (unscaled) norm; ``None``: no clipping here (``clip_grad_norm``
+            and ``shardamp.optim.clip_grad_norm_`` still clip).
+        process_group: the group the state is sharded over; default the WORLD group, or no
+            communication at all when ``torch.distributed`` is not initialised.
+        device_mesh: instead of ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over
+            its ranks as a group does; a 2-D ``(replicate, shard)`` mesh shards over its last
+            dim and keeps one copy of the state per replica (grads reduce-scattered over the
+            shard dim and the shard all-reduced over the replicate dim, params all-gathered over
+            the shard dim, norm and found-inf agreed over all ranks).
+        average_grad_sync: average the grads over ALL ranks (``True``) or sum them.
+        dtype: the master params' and moments' dtype (``torch.float32``).
+        grad_sync_dtype: the dtype grads are reduce-scattered in; default the param dtype.
+        param_sync_dtype: the dtype params are all-gathered in; default the param dtype.
+        bucket_cap_mb: the size of a flat bucket, in MB; below ~100 MB, backward becomes
+            host-bound on GPUs.
+        overlap_grad_sync: reduce-scatter each bucket during backward as soon as it is complete
+            (``False``: at ``grad_sync()`` / ``step``).
+        overlap_param_sync: leave the all-gathers in flight after ``step``; each module waits
+            for its own params in a forward pre-hook. Call ``param_sync()`` before reading params
+            elsewhere, or ``attach(model)`` to guard every read in the model's forward.
+        capturable: no host syncs and static buffers, so that the whole iteration can be
+            captured in a CUDA graph (``lr`` then a device tensor).
+        exp_avg_dtype: storage dtype of ``exp_avg``, ``torch.float32`` or ``torch.bfloat16``
+            (default ``dtype``); read as fp32 by the step, written back rounded to nearest even.
+        exp_avg_sq_dtype: the same for ``exp_avg_sq``.
+        store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
+            keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
+            itself. Updates are bitwise those of a separate fp32 master; the bf16 params are the
+            master rounded to nearest with ties away from zero.
+
+    Raises:
+        ValueError: an invalid hyperparameter or option (naming it and the fix), params on
+            several devices or on the meta device, a param given twice, or storage options that
+            do not fit the params' dtypes.
+        RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer
+            reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, or the ranks
+            built different optimizers (raised on every rank, naming the field and each rank's
+            value).
 
     Extension points for subclasses (e.g. NeMo-style wrappers):
 
@@ -173,7 +207,6 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank)
         # before anything is allocated or communicated: every rank built the same optimizer
-        agreement.register(self)
         agreement.agree_on_construction(self)
         self._buffers: List[BucketBuffers] = []
         for bucket in self._buckets:
@@ -189,6 +222,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._records = kernels.prepare(
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
+        self._launches: Optional[List[kernels.AdamLaunch]] = None  # each bucket's step, built at the first step
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._view_check = kernels.view_check(self._view_refs)
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
@@ -215,10 +249,29 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._round: Optional[StepRound] = None  # this step's protocol (step_round.py)
         self._round_backwards = 0  # GradSync.backwards when it started
         self._last: Optional[StepRound] = None  # the last step's, readable until the next backward
+        self._grads_view = GradsView(self)  # reading the grads as torch would hold them (grads_view.py)
+        torch_tools.install(self)  # param.grad and torch's clip functions see them (torch_tools.py)
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Register a param group; only possible while the optimizer is being built.
+
+        ``torch.optim.Optimizer.__init__`` calls this once per group of ``params``; each group's
+        hyperparameters and options are validated here. The flat-buffer layout is fixed at
+        construction, so a group cannot be added later: pass every group to the constructor.
+        Local (no collective, no host sync).
+
+        Args:
+            param_group: a dict with ``params`` (``torch.nn.Parameter`` leaves) and optionally
+                ``lr``, ``betas``, ``eps``, ``weight_decay`` (the constructor's defaults fill in
+                the rest).
+
+        Raises:
+            RuntimeError: called after construction.
+            ValueError: an invalid hyperparameter or group option, a plain tensor instead of a
+                ``Parameter``, or a param given twice.
+        """
         if getattr(self, "_initialized", False):
             raise RuntimeError(
                 "DistributedFusedAdam.add_param_group: the flat-buffer layout is fixed at "
@@ -292,8 +345,60 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         updates (weight decay, momentum) every param that had a grad, as torch does."""
         agreement.dropping(self)
         self._grad_sync.zero(set_to_none)
+        self._grads_view.dropped()
         self._round = None  # the last step's norms stay readable (grad_norm) until the next backward
-        agreement.settle(self)
+
+    # ------------------------------------------------------------------ reading the grads (grads_view.py)
+    def full_grad(self, p: torch.nn.Parameter) -> Optional[Tensor]:
+        """What ``p.grad`` would hold in the same unsharded torch loop at this point, on every rank
+        (as DeepSpeed's ``safe_get_full_grad``).
+
+        A COLLECTIVE: every rank calls it, for the same param, at the same point (an agreement
+        all-reduce checks that; then a MAX all-reduce, the reduction of any pending grads
+        (``grad_sync``) and an all-gather over the shard dim of at most ``min(p.numel(), shard
+        size)`` elements per rank). SYNCS THE HOST (it reads whether any rank produced a grad).
+
+        Args:
+            p: a param of this optimizer.
+
+        Returns:
+            A new tensor with ``p``'s shape, dtype and strides (its memory order: a channels_last
+            weight's grad is channels_last), holding the reduced grad averaged over the ranks as
+            ``average_grad_sync`` says; still multiplied by the loss scale before ``unscale_``
+            (ShardedGradScaler's or torch.amp.GradScaler's), unscaled after; times the coefficients
+            of the clips recorded so far; after ``step`` (until ``zero_grad``) the grads times the
+            coefficient that step used. ``None`` when no rank produced a grad for ``p`` since
+            ``zero_grad(set_to_none=True)``, as ``p.grad`` in torch.
+
+        Raises:
+            ValueError: ``p`` is not a param of this optimizer.
+            RuntimeError: called inside ``no_sync()``, where the accumulated grads are not reduced
+                (call it after the backward that reduces, or call ``grad_sync()`` on every rank
+                outside ``no_sync`` first); or the ranks did not all call it for the same param.
+        """
+        return self._grads_view.full_grad(p)
+
+    def local_grad(self, p: torch.nn.Parameter) -> Optional[LocalGrad]:
+        """This rank's slice of ``p``'s reduced grad. NOT a collective; no host sync.
+
+        Args:
+            p: a param of this optimizer.
+
+        Returns:
+            ``LocalGrad(tensor, start, end)``: ``tensor`` (1-D, ``p``'s dtype, a new tensor) holds
+            elements ``[start, end)`` of ``full_grad(p)`` in ``p``'s memory order (the order of
+            ``torch.empty_like(p)``'s storage), with the same values (averaged, scaled before
+            ``unscale_``, clipped as recorded so far). ``None`` where this rank's shard holds
+            none of ``p``, or when this optimizer holds no grads (no backward since
+            ``zero_grad(set_to_none=True)``) on this rank.
+
+        Raises:
+            ValueError: ``p`` is not a param of this optimizer.
+            RuntimeError: called inside ``no_sync()``, or while this rank holds grads not reduced
+                yet (``overlap_grad_sync=False`` before ``step``, or after a ``no_sync`` backward):
+                call ``grad_sync()`` on every rank first.
+        """
+        return self._grads_view.local_grad(p)
 
     # ------------------------------------------------------------------ stats, unscale, clip
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:
@@ -316,8 +421,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
             self._step_problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
-            if not self._step_problem and agreement.overlapping(self):
-                self._step_problem = agreement.TWO_OPTIMIZERS
+            # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
+            self._step_problem = self._step_problem or self._grad_sync.refusal
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             buf, checked = agreement.stats_buffer(self, norm_type, self._step_problem, r.lrs)
@@ -437,12 +542,12 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         # one launch: the grad coefficient (avg * inv_scale * clip) and the step counts
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched)
         records = self._records.compute(hparams, self._steps, stats.touched, coef, found_inf, self.bias_correction)
+        launches = self._adam_launches(hparams, stats.touched, coef, found_inf)
         for i in forward_order(len(self._buckets)):  # the first layers' params land first
-            buf = self._buffers[i]
-            kernels.adam_step(
-                buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(), self._buckets[i].segments,
-                hparams, self._steps, stats.touched, coef, found_inf, self.adam_w_mode, self.bias_correction,
-                records, self._records.offsets[i])
+            launch = launches[i]
+            launch.grad, launch.hparams, launch.records = self._buffers[i].grad_shard, hparams, records
+            launch.touched, launch.found_inf = stats.touched, found_inf
+            kernels.launch_adam(launch)
             self._param_sync.launch(i)
         self._param_sync.launched_all()
         deferred_checks.record_step(self, stats, bad_clip)
@@ -450,9 +555,20 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         agreement.stepped(self, [c for c, _ in r.clips], r.raw_norms)
         r.done()
         self._last, self._round = r, None  # its norms are unscaled lazily: no work here
-        agreement.settle(self)
         self._grad_sync.step_done()
         return loss
+
+    def _adam_launches(self, hparams: Tensor, touched: Tensor, coef: Tensor, found_inf: Tensor) -> List[Any]:
+        """Each bucket's step launch, built at the first step: the state buffers persist (a param
+        re-attached after a broken view keeps them); the grad shard and the step's flags are
+        assigned at every step."""
+        if self._launches is None:
+            self._launches = [
+                kernels.AdamLaunch(buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
+                                   bucket.segments, hparams, self._steps, touched, coef, found_inf, self.adam_w_mode,
+                                   self.bias_correction, None, self._records.offsets[i])
+                for i, (buf, bucket) in enumerate(zip(self._buffers, self._buckets))]
+        return self._launches
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]
@@ -460,15 +576,62 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state dicts (optim/checkpoint/state_dict.py)
     def state_dict(self, *, rank0_only: bool = False, cpu_offload: bool = True) -> Optional[Dict[str, Any]]:
-        """World-size independent state dict in torch.optim.AdamW's layout (a collective: every
-        rank calls it). ``rank0_only=True``: only the group's rank 0 gets it, the others get
-        ``None``; ``cpu_offload=False`` keeps the tensors on the params' device. See
-        ``shardamp.optim.state_dict`` for the format."""
+        """The optimizer's full state, world-size independent, in ``torch.optim.AdamW``'s layout.
+
+        ``state[i]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq`` shaped like param ``i``
+        (plus ``master_param`` where the model dtype differs from the state dtype), and
+        ``param_groups`` uses torch's keys, so the dict loads into ``torch.optim.AdamW`` / ``Adam``
+        and into a DistributedFusedAdam at any world size and bucket size.
+
+        A collective: every rank of the process group calls it, at the same point. It starts
+        with one small all-reduce that checks the ranks are in the same call with the same
+        arguments (and that the last step clipped alike on every rank), then gathers each
+        bucket's shards (an all-gather, or a gather to rank 0 with ``rank0_only``). It waits
+        for pending param all-gathers, and syncs the host: the step counts and, with
+        ``cpu_offload``, every tensor are copied to the CPU.
+
+        Args:
+            rank0_only: only the group's rank 0 receives the dict; the others get ``None`` and
+                never hold more than one bucket's gather buffer.
+            cpu_offload: return CPU tensors (default); ``False`` keeps them on the params'
+                device.
+
+        Returns:
+            The state dict, or ``None`` on the ranks other than 0 with ``rank0_only``.
+
+        Raises:
+            RuntimeError: the ranks called different collectives, or the others never joined
+                (after ``SHARDAMP_COLLECTIVE_TIMEOUT`` on gloo, else the group's timeout), or the
+                last step clipped on some ranks only; nothing is read.
+            ValueError: the ranks passed different arguments.
+        """
         return _state_dict.gather_state_dict(self, rank0_only=rank0_only, cpu_offload=cpu_offload)
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a full state dict (ours or torch.optim.AdamW/Adam's) into this rank's shard, at
-        any world size and bucket layout; validates everything before writing anything."""
+        """Load a full state dict (ours, or ``torch.optim.AdamW`` / ``Adam``'s over the same
+        params) into this rank's shard, at any world size and bucket layout.
+
+        Master params come from ``master_param`` entries when present, otherwise from the
+        model's current params: load the model's weights first (``load_state_dict(assign=False)``,
+        so they land in the optimizer's buffers). Params without a state entry restart from step 0
+        with zero moments, as in torch. Moments are converted to their storage dtype (fp32 into
+        bf16 moments rounds to nearest even).
+
+        A collective: every rank calls it with the same dict. Everything is validated on every
+        rank before anything is written, and one small all-reduce carries the verdict and a
+        summary of each rank's dict, so a problem on any rank raises on every rank and leaves
+        every optimizer untouched. Validation reads the dict's values on the host (a host sync
+        when the dict holds device tensors).
+
+        Args:
+            state_dict: the full dict every rank loads.
+
+        Raises:
+            ValueError: the dict is malformed, does not fit the params (count, shapes), holds
+                invalid values (negative ``exp_avg_sq``, a NaN lr, meta tensors), or the ranks
+                were given different dicts; nothing is written.
+            RuntimeError: the ranks called different collectives, or the others never joined.
+        """
         _state_dict.load_state_dict(self, state_dict)
 
     def shard_view(self) -> ShardView:

@@ -28,6 +28,41 @@ from shardamp.optim import _compat, comm
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` for sharded optimizers: one found-inf and one scale on every rank.
+
+    Use it exactly as torch's scaler (``scale(loss).backward()``, ``unscale_(opt)``,
+    ``step(opt)``, ``update()``). The protocol per optimizer:
+
+    * an optimizer with ``unscale_grads`` (``DistributedFusedAdam`` and subclasses):
+      ``unscale_`` hands it ``1/scale`` instead of walking ``param.grad`` (which is ``None`` for
+      reduce-scattered grads); nothing is rewritten, and the GLOBAL found-inf it returns (agreed
+      by every rank in the optimizer's one stats all-reduce) is recorded. ``step`` then calls
+      ``optimizer.step()`` directly when ``_step_supports_amp_scaling`` is true (the kernel
+      skips on the device: no host sync), or goes through torch's ordinary skip-or-step (one
+      ``.item()``) when a subclass sets it ``False``;
+    * any other optimizer (e.g. ``torch.optim.AdamW`` over FSDP2's DTensor params): exactly
+      torch's scaler, with each found-inf additionally agreed (MAX all-reduce over
+      ``process_group``) when ``torch.distributed`` is initialised, so every rank skips the same
+      steps and keeps the same scale.
+
+    ``update`` never syncs the host. Beyond torch: ``hysteresis``, and ``last_step_skipped``.
+
+    Args:
+        device: the device type of the scale, ``"cuda"`` or ``"cpu"``, as torch's.
+        init_scale: the initial scale, a finite float > 0.
+        growth_factor: factor the scale grows by after ``growth_interval`` clean steps (> 1).
+        backoff_factor: factor the scale shrinks by on an overflow, in (0, 1).
+        growth_interval: clean steps between two growths (> 0).
+        enabled: ``False`` makes every method a pass-through, as torch's.
+        process_group: the group found-infs of non-sharded optimizers are agreed over; default
+            the WORLD group. (A ``DistributedFusedAdam`` agrees over its own group.)
+        hysteresis: back the scale off only after this many consecutive overflowing steps
+            (1 = torch's behaviour); kept in ``state_dict``.
+
+    Raises:
+        ValueError: an invalid argument, naming it and what it accepts.
+    """
+
     def __init__(
         self,
         device: str = "cuda",
@@ -154,6 +189,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        """torch's scaler state plus ``hysteresis`` and the overflows still tolerated.
+
+        Local (no collective); reads the hysteresis counter on the host (a sync once the scaler
+        has updated on a GPU). Empty when disabled, as torch's.
+        """
         sd = super().state_dict()
         if sd:
             sd["hysteresis"] = self.hysteresis
@@ -164,6 +204,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict of this scaler or of ``torch.amp.GradScaler`` (whose hysteresis is 1).
+
+        Local (no collective, no host sync); a no-op when disabled, as torch's.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler), as torch's.
+        """
         super().load_state_dict(state_dict)
         if not self.is_enabled():
             return

@@ -6,8 +6,11 @@ sharded and against the unsharded torch reference:
   C  as B with shardamp.optim.clip_grad_norm_(model.parameters())
   D  any scaler or none, max_grad_norm= set: backward; step; opt.grad_norm() after
   E  as B with a subclass setting _step_supports_amp_scaling = False (torch's skip path)
-  F  torch.amp.GradScaler + unscale_ + torch's clip_grad_norm_: unscaled but unclippable (warns)
+  F  torch.amp.GradScaler + unscale_ + torch's clip_grad_norm_ (torch's tools see the grads:
+     optim/torch_tools.py; true norm, clipped in the step)
   G  opt.clip_grad_norm BEFORE unscale_: resolved at step with the true scale
+  H  as B with torch.nn.utils.clip_grad_norm_; H0 the same without a scaler (fp32)
+  I  as F with get_total_norm([p.grad ...]) + clip_grads_with_norm_ (the two halves of torch's clip)
 
 ``run_loop(rank, world, loop)`` trains the MLP of parity.py for a few steps with loop A..G,
 injecting an inf into ONE rank's batch at ``INF_STEP``, and returns per step the params, the
@@ -74,13 +77,13 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
         kwargs["max_grad_norm"] = MAX_NORM
     opt = cls(two_groups(model), **kwargs)
     ropt = torch.optim.AdamW(two_groups(ref))
-    use_torch_scaler = loop in ("A", "F")
-    no_scaler = loop == "D0"
+    use_torch_scaler = loop in ("A", "F", "I")
+    no_scaler = loop in ("D0", "H0")
     scaler = None
     if not no_scaler:
         scaler = (torch.amp.GradScaler if use_torch_scaler else ShardedGradScaler)(device, **SCALER_KW)
     rscaler = None if no_scaler else torch.amp.GradScaler(device, **SCALER_KW)
-    ref_clips = loop in ("B", "C", "D", "D0", "E", "G", "Gf")
+    ref_clips = loop in ("B", "C", "D", "D0", "E", "F", "G", "Gf", "H", "H0", "I")
     loss_fn = nn.MSELoss()
     out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "scale", "ref_scale", "norm", "ref_norm", "skipped")}
     caught: List[str] = []
@@ -112,10 +115,15 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
             elif loop == "C":
                 scaler.unscale_(opt)
                 norm = so.clip_grad_norm_(model.parameters(), MAX_NORM)
-            elif loop == "F":
-                scaler.unscale_(opt)  # torch's: finds no grads
-                torch_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-                assert float(torch_norm) == 0.0, "torch's clip_grad_norm_ saw grads it should not"
+            elif loop in ("F", "H"):
+                scaler.unscale_(opt)  # F: torch's, over the grads p.grad shows
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            elif loop == "H0":
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            elif loop == "I":
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                torch.nn.utils.clip_grads_with_norm_(model.parameters(), MAX_NORM, norm)
             elif loop == "G":
                 norm = opt.clip_grad_norm(MAX_NORM)  # before unscaling: resolved at step
             elif loop == "Gf":

@@ -139,4 +139,64 @@ def case_model_not_prepared_raises(rank, world, **kw):
     return None
 
 
+def case_ddp_kwargs_handler_raises_for_distributed_fused_adam_only(rank, world, **kw):
+    """The user's DistributedDataParallelKwargs: refused for a DistributedFusedAdam's model, which
+    is never DDP-wrapped; applied, as by Accelerator, to a torch optimizer's DDP-wrapped model."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    from shardamp.integrations.accelerate import ShardampAccelerator
+    from shardamp.optim import DistributedFusedAdam
+
+    def accelerator():
+        _env(rank, world)
+        handler = DistributedDataParallelKwargs(find_unused_parameters=True, bucket_cap_mb=5)
+        return ShardampAccelerator(cpu=True, kwargs_handlers=[handler])
+
+    model = ref.make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=ref.LR)
+    try:
+        accelerator().prepare(model, opt)
+        message = None
+    except ValueError as e:
+        message = str(e)
+    model = ref.make_model()
+    wrapped, _ = accelerator().prepare(model, torch.optim.AdamW(model.parameters(), lr=ref.LR))
+    return {"message": message, "wrapped": type(wrapped).__name__,
+            "find_unused_parameters": wrapped.find_unused_parameters, "bucket_bytes_cap": wrapped.bucket_bytes_cap}
+
+
+def case_sharding_setups_refuse_distributed_fused_adam(rank, world, **kw):
+    """Distributed types and parallelism configs whose engine takes over the model, and NO while
+    the optimizer spans both ranks: prepare raises before preparing anything (each stands in through a subclass overriding the one
+    property that selects it, on an accelerator built as MULTI_CPU)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from shardamp.integrations.accelerate import ShardampAccelerator
+    from shardamp.optim import DistributedFusedAdam
+
+    model = ref.make_model()
+    opt = DistributedFusedAdam(model.parameters(), lr=ref.LR)
+    setups = {dt.value: {"distributed_type": dt} for dt in (
+        DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM, DistributedType.XLA,
+        DistributedType.NO)}  # NO: what a MULTI_GPU launch gives every rank where no GPU is visible
+    setups["tp"] = {"parallelism_config": SimpleNamespace(dp_replicate_size=1, dp_shard_size=1, tp_size=2, cp_size=1,
+                                                          sp_size=1)}
+    setups["dp_shard"] = {"parallelism_config": SimpleNamespace(dp_replicate_size=1, dp_shard_size=2, tp_size=1,
+                                                                cp_size=1, sp_size=1)}
+    messages = {}
+    for name, attrs in setups.items():
+        _env(rank, world)
+        acc = ShardampAccelerator(cpu=True)
+        acc.__class__ = type("Faked", (ShardampAccelerator,), attrs)
+        try:
+            acc.prepare(model, opt)
+            messages[name] = None
+        except ValueError as e:
+            messages[name] = str(e)
+        messages[name + " prepared"] = len(acc._models) + len(acc._optimizers)
+    return messages
+
+
 CASES = [name for name in dir() if name.startswith("case_")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from amp_loops import run_loop
+from grad_reads import run_reads
 from parity import MLP, batches
 from shardamp.optim import DistributedFusedAdam, _compat
 from shardamp.scaler import ShardedGradScaler
@@ -45,6 +46,18 @@ def case_loop_Gf(rank, world, **kw):
     return run_loop(rank, world, "Gf", **kw)
 
 
+def case_loop_H(rank, world, **kw):
+    return run_loop(rank, world, "H", **kw)
+
+
+def case_loop_H0(rank, world, **kw):
+    return run_loop(rank, world, "H0", **kw)
+
+
+def case_loop_I(rank, world, **kw):
+    return run_loop(rank, world, "I", **kw)
+
+
 def case_one_all_reduce(rank, world, **kw):
     """unscale_ + clip_grad_norm + step issue exactly one all-reduce (norm + found-inf + touched)."""
     torch.manual_seed(0)
@@ -80,6 +93,59 @@ def case_one_all_reduce(rank, world, **kw):
     return {"counts": counts, "n_params": len(list(model.parameters())), "agreement_entries": entries}
 
 
+
+def case_one_all_reduce_torch_clip(rank, world, **kw):
+    """Loops F and I: torch.amp.GradScaler's unscale_ and torch's clip functions over the p.grad
+    views, then step, issue exactly the one stats all-reduce (the clip reuses its norm)."""
+    import warnings
+
+    out = {}
+    original = _compat.all_reduce
+    for loop in ("F", "I"):
+        torch.manual_seed(0)
+        model = MLP()
+        opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
+        scaler = torch.amp.GradScaler("cpu")
+        calls, counts = [], []
+
+        def counting(tensor, op, group, **kwargs):
+            calls.append(tensor.numel())
+            return original(tensor, op, group, **kwargs)
+
+        _compat.all_reduce = counting
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch's hand-over to step(grad_scaler=)
+                for step in range(3):
+                    x, y = batches(step, world)[rank]
+                    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+                    calls.clear()
+                    scaler.unscale_(opt)
+                    if loop == "F":
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    else:
+                        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+                    scaler.step(opt)
+                    scaler.update()
+                    counts.append(list(calls))
+                    opt.zero_grad()
+        finally:
+            _compat.all_reduce = original
+        out[loop] = counts
+    return out
+
+
+def case_grad_reads_fp32(rank, world, **kw):
+    return run_reads(rank, world, "none")
+
+
+def case_grad_reads_sharded_scaler(rank, world, **kw):
+    return run_reads(rank, world, "sharded")
+
+
+def case_grad_reads_torch_scaler(rank, world, **kw):
+    return run_reads(rank, world, "torch")
 
 
 def case_found_inf_is_exactly_one(rank, world, device="cpu", **kw):

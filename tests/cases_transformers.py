@@ -1,16 +1,23 @@
-"""ShardampTrainer cases, run on 2 gloo ranks in one spawned group (see test_transformers.py).
+"""ShardampTrainer / ShardampTrainerMixin cases, run on 2 gloo ranks in one spawned group (see
+test_transformers.py).
 
 The ranks come from tests/dist_helper.py with the process group initialised and torchrun's
-environment variables set; the Trainer's accelerator state picks up the existing group.
+environment variables set; the Trainer's accelerator state picks up the existing group. The TRL
+case builds its tiny GPT-2 and word-level tokenizer in memory: nothing is downloaded.
 """
 from __future__ import annotations
 
 import os
+import random
 from typing import Any, Dict, List, Optional
 
 import torch
 
 import framework_ref as ref
+
+# set before transformers / huggingface_hub are imported, here and in the spawned ranks
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 N_STEPS, BATCH = 4, 4
 
@@ -26,17 +33,22 @@ class _Data(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
+def _env(rank: int, world: int) -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    AcceleratorState._reset_state(True)  # one Trainer configuration per run in this process
+    GradientState._reset_state()
+
+
 def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int = 1, max_steps: int = N_STEPS,
            save_steps: Optional[int] = None, resume: Optional[str] = None, max_grad_norm: float = ref.MAX_NORM,
            schedule: str = "constant", fp16: bool = False, poison_step: Optional[int] = None) -> Dict[str, Any]:
-    from accelerate.state import AcceleratorState, GradientState
     from transformers import TrainerCallback, TrainingArguments
 
     from shardamp.integrations.transformers import ShardampTrainer
 
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    _env(rank, world)
 
     seen: List = []
 
@@ -83,6 +95,7 @@ def _train(rank: int, world: int, out: str, bf16: bool = False, accumulate: int 
         "seen": seen, "grad_norms": [entry["grad_norm"] for entry in logged],
         "opt": type(opt).__name__, "wrapped": type(trainer.model_wrapped).__name__,
         "world": opt.world_size, "buckets": len(opt._buckets),
+        "ddp_handler": type(trainer.accelerator.ddp_handler).__name__,  # the Trainer's own, accepted
         "ckpts": sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) if os.path.isdir(out) else [],
     }
 
@@ -113,6 +126,123 @@ def case_save_steps_resume(rank, world, tmp: str = "", **kw):
     resumed = _train(rank, world, os.path.join(tmp, "hf_ckpt_resumed"),
                      resume=os.path.join(out, "checkpoint-2"))
     return {"full": full, "resumed": resumed}
+
+
+def _targs(out: str, **kw: Any):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(output_dir=out, report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True,
+                             weight_decay=ref.WD, **kw)
+
+
+def case_param_names_when_the_optimizer_accepts_them(rank, world, tmp: str = "", **kw):
+    """The groups create_optimizer builds: with names for an optimizer class that declares
+    ``accepts_param_names``, without for one that does not (today's DistributedFusedAdam)."""
+    from shardamp.integrations.transformers import ShardampTrainer
+    from shardamp.optim import DistributedFusedAdam
+
+    class Named(DistributedFusedAdam):
+        accepts_param_names = True
+
+    class NamedTrainer(ShardampTrainer):
+        shardamp_optimizer_class = Named
+        shardamp_optimizer_kwargs = {"bucket_cap_mb": 0.0004}
+
+    out = {}
+    for label, cls in (("named", NamedTrainer), ("plain", ShardampTrainer)):
+        _env(rank, world)
+        trainer = cls(model=ref.make_model(), args=_targs(os.path.join(tmp, f"hf_names_{label}")))
+        opt = trainer.create_optimizer()
+        out[label] = {"type": type(opt).__name__, "buckets": len(opt._buckets),
+                      "groups": [(g.get("param_names"), g["weight_decay"], len(g["params"])) for g in opt.param_groups]}
+    return out
+
+
+# ---------------------------------------------------------------- TRL's SFTTrainer
+SFT_STEPS, SFT_LR, SFT_MAX_NORM = 6, 2e-4, 0.5  # the grads' norm is about 1-2: clipped every step
+# lr 2e-4 keeps torch's own fused-vs-foreach spread far inside rtol 1e-5 / atol 1e-6: the attention key bias
+# has an exactly-zero true grad (softmax ignores it), so its Adam update is rounding noise scaled to ~lr
+_WORDS = "the a cat dog sat on mat ran far and then slept ate fish bird flew high low red blue green".split()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<pad>", "<eos>", "<unk>"] + _WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+def _gpt2(tok):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tok), n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # no RNG in the comparison
+                        bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return GPT2LMHeadModel(config)  # tied input / output embeddings, as GPT-2's
+
+
+def _sentences(n: int):
+    import datasets
+
+    r = random.Random(0)
+    return datasets.Dataset.from_dict(
+        {"text": [" ".join(r.choice(_WORDS) for _ in range(r.randint(3, 12))) for _ in range(n)]})
+
+
+def _sft(rank: int, world: int, out: str, sharded: bool) -> Dict[str, Any]:
+    from transformers import TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from shardamp.integrations.transformers import ShardampTrainerMixin
+
+    _env(rank, world)
+    logged: List[Dict[str, float]] = []
+
+    class Logs(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "grad_norm" in logs:
+                logged.append(dict(logs))
+
+    class ShardampSFTTrainer(ShardampTrainerMixin, SFTTrainer):
+        pass
+
+    tok = _tokenizer()
+    model = _gpt2(tok)
+    initial = [p.detach().clone() for p in model.parameters()]
+    args = SFTConfig(
+        output_dir=out, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=SFT_STEPS,
+        learning_rate=SFT_LR,
+        weight_decay=0.1, max_grad_norm=SFT_MAX_NORM, lr_scheduler_type="linear", logging_steps=1,
+        save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", dataloader_num_workers=0, seed=0,
+        disable_tqdm=True, max_length=32,
+        bf16=False,  # SFTConfig's default is True, under which torch's own AdamWs drift apart (see the mixin)
+        # gradient_checkpointing: SFTConfig's default, True
+    )
+    cls = ShardampSFTTrainer if sharded else SFTTrainer
+    trainer = cls(model=model, args=args, train_dataset=_sentences(16 * world * SFT_STEPS),
+                  processing_class=tok, callbacks=[Logs()])
+    trainer.train()
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    return {
+        "params": [p.detach().clone() for p in model.parameters()], "initial": initial,
+        "losses": [entry["loss"] for entry in logged], "grad_norms": [entry["grad_norm"] for entry in logged],
+        "opt": type(opt).__name__, "wrapped": type(trainer.model_wrapped).__name__,
+        "checkpointing": model.is_gradient_checkpointing,
+        "groups": [(g["weight_decay"], len(g["params"])) for g in opt.param_groups],
+    }
+
+
+def case_trl_sft_trainer_with_the_mixin(rank, world, tmp: str = "", **kw):
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return None
+    return {"plain": _sft(rank, world, os.path.join(tmp, "sft_plain"), sharded=False),
+            "shardamp": _sft(rank, world, os.path.join(tmp, "sft_shardamp"), sharded=True)}
 
 
 CASES = [name for name in dir() if name.startswith("case_")]

@@ -10,6 +10,8 @@ torch_version=$(python -c "import torch; print(torch.__version__)")
 constraints=$(mktemp)
 echo "torch==${torch_version}" > "$constraints"
 python -m pip install --quiet -c "$constraints" -e ".[test,integrations]"
+# The docs toolchain: tests/test_docs.py builds the site with `mkdocs build --strict`.
+python -m pip install --quiet -c "$constraints" "mkdocs>=1.6,<2" "mkdocs-material>=9.5,<10" "mkdocstrings[python]>=0.26"
 rm -f "$constraints"
 if [ "$(python -c "import torch; print(torch.__version__)")" != "$torch_version" ]; then
     echo "installing the frameworks changed torch (was $torch_version)" >&2

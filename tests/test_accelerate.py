@@ -3,7 +3,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import signal
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +21,7 @@ from dist_helper import case_values, run_cases, run_distributed  # noqa: E402
 
 WORLD = 2
 _TMP = tempfile.TemporaryDirectory()
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @functools.lru_cache(maxsize=None)
@@ -81,6 +87,58 @@ def test_other_optimizers_behave_as_accelerator(world) -> None:
 def test_optimizer_prepared_without_its_model_raises(world) -> None:
     for message in case_values(_results(world), "case_model_not_prepared_raises"):
         assert message is not None and "was not prepared" in message
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_users_ddp_kwargs_handler_raises_naming_it_and_the_fix(world) -> None:
+    for v in case_values(_results(world), "case_ddp_kwargs_handler_raises_for_distributed_fused_adam_only"):
+        message = v["message"]
+        assert message is not None and "kwargs_handlers=[DistributedDataParallelKwargs(" in message, message
+        assert "bucket_cap_mb=5" in message and "find_unused_parameters=True" in message, message
+        assert "Remove the DistributedDataParallelKwargs handler" in message and "DistributedFusedAdam(" in message
+        # a torch optimizer's model: DDP built with the user's settings, as by Accelerator
+        assert v["wrapped"] == "DistributedDataParallel"
+        assert v["find_unused_parameters"] is True and v["bucket_bytes_cap"] == 5 * 1024 * 1024
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_fsdp_deepspeed_megatron_xla_sharding_parallelism_and_no_refuse_the_optimizer(world) -> None:
+    for v in case_values(_results(world), "case_sharding_setups_refuse_distributed_fused_adam"):
+        for name in ("FSDP", "DEEPSPEED", "MEGATRON_LM", "XLA"):
+            assert v[name] is not None and f"distributed_type={name}" in v[name], (name, v[name])
+            assert "distributed_type: MULTI_GPU" in v[name] and "examples/accelerate_config.yaml" in v[name]
+        assert v["tp"] is not None and "tp_size=2" in v["tp"] and "dp_replicate_size" in v["tp"], v["tp"]
+        assert v["dp_shard"] is not None and "dp_shard_size=2" in v["dp_shard"], v["dp_shard"]
+        assert v["NO"] is not None and "distributed_type=NO" in v["NO"] and "spans 2 ranks" in v["NO"], v["NO"]
+        assert "cpu=True" in v["NO"] and "ACCELERATE_USE_CPU=true" in v["NO"], v["NO"]
+        assert all(v[name + " prepared"] == 0 for name in ("FSDP", "DEEPSPEED", "tp", "NO"))  # raised before preparing
+
+
+def test_accelerate_launch_with_the_example_config_trains_two_cpu_ranks(tmp_path) -> None:
+    """``accelerate launch --config_file examples/accelerate_config.yaml``: the MULTI_GPU config
+    starts two ranks through torchrun; the example builds Accelerator(cpu=True), so each rank runs
+    MULTI_CPU over gloo (``--cpu`` / ``use_cpu: true`` would start one process: without mpirun
+    accelerate's CPU launcher is the single-process one). The example checks its run against
+    unsharded torch AdamW and prints PASS."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "NODE_RANK") and not k.startswith("ACCELERATE_")}
+    examples = ROOT / "examples"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(examples / "accelerate_config.yaml"), str(examples / "accelerate_train.py"),
+           "--steps", "4", "--warmup", "1", "--no-baseline", "--out", str(tmp_path)]
+    # its own session: a launch that hangs is killed with torchrun's ranks, not only the launcher
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"accelerate launch did not finish in 600 s:\n{out[-5000:]}")
+    assert proc.returncode == 0, out[-5000:]
+    assert "world 2, clipped every step: yes" in out and "PASS" in out, out[-5000:]
+    assert "save_state wrote: ['model.safetensors', 'optimizer.bin'" in out, out[-5000:]
 
 
 def test_step_was_skipped_reads_the_device_verdict_lazily_once_per_step() -> None:

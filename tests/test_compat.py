@@ -103,6 +103,30 @@ def test_backward_callback_runs_after_backward() -> None:
     assert seen == ["end"]
 
 
+def test_graph_task_reachability() -> None:
+    """What sync/backward_order.py asks at a backward's first grad: the graph task's id, and
+    whether it runs a param's grad accumulator (reachable; not a frozen or unused param's; with
+    ``backward(inputs=)`` only the inputs')."""
+    used, unused, frozen = (torch.nn.Parameter(torch.ones(3)) for _ in range(3))
+    frozen.requires_grad_(False)
+    held = _compat.grad_accumulator(used)  # held: the one the next graph leads to
+    assert "AccumulateGrad" in held.name()
+    seen = []
+
+    def hook(_):
+        seen.append((_compat.graph_task_id(), _compat.reached_in_backward(held),
+                     _compat.reached_in_backward(_compat.grad_accumulator(unused))))
+
+    used.register_post_accumulate_grad_hook(hook)
+    (used * frozen).sum().backward()
+    (used * unused).sum().backward(inputs=[used])
+    (used * unused).sum().backward()
+    assert [s[1:] for s in seen] == [(True, False), (True, False), (True, True)], seen
+    ids = [s[0] for s in seen]
+    assert all(i >= 0 for i in ids) and len(set(ids)) == 3, ids  # one graph task per backward()
+    assert _compat.graph_task_id() == -1 and not _compat.in_backward()
+
+
 def test_dense_layout_check() -> None:
     assert _compat.is_dense_non_overlapping(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
     assert _compat.is_dense_non_overlapping(torch.zeros(2, 3, 4, 5, 6).to(memory_format=torch.channels_last_3d))
@@ -158,3 +182,117 @@ def test_cuda_event_handle() -> None:
     assert _compat.cuda_event_handle(event) == 0
     event.record()
     assert _compat.cuda_event_handle(event) != 0
+
+
+# ---------------------------------------------------------------- grads visible to torch's tools (torch_tools.py)
+def test_grad_property_class_over_autograds_field() -> None:
+    """A Parameter switched to ``grad_property_class``: Python reads go through ``fget``, writes
+    and deletes to autograd's field, autograd accumulates into that field as before, and the
+    param switches back. ``raw_grad`` reads the field past the property."""
+    reads = []
+
+    def fget(p):
+        reads.append(1)
+        g = _compat.raw_grad(p)
+        return g if g is not None else "shown"
+
+    p = torch.nn.Parameter(torch.ones(3))
+    cls = _compat.grad_property_class(torch.nn.Parameter, fget)
+    assert cls is _compat.grad_property_class(torch.nn.Parameter, fget)  # cached
+    assert cls.__name__ == "Parameter" and cls._shardamp_grad_base is torch.nn.Parameter
+    assert _compat.switch_class(p, cls) and type(p) is cls and isinstance(p, torch.nn.Parameter)
+    assert p.grad == "shown" and _compat.raw_grad(p) is None and reads == [1]
+    (p * 2).sum().backward()
+    (p * 3).sum().backward()  # accumulates into the field
+    assert _compat.raw_grad(p).tolist() == [5.0, 5.0, 5.0] and p.grad.tolist() == [5.0, 5.0, 5.0]
+    p.grad = None
+    assert _compat.raw_grad(p) is None
+    _compat.set_raw_grad(p, torch.zeros(3))
+    del p.grad
+    assert _compat.raw_grad(p) is None
+    m = torch.nn.Linear(2, 2)
+    _compat.switch_class(m.weight, _compat.grad_property_class(type(m.weight), fget))
+    copied = __import__("copy").deepcopy(m)  # torch's Parameter.__deepcopy__ keeps the class
+    assert type(copied.weight) is type(m.weight)
+    assert _compat.switch_class(p, torch.nn.Parameter) and type(p) is torch.nn.Parameter
+    assert p.grad is None
+
+
+def test_wrapper_subclass_meets_torchs_grad_tools_in_dispatch() -> None:
+    """What torch's tools do with a grad reaches ``__torch_dispatch__`` as these ATen ops:
+    ``.data`` and ``.detach()`` (detach), ``Tensor.norm`` / ``torch.norm`` /
+    ``torch.linalg.vector_norm`` (linalg_vector_norm), ``get_total_norm(foreach=True)``
+    (_foreach_norm), ``GradScaler.unscale_`` over ``param.grad``
+    (_amp_foreach_non_finite_check_and_unscale_); ``get_total_norm`` and GradScaler group it by
+    device and dtype."""
+    seen = []
+
+    class Fake(torch.Tensor):
+        __torch_function__ = _compat.disabled_torch_function
+
+        @staticmethod
+        def __new__(cls, like):
+            return _compat.make_wrapper_subclass(cls, like)
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            if func is _compat.aten_op("detach.default"):
+                return Fake(args[0])
+            if func is _compat.aten_op("linalg_vector_norm.default"):
+                return torch.tensor(3.0)
+            if func is _compat.aten_op("_foreach_norm.Scalar"):
+                return [torch.tensor(4.0) for _ in args[0]]
+            if func is _compat.aten_op("_amp_foreach_non_finite_check_and_unscale_.default"):
+                args[1].fill_(1.0)
+                return None
+            raise RuntimeError(f"unexpected {func}")
+
+    like = torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    g = Fake(like)
+    assert (g.shape, g.stride(), g.dtype) == (like.shape, like.stride(), like.dtype)
+    assert g.data.norm(2).item() == 3.0 and torch.norm(g).item() == 3.0
+    assert torch.linalg.vector_norm(g, 1.0).item() == 3.0
+    assert torch.nn.utils.get_total_norm([g, g]).item() == pytest.approx(18.0 ** 0.5)
+    assert torch.nn.utils.get_total_norm([g], foreach=True).item() == 4.0
+    p = torch.nn.Parameter(torch.zeros(2))
+    _compat.switch_class(p, _compat.grad_property_class(torch.nn.Parameter, lambda _p: Fake(torch.zeros(2))))
+    scaler = torch.amp.GradScaler("cpu")
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(opt)
+    found = _compat.scaler_optimizer_state(scaler, opt)["found_inf_per_device"]
+    assert [float(v) for v in found.values()] == [1.0]
+    assert _compat.aten_op("_amp_foreach_non_finite_check_and_unscale_.default") in seen
+    assert [float(n) for n in _compat.foreach_norm([torch.ones(4, dtype=torch.bfloat16)], 2.0, torch.float32)] == [2.0]
+
+
+def test_clip_grad_norm_calls_its_module_globals() -> None:
+    """torch's ``clip_grad_norm_`` looks ``_get_total_norm`` and ``_clip_grads_with_norm_`` up in
+    its module at each call (what torch_tools.py wraps), and every name torch_tools wraps exists."""
+    from torch.nn.utils import clip_grad
+
+    calls = []
+    places = _compat.torch_clip_functions()
+    assert sorted(places) == ["clip_grad_value_", "clip_grads_with_norm_", "get_total_norm"]
+    for name, pairs in places.items():
+        assert all(callable(getattr(module, attr)) for module, attr in pairs)
+    norm_fn, clip_fn = clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_
+
+    def norm(*a, **k):
+        calls.append("norm")
+        return norm_fn(*a, **k)
+
+    def clip(*a, **k):
+        calls.append("clip")
+        return clip_fn(*a, **k)
+
+    bound = torch.nn.utils.clip_grad_norm_  # bound before the patch, as `from torch.nn.utils import ...`
+    p = torch.nn.Parameter(torch.ones(4))
+    p.grad = torch.full((4,), 3.0)
+    clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = norm, clip
+    try:
+        assert bound([p], 1.0).item() == 6.0
+    finally:
+        clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = norm_fn, clip_fn
+    assert calls == ["norm", "clip"]

@@ -1,6 +1,6 @@
 """The parity tests and the AMP loops on GPUs: NCCL at world 1 (and world 2 where two GPUs are
 visible), CUDA tensors, native CUDA kernels, and no host sync in unscale_/clip/step/update (loops
-A, B, C, D, G). Skipped without a GPU; run with ``python -m pytest -q tests/test_cuda.py``."""
+A-D, F-I). Skipped without a GPU; run with ``python -m pytest -q tests/test_cuda.py``."""
 from __future__ import annotations
 
 import functools
@@ -17,7 +17,8 @@ from test_scaler_loops import check_loop_case
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-SYNC_FREE = {"A", "B", "C", "D", "D0", "G", "Gf"}  # E's skip is torch's own .item(); F calls float()
+# E's skip is torch's own .item(); F/H/H0/I clip with torch's functions over the p.grad views (torch_tools.py)
+SYNC_FREE = {"A", "B", "C", "D", "D0", "F", "G", "Gf", "H", "H0", "I"}
 
 
 def _cases(rank, world):

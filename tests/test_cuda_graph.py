@@ -138,7 +138,7 @@ def _graph_vs_eager_on_ranks(rank: int, world: int) -> Dict[str, List[Dict[str, 
     model = MLP().cuda()
     eager_model = copy.deepcopy(model)
     opt, scaler = _setup(model)
-    # the eager twin gets its own group: one DistributedFusedAdam per process group (README)
+    # the eager twin gets its own group: one DistributedFusedAdam per process group (docs/known-limits.md)
     eager_opt, eager_scaler = _setup(eager_model, dist.new_group(list(range(world))))
 
     graph, static_x, static_y, static_loss, static_norm = _warm_up_and_capture(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 TRAIN = Path(__file__).resolve().parent.parent / "examples" / "train.py"
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _run(args: List[str], timeout: float) -> subprocess.CompletedProcess:
@@ -66,9 +67,9 @@ def test_cuda_without_cuda_fails_clearly() -> None:
 
 
 def test_bench_step_cpu_smoke(tmp_path: Path) -> None:
-    """examples/bench_step.py end to end on a small CPU problem: every variant runs, the JSON
+    """benchmarks/bench_step.py end to end on a small CPU problem: every variant runs, the JSON
     holds a positive time and a roofline fraction for each, and --only selects rows."""
-    bench = TRAIN.parent / "bench_step.py"
+    bench = BENCHMARKS / "bench_step.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, str(bench), "--device", "cpu", "--numel", "20000", "--iters", "2", "--warmup", "1",
            "--threads", "1", "--out", str(tmp_path)]
@@ -92,9 +93,9 @@ def test_bench_step_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
-    """examples/bench_host.py end to end on the CPU (small models, 2 gloo ranks too): every row
+    """benchmarks/bench_host.py end to end on the CPU (small models, 2 gloo ranks too): every row
     kind is measured, with positive times on both sides."""
-    bench = TRAIN.parent / "bench_host.py"
+    bench = BENCHMARKS / "bench_host.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     cmd = [sys.executable, str(bench), "--device", "cpu", "--iters", "1", "--repeats", "1", "--warmup", "1",
            "--threads", "1", "--world2", "--inline-free", "--profile", str(tmp_path / "prof"), "--out", str(tmp_path)]
@@ -131,9 +132,9 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_profile_backward_cpu_smoke(tmp_path: Path) -> None:
-    """examples/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
+    """benchmarks/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
     first grad and the bucket events: at least one each per backward), the tables written."""
-    script = TRAIN.parent / "profile_backward.py"
+    script = BENCHMARKS / "profile_backward.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--iters", "2", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env)
@@ -170,7 +171,7 @@ def test_bench_host_paired_ratio_interval() -> None:
     the last from the expansion the code uses past its table)."""
     import math
 
-    sys.path.insert(0, str(TRAIN.parent))
+    sys.path.insert(0, str(BENCHMARKS))
     try:
         from host_iteration import paired_ratio
     finally:

@@ -17,17 +17,19 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def test_lightning_example_launches_two_ranks_and_passes_parity(tmp_path) -> None:
+    """By its registered name, with each rank writing its optimizer shard beside the checkpoint."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                              "MASTER_PORT", "NODE_RANK")}
     proc = subprocess.run(
         [sys.executable, str(EXAMPLES / "lightning_train.py"), "--steps", "4", "--warmup", "1", "--no-baseline",
-         "--out", str(tmp_path)],
+         "--out", str(tmp_path), "--strategy-name", "shardamp_sharded_checkpoint"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-5000:]
     assert "MEMBER: 2/2" in out, out[-5000:]  # Lightning started the second process
     assert "world 2, clipped every step: yes" in out and "PASS" in out, out[-5000:]
+    assert "ModelCheckpoint: ['epoch=0-step=4.ckpt', 'epoch=0-step=4.ckpt.optim0']" in out, out[-5000:]
 
 
 @pytest.mark.parametrize("run, passes", [

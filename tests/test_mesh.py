@@ -132,12 +132,12 @@ def test_mesh_checkpoint_loads_at_world_1() -> None:
 
 
 def test_scaling_model_rows() -> None:
-    """examples/scaling_model.py (the README's table): inside one node flat and hybrid are the
+    """benchmarks/scaling_model.py (the table in docs/performance.md): inside one node flat and hybrid are the
     same; across nodes hybrid sends 1/8 of flat's network bytes asymptotically (the 1/8 shard
     all-reduced, 2S, against reduce-scatter + all-gather of everything, 2S), keeps 12 B/param / 8."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(__file__), "..", "examples", "scaling_model.py")
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "scaling_model.py")
     spec = importlib.util.spec_from_file_location("scaling_model", path)
     sm = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sm)

@@ -383,3 +383,22 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
     with pytest.warns(RuntimeWarning, match="skipped"):
         skipped_step(2)
     assert pushed == [[1.0]] * 3
+
+
+def test_clean_interpreter_exit_after_training(tmp_path) -> None:
+    """A script that trains and ends without cleaning up exits quietly: no "Exception ignored"
+    from the grad hooks' finaliser while the interpreter tears its modules down."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train_and_exit.py"
+    script.write_text(
+        "import torch\n"
+        "from shardamp.optim import DistributedFusedAdam\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "opt = DistributedFusedAdam(m.parameters(), lr=0.1)\n"
+        "m(torch.randn(2, 4)).sum().backward()\n"
+        "opt.step()\n")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -1,6 +1,6 @@
 """Peak memory at world 1 against torch.optim.AdamW(fused=True), on the CPU: the allocator's
 timeline from torch.profiler's memory events (every allocation and free, in order), over the
-optimizer's construction and three whole iterations, as examples/bench_host.py measures it on
+optimizer's construction and three whole iterations, as benchmarks/bench_host.py measures it on
 a GPU.
 
 World 1 keeps no grad memory between ``zero_grad`` and backward and holds a staged grad as torch

@@ -15,7 +15,7 @@ from parity import ATOL, RTOL
 
 WORLDS = [2, 3]
 LOOPS = [c for c in cases_scaler.CASES if c.startswith("case_loop_")]
-CLIPPING = ("B", "C", "D", "D0", "E", "G", "Gf")  # loops that clip, and whose norm is compared
+CLIPPING = ("B", "C", "D", "D0", "E", "F", "G", "Gf", "H", "H0", "I")  # loops that clip, and whose norm is compared
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,9 +63,9 @@ def check_loop_case(per_rank, case: str) -> None:
         for s in range(len(v0["ours"])):
             for a, b in zip(v0["ours"][s], other["ours"][s]):
                 assert torch.equal(a, b)
-    warned = [w for w in v0["warnings"] if "clipped nothing" in w]
-    assert len(warned) == (1 if loop == "F" else 0), v0["warnings"]
-    if loop not in ("A", "F"):  # torch.amp.GradScaler hands itself over with a FutureWarning of its own
+    # torch's clip_grad_norm_ after torch's unscale_ (F, I) sees the grads: nothing to warn about
+    assert not [w for w in v0["warnings"] if "clipped nothing" in w], v0["warnings"]
+    if loop not in ("A", "F", "I"):  # torch.amp.GradScaler hands itself over with a FutureWarning of its own
         assert not any("FutureWarning" in w for w in v0["warnings"]), v0["warnings"]
 
 
@@ -103,3 +103,91 @@ def test_found_inf_is_exactly_one_when_several_ranks_overflow(world: int) -> Non
 def test_foreign_optimizer_found_inf_agreed_over_ranks(world: int) -> None:
     for scales in _case(world, "case_foreign_optimizer_agrees"):
         assert scales == [2.0**10, 2.0**9, 2.0**9]  # every rank backed off at step 1
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_all_reduce_per_step_with_torchs_clip(world: int) -> None:
+    """torch.amp.GradScaler.unscale_ + torch's clip_grad_norm_ (F), or get_total_norm +
+    clip_grads_with_norm_ (I), over a DistributedFusedAdam's params: still the one stats all-reduce."""
+    for value in _case(world, "case_one_all_reduce_torch_clip"):
+        assert sorted(value) == ["F", "I"]
+        for loop, counts in value.items():
+            assert len(counts) == 3
+            for calls in counts:
+                assert calls == [2 + 7 + 31], (loop, calls)  # the stats all-reduce (see above), nothing else
+
+
+READS = ["case_grad_reads_fp32", "case_grad_reads_sharded_scaler", "case_grad_reads_torch_scaler"]
+
+
+def _close(a, b, scale: float = 1.0, msg: str = "") -> None:
+    torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL * scale, msg=lambda m: f"{msg}: {m}")
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", READS)
+def test_grad_reads_match_torch(world: int, case: str) -> None:
+    """p.grad, torch's clip_grad_norm_ / get_total_norm, Lightning's grad_norm, full_grad and
+    local_grad against what torch's unsharded loop holds at the same point (grad_reads.py):
+    channels_last ConvNet, two param groups, uneven shards, an inf on one rank."""
+    from grad_reads import INF_STEP as POISONED, MAX_NORM as CLIP, SCALER_KW
+
+    values = _case(world, case)
+    v0 = values[0]
+    assert v0["channels_last"] and all(v0["channels_last"])
+    scale = SCALER_KW["init_scale"] if "fp32" not in case else 1.0
+    clipped = split = False
+    for step, rec in enumerate(v0["steps"]):
+        tag = f"step {step}"
+        assert all(name == "ShardedGrad" for name, *_ in rec["views"]), rec["views"]
+        for (_, shape, stride, dtype), ref in zip(rec["views"], rec["ref_grads"]):
+            assert (shape, stride, dtype) == (tuple(ref.shape), ref.stride(), ref.dtype)
+        # the grads as torch holds them: scaled before unscale_, unscaled after, clipped after the clip
+        for ours_key, ref_key, s in (("scaled", "ref_scaled", scale), ("grads", "ref_grads", 1.0),
+                                     ("clipped", "ref_clipped", 1.0), ("after_step", "ref_clipped", 1.0)):
+            for i, (a, b) in enumerate(zip(rec[ours_key], rec[ref_key])):
+                assert a.stride() == b.stride(), (tag, ours_key, i)  # memory order: channels_last kept
+                if step != POISONED:
+                    _close(a, b, s, f"{tag} {ours_key} param {i}")
+                elif ours_key in ("scaled", "grads"):
+                    assert not torch.isfinite(a).all() and not torch.isfinite(b).all()
+        for key in ("norm", "total"):
+            ours, ref = rec[key], rec[f"ref_{key}"]
+            if step == POISONED:
+                assert not math.isfinite(ours) and not math.isfinite(ref)
+            else:
+                assert math.isclose(ours, ref, rel_tol=1e-4), (tag, key, ours, ref)
+        clipped |= step != POISONED and rec["ref_norm"] > CLIP
+        if rec["lightning"] is not None:  # lightning installed
+            assert sorted(rec["lightning"]) == sorted(rec["ref_lightning"]) and len(rec["lightning"]) == 7
+            for k, ref in rec["ref_lightning"].items():
+                if step != POISONED:
+                    assert math.isclose(rec["lightning"][k], ref, rel_tol=1e-4), (tag, k, rec["lightning"][k], ref)
+        assert all(rec["after_zero"]), rec["after_zero"]  # p.grad and full_grad None after zero_grad
+        for i, (a, b) in enumerate(zip(rec["params"], rec["ref_params"])):
+            _close(a, b, 1.0, f"{tag} param {i}")
+        # local_grad: each rank's slice of full_grad in memory order; together they tile it once
+        for key, full_key in (("local_scaled", "scaled"), ("local_clipped", "clipped")):
+            for i, numel in enumerate(v0["numel"]):
+                covered = torch.zeros(numel, dtype=torch.int64)
+                holders = 0
+                for value in values:
+                    local = value["steps"][step][key][i]
+                    if local is None:
+                        continue
+                    tensor, start, end = local
+                    holders += 1
+                    covered[start:end] += 1
+                    flat = value["steps"][step][full_key][i]
+                    flat = flat.as_strided((flat.numel(),), (1,), flat.storage_offset())
+                    torch.testing.assert_close(tensor, flat[start:end], rtol=0, atol=0, equal_nan=True)
+                assert bool((covered == 1).all()), (tag, key, i)
+                split |= holders > 1
+        for other in values[1:]:  # every rank gets the same full grads
+            for a, b in zip(rec["clipped"], other["steps"][step]["clipped"]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert clipped, "the clip never engaged: the test would not catch a missing clip"
+    assert split, "no param was split across ranks: the test would not catch a bad assembly"
+    # the poisoned step was skipped (params did not move)
+    for a, b in zip(v0["steps"][POISONED - 1]["params"], v0["steps"][POISONED]["params"]):
+        assert torch.equal(a, b)

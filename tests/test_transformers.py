@@ -1,4 +1,5 @@
-"""ShardampTrainer on 2 gloo CPU ranks against unsharded torch.optim.AdamW (tests/framework_ref.py)."""
+"""ShardampTrainer on 2 gloo CPU ranks against unsharded torch.optim.AdamW (tests/framework_ref.py);
+ShardampTrainerMixin over TRL's SFTTrainer against the plain SFTTrainer (DDP + torch AdamW)."""
 from __future__ import annotations
 
 import functools
@@ -27,6 +28,7 @@ def _check_run(values, autocast_dtype=None, accumulate=1, lr_lambda=None):
     for v in values:
         assert v["opt"] == "DistributedFusedAdam" and v["wrapped"] != "DistributedDataParallel"
         assert v["world"] == WORLD
+        assert v["ddp_handler"] == "DistributedDataParallelKwargs"  # the Trainer's own handler was accepted
     # "grad_norms": the grad_norm the Trainer logged (max_grad_norm engaged on every step)
     return ref.check_run(values, cases.N_STEPS, "grad_norms", autocast_dtype, accumulate, lr_lambda)
 
@@ -75,3 +77,58 @@ def test_save_steps_and_resume_from_checkpoint_continue_exactly(world) -> None:
         assert len(v["resumed"]["seen"]) == len(v["full"]["seen"]) // 2  # really resumed at step 2
         for a, b in zip(v["full"]["params"], v["resumed"]["params"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_param_names_go_to_an_optimizer_that_accepts_them(world) -> None:
+    decay, no_decay = ["fc1.weight", "fc2.weight"], ["fc1.bias", "fc2.bias"]  # Trainer's split: biases
+    for v in case_values(_results(world), "case_param_names_when_the_optimizer_accepts_them"):
+        assert v["named"]["type"] == "Named" and v["plain"]["type"] == "DistributedFusedAdam"
+        assert v["named"]["groups"] == [(decay, ref.WD, 2), (no_decay, 0.0, 2)]
+        assert v["plain"]["groups"] == [(None, ref.WD, 2), (None, 0.0, 2)]
+        assert v["named"]["buckets"] > v["plain"]["buckets"]  # shardamp_optimizer_kwargs reached it
+
+
+@pytest.mark.parametrize("world", [WORLD])
+def test_trl_sft_trainer_with_the_mixin_matches_the_plain_sft_trainer(world) -> None:
+    """fp32: bf16 autocast would make even torch's fused and foreach AdamW drift apart."""
+    pytest.importorskip("trl")
+    values = case_values(_results(world), "case_trl_sft_trainer_with_the_mixin")
+    for v in values:
+        plain, ours = v["plain"], v["shardamp"]
+        assert plain["opt"] == "AdamW" and plain["wrapped"] == "DistributedDataParallel"
+        assert ours["opt"] == "DistributedFusedAdam" and ours["wrapped"] != "DistributedDataParallel"
+        assert plain["checkpointing"] and ours["checkpointing"]  # SFTConfig's default, through the mixin too
+        assert ours["groups"] == plain["groups"] and {wd for wd, _ in ours["groups"]} == {0.0, 0.1}
+        assert len(plain["grad_norms"]) == cases.SFT_STEPS
+        assert min(plain["grad_norms"]) > cases.SFT_MAX_NORM, plain["grad_norms"]  # clipped every step
+        assert ours["grad_norms"] == pytest.approx(plain["grad_norms"], rel=1e-4)
+        assert ours["losses"] == pytest.approx(plain["losses"], rel=1e-6)
+        moved = max((a - b).abs().max().item() for a, b in zip(plain["params"], plain["initial"]))
+        assert moved > 100 * ref.ATOL, moved  # a run that did not train would fail the comparison
+        ref.assert_params_close(ours["params"], plain["params"])
+    for a, b in zip(values[0]["shardamp"]["params"], values[1]["shardamp"]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_mixin_after_the_trainer_or_another_optimizer_class_raises_naming_the_fix() -> None:
+    from transformers import Trainer
+
+    from shardamp.integrations.transformers import ShardampTrainerMixin
+
+    with pytest.raises(TypeError, match=r"class Late\(ShardampTrainerMixin, <your Trainer subclass>\)"):
+        class Late(Trainer, ShardampTrainerMixin):
+            pass
+
+    with pytest.raises(TypeError, match=r"shardamp_optimizer_class=.*AdamW.*optimizers=\(opt, scheduler\)"):
+        class TorchAdamW(ShardampTrainerMixin, Trainer):
+            shardamp_optimizer_class = torch.optim.AdamW
+
+    class Early(ShardampTrainerMixin, Trainer):  # the documented order
+        pass
+
+    class Composable(ShardampTrainerMixin):  # no Trainer yet: nothing to check
+        pass
+
+    assert Early.create_optimizer is ShardampTrainerMixin.create_optimizer
+    assert Composable.__mro__[1] is ShardampTrainerMixin

@@ -264,20 +264,18 @@ void launch_shape(const Params& P, int64_t nchunks) {
 
 using bf16 = __nv_bfloat16;
 
-// The shape of each kind, measured on an H200 (csrc/NOTES.md, examples/tune_step.py; the step
-// alone, 256M elements, copy bandwidth 4161-4194 GB/s):
+// The shape of each kind (csrc/NOTES.md says why; docs/performance.md has the measurements,
+// benchmarks/tune_step.py takes them):
 // * remainders with bf16 moments and 16-bit grads (every array 16-bit): loads staged through
-//   shared memory, 2 steps per thread, 4 blocks per SM (<= 64 registers): 1.465 -> 1.205 ms
-//   (96% of its 18-byte floor);
+//   shared memory, 2 steps per thread, 4 blocks per SM (<= 64 registers): staging frees the
+//   registers that bytes in flight would hold, and it pays only when no array is fp32;
 // * remainders with fp32 moments and 16-bit grads: registers, 2 steps, 3 blocks per SM (<= 80
-//   registers, no spills; fp32 grads would spill): 1.825 -> 1.720-1.730 ms (96-97.5% of 26 B);
+//   registers, no spills; fp32 grads would spill);
 // * fp32 master with two bf16 moments (any grad and model_out dtype): 1 step per thread, 4 blocks
 //   per SM (<= 64 registers, no spills): twice the warps of 2x1 hide the update's arithmetic
-//   behind the loads (at 128 registers 2x1 left 62% of issue cycles with no eligible warp, 50%
-//   of stalls on loads): fp32 grads 1.479 -> 1.417 ms (2x1 at 16384 -> 1x4 at 4096), bf16 grads
-//   1.418 -> 1.322, bf16 params 1.553 -> 1.511 (copy bandwidth 4141 GB/s, 2026-12-01); with fp32
-//   grads the chunk that ships is 2048, measured after these (csrc/NOTES.md, session 5);
-// * the rest: 2 steps in registers, no bound (fp32 states: 95% of the 28-byte floor).
+//   behind the loads (at 128 registers, 2x1 left most issue cycles with no eligible warp, half of
+//   its stalls on loads);
+// * the rest: 2 steps in registers, no bound (fp32 states: ~95% of the 28-byte floor).
 // optim/kernels/dispatch.py picks each kind's chunk size to match (kernels.light_state).
 template <typename G, typename M, typename V, bool R>
 using KindShape = std::conditional_t<
@@ -290,7 +288,7 @@ using KindShape = std::conditional_t<
 // another shape for the kinds the benchmark measures: 1 "2x1", 2 "2x3", 4 "1x4" (registers, U
 // steps x B blocks), 3 "c2x4" (staged); 0 or anything else: the kind's own. ("1x3" was timed
 // too: slower than the default for every kind, NOTES.)
-// The kinds the knob reaches (examples/tune_step.py times them): bench_step.py's light-state
+// The kinds the knob reaches (benchmarks/tune_step.py times them): bench_step.py's light-state
 // kinds, and fp32 params with bf16 grads and bf16 moments. (fp32 and bf16 params with fp32
 // states were timed under every shape too: the default was the fastest, NOTES.)
 template <typename G, typename O, typename M, typename V, bool R>

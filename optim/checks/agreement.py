@@ -113,66 +113,6 @@ def _short(value: Any, limit: int = 120) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-# Live optimizers per process group (keyed by the group object; None = WORLD), in build order.
-_by_group: "weakref.WeakKeyDictionary[Any, list]" = weakref.WeakKeyDictionary()
-_world: List[weakref.ref] = []
-
-
-def register(opt: Any) -> None:
-    """Record ``opt`` among its group's live optimizers (see ``overlapping``)."""
-    refs = _refs(opt)
-    refs[:] = [r for r in refs if r() is not None] + [weakref.ref(opt)]
-    opt._settled_backwards = 0
-
-
-def settle(opt: Any) -> None:
-    """``opt`` stepped or dropped its grads: it holds no grads it has not stepped on."""
-    opt._settled_backwards = opt._grad_sync.backwards
-
-
-def _holds_unstepped_grads(opt: Any) -> bool:
-    sync = getattr(opt, "_grad_sync", None)
-    return sync is not None and sync.backwards != getattr(opt, "_settled_backwards", 0)
-
-
-def overlapping(opt: Any) -> bool:
-    """True if, as ``opt`` steps, another live optimizer over its group holds grads it has not
-    stepped on (nor dropped with ``zero_grad``).
-
-    Two optimizers over one group are safe while their rounds (first grad .. step) follow each
-    other, in any order and however long both live (train one, then another; save, rebuild,
-    resume). They are not when the rounds overlap (e.g. one loss backpropagating through both
-    models): their bucket reduce-scatters then interleave in an order that can differ between
-    ranks. The answer is program order, the same on every rank; it rides in the step's stats
-    all-reduce, so every rank raises."""
-    if not opt._comm.has_peers:
-        return False
-
-    def others() -> list:
-        return [o for o in (r() for r in _refs(opt)) if o is not None and o is not opt and _holds_unstepped_grads(o)]
-
-    if not others():
-        return False
-    import gc
-
-    gc.collect()  # one kept alive only by a reference cycle (dropped, never stepped) is no other user
-    return bool(others())
-
-
-def _refs(opt: Any) -> List[weakref.ref]:
-    return _world if opt.process_group is None else _by_group.setdefault(opt.process_group, [])
-
-
-TWO_OPTIMIZERS = (
-    "DistributedFusedAdam: another DistributedFusedAdam over this process group received gradients "
-    "while this one held gradients it had not stepped on (their backward passes overlap, e.g. one loss "
-    "backpropagating through both models). The two would issue their reduce-scatters in an order that "
-    "can differ between ranks (a hang or mixed-up grads). Use ONE optimizer with several param groups, "
-    "give each optimizer its own group (torch.distributed.new_group), or step and zero_grad one before "
-    "the other's backward."
-)
-
-
 # ====================================================================== every step
 def _chunk_bits(world_size: int) -> int:
     # W * (2**b - 1)**2 < 2**24 keeps every SUM an exact float32 integer

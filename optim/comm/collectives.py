@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .. import _compat
 from . import order as collective_order, watchdog as collective_watchdog
-from .order import AGREEMENT, ALL_GATHER, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
+from .order import AGREEMENT, ALL_GATHER, GRAD_READS, REDUCE_SCATTER, REPLICAS, SECOND_NORM, STATS
 
 __all__ = ["Comm", "GroupComm", "make_comm", "all_reduce_max"]
 
@@ -74,7 +74,8 @@ class Comm:
     reduces_grads = False
     # ``has_peers``: other ranks exist that must build and step identically: the agreement
     # checks (construction, per step, per collective call) and the order of collectives
-    # between optimizers over one group matter (agreement.py). False: nothing to disagree with.
+    # between optimizers over one group matter (agreement.py, sync/backward_order.py). False: nothing
+    # to disagree with.
     has_peers = False
     # ``gathers_params``: the shard dim splits buckets, so params are all-gathered after the step
     # (and a lower-precision param_sync_dtype needs a buffer of its own); False: the shard is the bucket.
@@ -122,6 +123,11 @@ class Comm:
         """The step's one small all-reduce, over the whole span, in place. Replicas hold the same
         grad shard, so with SUM only replicate rank 0 contributes the norm partial (``stats[0]``):
         the norm counts every element once whatever the mesh."""
+
+    def all_reduce_shard_dim(self, tensor: Tensor, op: Any) -> None:
+        """Synchronous all-reduce of ``tensor`` over the shard dim, in place: per-param values
+        computed from this rank's grad shards (grads_view.py). Replicas hold the same shards, so
+        nothing crosses the replicate dim (every replica gets the same result)."""
 
     # ------------------------------------------------------------ construction, checks, state
     def broadcast(self, tensor: Tensor) -> None:
@@ -238,6 +244,12 @@ class GroupComm(Comm):
         self.check()
         # control_group is the span's own group unless gloo's side groups are in use
         self._handle(_compat.all_reduce(stats, op, self.control_group, async_op=True), what).wait()
+
+    def all_reduce_shard_dim(self, tensor: Tensor, op: Any) -> None:
+        if self.shard_size == 1:
+            return
+        self.check()
+        self._handle(_compat.all_reduce(tensor, op, self.shard_group, async_op=True), GRAD_READS).wait()
 
     def broadcast(self, tensor: Tensor) -> None:
         _compat.broadcast_from_group_rank0(tensor, self.group)

@@ -56,6 +56,7 @@ SECOND_NORM = "the all-reduce of a second norm type"
 REDUCE_SCATTER = "a gradient reduce-scatter (backward)"
 REPLICAS = "the all-reduce of a grad shard over the replicas"
 ALL_GATHER = "a param all-gather (end of step)"
+GRAD_READS = "the all-reduce of per-param grad norms (p.grad norms: torch_tools.py, grads_view.py)"
 AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_state_dict, save_sharded, load_sharded)"
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -183,6 +184,87 @@ def view_check(refs: List[Tensor]) -> Optional[Any]:
     return ext.ViewCheck(refs)
 
 
+@dataclass(eq=False)
+class AdamLaunch:
+    """One shard's fused Adam/AdamW step, its arguments by name (contract: ``reference.py``).
+
+    Built once per bucket (the shard's state, the step counts, the grad coefficient and the
+    hyperparameter table persist across steps); before each step the optimizer assigns what is
+    new that step: ``grad`` (the grad shard is released between steps), ``touched``,
+    ``found_inf`` and ``records`` (:meth:`StepRecords.compute` over
+    several shards, CUDA; this shard's rows start at ``record_offset``; without them the CUDA
+    step forms its scalars itself, one more launch). :func:`launch_adam` runs it.
+    """
+
+    grad: Tensor
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    model_out: Optional[Tensor]
+    segments: SegmentTable
+    hparams: Tensor
+    steps: Tensor
+    touched: Tensor
+    grad_coef: Tensor
+    found_inf: Tensor
+    adam_w_mode: bool
+    bias_correction: bool
+    records: Optional[Tensor] = None
+    record_offset: int = 0
+    _native: Any = field(default=None, repr=False)  # the extension's AdamLaunch, made at the first native launch
+
+    def native_state(self) -> bool:
+        """Whether the compiled kernels take this shard's state: an fp32 master (or int16
+        remainders under a bf16 ``model_out``), fp32 or bf16 moments, fp32/bf16/fp16 grads and
+        params. Anything else (fp64 state) takes the reference path: correct, not fused."""
+        master, out = self.master, self.model_out
+        state = (master.dtype == torch.float32 or (
+            master.dtype == torch.int16 and out is not None and out.dtype == torch.bfloat16)) and (
+            self.exp_avg.dtype in _MOMENT_DTYPES and self.exp_avg_sq.dtype in _MOMENT_DTYPES)
+        return state and self.grad.dtype in _NATIVE_DTYPES and (out is None or out.dtype in _NATIVE_DTYPES)
+
+
+def launch_adam(launch: AdamLaunch) -> None:
+    """Run one shard's step: the compiled kernel where it takes the state, else the reference."""
+    segments = launch.segments
+    if not segments.segments:
+        return
+    ext = _native(launch.grad.device)
+    if ext is None or not launch.native_state():
+        host = segments.extra.get("host")
+        if host is None:  # from the host-side segments: no device-to-host copy
+            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
+            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
+        reference.adam_step(
+            launch.grad, launch.master, launch.exp_avg, launch.exp_avg_sq, launch.model_out, host, launch.hparams,
+            launch.steps, launch.touched, launch.grad_coef, launch.found_inf, launch.adam_w_mode,
+            launch.bias_correction,
+        )
+        return
+    native = launch._native
+    if native is None or not hasattr(ext, "AdamLaunch"):
+        native = _native_launch(ext, launch)
+    native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
+        launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
+    cuda = launch.grad.device.type == "cuda"
+    native.chunks = _chunk_table(ext, segments, launch.grad, launch.steps, launch.hparams,
+                                 light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, launch.grad.dtype))
+    native.records = launch.records if cuda else None
+    native.record_offset = launch.record_offset
+    native.shape = _knobs()[0] if cuda else 0
+    ext.adam_launch(native)
+
+
+def _native_launch(ext: Any, launch: AdamLaunch) -> Any:
+    native = ext.AdamLaunch(
+        grad=launch.grad, master=launch.master, exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq,
+        model_out=launch.model_out, segments=launch.segments.table, hparams=launch.hparams, steps=launch.steps,
+        touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
+        adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
+    launch._native = native
+    return native
+
+
 def adam_step(
     grad: Tensor,
     master: Tensor,
@@ -200,40 +282,15 @@ def adam_step(
     records: Optional[Tensor] = None,
     record_offset: int = 0,
 ) -> None:
-    """One fused Adam/AdamW update of a shard (contract: ``reference.py``). ``records``: this
-    step's :meth:`StepRecords.compute` over several shards (CUDA), this shard's segments from row
-    ``record_offset``; without it the CUDA step forms them itself (one more launch)."""
-    if not segments.segments:
-        return
-    ext = _native(grad.device)
-    # The kernels take an fp32 master (or int16 remainders under a bf16 model_out) and fp32 or
-    # bf16 moments; any other state dtype (fp64) takes the reference path (correct, not fused).
-    native_state = (master.dtype == torch.float32 or (
-        master.dtype == torch.int16 and model_out is not None and model_out.dtype == torch.bfloat16)) and (
-        exp_avg.dtype in _MOMENT_DTYPES and exp_avg_sq.dtype in _MOMENT_DTYPES)
-    supported = grad.dtype in _NATIVE_DTYPES and (model_out is None or model_out.dtype in _NATIVE_DTYPES)
-    if ext is None or not native_state or not supported:
-        host = segments.extra.get("host")
-        if host is None:  # from the host-side segments: no device-to-host copy
-            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
-            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-        reference.adam_step(
-            grad, master, exp_avg, exp_avg_sq, model_out, host, hparams, steps, touched,
-            grad_coef, found_inf, adam_w_mode, bias_correction,
-        )
-    else:
-        cuda = grad.device.type == "cuda"
-        ext.adam_step(
-            grad, master, exp_avg, exp_avg_sq, model_out, segments.table, hparams, steps,
-            touched, grad_coef, found_inf, adam_w_mode, bias_correction,
-            _chunk_table(ext, segments, grad, steps, hparams, light_state(master, exp_avg, exp_avg_sq, grad.dtype)),
-            records if cuda else None, record_offset, _knobs()[0] if cuda else 0,
-        )
+    """One step of one shard from its arguments as the reference states them (the kernels' tests
+    and benchmarks call it so); the optimizer keeps an :class:`AdamLaunch` per bucket instead."""
+    launch_adam(AdamLaunch(grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched,
+                           grad_coef, found_inf, adam_w_mode, bias_correction, records, record_offset))
 
 
 # The tuning knobs as read at their first use: (SHARDAMP_CUDA_STEP's shape code, or 0;
 # SHARDAMP_CUDA_CHUNK's chunk, or 0). Not read again at every step; ``refresh_knobs`` re-reads
-# them (examples/tune_step.py switches them between launches).
+# them (benchmarks/tune_step.py switches them between launches).
 _knob_cache: Optional[tuple] = None
 
 
@@ -257,16 +314,15 @@ def cuda_chunk(default: int) -> int:
 
 
 # Elements per CUDA block (chunk) of the lighter steps, by state kind: each kind's step has its
-# own shape (csrc/cuda/adam_step.cu, KindShape), and each was timed at several chunk sizes on an
-# H200 (csrc/NOTES.md, examples/tune_step.py, the step alone over 256M elements):
-# * fp32 master + bf16 moments: 2 steps per thread: 1.570 ms at 4096, 1.490 at 8192, 1.474 at
-#   16384; 1 step, 4 blocks per SM (the shape now): 1.417 at 4096, 1.479 at 8192, 1.589 at 16384
-#   (fp32 grads; bf16 grads 1.322 / 1.386 / 1.499; bf16 params 1.511 / 1.614 / 1.731); with fp32
-#   grads 1.300 at 2048 against 1.389 at 4096 in one later run (2048 untimed with 16-bit grads);
-# * remainders + bf16 moments (staged loads): 1.205 at 4096, 1.274 at 8192;
-# * remainders + fp32 moments (3 blocks per SM): 1.720 at 4096, 1.852 at 8192;
-# * one bf16 moment and one fp32 (2 steps per thread, untimed here): 8192, as session 3 measured
-#   for the 2-step shape on the light kinds. fp32 master and moments keep ext.CUDA_CHUNK (4096).
+# own launch shape (csrc/cuda/adam_step.cu, KindShape), and each chunk size is the fastest of the
+# sizes timed for that shape (csrc/NOTES.md says why; docs/performance.md has the measurements):
+# * fp32 master + bf16 moments, 1 step per thread at 4 blocks per SM: smaller chunks win as the
+#   per-block start is amortised over fewer bytes: 2048 with fp32 grads; 4096 with 16-bit grads
+#   (2048 was not timed there);
+# * remainders, with bf16 moments (staged loads) or fp32 moments (3 blocks per SM): 4096;
+# * one bf16 moment and one fp32 (2 steps per thread, not timed on its own): 8192, the size that
+#   suited the 2-step shape of the other light kinds. fp32 master and moments keep ext.CUDA_CHUNK
+#   (4096).
 LIGHT_STATE_CUDA_CHUNK = 8192
 BF16_MOMENTS_CUDA_CHUNK = 4096
 BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK = 2048
@@ -295,7 +351,7 @@ CUDA_STEP_SHAPES = config.CUDA_STEP_SHAPES
 
 def cuda_step_shape() -> str:
     """The tuning knob ``SHARDAMP_CUDA_STEP`` ('' when unset): another launch shape for the
-    light-state kinds the benchmark measures (csrc/NOTES.md, examples/tune_step.py)."""
+    light-state kinds the benchmark measures (csrc/NOTES.md, benchmarks/tune_step.py)."""
     return config.settings().cuda_step
 
 

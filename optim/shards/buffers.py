@@ -207,7 +207,8 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
     if native is not None and native.intact(params):
         return
     for i, (p, ref) in enumerate(zip(params, refs)):
-        if p.grad is not None:
+        grad = _compat.raw_grad(p)  # autograd's own field: p.grad shows the optimizer's grads (torch_tools.py)
+        if grad is not None:
             ddp = find_ddp(params)
             if ddp is not None:
                 raise ddp_error(ddp)
@@ -216,7 +217,7 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
         # checked before the stray grad: a new dtype or device also gives the param a new grad
         # accumulator, without the optimizer's hook, so its grad stays in .grad
         if moved or p.dtype != ref.dtype or p.shape != ref.shape or p.stride() != ref.stride():
-            if p.grad is None and reattach(i):
+            if grad is None and reattach(i):
                 continue
             raise RuntimeError(
                 f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}, dtype "
@@ -225,7 +226,7 @@ def check_views(params: Sequence[Tensor], refs: List[Tensor], reattach: Callable
                 "load_state_dict(assign=True)). Move and cast the model BEFORE building the "
                 "optimizer, and load weights with load_state_dict(assign=False)."
             )
-        if p.grad is not None:
+        if grad is not None:
             raise RuntimeError(
                 f"DistributedFusedAdam: parameter {i} (shape {tuple(p.shape)}) has a .grad the "
                 "optimizer never received, so it would not be trained. Its grad hook exists only "

@@ -9,7 +9,9 @@ reduce-scattered in index order on every rank: a bucket whose params have all pr
 is launched as soon as every bucket before it has been, so the collectives overlap the rest of
 backward, and the buckets left over (params that got no grad on this rank) are flushed by an
 end-of-backward callback. Every rank therefore issues the same collectives in the same order
-whatever its unused params. The reduced shard lands in ``BucketBuffers.grad_shard``; a second
+whatever its unused params. Several optimizers over one process group keep one order between
+them too (backward_order.py: a backward reaching two of them launches at its end, in build
+order). The reduced shard lands in ``BucketBuffers.grad_shard``; a second
 reduction before the next ``zero_grad`` accumulates into it, as ``param.grad`` accumulates in
 torch.
 
@@ -25,6 +27,7 @@ grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, List, Optional, Sequence
@@ -34,7 +37,7 @@ from torch import Tensor
 
 from .. import _compat, kernels, norms
 from ..kernels import partials
-from . import grad_stager
+from . import backward_order, grad_stager
 from ..shards.buffers import BucketBuffers
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
@@ -134,6 +137,14 @@ class GradSync:
         self.next_launch = 0  # buckets [0, next_launch) have been launched in the current round
         self.enabled = True  # False inside no_sync()
         self.callback_queued = False
+        # backward_order.py: this backward reaches another optimizer over the group too, so the
+        # launches wait for its end (``defer_launches``); or its launches are held to the step
+        # (``hold_launches``) and the step raises ``refusal`` (backward passes of two threads at once)
+        self.defer_launches = False
+        self.hold_launches = False
+        self.refusal = ""
+        self.order_group: Optional[backward_order.GroupOrder] = None
+        self.build_index = 0
         self.rounds_since_step = 0
         self.grad_since_zero = False
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
@@ -178,6 +189,12 @@ class GradSync:
         # accumulator, which keeps the stream it was made on, and a capture on another stream
         # would then wait on it (grad_stager.py)
         self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
+        # the grad accumulators backward_order.py asks autograd about, kept where the native
+        # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
+        self.accumulators: Optional[List[Any]] = (
+            None if isinstance(self.stager, grad_stager.PyStager) else [None] * len(self.by_stager_index))
+        if comm.has_peers:
+            backward_order.register(self)
 
     # ---------------------------------------------------------------- backward
     def _hook(self, entry: ParamGrad) -> None:
@@ -192,7 +209,7 @@ class GradSync:
         if not self.callback_queued:  # first grad of this backward
             self.callback_queued = True
             self.backwards += 1
-            _compat.queue_backward_callback(self._end_of_backward)
+            backward_order.begin(self)  # queues the end of this backward (the group's, if shared)
             self.stager.set_armed(True)
             if self.stepped_since_zero:
                 self._warn_no_zero_grad()
@@ -213,7 +230,7 @@ class GradSync:
     def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
         if event != grad_stager.NONE:
             self._flush(s)
-        if event == grad_stager.COMPLETE and self.enabled and self.overlap:
+        if event == grad_stager.COMPLETE and self.enabled and self.overlap and not self.defer_launches:
             self._launch_ready()
 
     def raise_hook_error(self) -> None:
@@ -302,7 +319,7 @@ class GradSync:
         self.stager.set_armed(False)
         self.raise_hook_error()
         self.flush_all()
-        if self.overlap and self.enabled:
+        if self.overlap and self.enabled and not self.hold_launches:
             self._finish_round()
         self.stager.reset_fired()
 
@@ -432,6 +449,7 @@ class GradSync:
     def step_done(self) -> None:
         self.rounds_since_step = 0
         self.stepped_since_zero = True
+        self.refusal = ""  # the step that consumed the refused grads was flagged (backward_order.py)
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
@@ -441,6 +459,9 @@ class GradSync:
         self.next_launch = 0
         self.partials_zeroed = False
         self.callback_queued = False  # a backward that raised never ran its callback
+        self.defer_launches = self.hold_launches = False
+        self.refusal = ""
+        backward_order.forget(self)
         self.stager.set_armed(False)
         self.stager.clear()
         self.stager.drain()  # the landed grads are freed by now, as torch's are by zero_grad
@@ -478,6 +499,8 @@ class GradSync:
             self.enabled = previous
 
     def __del__(self) -> None:
+        if sys.is_finalizing():  # module globals are being torn down; the hooks go with the params
+            return
         self.remove_hooks()
 
     def remove_hooks(self) -> None:

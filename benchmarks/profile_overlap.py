@@ -3,7 +3,7 @@ clip_grad_norm`` after backward with the per-bucket grad stats computed as each 
 (on a side stream, under backward) versus computed after backward, plus a torch.profiler trace
 showing which kernels ran concurrently with backward compute.
 
-    python examples/profile_overlap.py --out out/overlap        # one GPU (NCCL world 1)
+    python benchmarks/profile_overlap.py --out out/overlap        # one GPU (NCCL world 1)
 
 At world 1 there is no reduce-scatter (nothing to communicate), so the trace shows the stats
 kernels overlapping backward; the communication overlap needs world > 1.

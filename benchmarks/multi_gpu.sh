@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 # comparable between hosts that have it and hosts that do not
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 status=0
-source examples/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
+source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
 N="$(python3 -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
 echo "visible GPUs: $N" | tee -a "$OUT/env.log"
 if (( N < 1 )); then echo "no GPU visible: nothing to run"; exit 1; fi
@@ -45,7 +45,7 @@ for K in ${SCALING_WORLDS-1 2 4 8}; do
   # python3 -m torch.distributed.run is torchrun, for the same interpreter (and PYTHONPATH)
   # shellcheck disable=SC2086  # SCALING_ARGS is a list of flags
   timeout -k 10 "${SCALING_TIMEOUT:-120}" python3 -m torch.distributed.run --standalone --nproc-per-node "$K" \
-    examples/bench_scaling.py --out "$OUT/scaling" $SCALING_ARGS >"$OUT/scaling_w$K.log" 2>&1 || rc=$?
+    benchmarks/bench_scaling.py --out "$OUT/scaling" $SCALING_ARGS >"$OUT/scaling_w$K.log" 2>&1 || rc=$?
   worlds+=("$K"); rcs+=("$rc")
   (( rc == 0 )) || status=1
   grep -E "^world $K " "$OUT/scaling_w$K.log" || tail -5 "$OUT/scaling_w$K.log"

@@ -9,8 +9,8 @@ gaps; kernels other than the step are the small ops around it. --timeline also p
 kernel of the median iteration in order: its start after the previous one ended (the gap) and
 its duration.
 
-    python examples/profile_step.py --out out/       # needs a CUDA GPU
-    python examples/profile_step.py --kinds "fp32+bf16 moments" --rows graph --timeline
+    python benchmarks/profile_step.py --out out/       # needs a CUDA GPU
+    python benchmarks/profile_step.py --kinds "fp32+bf16 moments" --rows graph --timeline
 """
 from __future__ import annotations
 

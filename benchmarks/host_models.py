@@ -1,4 +1,4 @@
-"""Models for examples/bench_host.py: ``model_specs`` (what each row trains: torchvision's
+"""Models for benchmarks/bench_host.py: ``model_specs`` (what each row trains: torchvision's
 ResNet-50 / ResNet-18 where installed, the UNet, GPT-2, many params; their batches, losses and
 AMP dtypes), and the stand-ins built from plain torch modules (no torchvision needed):
 

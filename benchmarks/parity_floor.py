@@ -1,9 +1,9 @@
 """How far torch's own AdamW implementations drift apart on the framework examples' model, next
 to DistributedFusedAdam: the evidence behind framework_common's parity criterion.
 
-    python examples/parity_floor.py                          # the CUDA default's size, on the CPU, fp32
-    python examples/parity_floor.py --precision bf16 --steps 10
-    python examples/parity_floor.py --device cuda
+    python benchmarks/parity_floor.py                          # the CUDA default's size, on the CPU, fp32
+    python benchmarks/parity_floor.py --precision bf16 --steps 10
+    python benchmarks/parity_floor.py --device cuda
 
 No framework: one process (world 1), every variant trained in lockstep on the same batches (the
 examples' model, data, groups, lr 1e-3, clip 0.05), each compared after some steps with torch's
@@ -18,11 +18,13 @@ import argparse
 import math
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
 
-import framework_common as common
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+import framework_common as common  # noqa: E402
 from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
 
 VARIANTS = ["torch", "fused", "fp64 norm", "fused + fp64 norm", "shardamp", "shardamp lr x1.01", "shardamp no clip"]

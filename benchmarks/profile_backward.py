@@ -5,7 +5,7 @@ Python callbacks (first grad, bucket flushes and launches, the end-of-backward c
 by wrapping them; and torch.profiler tables (CPU) of a few backwards of each, written under
 ``--out``. The rest of the difference is the native hook and the launches it makes.
 
-    python examples/profile_backward.py --device cuda       # ResNet-50 (torchvision), fp16 autocast
+    python benchmarks/profile_backward.py --device cuda       # ResNet-50 (torchvision), fp16 autocast
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Tuning the CUDA step for the light-state kinds: kernels.adam_step alone, per launch shape and chunk.
 
-For each kind of examples/bench_step.py's KINDS (raw flat tensors, 64 uneven params as there), it
+For each kind of benchmarks/bench_step.py's KINDS (raw flat tensors, 64 uneven params as there), it
 times the step kernel alone (no stats pass, no optimizer ops) under every launch shape
 (SHARDAMP_CUDA_STEP=UxB: U vector steps of 8 elements per thread, B resident blocks per SM;
 csrc/cuda/adam_step.cu) and chunk size (SHARDAMP_CUDA_CHUNK), against the kind's step bytes over
@@ -11,7 +11,7 @@ Before timing, every shape and chunk is checked bit for bit against the 2x1 shap
 inputs (a smaller problem, uneven segments): the per-element arithmetic must not depend on how the
 work is split. The grad_stats pass is timed alone too (what the bench's "kernels" rows add).
 
-    python examples/tune_step.py --out out/         # needs a CUDA GPU
+    python benchmarks/tune_step.py --out out/         # needs a CUDA GPU
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ thread of its own while the main thread waits: runtime calls are given to the ph
 holds their start time, whichever thread made them (so a call of another thread, the release
 thread's frees or a watchdog's event query, counts in the phase it happened in). cProfile sees
 the main thread only, not the grad hooks' Python callbacks on the device thread
-(``examples/profile_backward.py`` times those). torch's sync debug mode is process-wide, and
+(``benchmarks/profile_backward.py`` times those). torch's sync debug mode is process-wide, and
 autograd replays the warnings its device threads raised on the caller's thread after backward:
 a sync inside backward is reported at the ``backward()`` call's line.
 """

@@ -30,8 +30,8 @@ On a GPU every variant is timed twice, with CUDA events around the same device w
                timing where the host fell behind is counted and reported);
   idle GPU     the calls start on an idle GPU, so the host's launch latency is exposed too.
 
-    python examples/bench_step.py --device cuda --out out/
-    python examples/bench_step.py --device cpu --out out/
+    python benchmarks/bench_step.py --device cuda --out out/
+    python benchmarks/bench_step.py --device cpu --out out/
 """
 from __future__ import annotations
 

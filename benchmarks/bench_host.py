@@ -1,9 +1,9 @@
 """Host-overhead benchmark: whole training iterations of real models, shardamp against plain
 torch at world 1, plus the pieces where a Python optimizer pays on the host.
 
-    python examples/bench_host.py --device cuda --out out/host        # GPU: every row
-    python examples/bench_host.py --device cpu --out out/host_cpu     # CPU smoke (small models)
-    python examples/bench_host.py --device cuda --only resnet50 --profile out/prof
+    python benchmarks/bench_host.py --device cuda --out out/host        # GPU: every row
+    python benchmarks/bench_host.py --device cpu --out out/host_cpu     # CPU smoke (small models)
+    python benchmarks/bench_host.py --device cuda --only resnet50 --profile out/prof
 
 torch = ``torch.optim.AdamW(fused=True)`` + ``torch.amp.GradScaler`` + ``clip_grad_norm_``;
 shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_norm``. Rows:
@@ -41,6 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # gpt.py, reporting.py
 from host_iteration import (PHASES, host_pieces, interleaved, make_iteration, paired_ratio,  # noqa: E402
                             peak_memory, sync)
 from host_trace import host_syncs, python_hotspots, runtime_calls  # noqa: E402

@@ -1,20 +1,20 @@
 """Scaling model: communication bytes and time per GPU per step, flat vs hybrid sharding, past
 the machines we can measure on (8 to 1024 GPUs, nodes of 8).
 
-    python examples/scaling_model.py                 # the README's table
-    python examples/scaling_model.py --efficiency 1  # at the nominal bandwidths
+    python benchmarks/scaling_model.py                 # the table in docs/performance.md
+    python benchmarks/scaling_model.py --efficiency 1  # at the nominal bandwidths
 
 Assumptions (all stated, all flags):
 
 * weak scaling: every GPU keeps its batch, so compute per step stays the measured world-1 step
-  (``--compute-ms``); the model is the README's 672M-param GPT, fp32 grads and params on the
+  (``--compute-ms``); the model is the 672M-param GPT of docs/performance.md, fp32 grads and params on the
   wire (``--params``, ``--bytes``);
 * ring collectives; a collective over ``n`` ranks moves ``(n-1)/n * S`` bytes per GPU for a
   reduce-scatter or all-gather of ``S`` bytes and twice that for an all-reduce; latency terms
   are left out (they grow with the ranks in one ring, so they only favour hybrid further);
 * a ring that spans nodes runs at the per-GPU network bandwidth (one NIC per GPU), one inside
   a node at the NVLink bandwidth (``--nvlink-gbs``, ``--network-gbs``);
-* CALIBRATION on the measured 2-GPU run (README, Multi-GPU): 2 x 1/2 x S moved in 43.7 ms of
+* CALIBRATION on the measured 2-GPU run (docs/performance.md, Multi-GPU): 2 x 1/2 x S moved in 43.7 ms of
   NCCL kernel time gives the bandwidth reached under compute, ``efficiency`` = that / nominal
   NVLink (NCCL time includes waiting for the other rank, so this is pessimistic); the step grew
   by 2.3 ms over world 1, so compute hid ``43.7 - 2.3`` ms of communication: the hiding window.

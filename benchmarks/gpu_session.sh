@@ -7,12 +7,12 @@ OUT="${OUT:-out/gpu}"
 mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"  # absolute: a relative $OUT must survive the cd
 cd "$(dirname "$0")/.."
 status=0
-source examples/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
+source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel build
 # PARTS picks what runs (default: tests bench overlap): tests (every CUDA test file: kernels,
 # NCCL parity and AMP loops, graphs, checkpoints, FSDP2 wrappers, fault cases), frameworks (the
 # examples/*_train.py scripts on CUDA: FRAMEWORK_TESTS picks them, default all), kernel_tests
-# (kernels only), bench, host (examples/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
-# (examples/profile_backward.py: ResNet-50's backward host time, piece by piece), variants (step
+# (kernels only), bench, host (benchmarks/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
+# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), variants (step
 # chunk sizes side by side), profile, overlap. BUDGET (seconds, default 3000) caps the whole
 # session: each part gets at most what is left of it, so a slow part cannot starve the rest of
 # their logs.
@@ -44,32 +44,32 @@ if [[ " $PARTS " == *" frameworks "* ]]; then
   grep -E "parity|step time|resume|passed|failed|Error" "$OUT/frameworks.log" | tail -40
 fi
 if [[ " $PARTS " == *" bench "* ]]; then
-  timeout "$(left 200)" python3 examples/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
+  timeout "$(left 200)" python3 benchmarks/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" --out "$OUT" 2>&1 | tail -30 | tee "$OUT/bench.log" || status=1
 fi
 if [[ " $PARTS " == *" profile "* ]]; then
-  timeout 200 python3 examples/profile_step.py --out "$OUT" 2>&1 | tail -80 | tee "$OUT/profile.log" || status=1
+  timeout 200 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | tail -80 | tee "$OUT/profile.log" || status=1
 fi
 if [[ " $PARTS " == *" variants "* ]]; then
   # the CUDA step's chunk size (SHARDAMP_CUDA_CHUNK, read by optim/kernels/dispatch.py) side by side
   for c in ${CHUNKS:-4096 8192 16384}; do
     echo "== SHARDAMP_CUDA_CHUNK=$c" | tee -a "$OUT/variants.log"
-    SHARDAMP_CUDA_CHUNK=$c timeout 150 python3 examples/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" \
+    SHARDAMP_CUDA_CHUNK=$c timeout 150 python3 benchmarks/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" \
       --only "${VARIANT_ROWS:-shardamp fp32 graph,shardamp bf16 graph,kernels}" --out "$OUT/chunk_$c" \
       2>&1 | grep -E "graph|kernels|copy" | tee -a "$OUT/variants.log" || status=1
   done
 fi
 if [[ " $PARTS " == *" host "* ]]; then
-  timeout "$(left "${HOST_TIMEOUT:-300}")" python3 examples/bench_host.py --device cuda --repeats "${HOST_REPEATS:-5}" ${HOST_ITERS:+--iters "$HOST_ITERS"} ${HOST_ARGS:-} \
+  timeout "$(left "${HOST_TIMEOUT:-300}")" python3 benchmarks/bench_host.py --device cuda --repeats "${HOST_REPEATS:-5}" ${HOST_ITERS:+--iters "$HOST_ITERS"} ${HOST_ARGS:-} \
     ${HOST_ROWS:+--only "$HOST_ROWS"} ${HOST_PROFILE:+--profile "$OUT/prof"} --out "$OUT" >"$OUT/host.log" 2>&1 || status=1
   tail -40 "$OUT/host.log"
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks
-  timeout "$(left 150)" python3 examples/profile_backward.py --device cuda --out "$OUT/backward" 2>&1 \
+  timeout "$(left 150)" python3 benchmarks/profile_backward.py --device cuda --out "$OUT/backward" 2>&1 \
     | grep -v USDT | tail -12 | tee "$OUT/backward.log" || status=1
 fi
 if [[ " $PARTS " == *" overlap "* ]]; then
-  timeout 120 python3 examples/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
+  timeout 120 python3 benchmarks/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
 fi
 echo "gpu_session: $((SECONDS - started)) s, status $status"
 exit $status

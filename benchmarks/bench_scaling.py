@@ -2,8 +2,8 @@
 AdamW(fused=True): step time, optimizer memory per GPU, and how much of the reduce-scatter /
 all-gather time is hidden under compute.
 
-    torchrun --nproc-per-node 8 examples/bench_scaling.py --out out/scaling
-    torchrun --nproc-per-node 2 examples/bench_scaling.py --layers 12 --dim 2048   # smaller
+    torchrun --nproc-per-node 8 benchmarks/bench_scaling.py --out out/scaling
+    torchrun --nproc-per-node 2 benchmarks/bench_scaling.py --layers 12 --dim 2048   # smaller
 
 Per variant it reports (rank 0 prints; every rank's numbers go to scaling_w{world}.json):
   * median step time (forward + backward + unscale_/clip + step), bf16 autocast;
@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # gpt.py, reporting.py
 from gpt import GPT, GPTConfig, loss_fn  # noqa: E402
 from reporting import optimizer_bytes  # noqa: E402
 

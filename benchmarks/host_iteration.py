@@ -1,4 +1,4 @@
-"""One training iteration of plain torch or of shardamp in each AMP loop of examples/bench_host.py,
+"""One training iteration of plain torch or of shardamp in each AMP loop of benchmarks/bench_host.py,
 and how that benchmark times and measures them: repeats interleaved, median, peak memory of one
 implementation alone.
 
@@ -136,7 +136,7 @@ _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 def paired_ratio(a: List[float], b: List[float]) -> tuple:
     """Geometric mean of the paired ratios a[i] / b[i] (repeats that ran back to back) and its
     95% t-interval (on the logs): how sure a row's speed is on a drifting host. It covers the
-    scatter between pairs only, not what differs between two builds of the same row (README)."""
+    scatter between pairs only, not what differs between two builds of the same row (docs/performance.md)."""
     import math
 
     logs = [math.log(x / y) for x, y in zip(a, b)]

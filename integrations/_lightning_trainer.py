@@ -1,0 +1,230 @@
+"""The Trainer strategy's logic, for ``lightning.pytorch`` and ``pytorch_lightning`` alike: mixins
+that each package's module combines with that package's ``DDPStrategy`` and precision plugins
+(``shardamp.integrations.lightning`` / ``shardamp.integrations.pytorch_lightning``). Imports no
+Lightning package.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from datetime import timedelta
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+from torch.distributed.constants import default_pg_timeout
+
+from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
+
+from . import _lightning_common as common
+from . import _sharded_checkpoint as shards
+
+
+class ClipThroughOptimizer:
+    """Precision-plugin mixin: norm clipping that reaches a DistributedFusedAdam's shards, and
+    16-mixed unscaling before ``on_before_optimizer_step`` also for it.
+
+    Lightning's AMP plugin neither unscales nor clips optimizers that unscale inside ``step``
+    (fused torch optimizers); ShardedGradScaler unscales a DistributedFusedAdam without a pass
+    over the grads (it records ``1/scale`` for the step kernel), so here it is unscaled where
+    Lightning unscales any other optimizer: hooks, ``opt.grad_norm()`` and clipping see the true
+    norm."""
+
+    _shardamp = True
+
+    def clip_gradients(self, optimizer: torch.optim.Optimizer, clip_val: float = 0.0,
+                       gradient_clip_algorithm: Any = "norm") -> None:
+        """Clip by norm through ``shardamp.optim.clip_grad_norm_``: the coefficient is applied
+        inside the optimizer's step kernel, from the true global norm (all ranks' shards).
+
+        Raises:
+            ValueError: ``gradient_clip_algorithm='value'`` with a DistributedFusedAdam (its
+                grads live in reduce-scattered shards; ``param.grad`` is None).
+        """
+        if clip_val <= 0:
+            return
+        if gradient_clip_algorithm == "norm":
+            # torch's clip_grad_norm_ would see param.grad None and clip nothing; shardamp's clips a
+            # DistributedFusedAdam's params in its step (with the true scale) and others as torch
+            clip_grad_norm_(self.main_params(optimizer), clip_val)
+        elif isinstance(common.unwrap(optimizer), DistributedFusedAdam):
+            raise ValueError(
+                "gradient_clip_algorithm='value' with DistributedFusedAdam: its grads live in reduce-scattered "
+                "shards (param.grad is None), so they cannot be clipped by value. Use gradient_clip_algorithm='norm'."
+            )
+        else:
+            self.clip_grad_by_value(optimizer, clip_val)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """As Lightning's MixedPrecision.optimizer_step, with the DistributedFusedAdam unscaled
+        after the closure (see the class docstring); without a scaler, the base plugin's step."""
+        scaler = getattr(self, "scaler", None)
+        if scaler is None or not isinstance(common.unwrap(optimizer), DistributedFusedAdam):
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skipped_backward = closure_result is None and model.automatic_optimization
+        if not skipped_backward:
+            scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if skipped_backward:
+            return closure_result
+        step_output = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        return step_output
+
+
+class TrainerStrategyMixin:
+    """ShardampStrategy's logic: Lightning's ``DDPStrategy`` (launchers, process group,
+    distributed sampler) without the DDP wrapper, for ``DistributedFusedAdam``. Combined with a
+    package's ``DDPStrategy`` by ``shardamp.integrations.lightning`` and
+    ``shardamp.integrations.pytorch_lightning``; see their ``ShardampStrategy``."""
+
+    strategy_name = "shardamp"
+    # the package's precision plugin class -> ("plain" | "half" | "mixed", the class run instead)
+    _precision_table: ClassVar[Mapping[type, Tuple[str, type]]] = {}
+    _plain_precision: ClassVar[type]  # the package's Precision with ClipThroughOptimizer
+
+    def __init__(
+        self,
+        accelerator: Optional[Any] = None,
+        parallel_devices: Optional[List[torch.device]] = None,
+        cluster_environment: Optional[Any] = None,
+        checkpoint_io: Optional[Any] = None,
+        precision_plugin: Optional[Any] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: str = "popen",
+        sharded_checkpoint: bool = False,
+        staging_dir: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        """``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
+        ``precision_plugin``, ``process_group_backend`` and ``timeout`` are as Lightning's
+        ``DDPStrategy``'s (usually left to the Trainer: ``accelerator=``, ``devices=``,
+        ``precision=``, ``plugins=``).
+
+        Args:
+            start_method: ``"popen"`` (a script per rank, as ``strategy="ddp"``), ``"spawn"``,
+                ``"fork"`` or ``"forkserver"``; the registered names ``shardamp_spawn``,
+                ``shardamp_fork`` and ``shardamp_notebook`` pick them.
+            sharded_checkpoint: each rank writes its optimizer shard through
+                ``torch.distributed.checkpoint`` into ``<checkpoint>.optim<i>/`` beside the
+                checkpoint file, which stores that directory's name (relative to it) instead of
+                the state (``strategy="shardamp_sharded_checkpoint"``). Default: every rank takes
+                part in the optimizer's collective ``state_dict``, rank 0 writes it into the file.
+            staging_dir: with ``sharded_checkpoint`` and a checkpoint path on a non-local fsspec
+                filesystem (``s3://`` ...): where rank 0 stages the shards before uploading them;
+                every rank must see it. Default: the temp dir.
+
+        Raises:
+            ValueError: DDP-only options (``find_unused_parameters`` ...), an unknown
+                ``start_method``, or a precision plugin DistributedFusedAdam cannot train with.
+        """
+        common.check_options(type(self).__name__, start_method, kwargs)
+        super().__init__(
+            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+        )
+        self.sharded_checkpoint = bool(sharded_checkpoint)
+        self.staging_dir = staging_dir
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``shardamp``, ``shardamp_spawn``, ``shardamp_fork``, ``shardamp_notebook``
+        and ``shardamp_sharded_checkpoint`` in ``strategy_registry`` (done on import)."""
+        common.register(cls, strategy_registry, common.VARIANTS)
+
+    # ------------------------------------------------------------------ no DDP
+    def configure_ddp(self) -> None:
+        """Keep the LightningModule unwrapped (DDPStrategy.setup would wrap it here); start every
+        rank from rank 0's buffers."""
+        common.broadcast_buffers(self.model)
+
+    @property
+    def precision_plugin(self) -> Any:
+        """The precision plugin, routed (``route_precision``): 16-mixed with a ShardedGradScaler,
+        clipping through the optimizer."""
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else self._plain_precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Any]) -> None:
+        self._precision_plugin = common.route_precision(plugin, self._precision_table, type(self).__name__)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's, then every optimizer must be a DistributedFusedAdam.
+
+        Raises:
+            ValueError: ``configure_optimizers`` returned another optimizer.
+        """
+        super().setup_optimizers(trainer)
+        for opt in self.optimizers:
+            common.require_fused_adam(opt, f"{type(self).__name__}: configure_optimizers",
+                                      "Return a DistributedFusedAdam, or use strategy='ddp' for other optimizers.")
+
+    def _fused_adams(self) -> List[DistributedFusedAdam]:
+        return [common.unwrap(opt) for opt in self.optimizers]
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Accumulating micro-batches: grads stay local until the last one's backward."""
+        with contextlib.ExitStack() as stack:
+            for opt in self._fused_adams():
+                stack.enter_context(opt.no_sync())
+            yield None
+
+    # ------------------------------------------------------------------ checkpoints
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> Optional[Dict[str, Any]]:
+        """Called on every rank by ``Trainer.save_checkpoint``: the collective state dict, whole
+        on rank 0 (which writes the file) and None elsewhere; with ``sharded_checkpoint`` a
+        placeholder that ``save_checkpoint`` replaces."""
+        opt = common.unwrap(optimizer)
+        if not isinstance(opt, DistributedFusedAdam):
+            return super().optimizer_state(optimizer)
+        if self.sharded_checkpoint:
+            return {shards.DCP_KEY: None}
+        return opt.state_dict(rank0_only=True)
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every rank: the shards first (``sharded_checkpoint``), then rank 0 writes the file, so
+        a checkpoint file never refers to shards that are not complete. ``filepath`` may be an
+        fsspec URL."""
+        states = checkpoint.get("optimizer_states", [])
+        for i, (opt, state) in enumerate(zip(self.optimizers, states)):
+            if shards.is_reference(state):
+                states[i] = shards.save(common.unwrap(opt), filepath, f".optim{i}", self, self.staging_dir)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        """Lightning's; remembers ``checkpoint_path``, beside which the shards it refers to are."""
+        self._checkpoint_path = checkpoint_path
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Every rank: load each optimizer's state, from the file or from its shards.
+
+        Raises:
+            ValueError: shards referred to by name, but the checkpoint was not read through
+                ``load_checkpoint`` (which says where the file is).
+        """
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            opt = common.unwrap(opt)
+            if not shards.is_reference(state):
+                opt.load_state_dict(state)
+                continue
+            path = getattr(self, "_checkpoint_path", None)
+            if path is None and not os.path.isabs(str(state[shards.DCP_KEY])):
+                raise ValueError(
+                    f"{type(self).__name__}.load_optimizer_state_dict: the checkpoint refers to optimizer shards by "
+                    f"name ({state[shards.DCP_KEY]!r}), found beside the checkpoint file; read it through "
+                    "strategy.load_checkpoint(path) first (Trainer.fit(ckpt_path=...) does)."
+                )
+            location = shards.resolve(state, path) if path is not None else state[shards.DCP_KEY]
+            shards.load(opt, location, self, self.staging_dir)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's, and the optimizer shards beside the file (rank 0)."""
+        super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            for i in range(len(self.optimizers)):
+                shards.remove(filepath, f".optim{i}")

@@ -1,0 +1,297 @@
+"""A DistributedFusedAdam's grads read as torch would hold them in ``param.grad``.
+
+The optimizer keeps, per bucket, this rank's shard of the reduced grads: SUMMED over the ranks
+and still SCALED by the loss scale; the averaging factor, ``1/scale`` and the clip coefficients
+are one device scalar the step kernel multiplies the grads by (``StepRound.coef``). Reading the
+grads therefore means: the shard's elements, times that scalar as far as it is known now
+(:meth:`GradsView.factor`):
+
+* before ``unscale_``: ``avg`` (the grads are scaled, as torch's are before ``unscale_``);
+* after ``unscale_``: ``avg / scale``; after a clip also the clip coefficients recorded so far
+  (each from its norm as it stands now), so the values are torch's clipped grads;
+* after ``step`` (until ``zero_grad`` or the next backward): the coefficient that step used
+  (``max_grad_norm``'s clip included, which torch has no equivalent of).
+
+What is read here, and what it costs:
+
+* :meth:`GradsView.full_grad` (``opt.full_grad(p)``): the whole grad of one param on every rank,
+  in the param's shape, dtype and strides (memory order: a channels_last weight stays
+  channels_last). A collective: an agreement all-reduce (every rank asks for the same param,
+  bounded waits), a MAX all-reduce of "some rank produced a grad for it" (None otherwise, as
+  torch), the reduction of grads still pending (``grad_sync``), and one all-gather over the
+  shard dim of at most ``min(numel, shard size)`` elements per rank. Reads a flag on the host.
+* :meth:`GradsView.local_grad` (``opt.local_grad(p)``): this rank's slice and its offsets in the
+  param's memory order. No collective, no host sync (in-flight reductions are waited for on
+  the device's streams).
+* :meth:`GradsView.param_norms`: every param's grad norm of one order, for torch's per-param
+  norms (``p.grad.norm()``, Lightning's ``grad_norm``): one all-reduce of ``2 x params`` floats
+  over the shard dim, after an agreement all-reduce (its flags are read on the host), once per
+  step and norm order (cached until the grads change); every rank must read them, as a
+  framework's logging hook does.
+* :meth:`GradsView.total_norm`: the norm over some params' grads (torch's ``get_total_norm``):
+  over ALL of the optimizer's params it is ``opt.grad_norm()``, i.e. the step's one stats
+  all-reduce, shared with ``unscale_``, clip and ``step``; over a subset, the per-param norms.
+
+Grads not reduced yet: inside ``opt.no_sync()`` the grads accumulated so far are this rank's
+own (a torch/DDP loop's ``param.grad`` would hold the local sum there, not the unsharded
+loop's), so every read raises, naming the fix. Outside ``no_sync`` a collective read reduces
+what is pending first (``grad_sync``: exact, it is what ``step`` would do); ``local_grad``, which
+issues no collective, raises instead and names ``opt.grad_sync()``.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import _compat, norms
+from .checks import agreement
+from .hparams import check_max_norm, check_norm_type
+
+
+class LocalGrad(NamedTuple):
+    """This rank's slice of a param's grad: ``tensor`` (1-D, the param's dtype) holds elements
+    ``[start, end)`` of the grad in the param's memory order (``torch.empty_like(p)``'s storage
+    order: a channels_last weight's NHWC order)."""
+
+    tensor: Tensor
+    start: int
+    end: int
+
+
+def owner(p: Tensor) -> Optional[Any]:
+    """The live DistributedFusedAdam that manages ``p`` (the last one built over it), or None."""
+    ref = getattr(p, "_shardamp_optimizer", None)
+    opt = ref() if ref is not None else None
+    if opt is not None and getattr(p, "_shardamp_owner", None) is opt._grad_sync.owner_token:
+        return opt
+    return None
+
+
+def _fix_no_sync(what: str) -> str:
+    return (f"{what}: called inside opt.no_sync(): the grads accumulated there are this rank's own, not "
+            "reduced over the ranks yet (the unsharded loop's param.grad would hold every rank's). Read them "
+            "after the backward that reduces (the last micro-batch's, outside no_sync), or leave no_sync and "
+            "call opt.grad_sync() on every rank first (it reduces what has accumulated so far).")
+
+
+class GradsView:
+    """The reads of one optimizer's grads (see the module docstring). Holds the optimizer
+    weakly; ``handles`` is torch_tools.py's per-param ``ShardedGrad`` cache."""
+
+    def __init__(self, opt: Any) -> None:
+        self._opt = weakref.ref(opt)
+        self.index_of: Dict[int, int] = {id(p): i for i, p in enumerate(opt._params)}  # by id(param)
+        self.handles: List[Optional[Tensor]] = [None] * len(opt._params)
+        self.generation = 0  # zero_grad calls: the cached norms are of dropped grads after one
+        self._norms: Optional[Tuple[tuple, Tensor]] = None  # (key, raw per-param norms)
+        self._segment_params: Dict[int, Tensor] = {}  # bucket -> param index of each segment (device)
+
+    # ------------------------------------------------------------ state
+    def optimizer(self) -> Any:
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError("the DistributedFusedAdam that managed this param's grad was garbage-collected: "
+                               "read grads while their optimizer is alive")
+        return opt
+
+    def index(self, p: Any, what: str) -> int:
+        """``p``'s position in the optimizer's params; ``ValueError`` if it does not manage ``p``."""
+        opt = self.optimizer()
+        i = self.index_of.get(id(p))
+        if i is None or opt._params[i] is not p:
+            shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
+            raise ValueError(f"{what}: the tensor given ({shape}) is not a parameter of this DistributedFusedAdam; "
+                             "pass one of its params (opt.param_groups). The grads of params it does not manage "
+                             "are in their .grad as usual.")
+        return i
+
+    def dropped(self) -> None:
+        """``zero_grad``: the grads (so the cached norms) are gone."""
+        self.generation += 1
+        self._norms = None
+
+    def has_grads(self) -> bool:
+        """Some backward on this rank produced grads for this optimizer since ``zero_grad``
+        (``param.grad`` is not None in torch then)."""
+        return self.optimizer()._grad_sync.grad_since_zero
+
+    def check_reducible(self, what: str) -> None:
+        if not self.optimizer()._grad_sync.enabled:
+            raise RuntimeError(_fix_no_sync(what))
+
+    def reduce(self, what: str) -> None:
+        """Make the grads readable: raise inside ``no_sync``, else finish their reduction (a
+        collective: launches what is pending, in order, on every rank; a wait otherwise)."""
+        self.check_reducible(what)
+        opt = self.optimizer()
+        if not opt._grad_sync.stepped_since_zero:  # a step consumed them: reduced, nothing to launch
+            opt.grad_sync()
+
+    def factor(self) -> Tensor:
+        """The device scalar that turns the stored (summed, scaled) grads into torch's ``param.grad``
+        now (the module docstring). Never modify it in place."""
+        opt = self.optimizer()
+        if opt._grad_sync.stepped_since_zero:
+            return opt._coef  # what the last step multiplied the grads by
+        return opt._current_round().coef()
+
+    def _key(self, norm_type: float) -> tuple:
+        gs = self.optimizer()._grad_sync
+        return (self.generation, gs.backwards, gs.rounds_since_step, gs.stepped_since_zero, norm_type)
+
+    # ------------------------------------------------------------ norms
+    def param_norms(self, norm_type: float, what: str) -> Tensor:
+        """float32 ``[params]``: every param's grad norm of order ``norm_type`` as torch would
+        compute it on ``param.grad`` now (see the module docstring for the collectives)."""
+        norm_type = check_norm_type(norm_type)
+        self.check_reducible(what)
+        opt = self.optimizer()
+        if self._norms is None or self._norms[0] != self._key(norm_type):
+            agreement.agree_on_call(opt.shard_view(), what, given=norm_type)
+            self.reduce(what)
+            raw = self._local_partials(norm_type)
+            opt._comm.all_reduce_shard_dim(raw, norms.reduce_op(norm_type))
+            n = len(opt._params)
+            value = raw[:n] if math.isinf(norm_type) else raw[:n].pow(1.0 / norm_type)
+            value = torch.where(raw[n:] > 0, torch.full_like(value, math.nan), value)  # NaN stays NaN (MAX drops it)
+            self._norms = (self._key(norm_type), value)
+        return self._norms[1] * self.factor()
+
+    def _local_partials(self, norm_type: float) -> Tensor:
+        """``[sum |g|^p (max |g| for inf) per param, NaN flag per param]`` over this rank's shards."""
+        opt = self.optimizer()
+        n = len(opt._params)
+        out = torch.zeros(2 * n, dtype=torch.float32, device=opt._device)
+        for b, (bucket, buf) in enumerate(zip(opt._buckets, opt._buffers)):
+            segments = bucket.segments.segments
+            if not segments:
+                continue
+            shard = buf.grad_shard
+            pieces = [shard[s.start:s.start + s.length] for s in segments]
+            seg_norms = torch.stack(_compat.foreach_norm(pieces, norm_type, dtype=torch.float32))
+            index = self._segment_params.get(b)
+            if index is None:  # a param meets a rank's shard in one segment at most
+                index = self._segment_params[b] = torch.tensor([s.param_index for s in segments], device=opt._device)
+            out[index] = seg_norms if math.isinf(norm_type) else seg_norms.pow(norm_type)
+            out[index + n] = seg_norms.isnan().float()
+        return out
+
+    def total_norm(self, indices: Sequence[int], norm_type: float) -> Tensor:
+        """The norm of order ``norm_type`` over the grads of params ``indices`` (repeats count
+        twice, as in torch) as torch's ``get_total_norm`` computes it on ``param.grad`` now."""
+        norm_type = check_norm_type(norm_type)
+        what = "get_total_norm"
+        self.check_reducible(what)
+        opt = self.optimizer()
+        if not opt._grad_sync.stepped_since_zero and sorted(indices) == list(range(len(opt._params))):
+            # every grad once: the step's own stats all-reduce (shared with unscale_, clip, step)
+            norm = opt.grad_norm(norm_type)
+            prev = norms.chained_clip_coef(opt._current_round().clips)
+            return norm if prev is None else norm * prev  # the grads as clipped so far, as torch's
+        per = self.param_norms(norm_type, what)[torch.tensor(list(indices), device=opt._device)]
+        return per.max() if math.isinf(norm_type) else per.pow(norm_type).sum().pow(1.0 / norm_type)
+
+    # ------------------------------------------------------------ clip, unscale
+    def clip(self, indices: Sequence[int], max_norm: Any, total_norm: Tensor) -> None:
+        """torch's ``clip_grads_with_norm_`` over params ``indices``: their grads times
+        ``min(1, max_norm / (total_norm + 1e-6))``, resolved in the step kernel (no pass over the
+        grads). Must cover every param of the optimizer (one coefficient per optimizer)."""
+        opt = self.optimizer()
+        if not self.has_grads():
+            return  # torch skips params whose .grad is None
+        n = len(opt._params)
+        if sorted(set(indices)) != list(range(n)):
+            missing = n - len(set(indices))
+            raise ValueError(
+                f"clip_grads_with_norm_ / clip_grad_norm_: parameters includes {n - missing} of the {n} params of a "
+                f"DistributedFusedAdam ({missing} missing). Its grads are clipped inside its step by one coefficient: "
+                "pass all of them (e.g. model.parameters()), or use one optimizer per set of params you clip "
+                "separately.")
+        self.check_reducible("clip_grads_with_norm_")
+        max_norm = check_max_norm(max_norm, opt._comm.has_peers)
+        norm = torch.as_tensor(total_norm).detach().to(device=opt._device, dtype=torch.float32)
+        prev = norms.chained_clip_coef(opt._current_round().clips)
+        # ``total_norm`` is of the grads as clipped so far; the chain multiplies each later clip's
+        # norm by the earlier coefficients, so hand it the norm before them
+        opt._add_clip(max_norm, norm if prev is None else norm / prev)
+
+    def unscale(self, inv_scale: Tensor) -> Tensor:
+        """torch's ``GradScaler.unscale_`` reached this optimizer's grads: record ``inv_scale``
+        (once per step: its other dtype groups come after) and return the GLOBAL found-inf."""
+        self.check_reducible("GradScaler.unscale_")
+        opt = self.optimizer()
+        r = opt._current_round()
+        if r.inv_scale is None:
+            return opt.unscale_grads(inv_scale)
+        return r.stats.found_inf
+
+    # ------------------------------------------------------------ whole and local grads
+    def _pieces(self, i: int) -> Tuple[Any, Any, Any, List[Tuple[int, int]]]:
+        """Param ``i``'s slot, bucket, buffers and per shard rank its ``[lo, hi)`` in bucket coords."""
+        opt = self.optimizer()
+        slot = opt._grad_sync.slots[i]
+        bucket = opt._buckets[slot.bucket]
+        size = bucket.shard_numel
+        a, b = slot.offset, slot.offset + slot.numel
+        ranges = [(max(a, r * size), min(b, (r + 1) * size)) for r in range(opt._comm.shard_size)]
+        return slot, bucket, opt._buffers[slot.bucket], ranges
+
+    def full_grad(self, p: Any) -> Optional[Tensor]:
+        what = "full_grad"
+        i = self.index(p, what)
+        self.check_reducible(what)
+        opt = self.optimizer()
+        agreement.agree_on_call(opt.shard_view(), what, given=i)
+        touched = torch.tensor([float(opt._grad_sync.local_touched[i])], device=opt._device)
+        opt._comm.all_reduce_max(touched)
+        if not bool(touched.item()):  # no rank produced a grad for it: None, as param.grad in torch
+            return None
+        self.reduce(what)
+        slot, bucket, buf, ranges = self._pieces(i)
+        length = max(max(hi - lo, 0) for lo, hi in ranges)
+        lo, hi = ranges[opt._comm.shard_rank]
+        shard = buf.grad_shard
+        send = torch.zeros(length, dtype=shard.dtype, device=shard.device)
+        if hi > lo:
+            send[:hi - lo] = shard[lo - bucket.shard_start:hi - bucket.shard_start]
+        gathered = opt._comm.gather_shards(send, to_first=False)
+        flat = torch.empty(slot.numel, dtype=torch.float32, device=shard.device)
+        for r, (lo_r, hi_r) in enumerate(ranges):
+            if hi_r > lo_r:
+                flat[lo_r - slot.offset:hi_r - slot.offset] = gathered[r, :hi_r - lo_r]
+        out = flat.mul_(self.factor()).to(p.dtype)
+        return out.as_strided(slot.shape, slot.stride)  # memory order: the param's own strides
+
+    def local_grad(self, p: Any) -> Optional[LocalGrad]:
+        what = "local_grad"
+        i = self.index(p, what)
+        self.check_reducible(what)
+        opt = self.optimizer()
+        gs = opt._grad_sync
+        if not gs.grad_since_zero:
+            return None
+        slot, bucket, buf, ranges = self._pieces(i)
+        lo, hi = ranges[opt._comm.shard_rank]
+        if hi <= lo:
+            return None
+        if not gs.stepped_since_zero and _unreduced(gs):
+            raise RuntimeError(
+                "local_grad: this rank holds grads that are not reduced yet (overlap_grad_sync=False reduces at "
+                "step, or a backward ran inside no_sync since the last reduction). Call opt.grad_sync() on every "
+                "rank first (a collective), or read them after step's reduction.")
+        gs.wait()  # in-flight reductions land (on the device's streams: no host sync)
+        piece = buf.grad_shard[lo - bucket.shard_start:hi - bucket.shard_start]
+        value = (piece.float() * self.factor()).to(p.dtype)
+        return LocalGrad(value, lo - slot.offset, hi - slot.offset)
+
+
+def _unreduced(gs: Any) -> bool:
+    """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
+    round half launched)."""
+    return gs.next_launch > 0 or any(s.in_buffer for s in gs.states) or any(
+        gs.stager.staged_count(s.index) for s in gs.states)
+
