@@ -104,7 +104,8 @@ def _kernel_extensions():
         var = variants.variant(True, "generic", src)
         exts.append(CUDAExtension(f"shardamp._kernels.{var.base}", [f"csrc/{s}" for s in var.sources],
                                   include_dirs=include, extra_compile_args={
-                                      "cxx": [*var.cflags, "-g0"], "nvcc": [*var.cuda_cflags, *choice.gencode_flags()]}))
+                                      "cxx": [*var.cflags, "-g0"], "nvcc": [*var.cuda_cflags, *choice.gencode_flags(),
+                                              *variants.nvcc_parallel_flags(choice.gencode_flags())]}))
         v = archs.nvcc_version()
         modules[var.base] = {"cuda": True, "archs": choice.arch_list, "arch_source": f"{choice.source}: {choice.reason}",
                              "nvcc": ".".join(map(str, v)) if v else "?"}

@@ -183,3 +183,19 @@ def test_build_reads_the_override_through_the_settings(monkeypatch):
     var = build.current_variant(True)
     assert build.jit_name(var, ["-gencode=arch=compute_80,code=sm_80"], src) != build.jit_name(var, [], src)
     assert os.path.basename(build.jit_name(var, [], src)).startswith("shardamp_kernels_cuda_")
+
+
+def test_several_archs_compile_in_parallel_without_changing_the_module_name(tmp_path):
+    captured = {}
+
+    def load(**kwargs):
+        captured.update(kwargs)
+        return "module"
+
+    var, src = build.current_variant(True), build.source_dir()
+    gencode = archs.gencode_flags(archs.parse_arch_list(archs.AOT_DEFAULT))
+    assert build._load_jit(load, var, src, "name", str(tmp_path), gencode) == "module"
+    assert captured["extra_cuda_cflags"] == [*var.cuda_cflags, *gencode, "--threads", "7"]
+    build._load_jit(load, var, src, "name", str(tmp_path), gencode[:1])
+    assert "--threads" not in captured["extra_cuda_cflags"]  # one target: nothing to parallelise
+    assert build.jit_name(var, gencode, src) == f"{var.base}_{build.source_hash(src, [list(var.cflags), {'extra_cuda_cflags': [*var.cuda_cflags, *gencode]}])}"

@@ -36,7 +36,7 @@ from .. import config
 from . import archs as _archs
 from . import prebuilt
 from .prebuilt import PrebuiltMismatch
-from .variants import Variant, source_hash, variant, x86_64
+from .variants import Variant, nvcc_parallel_flags, source_hash, variant, x86_64
 
 WAIT_REPORT_S = 2.0  # a process waiting this long for another's build says so (once)
 
@@ -213,7 +213,8 @@ def _jit(var: Variant, src: Path, gpu: Optional[Tuple[int, str, Tuple[int, int]]
 
 
 def _load_jit(load: Any, var: Variant, src: Path, name: str, build_dir: str, gencode: List[str]) -> Any:
-    kwargs: Dict[str, Any] = {"extra_cuda_cflags": [*var.cuda_cflags, *gencode]} if var.cuda else {}
+    kwargs: Dict[str, Any] = {
+        "extra_cuda_cflags": [*var.cuda_cflags, *gencode, *nvcc_parallel_flags(gencode)]} if var.cuda else {}
     return load(
         name=name,
         sources=[str(p) for p in var.source_paths(src)],

@@ -18,10 +18,10 @@ import hashlib
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 __all__ = ["Variant", "CPU_CAPABILITIES", "CPU_FLAGS", "variant", "prebuilt_cpu_capabilities", "x86_64",
-           "source_hash"]
+           "source_hash", "nvcc_parallel_flags"]
 
 CPU_CAPABILITIES = ("generic", "avx2", "avx512")
 
@@ -40,6 +40,15 @@ CPP_SOURCES = ("binding.cpp", "grad_stager.cpp", "land_grads.cpp", "cpu/fused_ad
 # Plain -O3, no --use_fast_math: sqrt and division must stay IEEE-rounded so the kernels agree
 # with the reference to fp32 round-off. The -gencode flags are added per build (archs.py).
 CUDA_CFLAGS = ("-O3", "-lineinfo")
+# nvcc compiles the archs of one file one after the other unless told otherwise: up to this many
+# at once (each a cicc + ptxas process, ~1-2 GB for adam_step.cu). Output is the same, so the
+# flag stays out of the module name's hash.
+NVCC_MAX_THREADS = 8
+
+
+def nvcc_parallel_flags(gencode: Sequence[str]) -> Tuple[str, ...]:
+    """``("--threads", "N")``: compile up to ``N`` of ``gencode``'s targets at once (none for one)."""
+    return ("--threads", str(min(len(gencode), NVCC_MAX_THREADS))) if len(gencode) > 1 else ()
 
 
 @dataclass(frozen=True)
