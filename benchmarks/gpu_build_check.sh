@@ -18,8 +18,9 @@
 #                  JIT-compiles the compute_80 PTX on the H200), then the CUDA tests on it
 # One call must end within 9 minutes: BUDGET (seconds, default 520) caps it, each part gets at
 # most what is left (and its own cap), and a part that finds too little left is skipped, marked
-# so in summary.txt. The default PARTS is "archs jit_cpu jit_default wheel" (about 5 minutes
-# expected on 16 cores: to be confirmed by the first run); then, one call each:
+# so in summary.txt. The default PARTS is "archs jit_cpu jit_default wheel" (expected 5-8 minutes
+# on 16 cores, to be confirmed by the first run: the wheel is skipped if too little is left);
+# then, one call each:
 #   PARTS=jit_all            PARTS=tests_prebuilt            PARTS=tests_ptx
 # (tests_prebuilt reuses the wheel that `wheel` left in $WORK on a warm machine, else builds it.)
 # Builds use every core (MAX_JOBS, default nproc). PYTHON picks the interpreter (default python3;
@@ -37,7 +38,7 @@ PARTS="${PARTS:-archs jit_cpu jit_default wheel}"
 BUDGET="${BUDGET:-520}"
 ALL_ARCHS="8.0;8.6;8.9;9.0;10.0;12.0+PTX"
 TESTS="tests/test_cuda.py tests/test_cuda_graph.py tests/test_kernels.py"
-# As examples/gpu_session.sh: the two tests that expect an error FROM the extension are left out
+# As benchmarks/gpu_session.sh: the two tests that expect an error FROM the extension are left out
 # (any C++ exception leaving an extension kills Python on the GPU image seen so far, csrc/NOTES.md).
 TEST_K="not empty_and_cached and not rejects_non_fp32"
 mkdir -p "$WORK"
@@ -78,9 +79,9 @@ use_checkout() {  # the JIT parts import the checkout (its root imports as shard
   export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
 }
 
-jit_build() {  # jit_build cpu|cuda: build into a fresh, empty extension directory; print the time
-  local kind=$1 dir
-  dir="$(mktemp -d "$WORK/ext_${kind}_XXXX")"
+jit_build() {  # jit_build cpu|cuda [DIR]: build into DIR (default a fresh, empty one); print the time
+  local kind=$1 dir=${2:-}
+  [ -n "$dir" ] || dir="$(mktemp -d "$WORK/ext_${kind}_XXXX")"
   TORCH_EXTENSIONS_DIR="$dir" SHARDAMP_PREBUILT=0 SHARDAMP_KERNELS=native "$PY" - "$kind" <<'EOF'
 import sys, time, torch
 from shardamp.optim.kernels import build
@@ -161,7 +162,7 @@ part_tests_ptx() {
   local ext
   ext="$(mktemp -d "$WORK/ext_ptx_XXXX")"
   export TORCH_EXTENSIONS_DIR="$ext" TORCH_CUDA_ARCH_LIST="8.0+PTX" SHARDAMP_PREBUILT=0
-  jit_build cuda || return 1
+  jit_build cuda "$ext" || return 1  # the tests below load this build from $ext
   cuobjdump --list-elf --list-ptx "$(ls "$ext"/*/*/*.so | head -1)" 2>&1 | head -20
   "$PY" -m pytest -q -p no:cacheprovider -rfE $TESTS -k "$TEST_K"
 }
