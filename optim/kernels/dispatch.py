@@ -184,6 +184,9 @@ def view_check(refs: List[Tensor]) -> Optional[Any]:
     return ext.ViewCheck(refs)
 
 
+_NO_GRAD = torch.empty(0)  # what a native launch holds between steps in place of the released grad shard
+
+
 @dataclass(eq=False)
 class AdamLaunch:
     """One shard's fused Adam/AdamW step, its arguments by name (contract: ``reference.py``).
@@ -196,7 +199,7 @@ class AdamLaunch:
     step forms its scalars itself, one more launch). :func:`launch_adam` runs it.
     """
 
-    grad: Tensor
+    grad: Optional[Tensor]  # the grad shard, assigned before each launch and dropped after it
     master: Tensor
     exp_avg: Tensor
     exp_avg_sq: Tensor
@@ -225,7 +228,15 @@ class AdamLaunch:
 
 
 def launch_adam(launch: AdamLaunch) -> None:
-    """Run one shard's step: the compiled kernel where it takes the state, else the reference."""
+    """Run one shard's step: the compiled kernel where it takes the state, else the reference.
+    The launch lets go of its grad shard afterwards (it is released between steps)."""
+    try:
+        _launch_adam(launch)
+    finally:
+        launch.grad = None
+
+
+def _launch_adam(launch: AdamLaunch) -> None:
     segments = launch.segments
     if not segments.segments:
         return
@@ -242,7 +253,7 @@ def launch_adam(launch: AdamLaunch) -> None:
         )
         return
     native = launch._native
-    if native is None or not hasattr(ext, "AdamLaunch"):
+    if native is None:
         native = _native_launch(ext, launch)
     native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
         launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
@@ -252,7 +263,10 @@ def launch_adam(launch: AdamLaunch) -> None:
     native.records = launch.records if cuda else None
     native.record_offset = launch.record_offset
     native.shape = _knobs()[0] if cuda else 0
-    ext.adam_launch(native)
+    try:
+        ext.adam_launch(native)
+    finally:  # the grad shard is released between steps: holding it here would keep its memory alive
+        native.grad = _NO_GRAD
 
 
 def _native_launch(ext: Any, launch: AdamLaunch) -> Any:
