@@ -47,13 +47,11 @@ def _first_line(args: List[str]) -> Optional[str]:
 
 
 def _install_kind() -> str:
-    import importlib
-
     here = os.path.dirname(os.path.abspath(shardamp.__file__))
-    optim_dir = os.path.dirname(os.path.abspath(importlib.import_module("shardamp.optim").__file__))
-    if os.path.dirname(optim_dir) == here:
-        return f"installed at {here}"
-    return f"from the source tree {os.path.dirname(optim_dir)} (editable install or checkout)"
+    root = os.path.dirname(here)
+    if os.path.isfile(os.path.join(root, "setup.py")) and os.path.isfile(os.path.join(root, "csrc", "binding.cpp")):
+        return f"from the source tree {root} (an editable install or the checkout itself)"
+    return f"installed at {here}"
 
 
 def _torch() -> str:
