@@ -16,6 +16,7 @@ from torch.distributed.constants import default_pg_timeout
 from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
 
 from . import _lightning_common as common
+from . import _step_logging as step_logging
 from . import _sharded_checkpoint as shards
 
 
@@ -82,6 +83,7 @@ class TrainerStrategyMixin:
     # the package's precision plugin class -> ("plain" | "half" | "mixed", the class run instead)
     _precision_table: ClassVar[Mapping[type, Tuple[str, type]]] = {}
     _plain_precision: ClassVar[type]  # the package's Precision with ClipThroughOptimizer
+    _monitor_class: ClassVar[type]  # the package's ShardampMonitor callback
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class TrainerStrategyMixin:
         start_method: str = "popen",
         sharded_checkpoint: bool = False,
         staging_dir: Optional[str] = None,
+        log_step_stats: bool = True,
         **kwargs: Any,
     ) -> None:
         """``accelerator``, ``parallel_devices``, ``cluster_environment``, ``checkpoint_io``,
@@ -114,6 +117,8 @@ class TrainerStrategyMixin:
             staging_dir: with ``sharded_checkpoint`` and a checkpoint path on a non-local fsspec
                 filesystem (``s3://`` ...): where rank 0 stages the shards before uploading them;
                 every rank must see it. Default: the temp dir.
+            log_step_stats: add a ``ShardampMonitor`` callback (unless the Trainer has one):
+                ``grad_norm``, ``loss_scale`` and ``skipped_steps`` logged each logged step.
 
         Raises:
             ValueError: DDP-only options (``find_unused_parameters`` ...), an unknown
@@ -127,6 +132,7 @@ class TrainerStrategyMixin:
         )
         self.sharded_checkpoint = bool(sharded_checkpoint)
         self.staging_dir = staging_dir
+        self.log_step_stats = bool(log_step_stats)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -150,6 +156,13 @@ class TrainerStrategyMixin:
     @precision_plugin.setter
     def precision_plugin(self, plugin: Optional[Any]) -> None:
         self._precision_plugin = common.route_precision(plugin, self._precision_table, type(self).__name__)
+
+    def setup(self, trainer: Any) -> None:
+        """Lightning's, then a ``ShardampMonitor`` joins the Trainer's callbacks (``log_step_stats``)."""
+        super().setup(trainer)
+        monitor = getattr(type(self), "_monitor_class", None)
+        if self.log_step_stats and monitor is not None and not any(isinstance(c, MonitorLogic) for c in trainer.callbacks):
+            trainer.callbacks.append(monitor())
 
     def setup_optimizers(self, trainer: Any) -> None:
         """Lightning's, then every optimizer must be a DistributedFusedAdam.
@@ -228,3 +241,21 @@ class TrainerStrategyMixin:
         if self.is_global_zero:
             for i in range(len(self.optimizers)):
                 shards.remove(filepath, f".optim{i}")
+
+
+class MonitorLogic:
+    """ShardampMonitor's logic (a Lightning ``Callback`` per package: ``shardamp.integrations.
+    lightning.ShardampMonitor``, ``...pytorch_lightning.ShardampMonitor``): each logged training
+    step, ``grad_norm``, ``loss_scale`` and ``skipped_steps`` of every DistributedFusedAdam go to the
+    Trainer's loggers through ``LightningModule.log`` (``_step_logging.step_values``: one host
+    read per logged step, none on the others). ShardampStrategy adds one unless the Trainer
+    already has one (``log_step_stats=False`` turns that off)."""
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Log the last step's values on the Trainer's logging steps (``log_every_n_steps``)."""
+        every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
+        if trainer.global_step == 0 or trainer.global_step % every != 0:
+            return
+        values = step_logging.step_values(trainer.optimizers)
+        if values:  # the same on every rank: no reduction needed
+            pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, logger=True, sync_dist=False)

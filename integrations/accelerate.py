@@ -46,7 +46,7 @@ With any other optimizer it behaves exactly like ``Accelerator``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator, List, Optional, Set
+from typing import Dict, Any, Iterable, Iterator, List, Optional, Set
 
 import torch
 from accelerate import Accelerator
@@ -55,6 +55,8 @@ from accelerate.utils import DistributedDataParallelKwargs, DistributedType
 
 from shardamp.optim import DistributedFusedAdam, clip_grad_norm_
 from shardamp.scaler import ShardedGradScaler
+
+from . import _step_logging as step_logging
 
 __all__ = ["ShardampAccelerator"]
 
@@ -190,6 +192,19 @@ class ShardampAccelerator(Accelerator):
             )
 
     # ------------------------------------------------------------------ prepare
+    def log(self, values: Dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """``Accelerator.log`` to the trackers; with trackers set, the prepared
+        DistributedFusedAdams' ``grad_norm``, ``loss_scale`` and ``skipped_steps`` join ``values``
+        (the caller's values win on a name clash; one host read per call).
+
+        Args:
+            values, *args, **kwargs: as ``Accelerator.log``.
+        """
+        if getattr(self, "trackers", None):
+            extra = step_logging.step_values(getattr(self, "_optimizers", []))
+            values = {**extra, **values}
+        return super().log(values, *args, **kwargs)
+
     def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
         """``Accelerator.prepare``, with a ``DistributedFusedAdam``'s model left without DDP.
 

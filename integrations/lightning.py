@@ -54,6 +54,7 @@ try:
     from lightning.fabric.plugins.precision import Precision as FabricPrecision
     from lightning.fabric.strategies import STRATEGY_REGISTRY
     from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
@@ -64,9 +65,9 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     ) from exc
 
 from ._lightning_fabric import FabricStrategyMixin
-from ._lightning_trainer import ClipThroughOptimizer, TrainerStrategyMixin
+from ._lightning_trainer import ClipThroughOptimizer, MonitorLogic, TrainerStrategyMixin
 
-__all__ = ["ShardampStrategy", "ShardampFabricStrategy"]
+__all__ = ["ShardampStrategy", "ShardampFabricStrategy", "ShardampMonitor"]
 
 
 class ShardampPrecision(ClipThroughOptimizer, Precision):
@@ -81,6 +82,12 @@ class ShardampMixedPrecision(ClipThroughOptimizer, MixedPrecision):
     """``precision="bf16-mixed"`` / ``"16-mixed"`` (with a ShardedGradScaler) under ShardampStrategy."""
 
 
+class ShardampMonitor(MonitorLogic, Callback):
+    """A ``lightning.pytorch`` callback logging ``grad_norm``, ``loss_scale`` and ``skipped_steps`` of every
+    DistributedFusedAdam each logged step (``trainer.log_every_n_steps``) into the Trainer's
+    loggers; ShardampStrategy adds one itself (``log_step_stats=True``, the default)."""
+
+
 class ShardampStrategy(TrainerStrategyMixin, DDPStrategy):
     """``lightning.pytorch.Trainer(strategy=ShardampStrategy(...))``, or ``strategy="shardamp"``:
     DDP's launch and process group without DDP, for ``DistributedFusedAdam`` (module docstring;
@@ -92,6 +99,7 @@ class ShardampStrategy(TrainerStrategyMixin, DDPStrategy):
         MixedPrecision: ("mixed", ShardampMixedPrecision),
     }
     _plain_precision = ShardampPrecision
+    _monitor_class = ShardampMonitor
 
 
 class ShardampFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):

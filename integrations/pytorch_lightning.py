@@ -18,6 +18,7 @@ only the base classes are ``pytorch_lightning``'s, as its Trainer requires.
 from __future__ import annotations
 
 try:
+    from pytorch_lightning.callbacks import Callback
     from pytorch_lightning.plugins.precision import HalfPrecision, MixedPrecision, Precision
     from pytorch_lightning.strategies import DDPStrategy, StrategyRegistry
 except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
@@ -27,10 +28,10 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
         "shardamp.integrations.lightning."
     ) from exc
 
-from ._lightning_trainer import ClipThroughOptimizer, TrainerStrategyMixin
+from ._lightning_trainer import ClipThroughOptimizer, MonitorLogic, TrainerStrategyMixin
 from .lightning_fabric import ShardampFabricStrategy
 
-__all__ = ["ShardampStrategy", "ShardampFabricStrategy"]
+__all__ = ["ShardampStrategy", "ShardampFabricStrategy", "ShardampMonitor"]
 
 
 class ShardampPrecision(ClipThroughOptimizer, Precision):
@@ -45,6 +46,12 @@ class ShardampMixedPrecision(ClipThroughOptimizer, MixedPrecision):
     """``precision="bf16-mixed"`` / ``"16-mixed"`` (with a ShardedGradScaler) under ShardampStrategy."""
 
 
+class ShardampMonitor(MonitorLogic, Callback):
+    """A ``pytorch_lightning`` callback logging ``grad_norm``, ``loss_scale`` and ``skipped_steps`` of every
+    DistributedFusedAdam each logged step (``trainer.log_every_n_steps``) into the Trainer's
+    loggers; ShardampStrategy adds one itself (``log_step_stats=True``, the default)."""
+
+
 class ShardampStrategy(TrainerStrategyMixin, DDPStrategy):
     """``pytorch_lightning.Trainer(strategy=ShardampStrategy(...))``, or ``strategy="shardamp"``: DDP's
     launch and process group without DDP, for ``DistributedFusedAdam`` (see
@@ -56,6 +63,7 @@ class ShardampStrategy(TrainerStrategyMixin, DDPStrategy):
         MixedPrecision: ("mixed", ShardampMixedPrecision),
     }
     _plain_precision = ShardampPrecision
+    _monitor_class = ShardampMonitor
 
 
 ShardampStrategy.register_strategies(StrategyRegistry)

@@ -53,6 +53,7 @@ from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # the file name
 
 from shardamp.optim import DistributedFusedAdam
 
+from . import _step_logging as step_logging
 from .accelerate import ShardampAccelerator, _unwrap
 
 __all__ = ["ShardampTrainerMixin", "ShardampTrainer"]
@@ -182,6 +183,20 @@ class ShardampTrainerMixin:
                 groups.append({"params": [p for _, p in members], "param_names": [n for n, _ in members],
                                "weight_decay": weight_decay})
         return groups
+
+    def log(self, logs: Dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's ``log``; a training log (one holding ``loss``) also gets the
+        DistributedFusedAdam's ``grad_norm`` (where the Trainer did not log its clip's),
+        ``loss_scale`` and ``skipped_steps`` into the log history and the reporting callbacks
+        (one host read per logged step).
+
+        Args:
+            logs, *args, **kwargs: as ``transformers.Trainer.log``.
+        """
+        if "loss" in logs and getattr(self, "optimizer", None) is not None:
+            extra = step_logging.step_values([self.optimizer])
+            logs = {**logs, **{k: v for k, v in extra.items() if k not in logs}}
+        return super().log(logs, *args, **kwargs)
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
         """Builds ``shardamp_optimizer_class`` from ``TrainingArguments`` (see

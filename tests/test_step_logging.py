@@ -1,0 +1,187 @@
+"""The integrations log grad_norm, loss_scale and skipped_steps into each framework's own logger:
+Lightning (ShardampMonitor, added by the strategy), the transformers Trainer's log history and
+accelerate's trackers. The logged norms are checked against an unsharded torch loop's
+``clip_grad_norm_`` on the same batches."""
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from typing import List
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dist_helper import run_distributed
+
+STEPS, LR, CLIP = 4, 0.05, 0.5
+
+
+def _data() -> List[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(4, 8, generator=g), torch.randn(4, 1, generator=g)) for _ in range(STEPS)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _reference_norms(clip: float = CLIP, batches=None) -> List[float]:
+    """Unsharded torch: AdamW, each step's pre-clip global norm from clip_grad_norm_."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    norms = []
+    for x, y in (batches if batches is not None else _data()):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
+        opt.step()
+    return norms
+
+
+# ---------------------------------------------------------------- accelerate
+def test_accelerate_trackers_receive_the_step_values() -> None:
+    pytest.importorskip("accelerate")
+    from accelerate.tracking import GeneralTracker
+
+    from shardamp.integrations.accelerate import ShardampAccelerator
+    from shardamp.optim import DistributedFusedAdam
+
+    class Recorder(GeneralTracker):
+        name = "recorder"
+        requires_logging_directory = False
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.logged = []
+
+        @property
+        def tracker(self):  # noqa: D401 - accelerate's interface
+            return self
+
+        def store_init_configuration(self, values) -> None:
+            pass
+
+        def log(self, values, step=None, **kwargs) -> None:
+            self.logged.append((step, dict(values)))
+
+    recorder = Recorder()
+    acc = ShardampAccelerator(cpu=True, log_with=[recorder])
+    acc.init_trackers("run")
+    model = _model()
+    opt = DistributedFusedAdam(model.parameters(), lr=LR)
+    model, opt = acc.prepare(model, opt)
+    for i, (x, y) in enumerate(_data()):
+        opt.zero_grad()
+        acc.backward(nn.functional.mse_loss(model(x), y))
+        acc.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        acc.log({"loss": 1.0, "grad_norm": -1.0} if i == 0 else {"loss": 1.0}, step=i)
+    acc.end_training()
+    ref = _reference_norms()
+    assert len(recorder.logged) == STEPS
+    assert recorder.logged[0][1]["grad_norm"] == -1.0  # the caller's own value wins
+    for (step, values), norm in list(zip(recorder.logged, ref))[1:]:
+        assert values["grad_norm"] == pytest.approx(norm, rel=1e-5), (step, values)
+        assert values["skipped_steps"] == 0.0 and "loss_scale" not in values  # no scaler: no scale
+
+
+# ---------------------------------------------------------------- transformers
+def test_trainer_log_history_has_the_step_values(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    from torch.utils.data import Dataset
+    from transformers import TrainingArguments
+
+    from shardamp.integrations.transformers import ShardampTrainer
+
+    class Pairs(Dataset):
+        def __init__(self) -> None:
+            self.rows = [(x[i], y[i]) for x, y in _data() for i in range(4)]
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return {"x": self.rows[i][0], "labels": self.rows[i][1]}
+
+    class Regressor(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def forward(self, x, labels=None):
+            out = self.net(x)
+            return {"loss": nn.functional.mse_loss(out, labels), "logits": out}
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=STEPS,
+                             learning_rate=LR, weight_decay=0.0, lr_scheduler_type="constant", warmup_steps=0,
+                             max_grad_norm=0.0, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                             dataloader_drop_last=True, seed=0, data_seed=0, disable_tqdm=True)
+    trainer = ShardampTrainer(model=Regressor(), args=args, train_dataset=Pairs())
+    trainer.get_train_dataloader = _sequential_loader(trainer, Pairs())
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    ref = _reference_norms(clip=0.0)
+    assert len(logs) == STEPS
+    for entry, norm in zip(logs, ref):
+        assert entry["grad_norm"] == pytest.approx(norm, rel=1e-5), entry  # max_grad_norm=0: ours, not the Trainer's
+        assert entry["skipped_steps"] == 0.0, entry
+
+
+def _sequential_loader(trainer, dataset):
+    from torch.utils.data import DataLoader
+
+    def loader():  # the reference's batch order (the Trainer would shuffle)
+        return DataLoader(dataset, batch_size=4, shuffle=False, collate_fn=trainer.data_collator)
+
+    return loader
+
+
+# ---------------------------------------------------------------- Lightning
+def _lightning_rank(rank: int, world: int, out_dir: str) -> dict:
+    import lightning as L
+    from lightning.pytorch.loggers import CSVLogger
+
+    import shardamp.integrations.lightning  # noqa: F401  (registers "shardamp")
+    from shardamp.integrations.lightning import ShardampMonitor
+    from shardamp.optim import DistributedFusedAdam
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            seen.append((x.clone(), y.clone()))  # the reference trains on exactly these batches
+            return nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return DistributedFusedAdam(self.parameters(), lr=LR)
+
+    seen: list = []
+    data = torch.utils.data.DataLoader(
+        [(x[i], y[i]) for x, y in _data() for i in range(4)], batch_size=4, shuffle=False)
+    trainer = L.Trainer(strategy="shardamp", accelerator="cpu", devices=1, max_steps=STEPS, precision="32-true",
+                        gradient_clip_val=CLIP, log_every_n_steps=1, logger=CSVLogger(out_dir, name="run"),
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(Module(), data)
+    monitors = [c for c in trainer.callbacks if isinstance(c, ShardampMonitor)]
+    return {"monitors": len(monitors), "log_dir": trainer.logger.log_dir, "batches": seen}
+
+
+def test_lightning_strategy_logs_through_its_monitor() -> None:
+    pytest.importorskip("lightning")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_distributed(_lightning_rank, 1, tmp)[0]
+        with open(os.path.join(out["log_dir"], "metrics.csv")) as f:
+            rows = [r for r in csv.DictReader(f) if r.get("grad_norm")]
+    assert out["monitors"] == 1  # added by the strategy, once
+    ref = _reference_norms(batches=out["batches"])
+    assert len(out["batches"]) == STEPS and len(rows) == STEPS  # one row per logged step (log_every_n_steps=1)
+    for row, norm in zip(rows, ref):
+        assert float(row["grad_norm"]) == pytest.approx(norm, rel=1e-5), row  # the pre-clip norm the step used
+        assert float(row["skipped_steps"]) == 0.0
+        assert not row.get("loss_scale")  # 32-true: no scaler, no scale
