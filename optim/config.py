@@ -21,6 +21,10 @@ The variables (``python -m shardamp.report`` prints the ones in force):
 ``SHARDAMP_CPU_CAPABILITY``               ``generic`` / ``avx2`` / ``avx512``: lower the CPU
                                           kernels' vector ISA (never above what torch uses)
 ``SHARDAMP_BUILD_VERBOSE``                ``1``: show the compiler's output of a build
+``SHARDAMP_BUILD_KERNELS``                ``1``: ``pip install --no-build-isolation .`` (or
+                                          ``pip wheel``) compiles the kernels into the package
+                                          (read by setup.py; default ``0``: a pure-Python
+                                          install, the kernels built just in time)
 ``SHARDAMP_CUDA_CHUNK``                   elements per block of the CUDA step (a tuning knob)
 ``SHARDAMP_CUDA_STEP``                    the CUDA step's launch shape for the lighter state
                                           kinds (a tuning knob: ``2x1``, ``2x3``, ``c2x4``,
@@ -62,6 +66,8 @@ class Settings:
         cuda_arch: the CUDA arch list to build for, ``""`` when unset (``SHARDAMP_CUDA_ARCH``).
         cpu_capability: ``""`` (torch's own), ``"generic"``, ``"avx2"`` or ``"avx512"``.
         build_verbose: show the compiler's output (``SHARDAMP_BUILD_VERBOSE``).
+        build_kernels: setup.py compiles the kernels into the package (``SHARDAMP_BUILD_KERNELS``;
+            read at install time only).
         cuda_chunk: elements per block of the CUDA step, 0 for each kind's default.
         cuda_step: the CUDA step's launch shape for the lighter kinds, ``""`` for their own.
         collective_timeout: seconds before a collective the peers never join raises; None: the
@@ -76,6 +82,7 @@ class Settings:
     cuda_arch: str = ""
     cpu_capability: str = ""
     build_verbose: bool = False
+    build_kernels: bool = False
     cuda_chunk: int = 0
     cuda_step: str = ""
     collective_timeout: Optional[float] = None
@@ -158,6 +165,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_CUDA_ARCH": ("cuda_arch", lambda n, v: v.strip()),
     "SHARDAMP_CPU_CAPABILITY": ("cpu_capability", _cpu_capability),
     "SHARDAMP_BUILD_VERBOSE": ("build_verbose", lambda n, v: _flag(n, v, False)),
+    "SHARDAMP_BUILD_KERNELS": ("build_kernels", lambda n, v: _flag(n, v, False)),
     "SHARDAMP_CUDA_CHUNK": ("cuda_chunk", _cuda_chunk),
     "SHARDAMP_CUDA_STEP": ("cuda_step", _cuda_step),
     "SHARDAMP_COLLECTIVE_TIMEOUT": ("collective_timeout", _timeout),

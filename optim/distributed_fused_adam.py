@@ -208,6 +208,7 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         self._device = devices.pop()
         if self._device.type == "meta":
             raise ValueError("params: parameters are on the meta device; materialise the model first")
+        kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
         self.device_mesh = device_mesh

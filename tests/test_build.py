@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import time
+import types
 import warnings
 
 import pytest
@@ -58,16 +59,19 @@ def _hold_build_lock(build_dir: str, seconds: float, torch_lock: bool = False) -
     return holder
 
 
-def test_waiting_for_a_live_build_is_reported_with_the_lock_path(tmp_path, monkeypatch):
+def test_waiting_for_a_live_build_is_said_once_with_the_lock_path(tmp_path, monkeypatch, capsys):
     build_dir = str(tmp_path / "build")
     holder = _hold_build_lock(build_dir, seconds=3)
     monkeypatch.setattr(_build, "WAIT_REPORT_S", 0.5)
     start = time.monotonic()
-    with pytest.warns(RuntimeWarning, match="shardamp-build.lock"):
-        with _build.build_lock(build_dir):
-            waited = time.monotonic() - start
+    with _build.build_lock(build_dir, "CPU (AVX2)"):
+        waited = time.monotonic() - start
     holder.wait(timeout=30)
     assert 1.0 < waited < 30  # it waited for the holder, and no longer
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("shardamp: waiting for another process to build the CPU (AVX2) kernels")
+    assert os.path.join(build_dir, "shardamp-build.lock") in lines[0]
 
 
 def test_killed_holder_releases_the_lock(tmp_path):
@@ -136,3 +140,147 @@ def test_cpu_build_follows_torch_and_env(monkeypatch):
     assert _build.cpu_capability() == native  # never above what torch reports
     with pytest.raises(ValueError, match="SHARDAMP_CPU_CAPABILITY"):
         set_env(monkeypatch, "SHARDAMP_CPU_CAPABILITY", "sse9")
+
+
+def _fake_load(calls, seconds=0.0):
+    """torch's ``load`` standing in for a real build: writes the module file, returns a stub."""
+    def load(name, sources, build_directory, **kwargs):
+        calls.append((name, kwargs))
+        time.sleep(seconds)
+        open(os.path.join(build_directory, name + ".so"), "w").close()
+        return types.SimpleNamespace(__file__=os.path.join(build_directory, name + ".so"))
+    return load
+
+
+def test_a_build_says_what_where_and_how_long_once(tmp_path, monkeypatch, capsys):
+    """The builder prints one line before (what, for which device, where, typical time) and one
+    after (the time it took); a process finding the module built says nothing."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", _fake_load(calls, 0.2))
+    var = _build.current_variant(False)
+    _build._jit(var, _build.source_dir(), None)
+    before, after = capsys.readouterr().err.splitlines()
+    assert before.startswith(f"shardamp: building the {var.label} kernels for this CPU and torch {torch.__version__} "
+                             f"into {tmp_path}")
+    assert _build.CPU_BUILD_TIME in before
+    assert after.startswith(f"shardamp: built the {var.label} kernels in ") and after.endswith(" s")
+    _build._jit(var, _build.source_dir(), None)  # built before: loaded, silently
+    assert capsys.readouterr().err == "" and len(calls) == 2
+
+
+@pytest.mark.parametrize("text, cause", [
+    ("ninja: build stopped\n[Errno 28] No space left on device: '/tmp/x.o'", "no disk space"),
+    ("Error building extension 'x'\nnvcc fatal   : Unsupported gpu architecture 'compute_100'", "an unsupported arch: nvcc cannot compile compute_100"),
+    ("Error building extension 'x'\n/bin/sh: 1: c++: not found", "no C++ compiler: c++ was not found"),
+    ("[Errno 2] No such file or directory: '/usr/local/cuda/bin/nvcc'", "no nvcc"),
+    ("Ninja is required to load C++ extensions", "no ninja"),
+    ("Error building extension 'x': [1/2] c++ ... \nFAILED: a.o\n/src/a.cpp:3:1: error: 'foo' does not name a type\nninja: build stopped: subcommand failed.",
+     "a compile error: /src/a.cpp:3:1: error: 'foo' does not name a type"),
+    ("Error building extension 'x': [1/2] /bin/false ...\nFAILED: a.o\nninja: build stopped: subcommand failed.",
+     "the compiler failed without a message"),
+])
+def test_a_failed_build_is_named_by_its_cause(text, cause):
+    assert _build.diagnose(RuntimeError(text)).startswith(cause)
+
+
+def test_preflight_names_a_missing_compiler_or_disk(tmp_path, monkeypatch):
+    var = _build.current_variant(False)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(_build.BuildError, match="^no C\\+\\+ compiler: .*no-such-compiler.* is not on PATH"):
+        _build.preflight(var, str(tmp_path), None)
+    monkeypatch.setenv("CXX", "/bin/false")
+    with pytest.raises(_build.BuildError, match="^no working C\\+\\+ compiler: '/bin/false --version' failed"):
+        _build.preflight(var, str(tmp_path), None)
+    monkeypatch.delenv("CXX")
+    monkeypatch.setattr(_build.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=10 * 2**20))
+    with pytest.raises(_build.BuildError, match="^no disk space: 10 MiB free in"):
+        _build.preflight(var, str(tmp_path), None)
+
+
+def test_a_failed_build_warns_its_cause_first_and_what_happens_next(tmp_path, monkeypatch):
+    """The first sentence names the kernels and the cause; then the fallback and its cost, or,
+    with SHARDAMP_KERNELS=native, the error."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setattr(_build, "_loaded", {})
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    set_env(monkeypatch, "SHARDAMP_PREBUILT", "0")
+    with pytest.warns(RuntimeWarning) as caught:
+        assert kernels.backend(torch.device("cpu")) == "reference"
+    message = str(caught[0].message)
+    first = message.split(". ")[0]
+    assert first.startswith("shardamp: the cpu kernels could not be built: no working C++ compiler"), message
+    assert "reference kernels instead" in message and kernels.REFERENCE_COST["cpu"] in message
+    assert len(message) < 600
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    set_env(monkeypatch, "SHARDAMP_KERNELS", "native")
+    with pytest.raises(RuntimeError, match="^shardamp: the cpu kernels could not be built: no working C\\+\\+ "
+                                           "compiler.*SHARDAMP_KERNELS=native demands"):
+        kernels.backend(torch.device("cpu"))
+
+
+def test_the_optimizer_builds_its_kernels_before_its_first_collective(monkeypatch):
+    from shardamp.optim import distributed_fused_adam as dfa
+
+    order = []
+    real_native, real_make_comm = kernels._native, dfa.make_comm
+    monkeypatch.setattr(kernels, "_native", lambda device: order.append("kernels") or real_native(device))
+    monkeypatch.setattr(dfa, "make_comm", lambda *a: order.append("comm") or real_make_comm(*a))
+    DistributedFusedAdam(torch.nn.Linear(4, 4).parameters())
+    assert order.index("kernels") < order.index("comm")
+
+
+def _fake_prebuilt(monkeypatch, info):
+    from shardamp.optim.kernels import prebuilt
+
+    monkeypatch.setattr(prebuilt, "build_info", lambda: info)
+    monkeypatch.setattr(prebuilt, "_module_path", lambda base: f"/site/shardamp/_kernels/{base}.so")
+    return prebuilt
+
+
+def test_prebuilt_kernels_for_another_torch_or_gpu_name_both_and_the_fixes(monkeypatch):
+    src = _build.source_dir()
+    cpu, cuda = _build.current_variant(False), _build.current_variant(True)
+    info = {"torch": "2.12.0+cu128", "sources": _build.source_hash(src, []),
+            "modules": {cpu.base: {"cuda": False, "cpu_capability": cpu.cpu_capability},
+                        cuda.base: {"cuda": True, "archs": "8.0;8.6"}}}
+    prebuilt = _fake_prebuilt(monkeypatch, info)
+    with pytest.raises(prebuilt.PrebuiltMismatch) as err:
+        prebuilt.load(cpu, src)
+    text = str(err.value)
+    assert text.startswith(f"the prebuilt {cpu.label} kernels in /site/shardamp/_kernels were built for torch "
+                           f"2.12.0+cu128, and this process runs torch {torch.__version__}")
+    assert "SHARDAMP_BUILD_KERNELS=1 pip install --no-build-isolation" in text and "SHARDAMP_PREBUILT=0" in text
+    info["torch"] = torch.__version__
+    h200 = (0, "NVIDIA H200", (9, 0))
+    with pytest.raises(prebuilt.PrebuiltMismatch, match=r"built for archs 8\.0;8\.6, which GPU 0 \(NVIDIA H200, "
+                                                        r"compute capability 9\.0\) cannot run.*8\.0;8\.6;9\.0.*SHARDAMP_PREBUILT=0"):
+        prebuilt.load(cuda, src, h200)
+    assert prebuilt.check(cuda, src, (0, "NVIDIA A10", (8, 6)))[0] == "prebuilt"
+    info["modules"][cuda.base]["archs"] = "8.0+PTX"
+    assert prebuilt.check(cuda, src, h200)[0] == "prebuilt"  # the PTX runs on it
+    info["sources"] = "another-tree"
+    assert prebuilt.check(cpu, src) is None  # built from other sources: the JIT build runs instead
+
+
+def test_a_prebuilt_mismatch_warns_first_and_prebuilt_0_ignores_them(monkeypatch):
+    src = _build.source_dir()
+    cpu = _build.current_variant(False)
+    _fake_prebuilt(monkeypatch, {"torch": "2.12.0", "modules": {cpu.base: {"cuda": False}}})
+    monkeypatch.setattr(_build, "_loaded", {})
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    monkeypatch.setattr(kernels, "_warned", set())
+    with pytest.warns(RuntimeWarning, match=r"^shardamp: the cpu kernels could not be loaded: the prebuilt CPU .* "
+                                            r"built for torch 2\.12\.0, and this process runs"):
+        assert kernels.backend(torch.device("cpu")) == "reference"
+    monkeypatch.setattr(_build, "_loaded", {})
+    monkeypatch.setattr(kernels, "_native_cache", {})
+    set_env(monkeypatch, "SHARDAMP_PREBUILT", "0")
+    calls = []
+    monkeypatch.setattr(_build, "_jit", lambda var, src, gpu: calls.append(var.base) or "jit module")
+    assert _build.load_extension(cuda=False) == "jit module" and calls == [cpu.base]
+    assert src.is_dir()

@@ -45,22 +45,48 @@ def _native(device: torch.device) -> Optional[Any]:
         try:
             from .build import load_extension
 
-            _native_cache[kind] = load_extension(cuda=(kind == "cuda"))
+            _native_cache[kind] = load_extension(cuda=(kind == "cuda"), device=device if kind == "cuda" else None)
             _apply_settings(_native_cache[kind], config.settings())
-        except Exception as exc:  # a compiler or toolchain problem
+        except Exception as exc:  # a toolchain problem, or prebuilt kernels that do not fit
+            cause = failure_cause(kind, exc)
             if mode == "native":
-                raise RuntimeError(f"{_ENV}=native but the {kind} kernels could not be built: {exc}") from exc
+                raise RuntimeError(
+                    f"{cause} {_ENV}=native demands the compiled kernels, so this is an error: fix the cause above, "
+                    f"or unset {_ENV} to run the pure-PyTorch reference kernels instead ({REFERENCE_COST.get(kind, 'slower')})."
+                ) from exc
             _native_cache[kind] = None
             if kind not in _warned:
                 _warned.add(kind)
                 warnings.warn(
-                    f"shardamp: the fused {kind} kernels could not be built ({_brief(exc)}); using "
-                    f"the slower pure-PyTorch reference. Set {_ENV}=reference to silence this, or "
-                    "SHARDAMP_BUILD_VERBOSE=1 to see the compiler's output.",
+                    f"{cause} Running the pure-PyTorch reference kernels instead: the same results, "
+                    f"{REFERENCE_COST.get(kind, 'slower')}. Set {_ENV}=reference to silence this; python -m shardamp.report "
+                    "--build shows the details (SHARDAMP_BUILD_VERBOSE=1: the compiler's output).",
                     RuntimeWarning,
                     stacklevel=3,
                 )
     return _native_cache[kind]
+
+
+# What running the reference instead costs (the README's "Kernel builds" section has the timings).
+REFERENCE_COST: Dict[str, str] = {
+    "cpu": "over 20x slower per optimizer step",
+    "cuda": "several times slower per optimizer step, with more launches and host time",
+}
+
+
+def failure_cause(kind: str, exc: BaseException) -> str:
+    """The first sentence of a failed load's message: which kernels, and why (a build error's
+    own cause, or the prebuilt kernels' mismatch), ending with a full stop."""
+    from .build import BuildError, diagnose
+    from .prebuilt import PrebuiltMismatch
+
+    if isinstance(exc, PrebuiltMismatch):
+        text = f"shardamp: the {kind} kernels could not be loaded: {exc}"
+    elif isinstance(exc, BuildError):
+        text = f"shardamp: the {kind} kernels could not be built: {exc.cause}"
+    else:
+        text = f"shardamp: the {kind} kernels could not be built: {diagnose(exc)}"
+    return text.rstrip(". ") + "."
 
 
 def _apply_settings(ext: Optional[Any], settings: config.Settings) -> None:
@@ -77,14 +103,6 @@ def _settings_changed(settings: config.Settings) -> None:
 
 
 config.on_change(_settings_changed)
-
-
-def _brief(exc: Exception, lines: int = 6) -> str:
-    """The gist of a build error: its first line and the last few (the compiler's log is long)."""
-    text = str(exc).strip().splitlines()
-    if len(text) <= lines + 1:
-        return " ".join(text)
-    return " ".join([text[0], "...", *text[-lines:]])
 
 
 def native_module(device: torch.device) -> Optional[Any]:
