@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist

@@ -332,7 +332,7 @@ class StepHealth:
         applied, nonfinite, spike, consecutive, _reason, norm = values[:6]
         skipped = nonfinite + spike
         if not self._pushed and skipped > self._summarised:  # no per-step read saw them: say so here
-            LOGGER.warning("%d steps skipped since the last report (in all %d of %d: %d non-finite, %d above "
+            LOGGER.warning("steps skipped since the last report: %d (in all %d of %d: %d non-finite, %d above "
                            "skip_grad_norm_above)", skipped - self._summarised, skipped, self.steps, nonfinite, spike)
         self._summarised = skipped
         return {
