@@ -54,9 +54,9 @@ def _collect(obj: Any, exclude: Set[int], seen: Set[int], out: Dict[int, int]) -
             return
         try:
             storage = obj.untyped_storage()
+            ptr = storage.data_ptr()
         except RuntimeError:  # no storage of its own (a managed param's p.grad view): holds no bytes
             return
-        ptr = storage.data_ptr()
         if ptr and ptr not in exclude:
             out[ptr] = storage.nbytes()
         return
