@@ -58,40 +58,17 @@ def case_loop_I(rank, world, **kw):
     return run_loop(rank, world, "I", **kw)
 
 
-def case_loop_A_spike(rank, world, **kw):
-    return run_loop(rank, world, "A", spike=True, **kw)
+def _spike_case(loop: str):
+    def case(rank, world, **kw):
+        return run_loop(rank, world, loop, spike=True, **kw)
+
+    return case
 
 
-def case_loop_B_spike(rank, world, **kw):
-    return run_loop(rank, world, "B", spike=True, **kw)
-
-
-def case_loop_C_spike(rank, world, **kw):
-    return run_loop(rank, world, "C", spike=True, **kw)
-
-
-def case_loop_D_spike(rank, world, **kw):
-    return run_loop(rank, world, "D", spike=True, **kw)
-
-
-def case_loop_D_no_scaler_spike(rank, world, **kw):
-    return run_loop(rank, world, "D0", spike=True, **kw)
-
-
-def case_loop_E_spike(rank, world, **kw):
-    return run_loop(rank, world, "E", spike=True, **kw)
-
-
-def case_loop_F_spike(rank, world, **kw):
-    return run_loop(rank, world, "F", spike=True, **kw)
-
-
-def case_loop_G_spike(rank, world, **kw):
-    return run_loop(rank, world, "G", spike=True, **kw)
-
-
-def case_loop_Gf_spike(rank, world, **kw):
-    return run_loop(rank, world, "Gf", spike=True, **kw)
+# case_loop_<name>_spike: each loop with norm spikes skipped by skip_grad_norm_above
+for _name, _loop in (("A", "A"), ("B", "B"), ("C", "C"), ("D", "D"), ("D_no_scaler", "D0"), ("E", "E"),
+                     ("F", "F"), ("G", "G"), ("Gf", "Gf")):
+    globals()[f"case_loop_{_name}_spike"] = _spike_case(_loop)
 
 
 def case_one_all_reduce(rank, world, **kw):

@@ -11,13 +11,20 @@ os.environ.setdefault(
 )
 
 
+# Modules whose single tests run for minutes (a wheel build, the docs site and its snippets): run
+# first, so the other worker takes the many short tests meanwhile and both end together.
+SLOW_FIRST = ("test_wheel", "test_docs")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests that share one spawned process group (same module, same world size) must run on
-    the same xdist worker, or each worker would spawn the group again."""
+    the same xdist worker, or each worker would spawn the group again; the slowest modules are
+    scheduled first."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "world" in callspec.params:
             item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}-w{callspec.params['world']}"))
+    items.sort(key=lambda item: 0 if item.module.__name__ in SLOW_FIRST else 1)  # stable: order kept otherwise
 
 
 def set_env(monkeypatch, name: str, value: str):
