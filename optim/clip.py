@@ -1,5 +1,5 @@
 """``clip_grad_norm_``: a drop-in for ``torch.nn.utils.clip_grad_norm_`` that also clips the
-params a DistributedFusedAdam manages (whose ``.grad`` is None: their grads live in its shards).
+params a DistributedFusedAdam manages (their grads live in its shards; ``.grad`` only shows a view).
 """
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ def clip_grad_norm_(
     together with every other param of that optimizer: a subset raises, since the global norm of
     a subset cannot be clipped without clipping the rest. All other params are clipped in place
     exactly as torch does. The returned norm covers both kinds (``(sum n_i^p)^(1/p)``, or the
-    max for ``inf``); for a DistributedFusedAdam it is its global, unscaled norm.
+    max for ``inf``); for a DistributedFusedAdam it is its global, unscaled norm. torch's own
+    ``torch.nn.utils.clip_grad_norm_`` behaves the same over managed params while a
+    DistributedFusedAdam is alive (its helpers are wrapped: optim/torch_tools.py); this function
+    does not depend on that wrapping.
 
     Same signature as torch's: ``error_if_nonfinite=True`` raises (as torch) when the total norm
     is NaN or inf, which reads it on the host (a sync, as in torch); ``foreach`` is passed to

@@ -47,7 +47,9 @@ class DistributedFusedAdam(torch.optim.Optimizer):
 
     Every rank keeps the fp32 master params, ``exp_avg`` and ``exp_avg_sq`` of one contiguous
     shard of every bucket. Grads are reduce-scattered during backward (hooks on the grad
-    accumulators, fixed bucket order), ``param.grad`` stays ``None``, and ``step`` updates the
+    accumulators, fixed bucket order; autograd's grad field stays empty, and ``param.grad`` shows a
+    read-only ``ShardedGrad`` view of the reduced shards that torch's norms, clip and
+    ``GradScaler.unscale_`` read: optim/torch_tools.py), and ``step`` updates the
     local shard with one fused kernel per bucket, then all-gathers the params in place. Training
     matches unsharded ``torch.optim.AdamW`` (``adam_w_mode=True``) or ``Adam`` (``False``) fed the
     union of all ranks' batches.
@@ -79,8 +81,8 @@ class DistributedFusedAdam(torch.optim.Optimizer):
         adam_w_mode: ``True``: AdamW; ``False``: Adam with L2 regularisation.
         bias_correction: apply Adam's bias corrections (torch always does).
         max_grad_norm: clip the global grad norm to this value at every step, inside the step
-            kernel, with the true (unscaled) norm; ``None``: no clipping here (``clip_grad_norm``
-            and ``shardamp.optim.clip_grad_norm_`` still clip).
+            kernel, with the true (unscaled) norm; ``None``: no clipping here (``clip_grad_norm``,
+            ``shardamp.optim.clip_grad_norm_`` and ``torch.nn.utils.clip_grad_norm_`` still clip).
         process_group: the group the state is sharded over; default the WORLD group, or no
             communication at all when ``torch.distributed`` is not initialised.
         device_mesh: instead of ``process_group``, not with it: a 1-D ``DeviceMesh`` shards over
