@@ -198,7 +198,9 @@ class ShardampAccelerator(Accelerator):
         (the caller's values win on a name clash; one host read per call).
 
         Args:
-            values, *args, **kwargs: as ``Accelerator.log``.
+            values: as ``Accelerator.log``.
+            *args: as ``Accelerator.log``.
+            **kwargs: as ``Accelerator.log``.
         """
         if getattr(self, "trackers", None):
             extra = step_logging.step_values(getattr(self, "_optimizers", []))

@@ -191,7 +191,9 @@ class ShardampTrainerMixin:
         (one host read per logged step).
 
         Args:
-            logs, *args, **kwargs: as ``transformers.Trainer.log``.
+            logs: as ``transformers.Trainer.log``.
+            *args: as ``transformers.Trainer.log``.
+            **kwargs: as ``transformers.Trainer.log``.
         """
         if "loss" in logs and getattr(self, "optimizer", None) is not None:
             extra = step_logging.step_values([self.optimizer])
