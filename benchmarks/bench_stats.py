@@ -96,7 +96,7 @@ def _rank(rank: int, world: int, init: str, args: Dict[str, Any], out_dir: str) 
         state: Dict[str, Any] = {}
 
         def build() -> None:
-            buf, checked = agreement.stats_buffer(opt, 2.0, "", None, health.entries())
+            buf, checked, _ = agreement.stats_buffer(opt._step_view, 2.0, "", None, health.entries())
             partials.partial([b.grad_shard for b in buffers], 2.0, buf, zeroed=True)
             if groups is not None:
                 for bucket, b in zip(buckets, buffers):
@@ -112,7 +112,7 @@ def _rank(rank: int, world: int, init: str, args: Dict[str, Any], out_dir: str) 
             state["reduced"] = work
 
         def finish() -> None:
-            stats = grad_stats.finish(state["reduced"].clone(), 2.0, n, opt._fingerprint if state["checked"] else None,
+            stats = grad_stats.finish(state["reduced"].clone(), 2.0, n, opt._step_view.fingerprint if state["checked"] else None,
                                       health.n_entries)
             if stats.disagreement is not None:
                 stats.disagreement.tolist()  # the CPU reads the agreement flags at once

@@ -117,7 +117,7 @@ class GradsView:
     def has_grads(self) -> bool:
         """Some backward on this rank produced grads for this optimizer since ``zero_grad``
         (``param.grad`` is not None in torch then)."""
-        return self.optimizer()._grad_sync.grad_since_zero
+        return self.optimizer()._cycle.grad_since_zero
 
     def check_reducible(self, what: str) -> None:
         if not self.optimizer()._grad_sync.enabled:
@@ -128,20 +128,20 @@ class GradsView:
         collective: launches what is pending, in order, on every rank; a wait otherwise)."""
         self.check_reducible(what)
         opt = self.optimizer()
-        if not opt._grad_sync.stepped_since_zero:  # a step consumed them: reduced, nothing to launch
+        if not opt._cycle.stepped_since_zero:  # a step consumed them: reduced, nothing to launch
             opt.grad_sync()
 
     def factor(self) -> Tensor:
         """The device scalar that turns the stored (summed, scaled) grads into torch's ``param.grad``
         now (the module docstring). Never modify it in place."""
         opt = self.optimizer()
-        if opt._grad_sync.stepped_since_zero:
+        if opt._cycle.stepped_since_zero:
             return opt._coef  # what the last step multiplied the grads by
         return opt._current_round().coef()
 
     def _key(self, norm_type: float) -> tuple:
-        gs = self.optimizer()._grad_sync
-        return (self.generation, gs.backwards, gs.rounds_since_step, gs.stepped_since_zero, norm_type)
+        cycle = self.optimizer()._cycle
+        return (self.generation, cycle.backwards, cycle.rounds_since_step, cycle.stepped_since_zero, norm_type)
 
     # ------------------------------------------------------------ norms
     def param_norms(self, norm_type: float, what: str) -> Tensor:
@@ -187,7 +187,7 @@ class GradsView:
         what = "get_total_norm"
         self.check_reducible(what)
         opt = self.optimizer()
-        if not opt._grad_sync.stepped_since_zero and sorted(indices) == list(range(len(opt._params))):
+        if not opt._cycle.stepped_since_zero and sorted(indices) == list(range(len(opt._params))):
             # every grad once: the step's own stats all-reduce (shared with unscale_, clip, step)
             norm = opt.grad_norm(norm_type)
             prev = norms.chained_clip_coef(opt._current_round().clips)
@@ -272,13 +272,13 @@ class GradsView:
         self.check_reducible(what)
         opt = self.optimizer()
         gs = opt._grad_sync
-        if not gs.grad_since_zero:
+        if not opt._cycle.grad_since_zero:
             return None
         slot, bucket, buf, ranges = self._pieces(i)
         lo, hi = ranges[opt._comm.shard_rank]
         if hi <= lo:
             return None
-        if not gs.stepped_since_zero and _unreduced(gs):
+        if not opt._cycle.stepped_since_zero and _unreduced(gs):
             raise RuntimeError(
                 "local_grad: this rank holds grads that are not reduced yet (overlap_grad_sync=False reduces at "
                 "step, or a backward ran inside no_sync since the last reduction). Call opt.grad_sync() on every "

@@ -9,7 +9,7 @@ so CUDA graphs that replay the step read its current value: once per step into o
 from __future__ import annotations
 
 import math
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -220,3 +220,23 @@ def check_options(flags: dict, max_grad_norm, dtype, grad_sync_dtype, param_sync
             raise ValueError(f"{name}={value!r}: expected None or one of float32, bfloat16, float16, float64")
     if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0 and math.isfinite(bucket_cap_mb)):
         raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}: expected a finite number of megabytes > 0")
+
+
+def check_new_group(group: Dict[str, Any], index: int) -> None:
+    """Validate param group ``index`` as torch's ``add_param_group`` filled it in: its
+    hyperparameters, its options, ``Parameter`` leaves, no param given twice.
+
+    Raises:
+        ValueError: naming the group, the param and the fix.
+    """
+    where = f"param_groups[{index}]: "
+    check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], where)
+    check_group_options(group, where)
+    seen: Dict[int, int] = {}
+    for i, p in enumerate(group["params"]):
+        if not isinstance(p, torch.nn.Parameter):
+            raise ValueError("params: DistributedFusedAdam needs torch.nn.Parameter leaves (got a plain tensor)")
+        if id(p) in seen:  # torch only warns, then updates it twice per step
+            raise ValueError(f"{where}params: parameter {i} (shape {tuple(p.shape)}) is parameter {seen[id(p)]} "
+                             "given again; pass each parameter once")
+        seen[id(p)] = i

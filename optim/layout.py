@@ -19,7 +19,7 @@ updates and all-gathers buckets in :func:`forward_order`, so the first module's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
@@ -82,6 +82,32 @@ class Bucket:
     shard_numel: int = 0
     shard_start: int = 0  # this rank's shard: [shard_start, shard_start + shard_numel)
     segments: SegmentTable | None = None
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def grouped_params(param_groups: Sequence[Dict[str, Any]]) -> List[Tuple[torch.nn.Parameter, int]]:
+    """Every param with the index of its group, in ``param_groups`` order (the optimizer's order)."""
+    return [(p, g) for g, group in enumerate(param_groups) for p in group["params"]]
+
+
+def params_device(params: Sequence[torch.nn.Parameter]) -> torch.device:
+    """The one device every param is on.
+
+    Raises:
+        ValueError: params on several devices, on the meta device, or not floating point.
+    """
+    devices = {p.device for p in params}
+    if len(devices) != 1:
+        raise ValueError(f"params: all parameters must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type == "meta":
+        raise ValueError("params: parameters are on the meta device; materialise the model first")
+    for i, p in enumerate(params):
+        if not p.is_floating_point() or p.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"params: parameter {i} has dtype {p.dtype}; expected a floating-point dtype")
+    return device
 
 
 def _round_up(n: int, m: int) -> int:

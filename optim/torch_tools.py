@@ -96,7 +96,7 @@ def _grad_of_managed(p: Tensor) -> Optional[Tensor]:
     opt = ref() if ref is not None else None
     if opt is None or getattr(p, "_shardamp_owner", None) is not opt._grad_sync.owner_token:
         return None  # not managed by a live optimizer (any more)
-    if not opt._grad_sync.grad_since_zero or _compat.in_backward():
+    if not opt._cycle.grad_since_zero or _compat.in_backward():
         return None  # no grads; or inside a backward, where hooks read autograd's field as before
     view = opt._grads_view
     i = view.index_of[id(p)]  # p is opt's (checked above), which keeps it alive: ids are unique

@@ -102,7 +102,7 @@ def case_one_all_reduce(rank, world, **kw):
     from shardamp.optim.checks import agreement
 
     # the per-step agreement entries ride in the same all-reduce (no tensor lr here)
-    entries = opt._fingerprint.length(len(agreement.host_categories(opt, 2.0)), 0)
+    entries = opt._step_view.fingerprint.length(len(agreement.host_categories(opt._step_view, 2.0)), 0)
     return {"counts": counts, "n_params": len(list(model.parameters())), "agreement_entries": entries}
 
 

@@ -61,7 +61,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     opt.param_sync()
     problem = _save_problem(opt, path)
     agreement.agree_on_call(opt.shard_view(), "save_sharded", given=os.path.abspath(path), problem=problem,
-                            clips=agreement.last_clips(opt))
+                            clips=opt.shard_view().last_clips())
     steps = opt.shard_view().steps.detach().to("cpu", copy=True)
     slots = sd_mod.slots_by_index(opt)
     meta = {

@@ -67,7 +67,7 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
     ``cpu_offload=True`` (default) the tensors are on the CPU, otherwise on the params' device.
     """
     agreement.agree_on_call(opt.shard_view(), "state_dict", given=(rank0_only, cpu_offload),
-                            clips=agreement.last_clips(opt))
+                            clips=opt.shard_view().last_clips())
     opt.param_sync()  # a pending all-gather may still be writing an aliased master shard
     _warn_what_torch_drops(opt)
     steps = opt.shard_view().steps.detach().to("cpu", copy=True)

@@ -16,21 +16,22 @@
   ``load_sharded`` start with one small all-reduce naming the call and hashing what each rank
   was given; a rank that did not call it, called another one, or was given different input
   makes every rank that did call raise, before anything is read or written, within
-  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo and on CUDA (collective_watchdog.py). On gloo
+  ``SHARDAMP_COLLECTIVE_TIMEOUT`` seconds on gloo and on CUDA (comm/watchdog.py). On gloo
   it travels over a group of its own, so a call on some ranks never pairs with the stats
   all-reduce of the others. ``state_dict`` and ``save_sharded`` also agree there on the last
   step's clips (the last step of a run is compared by no later step).
-* Where each rank is (``track_position``): steps taken, backward passes and dropped rounds since
-  the last step, named by collective_order.py when the ranks' collectives stop lining up.
+
+The per-step checks read the optimizer through a :class:`StepView` (its groups, options, step
+cycle and touched pattern) and write nothing into it: the categories they compared are returned.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import sys
-import weakref
 import zlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,11 +48,11 @@ def crc(value: Any) -> int:
 
 
 # ====================================================================== construction
-def describe(opt: Any) -> Dict[str, Any]:
+def describe(params: Sequence[torch.nn.Parameter], param_groups: Sequence[Dict[str, Any]], options: Dict[str, Any],
+             bucket_cap_mb: float, comm: Any, buckets: Sequence[Any], device: torch.device) -> Dict[str, Any]:
     """What every rank must have built identically, field by field (host values only)."""
-    params = opt._params
     groups = []
-    for g in opt.param_groups:
+    for g in param_groups:
         groups.append({k: ("tensor" if isinstance(v, Tensor) else v) for k, v in sorted(g.items()) if k != "params"})
     return {
         "number of params": len(params),
@@ -59,37 +60,31 @@ def describe(opt: Any) -> Dict[str, Any]:
         "param dtypes": [str(p.dtype) for p in params],
         "param strides (memory format)": [tuple(p.stride()) for p in params],
         "requires_grad": [bool(p.requires_grad) for p in params],
-        "param group sizes": [len(g["params"]) for g in opt.param_groups],
+        "param group sizes": [len(g["params"]) for g in param_groups],
         "param group hyperparameters": groups,
-        "options": dict(
-            adam_w_mode=opt.adam_w_mode, bias_correction=opt.bias_correction, max_grad_norm=opt.max_grad_norm,
-            average_grad_sync=opt.average_grad_sync, dtype=str(opt.dtype), grad_sync_dtype=str(opt.grad_sync_dtype),
-            param_sync_dtype=str(opt.param_sync_dtype), overlap_grad_sync=opt.overlap_grad_sync,
-            overlap_param_sync=opt.overlap_param_sync, capturable=opt.capturable,
-            skip_grad_norm_above=opt.skip_grad_norm_above,
-        ),
-        "bucket_cap_mb": opt.bucket_cap_mb,
-        "device mesh (replicate x shard)": opt._comm.describe(),
-        "buckets": [(b.numel, [s.index for s in b.slots]) for b in opt._buckets],
-        "device type": opt._device.type,
+        "options": dict(options),
+        "bucket_cap_mb": bucket_cap_mb,
+        "device mesh (replicate x shard)": comm.describe(),
+        "buckets": [(b.numel, [s.index for s in b.slots]) for b in buckets],
+        "device type": device.type,
     }
 
 
-def agree_on_construction(opt: Any) -> None:
-    """Raise ``ValueError`` on every rank if the ranks built different optimizers."""
-    if not opt._comm.has_peers:
+def agree_on_construction(comm: Any, device: torch.device, fields: Dict[str, Any]) -> None:
+    """Raise ``ValueError`` on every rank if the ranks built different optimizers (``fields``:
+    ``describe``'s). A collective over ``comm`` (one all-gather; a second only on a difference)."""
+    if not comm.has_peers:
         return
-    fields = describe(opt)
     names = list(fields)
-    mine = torch.tensor([crc(fields[n]) for n in names], dtype=torch.int64, device=opt._device)
-    everyone = torch.empty(opt.world_size * len(names), dtype=torch.int64, device=opt._device)
-    opt._comm.all_gather_span(everyone, mine)
-    table = everyone.view(opt.world_size, len(names)).cpu()
+    mine = torch.tensor([crc(fields[n]) for n in names], dtype=torch.int64, device=device)
+    everyone = torch.empty(comm.world_size * len(names), dtype=torch.int64, device=device)
+    comm.all_gather_span(everyone, mine)
+    table = everyone.view(comm.world_size, len(names)).cpu()
     differ = [n for j, n in enumerate(names) if bool((table[:, j] != table[0, j]).any())]
     if not differ:
         return
-    values: List[Any] = [None] * opt.world_size  # error path only: every rank saw the same table
-    opt._comm.all_gather_object(values, {n: fields[n] for n in differ})
+    values: List[Any] = [None] * comm.world_size  # error path only: every rank saw the same table
+    comm.all_gather_object(values, {n: fields[n] for n in differ})
     details = "; ".join(_first_difference(n, [v[n] for v in values]) for n in differ)
     raise ValueError(
         "DistributedFusedAdam: the ranks of the process group built different optimizers, so their "
@@ -181,39 +176,62 @@ def _number(value: Any) -> Any:
         return repr(value)
 
 
-def host_categories(opt: Any, norm_type: float) -> List[Tuple[str, Any]]:
-    groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in opt.param_groups]
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """What the per-step agreement reads from one optimizer, and nothing it may write.
+
+    Attributes:
+        comm: the optimizer's comm (``has_peers``).
+        param_groups: the optimizer's param groups (read every step: schedules change them).
+        options: returns ``(max_grad_norm, adam_w_mode, bias_correction)`` as they are now.
+        cycle: the step cycle (step/cycle.py): ``rounds_since_step`` and ``last_clips``.
+        local_touched: returns this rank's touched pattern (which params got a grad).
+        fingerprint: the per-step entries' encoder.
+        patterns: the cached device tails and touched patterns (step/grad_stats.TouchedPatterns).
+    """
+
+    comm: Any
+    param_groups: Sequence[Dict[str, Any]]
+    options: Callable[[], Tuple[Any, Any, Any]]
+    cycle: Any
+    local_touched: Callable[[], bytes]
+    fingerprint: StepFingerprint
+    patterns: Any
+
+
+def host_categories(view: StepView, norm_type: float) -> List[Tuple[str, Any]]:
+    groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in view.param_groups]
     return [
         ("hyperparameters (lr, betas, eps, weight_decay of the param groups)", groups),
         ("norm_type", float(norm_type)),
-        ("options (max_grad_norm, adam_w_mode, bias_correction)",
-         (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)),
+        ("options (max_grad_norm, adam_w_mode, bias_correction)", view.options()),
         # not the step count: it changes every step, so these entries (cached on the device beside
         # the touched pattern) would be re-uploaded every step, also inside a CUDA-graph capture
         ("gradient reductions since the last step (a rank ran another number of backward passes or "
-         "accumulated differently)", opt._grad_sync.rounds_since_step),
+         "accumulated differently)", view.cycle.rounds_since_step),
         # a clip on some ranks only updates their shards clipped and the others' not: compared at
         # the next step, not in this one's stats, because which call starts the stats may differ
         # legitimately (rank 0 logging grad_norm() before clipping, the others clipping at once)
         ("clip_grad_norm calls of the previous step (max_norms and norm types; called on some ranks only? "
-         "that step updated some shards clipped, others not)", last_clips(opt)),
+         "that step updated some shards clipped, others not)", view.cycle.last_clips),
     ]
 
 
 def step_entries(
-    opt: Any, norm_type: float, problem: str = "", lrs: Optional[Any] = None
-) -> Tuple[List[float], Optional[Tuple[Tensor, Tensor]], List[str]]:
+    view: StepView, norm_type: float, problem: str = "", lrs: Optional[Any] = None
+) -> Tuple[List[float], Optional[Tuple[Tensor, Optional[Tensor]]], List[str]]:
     """This step's agreement entries: the host part (``[invalid, chunks...]``, cached on the
     device beside the touched pattern), for tensor lrs (``lrs``: hparams.TensorLrs, read once
     this step) the device part ``(invalid flag, chunks)`` (None without; chunks None for one rank
     alone), and the names of the categories in entry order."""
     use_max = math.isinf(norm_type)
-    if lrs is None and not opt._comm.has_peers:
+    has_peers = view.comm.has_peers
+    if lrs is None and not has_peers:
         # one rank alone, float lrs: no other rank to compare with, only the invalid flag
         # (what ``StepFingerprint.check`` reads for one rank): no categories hashed every step
         return [1.0 if problem else 0.0], None, []
-    fp = opt._fingerprint
-    host = fp.host_entries(host_categories(opt, norm_type), use_max)
+    fp = view.fingerprint
+    host = fp.host_entries(host_categories(view, norm_type), use_max)
     host[0] = 1.0 if problem else 0.0
     names = list(fp.host_names)
     if lrs is None:
@@ -226,29 +244,37 @@ def step_entries(
     invalid = (bad if bad.numel() == 1 else bad.any()).float().reshape(1)
     if problem:
         invalid.fill_(1.0)
-    if not opt._comm.has_peers:  # no other rank to compare the values with: the flag alone
+    if not has_peers:  # no other rank to compare the values with: the flag alone
         return host, (invalid, None), names
     names += [f"the value of the tensor lr of param_groups[{i}]" for i in lrs.groups]
     return host, (invalid, fp.device_entries(values, use_max)), names
 
 
-def stats_buffer(opt: Any, norm_type: float, problem: str, lrs: Optional[Any] = None,
-                 extra: Sequence[Tensor] = ()) -> Tuple[Tensor, bool]:
+class StatsBuffer(NamedTuple):
+    """``stats_buffer``'s result."""
+
+    buf: Tensor  # the step's stats tensor (header zeros, touched, health, agreement entries)
+    checked: bool  # the agreement entries must be checked after the reduction
+    names: List[str]  # the agreement categories, in entry order
+
+
+def stats_buffer(view: StepView, norm_type: float, problem: str, lrs: Optional[Any] = None,
+                 extra: Sequence[Tensor] = ()) -> StatsBuffer:
     """The step's stats tensor with the touched pattern, ``extra`` (the health entries) and the
-    agreement entries filled in (the norm header, zeros, is the caller's to fill), and whether
-    the entries must be checked after the reduction (one rank alone has nothing to disagree
-    with; a tensor lr's value is still checked)."""
-    host, dev, opt._step_names = step_entries(opt, norm_type, problem, lrs)
-    patterns = opt._touched_patterns
+    agreement entries filled in (the norm header, zeros, is the caller's to fill), whether the
+    entries must be checked after the reduction (one rank alone has nothing to disagree with; a
+    tensor lr's value is still checked), and the categories' names."""
+    host, dev, names = step_entries(view, norm_type, problem, lrs)
+    patterns = view.patterns
     tail = patterns.get_tail(host)
-    parts = [patterns.header, patterns.get(opt._grad_sync.local_touched), *extra]
+    parts = [patterns.header, patterns.get(view.local_touched()), *extra]
     if dev is None:
         parts.append(tail)
     else:  # the device's invalid flag replaces the host's (entry 0 of the tail)
         parts += [dev[0].reshape(1), tail[1:]] + ([] if dev[1] is None else [dev[1].reshape(-1)])
     # one launch: on a GPU host each device-to-device copy_ is a cudaMemcpyAsync (~25 us each)
     buf = torch.cat(parts)
-    return buf, opt._comm.has_peers or dev is not None or bool(problem)
+    return StatsBuffer(buf, view.comm.has_peers or dev is not None or bool(problem), names)
 
 
 def raise_if_disagree(invalid: float, categories: List[float], names: List[str], problem: str = "") -> None:
@@ -274,40 +300,6 @@ def mismatch_message(names: List[str]) -> str:
 
 
 # ====================================================================== collective calls
-def track_position(opt: Any) -> None:
-    """Let ``opt``'s comm say where this rank is when collectives do not line up
-    (collective_order.py): steps taken, backward passes and dropped rounds since the last step."""
-    ref = weakref.ref(opt)
-    opt._steps_taken, opt._backwards_at_step, opt._dropped_rounds = 0, 0, 0
-
-    def position() -> Dict[str, int]:
-        o = ref()
-        if o is None:
-            return {"steps": 0, "backwards": 0, "dropped": 0}
-        return {"steps": o._steps_taken, "backwards": o._grad_sync.backwards - o._backwards_at_step,
-                "dropped": o._dropped_rounds}
-
-    opt._comm.context = position
-
-
-def stepped(opt: Any, clips: Sequence[Any], norm_types: Sequence[float]) -> None:
-    """``opt`` took a step that applied ``clips`` (max_norms) and computed ``norm_types``."""
-    opt._last_clips = (tuple(_number(c) for c in clips), tuple(sorted(float(t) for t in norm_types)))
-    opt._steps_taken += 1
-    opt._backwards_at_step, opt._dropped_rounds = opt._grad_sync.backwards, 0
-
-
-def dropping(opt: Any) -> None:
-    """``zero_grad`` is about to drop grads: count a round no step consumed."""
-    if opt._grad_sync.grad_since_zero and not opt._grad_sync.stepped_since_zero:
-        opt._dropped_rounds += 1
-
-
-def last_clips(opt: Any) -> Any:
-    """The clips (max_norms, norm types) ``opt``'s last step applied (``stepped``)."""
-    return getattr(opt, "_last_clips", ())
-
-
 def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", clips: Any = ()) -> None:
     """The first thing a collective entry point does (``view``: the optimizer's
     ``shard_view()``, for its comm and device): one all-reduce of
@@ -315,7 +307,7 @@ def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", cl
     every rank that took part if the ranks are not all in the same call with the same input, or
     if any rank reported ``problem``; a rank left waiting raises after the timeout, naming the
     call. With ``clips`` (the calls that read the state, ``state_dict`` and ``save_sharded``,
-    pass ``last_clips(opt)``) the ranks also agree on the clips their last step applied: a clip on some ranks only in the
+    pass the step cycle's ``last_clips``) the ranks also agree on the clips their last step applied: a clip on some ranks only in the
     LAST step of a run (no later step compares it) would otherwise be published, some shards
     clipped and others not."""
     message = problem if problem.startswith(name) else f"{name}: {problem}"

@@ -22,8 +22,19 @@ from . import agreement
 
 
 class DeferredChecks:
-    def __init__(self, device: torch.device) -> None:
+    """The step's device flags, read on the host where that costs no sync.
+
+    Args:
+        device: the optimizer's device.
+        cycle: the step cycle (step/cycle.py), read for the step's agreement categories, its
+            invalid value and whether a scaler unscaled it.
+        health: the optimizer's StepHealth (step/health.py), handed each step's health record.
+    """
+
+    def __init__(self, device: torch.device, cycle: Any = None, health: Any = None) -> None:
         self.device = device
+        self.cycle = cycle
+        self.health = health
         self.pending: Optional[tuple] = None  # (host buffer, event or None, context)
         # CUDA: two (pinned buffer, event) slots, used in turn. A step's flags are read at the
         # start of the next step's stats, before that step pushes into the other slot, so a slot
@@ -67,41 +78,51 @@ class DeferredChecks:
         return values, context
 
 
-def record_step(opt: Any, stats: Any, bad_clip: Optional[Tensor] = None) -> None:
-    """Queue this step's flags for the host (no sync on CUDA), and act on them where readable.
-    ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid)."""
-    if opt._device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return  # nothing is recorded under capture (push): no launch for the flags either
-    parts = [stats.found_inf.reshape(1)]
-    if bad_clip is not None:
-        parts.append(bad_clip.reshape(1))
-    if stats.disagreement is not None:
-        parts.append(stats.disagreement)
-    if len(parts) == 1 and opt._inv_scale is not None:
-        # found-inf alone, and a scaler unscaled this step: it acts on found-inf itself (lowers
-        # the scale) and a scaled step never counts as a skip without a scaler, so there is
-        # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
-        # GPU host, per step); the step's health stays on the device (step_stats() reads it)
-        return
-    health = opt._health
-    record = health.record_parts()  # views: the same one cat
-    parts += record
-    context = _context(opt, clip_checked=bad_clip is not None)
-    context["step"], context["record"] = health.steps, sum(t.numel() for t in record)
-    opt._deferred.push(torch.cat(parts), context)
-    check_last_step(opt, force=False)
+    def record_step(self, stats: Any, bad_clip: Optional[Tensor] = None) -> None:
+        """Queue this step's flags for the host (no sync on CUDA), and act on them where readable.
+        ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return  # nothing is recorded under capture (push): no launch for the flags either
+        parts = [stats.found_inf.reshape(1)]
+        if bad_clip is not None:
+            parts.append(bad_clip.reshape(1))
+        if stats.disagreement is not None:
+            parts.append(stats.disagreement)
+        if len(parts) == 1 and self.cycle.scaled:
+            # found-inf alone, and a scaler unscaled this step: it acts on found-inf itself (lowers
+            # the scale) and a scaled step never counts as a skip without a scaler, so there is
+            # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
+            # GPU host, per step); the step's health stays on the device (step_stats() reads it)
+            return
+        record = self.health.record_parts()  # views: the same one cat
+        parts += record
+        context = self._context(clip_checked=bad_clip is not None)
+        context["step"], context["record"] = self.health.steps, sum(t.numel() for t in record)
+        self.push(torch.cat(parts), context)
+        self.check_last_step(force=False)
 
+    def check_now(self, stats: Any) -> None:
+        """Where reading is free (CPU): act on the stats' agreement flags right after the
+        all-reduce, before anything trains or another collective runs (the same rules as a
+        recorded step's flags, read at once)."""
+        _raise_if_flagged([0.0] + stats.disagreement.tolist(), self._context(clip_checked=False))
 
-def check_now(opt: Any, stats: Any) -> None:
-    """Where reading is free (CPU): act on the stats' agreement flags right after the
-    all-reduce, before anything trains or another collective runs (the same rules as a recorded
-    step's flags, read at once)."""
-    _raise_if_flagged([0.0] + stats.disagreement.tolist(), _context(opt, clip_checked=False))
+    def _context(self, clip_checked: bool) -> dict:
+        cycle = self.cycle
+        return {"scaled": cycle.scaled, "names": cycle.names, "problem": cycle.problem, "clip_checked": clip_checked}
 
-
-def _context(opt: Any, clip_checked: bool) -> dict:
-    return {"scaled": opt._inv_scale is not None, "names": opt._step_names, "problem": opt._step_problem,
-            "clip_checked": clip_checked}
+    def check_last_step(self, force: bool) -> None:
+        """Act on a recorded step's flags once readable: raise on disagreement or an invalid
+        value (on CUDA at the next step: the device skipped that step already), and hand the
+        step's health record to the StepHealth (on every rank at the same point: it may
+        all-gather the ranks' non-finite flags, log and warn)."""
+        got = self.ready(force)
+        if got is None:
+            return
+        values, context = got
+        _raise_if_flagged(values, context)
+        if "step" in context:
+            self.health.observe(context["step"], values[-context["record"]:], scaled=context["scaled"])
 
 
 def _raise_if_flagged(values: List[float], context: dict) -> None:
@@ -118,17 +139,3 @@ def _raise_if_flagged(values: List[float], context: dict) -> None:
         rest = rest[1:]
     if rest:
         agreement.raise_if_disagree(rest[0], rest[1:], context["names"], context["problem"])
-
-
-def check_last_step(opt: Any, force: bool) -> None:
-    """Act on a recorded step's flags once readable: raise on disagreement or an invalid value
-    (on CUDA at the next step: the device skipped that step already), and hand the step's
-    health record to the optimizer's StepHealth (on every rank at the same point: it may
-    all-gather the ranks' non-finite flags, log and warn)."""
-    got = opt._deferred.ready(force)
-    if got is None:
-        return
-    values, context = got
-    _raise_if_flagged(values, context)
-    if "step" in context:
-        opt._health.observe(context["step"], values[-context["record"]:], scaled=context["scaled"])

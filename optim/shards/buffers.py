@@ -26,6 +26,7 @@ from torch import Tensor
 
 from .. import _compat
 from ..checks.misuse import ddp_error, find_ddp
+from .. import kernels
 from ..layout import Bucket, ParamSlot
 from ..kernels.reference import join_remainders, split_remainders
 
@@ -176,6 +177,37 @@ def uses_remainders(param_dtype: torch.dtype, state_dtype: torch.dtype, store_pa
     """A bucket keeps int16 remainders instead of an fp32 master: asked for, and a bf16 model
     under an fp32 master (the constructor has checked the all-gather dtype)."""
     return store_param_remainders and param_dtype == torch.bfloat16 and state_dtype == torch.float32
+
+
+def allocate_all(buckets: Sequence[Bucket], params: Sequence[torch.nn.Parameter], comm: Any, dtype: torch.dtype,
+                 grad_sync_dtype: Optional[torch.dtype], param_sync_dtype: Optional[torch.dtype],
+                 exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype,
+                 store_param_remainders: bool) -> List[BucketBuffers]:
+    """Every bucket's buffers (``allocate``), the params broadcast from the group's rank 0 (every
+    rank starts from rank 0's weights, as DDP does: a collective over ``comm``), and the masters
+    initialised from them."""
+    out: List[BucketBuffers] = []
+    for bucket in buckets:
+        out.append(allocate(bucket, params, comm.gathers_params, dtype, grad_sync_dtype or bucket.dtype,
+                            param_sync_dtype or bucket.dtype, exp_avg_dtype, exp_avg_sq_dtype))
+    for buf in out:
+        comm.broadcast(buf.params)
+    for buf in out:
+        init_master(buf, dtype, store_param_remainders)
+    return out
+
+
+def adam_launches(buffers: Sequence[BucketBuffers], buckets: Sequence[Bucket], record_offsets: Sequence[int],
+                  steps: Tensor, coef: Tensor, adam_w_mode: bool, bias_correction: bool) -> List["kernels.AdamLaunch"]:
+    """Each bucket's step launch over its persistent state (a param re-attached after a broken
+    view keeps it), the step counts and the grad coefficient (device tensors written in place
+    every step). The grad shard, the hyperparameter table, the records, the touched pattern and
+    the skip flag are the step's: the caller assigns them before each launch (until then the
+    step counts stand in for them)."""
+    return [kernels.AdamLaunch(buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
+                               bucket.segments, steps, steps, steps, coef, steps, adam_w_mode, bias_correction, None,
+                               record_offsets[i])
+            for i, (buf, bucket) in enumerate(zip(buffers, buckets))]
 
 
 def init_master(buffers: BucketBuffers, state_dtype: torch.dtype, store_param_remainders: bool = False) -> None:

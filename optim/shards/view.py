@@ -1,13 +1,14 @@
 """What state-dict and checkpoint code may touch of a DistributedFusedAdam besides its public
 API (``param_groups``, ``param_sync()``, the option attributes such as ``dtype``): the layout,
-the buffers of this rank's shard, the step counts, the params, the device and the comm seam.
+the buffers of this rank's shard, the step counts, the params, the device, the comm seam and
+what the last step clipped.
 
 ``opt.shard_view()`` returns it; nothing else of the optimizer's private state is read there.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Any, Callable, List
 
 import torch
 from torch import Tensor
@@ -27,3 +28,5 @@ class ShardView:
     device: torch.device
     comm: Comm  # every collective (comm.py)
     hparams: HparamTable  # invalidate() after changing param_groups' values
+    # what the last step clipped (the step cycle's; the ranks agree on it before a state read)
+    last_clips: Callable[[], Any]

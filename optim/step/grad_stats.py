@@ -14,12 +14,14 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .. import kernels, norms
+from ..checks import agreement
+from ..kernels import partials
 
 HEADER = norms.PARTIAL  # norm partial, non-finite flag
 
@@ -91,3 +93,64 @@ class TouchedPatterns:
         else:
             cache.move_to_end(key)
         return t
+
+
+class ReducedStats(NamedTuple):
+    """``reduce_step_stats``'s result."""
+
+    stats: GradStats
+    checked: bool  # the agreement entries must be read (raise on disagreement / invalid values)
+    names: List[str]  # the agreement categories compared, in entry order
+
+
+def reduce_step_stats(
+    norm_type: float,
+    grad_shards: Sequence[Tensor],
+    buckets: Sequence[Any],
+    n_params: int,
+    health: Any,
+    view: "agreement.StepView",
+    problem: str,
+    lrs: Optional[Any],
+    landed: Callable[[Tensor], bool],
+    reduce: Callable[[Tensor, Any], None],
+) -> ReducedStats:
+    """The step's one stats all-reduce: fill this rank's entries, reduce them, finish.
+
+    Args:
+        norm_type: the first norm type asked for this step.
+        grad_shards: each bucket's reduced grad shard on this rank.
+        buckets: the layout's buckets (their segments, for the per-group partials).
+        n_params: the optimizer's param count.
+        health: the optimizer's StepHealth (its entries ride in the same tensor).
+        view: what the agreement entries read (checks/agreement.py).
+        problem: this rank's invalid value ("" if none): flagged in the entries, never raised
+            before the all-reduce (the other ranks would wait in it).
+        lrs: this step's tensor lrs (hparams.TensorLrs) or None.
+        landed: fills the L2 partials computed as the grads landed, if they are complete
+            (sync/grad_sync.py ``landed_stats``); False: computed here.
+        reduce: the all-reduce (the optimizer's ``_reduce_grad_stats``, a subclass's extension point).
+
+    A collective (``reduce``); no host sync.
+    """
+    buf, checked, names = agreement.stats_buffer(view, norm_type, problem, lrs, health.entries())
+    if not (norm_type == 2.0 and landed(buf)):
+        partials.partial(list(grad_shards), norm_type, buf, zeroed=True)
+    offset = HEADER + n_params  # where the health entries start
+    groups = health.group_slice(offset)
+    if groups is not None:  # each group's partial too (one launch per bucket), for grad_norms_by_group
+        for bucket, shard in zip(buckets, grad_shards):
+            kernels.group_partials(shard, bucket.segments, buf[groups], norm_type, n_params)
+    reduce(buf, norms.reduce_op(norm_type))
+    stats = finish(buf, norm_type, n_params, view.fingerprint if checked else None, health.n_entries)
+    health.note_stats(buf, offset, norm_type)
+    return ReducedStats(stats, checked, names)
+
+
+def reduce_norm(norm_type: float, grad_shards: Sequence[Tensor], device: Any,
+                reduce: Callable[[Tensor, Any], None]) -> Tensor:
+    """A second norm type in one step: its own (tiny) all-reduce, as extensible as the first.
+    Returns the global norm before averaging and unscaling. A collective; no host sync."""
+    buf = partials.partial(list(grad_shards), norm_type, device=device)
+    reduce(buf, norms.reduce_op(norm_type))
+    return norms.root(buf[0], norm_type)

@@ -6,22 +6,31 @@ torch's GradScaler calls ``step(grad_scaler=self)`` for optimizers with
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, Callable
+
+from torch import Tensor
 
 from .. import _compat
+from .cycle import StepCycle
 
 
-def take_over(opt: Any, scaler: Any) -> None:
-    """Loop A/F: ``torch.amp.GradScaler.step`` handed itself to ``opt.step(grad_scaler=)``.
+def take_over(scaler: Any, optimizer: Any, cycle: StepCycle, unscale_grads: Callable[..., Tensor]) -> None:
+    """Loop A/F: ``torch.amp.GradScaler.step`` handed itself to ``optimizer.step(grad_scaler=)``.
 
-    Unscale by the scaler's scale unless ``unscale_grads`` already ran (loop F: torch's
+    Unscale by the scaler's scale through ``unscale_grads`` (the optimizer's method: a
+    subclass's override is honoured) unless that already ran this step (loop F: torch's
     ``unscale_`` found no grads, so its clip clipped nothing: warn once), and write the GLOBAL
-    found-inf into the scaler's per-optimizer state, so ``update()`` agrees on every rank."""
-    state = _compat.scaler_optimizer_state(scaler, opt)
-    opt._note_scaler(scaler)  # step_stats() reports its scale
-    if opt._inv_scale is None:
-        if state["stage"] is _compat.OptState.UNSCALED and not opt._warned_unscaled_by_torch:
-            opt._warned_unscaled_by_torch = True
+    found-inf into the scaler's per-optimizer state, so ``update()`` agrees on every rank.
+
+    Args:
+        scaler: the ``torch.amp.GradScaler``.
+        optimizer: the optimizer it steps (the key of the scaler's per-optimizer state).
+        cycle: the optimizer's step cycle.
+        unscale_grads: the optimizer's ``unscale_grads``.
+    """
+    state = _compat.scaler_optimizer_state(scaler, optimizer)
+    if cycle.inv_scale is None:
+        if state["stage"] is _compat.OptState.UNSCALED and cycle.warn_once("unscaled by torch"):
             warnings.warn(
                 "torch.amp.GradScaler.unscale_ found no gradients to unscale: DistributedFusedAdam "
                 "keeps only reduce-scattered shards and leaves param.grad None, so torch's "
@@ -32,7 +41,7 @@ def take_over(opt: Any, scaler: Any) -> None:
                 stacklevel=4,
             )
         scale = _compat.scaler_scale(scaler)
-        opt.unscale_grads(scale.double().reciprocal().float(), grad_scaler=scaler)
-    found_inf = opt._current_round().stats.found_inf
+        unscale_grads(scale.double().reciprocal().float(), grad_scaler=scaler)
+    found_inf = cycle.current().stats.found_inf
     scale_device = _compat.scaler_scale(scaler).device
     state["found_inf_per_device"] = {scale_device: found_inf.to(scale_device)}

@@ -30,7 +30,7 @@ import contextlib
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,6 +41,9 @@ from . import backward_order, grad_stager
 from ..shards.buffers import BucketBuffers
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
+
+if TYPE_CHECKING:  # the cycle is handed in; only its type is named here
+    from ..step.cycle import StepCycle
 
 
 MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
@@ -104,8 +107,8 @@ class Reduction:
 class GradSync:
     """The backward plumbing of one optimizer: a :class:`ParamGrad` per param (what its hook
     needs), a :class:`BucketGrads` per bucket (``states``, in reduction order), the reductions
-    in flight (``pending``), and the round counters the optimizer and agreement.py read
-    (``backwards``, ``rounds_since_step``, ``local_touched``, ``grad_since_zero``)."""
+    in flight (``pending``); it tells the optimizer's step cycle (step/cycle.py), which owns the
+    round counters, when a backward begins and when a round is launched."""
 
     def __init__(
         self,
@@ -116,9 +119,13 @@ class GradSync:
         overlap: bool,
         keep_buffers: bool,
         native_hooks: bool = True,
+        *,
+        cycle: "StepCycle",
         check_landed: Optional[Callable[[int, Tensor], None]] = None,
     ) -> None:
         self.comm = comm
+        # the step cycle: told when a backward begins and a round is launched; read for the rounds
+        self.cycle = cycle
         # called with (bucket, buffer) just before a bucket's grads are reduced (health.py)
         self.check_landed = check_landed
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
@@ -127,9 +134,6 @@ class GradSync:
         # one process, not capturable: the shard (= bucket buffer) is released at zero_grad
         self.release_shards = self.in_place and not keep_buffers
         self.keep_buffers = keep_buffers or self.in_place
-        # backwards begun so far: a new one starts the optimizer's next step round (it compares)
-        self.backwards = 0
-        self.stepped_since_zero = False  # a backward now adds to the grads the last step used
         self.warned_no_zero_grad = False
         self.n_params = len(params)
 
@@ -148,8 +152,6 @@ class GradSync:
         self.refusal = ""
         self.order_group: Optional[backward_order.GroupOrder] = None
         self.build_index = 0
-        self.rounds_since_step = 0
-        self.grad_since_zero = False
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
         # backward only the one small all-reduce remains (norms.sum_partials sums them).
@@ -211,12 +213,11 @@ class GradSync:
             return  # a newer optimizer took this param over; its own hook handles the grad
         if not self.callback_queued:  # first grad of this backward
             self.callback_queued = True
-            self.backwards += 1
+            stepped = self.cycle.backward_began()
             backward_order.begin(self)  # queues the end of this backward (the group's, if shared)
             self.stager.set_armed(True)
-            if self.stepped_since_zero:
+            if stepped:
                 self._warn_no_zero_grad()
-            self.grad_since_zero = True
         if grad.is_sparse:
             raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
         k = self.stager_index[entry.index]
@@ -243,7 +244,6 @@ class GradSync:
             raise exc
 
     def _warn_no_zero_grad(self) -> None:
-        self.stepped_since_zero = False
         if not self.warned_no_zero_grad:
             self.warned_no_zero_grad = True
             warnings.warn(
@@ -331,7 +331,7 @@ class GradSync:
             self._launch(self.states[self.next_launch])
         self.next_launch = 0
         self.stager.reset_fired()
-        self.rounds_since_step += 1
+        self.cycle.round_launched()
         self.partials_zeroed = False  # the next round recomputes (and first zeroes) them all
 
     def _launch(self, s: BucketGrads) -> None:
@@ -411,7 +411,7 @@ class GradSync:
         """
         self.raise_hook_error()
         self.flush_all()
-        if self.next_launch > 0 or self.rounds_since_step == 0 or any(s.in_buffer for s in self.states):
+        if self.next_launch > 0 or self.cycle.rounds_since_step == 0 or any(s.in_buffer for s in self.states):
             self._finish_round()
         self.wait()
 
@@ -452,15 +452,12 @@ class GradSync:
         return list({id(t): t for t in held}.values())
 
     def step_done(self) -> None:
-        self.rounds_since_step = 0
-        self.stepped_since_zero = True
         self.refusal = ""  # the step that consumed the refused grads was flagged (backward_order.py)
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
         self.wait()
-        self.stepped_since_zero = False
         self.next_launch = 0
         self.partials_zeroed = False
         self.callback_queued = False  # a backward that raised never ran its callback
@@ -477,7 +474,6 @@ class GradSync:
             self.stager.clear_touched()
             for s in self.states:
                 s.shard_valid = False
-            self.grad_since_zero = False
         else:
             for s in self.states:
                 s.buffers.grad_shard.zero_()

@@ -1,0 +1,222 @@
+"""Where one optimizer is in its step cycle: the phase and every per-step counter and flag.
+
+A :class:`StepCycle` is the one owner of the step's state. The grad hooks (sync/grad_sync.py)
+tell it when a backward begins and when a reduction round is launched; the optimizer tells it
+when the stats are reduced, the scale is known, the step ran and the grads were dropped; the
+checks (checks/agreement.py, checks/deferred.py) read what they compare through its methods and
+record nothing in it but the categories a step's agreement entries name. Nothing else keeps a
+counter of its own.
+
+The phases, in order (``zero_grad`` may come at any point)::
+
+    IDLE -> ACCUMULATING -> REDUCED -> UNSCALED -> STEPPED -> ACCUMULATING ...
+             (backward)     (stats)    (scale)     (step)     (next backward)
+
+``REDUCED`` and ``UNSCALED`` may come in either order's subset: a step without a scaler goes
+from ``REDUCED`` to ``STEPPED``; ``unscale_grads`` reduces the stats first if nothing asked for
+them. A new backward before the step (accumulating after a logged norm) goes back to
+``ACCUMULATING`` and the stats are computed anew. After ``zero_grad`` the phase is ``STEPPED``
+when a step's norms are still readable, else ``IDLE``.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+from torch import Tensor
+
+from .step_round import StepRound
+
+
+class StepPhase(enum.Enum):
+    """The phase of one optimizer's step cycle (see the module docstring)."""
+
+    IDLE = "idle"  # no grads to step on, no step's norms to read
+    ACCUMULATING = "accumulating"  # backward passes ran; the step's stats are not reduced yet
+    REDUCED = "reduced"  # the one stats all-reduce ran: norms and found-inf are known
+    UNSCALED = "unscaled"  # the loss scale is known (unscale_grads): norms are the true norms
+    STEPPED = "stepped"  # the step consumed the grads; its norms stay readable until the next backward
+
+
+def _number(value: Any) -> Any:
+    """A clip's max_norm as compared across ranks: a float (1 and 1.0 agree), ``"tensor"`` for a
+    device tensor (never read on the host), else its repr."""
+    if isinstance(value, Tensor):
+        return "tensor"
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+class StepCycle:
+    """The phase and the counters of one optimizer's step cycle.
+
+    Args:
+        avg_factor: what the grads are multiplied by for averaging (``1 / world_size`` or 1).
+        avg_tensor: the same as a 0-d device tensor (no per-step host-to-device copy).
+    """
+
+    def __init__(self, avg_factor: float, avg_tensor: Tensor) -> None:
+        self.avg_factor = avg_factor
+        self.avg_tensor = avg_tensor
+        self._phase = StepPhase.IDLE
+        self._round: Optional[StepRound] = None  # this step's protocol, created when first asked
+        self._last: Optional[StepRound] = None  # the last step's, readable until the next backward
+        # grads: backward passes begun, reduction rounds launched since the last step, whether any
+        # grad arrived since zero_grad, and whether a step consumed them since zero_grad
+        self._backwards = 0
+        self._rounds_since_step = 0
+        self._grad_since_zero = False
+        self._stepped_since_zero = False
+        # where this rank is, for the message when the ranks' collectives do not line up
+        self._steps_taken = 0
+        self._backwards_at_step = 0
+        self._dropped_rounds = 0
+        # what the last step clipped: compared across ranks at the next step and at state reads
+        self._last_clips: Tuple[Any, ...] = ()
+        # this step's agreement: this rank's invalid hyperparameter, if any, and the categories
+        # the stats' agreement entries compare, in order
+        self._problem = ""
+        self._names: List[str] = []
+        self._warned: Set[str] = set()
+
+    # ------------------------------------------------------------------ the phase
+    @property
+    def phase(self) -> StepPhase:
+        """Where the step is (see :class:`StepPhase`)."""
+        return self._phase
+
+    def current(self) -> StepRound:
+        """This step's round, created at the first call after a backward, a step or zero_grad."""
+        if self._round is None:
+            self._round = StepRound(self.avg_factor, self.avg_tensor)
+        return self._round
+
+    def last_step(self) -> Optional[StepRound]:
+        """The last step's round while no stats of a new step exist (its norms are readable
+        without a collective), else None."""
+        if self._last is not None and (self._round is None or self._round.stats is None):
+            return self._last
+        return None
+
+    @property
+    def inv_scale(self) -> Optional[Tensor]:
+        """This step's inverse loss scale, once known."""
+        return None if self._round is None else self._round.inv_scale
+
+    @property
+    def scaled(self) -> bool:
+        """A scaler unscaled this step (its found-inf is acted on by the scaler)."""
+        return self.inv_scale is not None
+
+    # ------------------------------------------------------------------ transitions
+    def backward_began(self) -> bool:
+        """A backward delivered its first grad to this optimizer: a new round starts (the last
+        step's norms and any stats of an unfinished round are forgotten).
+
+        Returns:
+            True if a step consumed the grads since the last ``zero_grad`` (the new grads add to
+            grads already stepped on: the caller warns).
+        """
+        stepped = self._stepped_since_zero
+        self._backwards += 1
+        self._stepped_since_zero = False
+        self._grad_since_zero = True
+        self._round, self._last = None, None
+        self._phase = StepPhase.ACCUMULATING
+        return stepped
+
+    def round_launched(self) -> None:
+        """Every bucket of a reduction round was launched (reduce-scatter)."""
+        self._rounds_since_step += 1
+
+    def reduced(self, problem: str, names: Sequence[str]) -> None:
+        """The step's stats were all-reduced, with ``problem`` (this rank's invalid value, or
+        "") and the agreement categories ``names`` in their entries."""
+        self._problem, self._names = problem, list(names)
+        if self._phase in (StepPhase.IDLE, StepPhase.ACCUMULATING, StepPhase.STEPPED):
+            self._phase = StepPhase.REDUCED
+
+    def unscaled(self, inv: Tensor) -> None:
+        """The loss scale is known (``unscale_grads``)."""
+        self.current().unscale(inv)
+        self._phase = StepPhase.UNSCALED
+
+    def stepped(self, clips: Sequence[Any], norm_types: Sequence[float], cache_after_step: bool) -> None:
+        """The step consumed this round, applying ``clips`` (max_norms) and having computed
+        ``norm_types``; its norms stay readable (``last_step``) until the next backward."""
+        r = self.current()
+        self._last_clips = (tuple(_number(c) for c in clips), tuple(sorted(float(t) for t in norm_types)))
+        self._steps_taken += 1
+        self._backwards_at_step, self._dropped_rounds = self._backwards, 0
+        self._rounds_since_step = 0
+        self._stepped_since_zero = True
+        r.cache_after_step = cache_after_step
+        r.done()
+        self._last, self._round = r, None
+        self._phase = StepPhase.STEPPED
+
+    def grads_dropped(self, set_to_none: bool) -> None:
+        """``zero_grad``: a round no step consumed is counted as dropped; the last step's norms
+        stay readable until the next backward."""
+        if self._grad_since_zero and not self._stepped_since_zero:
+            self._dropped_rounds += 1
+        self._stepped_since_zero = False
+        if set_to_none:
+            self._grad_since_zero = False
+        self._round = None
+        self._phase = StepPhase.STEPPED if self._last is not None else StepPhase.IDLE
+
+    def warn_once(self, key: str) -> bool:
+        """True the first time ``key`` is asked: the caller warns once per optimizer."""
+        if key in self._warned:
+            return False
+        self._warned.add(key)
+        return True
+
+    # ------------------------------------------------------------------ what the others read
+    @property
+    def backwards(self) -> int:
+        """Backward passes begun so far."""
+        return self._backwards
+
+    @property
+    def rounds_since_step(self) -> int:
+        """Reduction rounds launched since the last step (compared across ranks every step)."""
+        return self._rounds_since_step
+
+    @property
+    def grad_since_zero(self) -> bool:
+        """A grad arrived since the last ``zero_grad(set_to_none=True)``."""
+        return self._grad_since_zero
+
+    @property
+    def stepped_since_zero(self) -> bool:
+        """A step consumed the grads since the last ``zero_grad`` (they are reduced and stepped on)."""
+        return self._stepped_since_zero
+
+    @property
+    def last_clips(self) -> Tuple[Any, ...]:
+        """``(max_norms, norm types)`` the last step applied and computed; ``()`` before any."""
+        return self._last_clips
+
+    def clips_of_last_step(self) -> Tuple[Any, ...]:
+        """``last_clips``, as a method (what a view hands on without holding the optimizer)."""
+        return self._last_clips
+
+    @property
+    def problem(self) -> str:
+        """This step's invalid value on this rank (the message), or ""."""
+        return self._problem
+
+    @property
+    def names(self) -> List[str]:
+        """The agreement categories of this step's stats entries, in order."""
+        return self._names
+
+    def position(self) -> Dict[str, int]:
+        """Where this rank is: steps taken, backward passes and dropped rounds since the last
+        step (named when the ranks' collectives do not line up: comm/order.py)."""
+        return {"steps": self._steps_taken, "backwards": self._backwards - self._backwards_at_step,
+                "dropped": self._dropped_rounds}
