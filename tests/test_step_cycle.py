@@ -1,0 +1,203 @@
+"""The step cycle (optim/step/cycle.py): one object owns the step's phase and counters, every
+loop walks the phases in order while training as torch does, and no module writes another
+object's private attributes."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import List
+
+import pytest
+import torch
+
+from shardamp.optim import DistributedFusedAdam
+from shardamp.optim.step.cycle import StepCycle, StepPhase
+from shardamp.scaler import ShardedGradScaler
+
+ROOT = Path(__file__).resolve().parents[1]
+IDLE, ACC, RED, UNS, STEP = (StepPhase.IDLE, StepPhase.ACCUMULATING, StepPhase.REDUCED, StepPhase.UNSCALED,
+                             StepPhase.STEPPED)
+
+
+def _cycle() -> StepCycle:
+    return StepCycle(0.5, torch.tensor(0.5))
+
+
+def test_transitions_and_counters() -> None:
+    c = _cycle()
+    assert c.phase is IDLE and not c.grad_since_zero and c.last_step() is None
+    assert c.backward_began() is False  # nothing was stepped on yet
+    assert c.phase is ACC and c.grad_since_zero and c.backwards == 1
+    c.round_launched()
+    assert c.rounds_since_step == 1
+    c.reduced("", ["a", "b"])
+    assert c.phase is RED and c.names == ["a", "b"] and c.problem == ""
+    c.unscaled(torch.tensor(0.25))
+    assert c.phase is UNS and c.scaled and float(c.inv_scale) == 0.25
+    c.current().add_clip(1.0, torch.tensor(3.0))
+    c.stepped([c_ for c_, _ in c.current().clips], {2.0: torch.tensor(3.0)}, cache_after_step=True)
+    assert c.phase is STEP and c.rounds_since_step == 0 and c.stepped_since_zero
+    assert c.last_clips == ((1.0,), (2.0,)) and c.clips_of_last_step() == c.last_clips
+    assert c.last_step() is not None and c.inv_scale is None  # a new round: the scale is the next step's
+    assert c.position() == {"steps": 1, "backwards": 0, "dropped": 0}
+    # zero_grad keeps the step's norms readable; a backward forgets them
+    c.grads_dropped(set_to_none=True)
+    assert c.phase is STEP and c.last_step() is not None and not c.grad_since_zero
+    assert c.backward_began() is False and c.phase is ACC and c.last_step() is None
+    # a round no step consumed, dropped: counted where the ranks' collectives are compared
+    c.round_launched()
+    c.grads_dropped(set_to_none=True)
+    assert c.phase is IDLE and c.position() == {"steps": 1, "backwards": 1, "dropped": 1}
+
+
+def test_backward_after_a_step_without_zero_grad_is_reported_once_per_step() -> None:
+    c = _cycle()
+    c.backward_began()
+    c.stepped([], {2.0: torch.tensor(1.0)}, cache_after_step=True)
+    assert c.backward_began() is True  # the caller warns: the new grads add to stepped ones
+    assert c.backward_began() is False
+
+
+def test_warn_once_and_zero_grad_keeping_zeros() -> None:
+    c = _cycle()
+    assert c.warn_once("x") and not c.warn_once("x") and c.warn_once("y")
+    c.backward_began()
+    c.grads_dropped(set_to_none=False)  # kept as zeros: the next step still updates them
+    assert c.grad_since_zero and c.phase is IDLE
+
+
+def _pair(seed: int = 0, groups: bool = True):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref.load_state_dict(model.state_dict())
+
+    def param_groups(m):
+        ps = list(m.parameters())
+        return [{"params": ps[:2], "weight_decay": 0.1}, {"params": ps[2:], "lr": 0.02}] if groups else ps
+
+    opt = DistributedFusedAdam(param_groups(model), lr=0.05, weight_decay=0.0)
+    torch_opt = torch.optim.AdamW(param_groups(ref), lr=0.05, weight_decay=0.0)
+    return model, ref, opt, torch_opt
+
+
+def _loss(m: torch.nn.Module, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    return m(x).pow(2).mean() * scale
+
+
+def test_phases_of_the_loops_match_torch() -> None:
+    """No scaler with a clip; a logged norm then more accumulation (the stats are computed
+    anew); a scaler's unscale_; zero_grad dropping a round: every phase in order, and the
+    params equal torch.optim.AdamW's throughout."""
+    model, ref, opt, torch_opt = _pair()
+    scaler = ShardedGradScaler("cpu", init_scale=8.0)
+    seen: List[StepPhase] = []
+    for it in range(4):
+        x = torch.randn(7, 6, generator=torch.Generator().manual_seed(it))
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        seen.append(opt._cycle.phase)
+        if it == 1:  # a norm logged between two accumulated backward passes
+            _loss(model, x[:3]).backward()
+            _loss(ref, x[:3]).backward()
+            opt.grad_norm()
+            seen.append(opt._cycle.phase)
+            x = x[3:]
+        if it == 2:  # the scaler loop: scaled backward, unscale_, clip, step, update
+            scaler.scale(_loss(model, x)).backward()
+            _loss(ref, x).backward()
+            seen.append(opt._cycle.phase)
+            scaler.unscale_(opt)
+            seen.append(opt._cycle.phase)
+            norm = opt.clip_grad_norm(0.5)
+            torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5), rtol=1e-5,
+                                       atol=1e-6)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            _loss(model, x).backward()
+            _loss(ref, x).backward()
+            seen.append(opt._cycle.phase)
+            norm = opt.clip_grad_norm(0.5)
+            seen.append(opt._cycle.phase)
+            torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5), rtol=1e-5,
+                                       atol=1e-6)
+            opt.step()
+        torch_opt.step()
+        seen.append(opt._cycle.phase)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert seen == [IDLE, ACC, RED, STEP,
+                    STEP, RED, ACC, RED, STEP,
+                    STEP, ACC, UNS, STEP,
+                    STEP, ACC, RED, STEP]
+    # zero_grad dropping a backward no step consumed: counted, and the phase says nothing to read
+    opt.zero_grad()
+    _loss(model, torch.randn(3, 6)).backward()
+    opt.zero_grad()
+    assert opt._cycle.phase is IDLE and opt._cycle.position()["dropped"] == 1
+    assert opt._cycle.position()["steps"] == 4
+
+
+def test_the_norm_after_step_is_the_cycles_last_round() -> None:
+    model, ref, opt, torch_opt = _pair(groups=False)
+    x = torch.randn(4, 6)
+    _loss(model, x).backward()
+    _loss(ref, x).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    got = opt.grad_norm()
+    opt.step()
+    opt.zero_grad()
+    assert opt._cycle.last_step() is not None
+    torch.testing.assert_close(opt.grad_norm(), got)  # from the last round: no collective
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="norm_type"):
+        opt.grad_norm(1.0)  # that step computed only the 2-norm: the grads are consumed
+
+
+# Private attributes a module may set on an object that is not its own ``self``, and why.
+ALLOWED_FOREIGN_WRITES = {
+    # torch's GradScaler per-optimizer state: every use of torch internals lives in _compat
+    ("optim/_compat.py", "scaler._per_optimizer_states"),
+    # a ShardedGrad view made by its own module's constructor function
+    ("optim/torch_tools.py", "t._opt"), ("optim/torch_tools.py", "t._index"),
+    # tags on torch Parameters naming the optimizer / grad sync that owns them
+    ("optim/distributed_fused_adam.py", "p._shardamp_optimizer"),
+    ("optim/sync/grad_stager.py", "p._shardamp_owner"), ("optim/sync/grad_stager.py", "p._shardamp_grad_sync"),
+    # the launch's cached native struct, set by the module that defines AdamLaunch
+    ("optim/kernels/dispatch.py", "launch._native"),
+    # a tag on accelerate's Accelerator: the user's DDP kwargs handler, refused at prepare
+    ("integrations/transformers.py", "self.accelerator._shardamp_user_ddp_handler"),
+}
+
+
+def _foreign_private_writes() -> List[tuple]:
+    found = []
+    for package in ("optim", "scaler", "integrations"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Assign):
+                    targets = node.targets
+                elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                    targets = [node.target]
+                else:
+                    continue
+                for target in targets:
+                    for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                        if (isinstance(t, ast.Attribute) and t.attr.startswith("_") and not t.attr.startswith("__")
+                                and not (isinstance(t.value, ast.Name) and t.value.id in ("self", "cls"))):
+                            found.append((path.relative_to(ROOT).as_posix(), ast.unparse(t)))
+    return found
+
+
+def test_no_module_writes_another_objects_private_attributes() -> None:
+    unexpected = sorted(set(_foreign_private_writes()) - ALLOWED_FOREIGN_WRITES)
+    assert not unexpected, (
+        "these write another object's private attributes; ask the owner through a method instead "
+        f"(or, for a tag on a torch object, add it to ALLOWED_FOREIGN_WRITES with the reason): {unexpected}")
+
+
+def test_the_private_write_scan_finds_a_write() -> None:
+    # the scan itself can fail: the optimizer's own tag on its params is found
+    assert ("optim/distributed_fused_adam.py", "p._shardamp_optimizer") in _foreign_private_writes()
