@@ -72,13 +72,13 @@ def main() -> None:
     active = [False]  # counted only inside the breakdown pass's shardamp backwards
 
     def install() -> None:  # after the timing pass: the medians are taken without wrappers
-        grad_sync.GradSync._on_event = timed("callbacks", grad_sync.GradSync._on_event)
+        grad_sync.GradSync.on_event = timed("callbacks", grad_sync.GradSync.on_event)
         grad_sync.GradSync._hook = timed("  of which the first grad's bookkeeping", grad_sync.GradSync._hook)
         grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
         grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
         grad_sync.GradSync._writable_full = timed("  of which buffer alloc/zero", grad_sync.GradSync._writable_full)
         grad_sync.GradSync._land_on_side_stream = timed("  of which side stream + stats", grad_sync.GradSync._land_on_side_stream)
-        grad_sync.GradSync._end_of_backward = timed("end of backward", grad_sync.GradSync._end_of_backward)
+        grad_sync.GradSync.end_of_backward = timed("end of backward", grad_sync.GradSync.end_of_backward)
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{tmp}/pg",

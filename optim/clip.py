@@ -3,7 +3,7 @@ params a DistributedFusedAdam manages (their grads live in its shards; ``.grad``
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 from torch import Tensor
@@ -11,7 +11,7 @@ from torch import Tensor
 from . import norms as norm_math
 from .distributed_fused_adam import DistributedFusedAdam
 from .grads_view import owner as _owner
-from .hparams import check_max_norm
+from .hparams import check_max_norm, check_norm_type
 
 
 def clip_grad_norm_(
@@ -41,7 +41,7 @@ def clip_grad_norm_(
     if isinstance(parameters, Tensor):
         parameters = [parameters]
     params = list(parameters)
-    norm_type = DistributedFusedAdam._check_norm_type(norm_type)
+    norm_type = check_norm_type(norm_type)
     owned: Dict[int, DistributedFusedAdam] = {}
     seen: Dict[int, set] = {}
     plain: List[Tensor] = []
@@ -54,13 +54,14 @@ def clip_grad_norm_(
             owned[id(opt)] = opt
             seen.setdefault(id(opt), set()).add(id(p))
     # a CUDA tensor stays on the device (checked at the step); refused when ranks would have to agree on it
-    max_norm = check_max_norm(max_norm, any(opt._comm.has_peers for opt in owned.values()))
+    max_norm = check_max_norm(max_norm, any(opt.world_size > 1 for opt in owned.values()))
     norms: List[Tensor] = []
     for key, opt in owned.items():
-        missing = len(opt._params) - len(seen[key])
+        total = sum(len(group["params"]) for group in opt.param_groups)
+        missing = total - len(seen[key])
         if missing:
             raise ValueError(
-                f"clip_grad_norm_: parameters includes {len(seen[key])} of the {len(opt._params)} params "
+                f"clip_grad_norm_: parameters includes {len(seen[key])} of the {total} params "
                 f"of a DistributedFusedAdam ({missing} missing). Its global norm covers all of them: "
                 "pass them all (e.g. model.parameters()) or call opt.clip_grad_norm(max_norm)."
             )

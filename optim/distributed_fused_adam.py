@@ -37,7 +37,7 @@ from .layout import Bucket, build_layout, forward_order, grouped_params, params_
 from .sync.param_sync import ParamSync
 from .sync.stale_read_guard import StaleReadGuard
 from . import torch_tools
-from .grads_view import GradsView
+from .grads_view import GradSource, GradsView
 from .reads import OptimizerReads
 
 def _step_options(ref: "weakref.ReferenceType[DistributedFusedAdam]") -> Callable[[], Tuple[Any, Any, Any]]:
@@ -266,8 +266,11 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             fingerprint=agreement.StepFingerprint(self.world_size, self._device),
             patterns=TouchedPatterns(self._device))
         self._deferred = DeferredChecks(self._device, self._cycle, self._health)
-        self._grads_view = GradsView(self)  # reading the grads as torch would hold them (grads_view.py)
-        torch_tools.install(self)  # param.grad and torch's clip functions see them (torch_tools.py)
+        # reading the grads as torch would hold them (grads_view.py): what it needs, held here
+        self._grad_source = GradSource(self._params, self._buckets, self._buffers, self._comm, self._device,
+                                       self._grad_sync, self._cycle, self._coef)
+        self._grads_view = GradsView(self, self._grad_source)
+        torch_tools.install(self, self._params)  # param.grad and torch's clip functions see them (torch_tools.py)
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
@@ -405,14 +408,12 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         that step used, from the cache: no collective, so one rank alone may read it (rank-zero
         logging). 0-d float32 tensor on the params' device; never reads a value on the host.
         """
-        norm_type = self._check_norm_type(norm_type)
+        norm_type = check_norm_type(norm_type)
         last = self._cycle.last_step()
         if last is not None:
             return last.norm_after_step(norm_type)
         self._ensure_stats(norm_type)
         return self._current_round().norm(norm_type)
-
-    _check_norm_type = staticmethod(check_norm_type)
 
     def clip_grad_norm(self, max_norm: float | Tensor, norm_type: float = 2.0) -> Tensor:
         """Clip all grads to a global norm of ``max_norm``, as ``torch.nn.utils.clip_grad_norm_``.

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -66,9 +67,13 @@ def owner(p: Tensor) -> Optional[Any]:
     """The live DistributedFusedAdam that manages ``p`` (the last one built over it), or None."""
     ref = getattr(p, "_shardamp_optimizer", None)
     opt = ref() if ref is not None else None
-    if opt is not None and getattr(p, "_shardamp_owner", None) is opt._grad_sync.owner_token:
+    if opt is not None and getattr(p, "_shardamp_owner", None) is opt._grads_view.owner_token:
         return opt
     return None
+
+
+_GONE = ("the DistributedFusedAdam that managed this param's grad was garbage-collected: read grads while their "
+         "optimizer is alive")
 
 
 def _fix_no_sync(what: str) -> str:
@@ -78,14 +83,36 @@ def _fix_no_sync(what: str) -> str:
             "call opt.grad_sync() on every rank first (it reduces what has accumulated so far).")
 
 
-class GradsView:
-    """The reads of one optimizer's grads (see the module docstring). Holds the optimizer
-    weakly; ``handles`` is torch_tools.py's per-param ``ShardedGrad`` cache."""
+@dataclass(frozen=True)
+class GradSource:
+    """What reading one optimizer's grads needs of it besides its public methods: the params,
+    the layout and this rank's buffers, the comm, the grad sync (pending reductions, touched
+    params), the step cycle (the round's scale and clips: clips are recorded through it) and the
+    coefficient the last step used. The optimizer holds it; a :class:`GradsView` holds it weakly."""
 
-    def __init__(self, opt: Any) -> None:
+    params: Sequence[torch.nn.Parameter]
+    buckets: Sequence[Any]
+    buffers: Sequence[Any]
+    comm: Any
+    device: torch.device
+    grad_sync: Any
+    cycle: Any
+    coef: Tensor  # 0-d, written by every step: what the last step multiplied the grads by
+
+
+class GradsView:
+    """The reads of one optimizer's grads (see the module docstring). Holds the optimizer (for
+    its public methods) and its :class:`GradSource` weakly; ``handles`` is torch_tools.py's
+    per-param ``ShardedGrad`` cache."""
+
+    def __init__(self, opt: Any, source: GradSource) -> None:
         self._opt = weakref.ref(opt)
-        self.index_of: Dict[int, int] = {id(p): i for i, p in enumerate(opt._params)}  # by id(param)
-        self.handles: List[Optional[Tensor]] = [None] * len(opt._params)
+        self._source = weakref.ref(source)
+        # what the optimizer's grad hooks tag its params with: a param tagged otherwise was taken
+        # over by a newer optimizer
+        self.owner_token = source.grad_sync.owner_token
+        self.index_of: Dict[int, int] = {id(p): i for i, p in enumerate(source.params)}  # by id(param)
+        self.handles: List[Optional[Tensor]] = [None] * len(source.params)
         self.generation = 0  # zero_grad calls: the cached norms are of dropped grads after one
         self._norms: Optional[Tuple[tuple, Tensor]] = None  # (key, raw per-param norms)
         self._segment_params: Dict[int, Tensor] = {}  # bucket -> param index of each segment (device)
@@ -94,15 +121,19 @@ class GradsView:
     def optimizer(self) -> Any:
         opt = self._opt()
         if opt is None:
-            raise RuntimeError("the DistributedFusedAdam that managed this param's grad was garbage-collected: "
-                               "read grads while their optimizer is alive")
+            raise RuntimeError(_GONE)
         return opt
+
+    def source(self) -> GradSource:
+        src = self._source()
+        if src is None:
+            raise RuntimeError(_GONE)
+        return src
 
     def index(self, p: Any, what: str) -> int:
         """``p``'s position in the optimizer's params; ``ValueError`` if it does not manage ``p``."""
-        opt = self.optimizer()
         i = self.index_of.get(id(p))
-        if i is None or opt._params[i] is not p:
+        if i is None or self.source().params[i] is not p:
             shape = tuple(p.shape) if isinstance(p, Tensor) else type(p).__name__
             raise ValueError(f"{what}: the tensor given ({shape}) is not a parameter of this DistributedFusedAdam; "
                              "pass one of its params (opt.param_groups). The grads of params it does not manage "
@@ -117,30 +148,29 @@ class GradsView:
     def has_grads(self) -> bool:
         """Some backward on this rank produced grads for this optimizer since ``zero_grad``
         (``param.grad`` is not None in torch then)."""
-        return self.optimizer()._cycle.grad_since_zero
+        return self.source().cycle.grad_since_zero
 
     def check_reducible(self, what: str) -> None:
-        if not self.optimizer()._grad_sync.enabled:
+        if not self.source().grad_sync.enabled:
             raise RuntimeError(_fix_no_sync(what))
 
     def reduce(self, what: str) -> None:
         """Make the grads readable: raise inside ``no_sync``, else finish their reduction (a
         collective: launches what is pending, in order, on every rank; a wait otherwise)."""
         self.check_reducible(what)
-        opt = self.optimizer()
-        if not opt._cycle.stepped_since_zero:  # a step consumed them: reduced, nothing to launch
-            opt.grad_sync()
+        if not self.source().cycle.stepped_since_zero:  # a step consumed them: reduced, nothing to launch
+            self.optimizer().grad_sync()
 
     def factor(self) -> Tensor:
         """The device scalar that turns the stored (summed, scaled) grads into torch's ``param.grad``
         now (the module docstring). Never modify it in place."""
-        opt = self.optimizer()
-        if opt._cycle.stepped_since_zero:
-            return opt._coef  # what the last step multiplied the grads by
-        return opt._current_round().coef()
+        src = self.source()
+        if src.cycle.stepped_since_zero:
+            return src.coef  # what the last step multiplied the grads by
+        return src.cycle.current().coef()
 
     def _key(self, norm_type: float) -> tuple:
-        cycle = self.optimizer()._cycle
+        cycle = self.source().cycle
         return (self.generation, cycle.backwards, cycle.rounds_since_step, cycle.stepped_since_zero, norm_type)
 
     # ------------------------------------------------------------ norms
@@ -149,13 +179,13 @@ class GradsView:
         compute it on ``param.grad`` now (see the module docstring for the collectives)."""
         norm_type = check_norm_type(norm_type)
         self.check_reducible(what)
-        opt = self.optimizer()
+        src = self.source()
         if self._norms is None or self._norms[0] != self._key(norm_type):
-            agreement.agree_on_call(opt.shard_view(), what, given=norm_type)
+            agreement.agree_on_call(self.optimizer().shard_view(), what, given=norm_type)
             self.reduce(what)
             raw = self._local_partials(norm_type)
-            opt._comm.all_reduce_shard_dim(raw, norms.reduce_op(norm_type))
-            n = len(opt._params)
+            src.comm.all_reduce_shard_dim(raw, norms.reduce_op(norm_type))
+            n = len(src.params)
             value = raw[:n] if math.isinf(norm_type) else raw[:n].pow(1.0 / norm_type)
             value = torch.where(raw[n:] > 0, torch.full_like(value, math.nan), value)  # NaN stays NaN (MAX drops it)
             self._norms = (self._key(norm_type), value)
@@ -163,10 +193,10 @@ class GradsView:
 
     def _local_partials(self, norm_type: float) -> Tensor:
         """``[sum |g|^p (max |g| for inf) per param, NaN flag per param]`` over this rank's shards."""
-        opt = self.optimizer()
-        n = len(opt._params)
-        out = torch.zeros(2 * n, dtype=torch.float32, device=opt._device)
-        for b, (bucket, buf) in enumerate(zip(opt._buckets, opt._buffers)):
+        src = self.source()
+        n = len(src.params)
+        out = torch.zeros(2 * n, dtype=torch.float32, device=src.device)
+        for b, (bucket, buf) in enumerate(zip(src.buckets, src.buffers)):
             segments = bucket.segments.segments
             if not segments:
                 continue
@@ -175,7 +205,7 @@ class GradsView:
             seg_norms = torch.stack(_compat.foreach_norm(pieces, norm_type, dtype=torch.float32))
             index = self._segment_params.get(b)
             if index is None:  # a param meets a rank's shard in one segment at most
-                index = self._segment_params[b] = torch.tensor([s.param_index for s in segments], device=opt._device)
+                index = self._segment_params[b] = torch.tensor([s.param_index for s in segments], device=src.device)
             out[index] = seg_norms if math.isinf(norm_type) else seg_norms.pow(norm_type)
             out[index + n] = seg_norms.isnan().float()
         return out
@@ -186,13 +216,13 @@ class GradsView:
         norm_type = check_norm_type(norm_type)
         what = "get_total_norm"
         self.check_reducible(what)
-        opt = self.optimizer()
-        if not opt._cycle.stepped_since_zero and sorted(indices) == list(range(len(opt._params))):
+        src = self.source()
+        if not src.cycle.stepped_since_zero and sorted(indices) == list(range(len(src.params))):
             # every grad once: the step's own stats all-reduce (shared with unscale_, clip, step)
-            norm = opt.grad_norm(norm_type)
-            prev = norms.chained_clip_coef(opt._current_round().clips)
+            norm = self.optimizer().grad_norm(norm_type)
+            prev = norms.chained_clip_coef(src.cycle.current().clips)
             return norm if prev is None else norm * prev  # the grads as clipped so far, as torch's
-        per = self.param_norms(norm_type, what)[torch.tensor(list(indices), device=opt._device)]
+        per = self.param_norms(norm_type, what)[torch.tensor(list(indices), device=src.device)]
         return per.max() if math.isinf(norm_type) else per.pow(norm_type).sum().pow(1.0 / norm_type)
 
     # ------------------------------------------------------------ clip, unscale
@@ -200,10 +230,10 @@ class GradsView:
         """torch's ``clip_grads_with_norm_`` over params ``indices``: their grads times
         ``min(1, max_norm / (total_norm + 1e-6))``, resolved in the step kernel (no pass over the
         grads). Must cover every param of the optimizer (one coefficient per optimizer)."""
-        opt = self.optimizer()
+        src = self.source()
         if not self.has_grads():
             return  # torch skips params whose .grad is None
-        n = len(opt._params)
+        n = len(src.params)
         if sorted(set(indices)) != list(range(n)):
             missing = n - len(set(indices))
             raise ValueError(
@@ -212,53 +242,53 @@ class GradsView:
                 "pass all of them (e.g. model.parameters()), or use one optimizer per set of params you clip "
                 "separately.")
         self.check_reducible("clip_grads_with_norm_")
-        max_norm = check_max_norm(max_norm, opt._comm.has_peers)
-        norm = torch.as_tensor(total_norm).detach().to(device=opt._device, dtype=torch.float32)
-        prev = norms.chained_clip_coef(opt._current_round().clips)
+        max_norm = check_max_norm(max_norm, src.comm.has_peers)
+        norm = torch.as_tensor(total_norm).detach().to(device=src.device, dtype=torch.float32)
+        r = src.cycle.current()
+        prev = norms.chained_clip_coef(r.clips)
         # ``total_norm`` is of the grads as clipped so far; the chain multiplies each later clip's
         # norm by the earlier coefficients, so hand it the norm before them
-        opt._add_clip(max_norm, norm if prev is None else norm / prev)
+        r.add_clip(max_norm, norm if prev is None else norm / prev)
 
     def unscale(self, inv_scale: Tensor) -> Tensor:
         """torch's ``GradScaler.unscale_`` reached this optimizer's grads: record ``inv_scale``
         (once per step: its other dtype groups come after) and return the GLOBAL found-inf."""
         self.check_reducible("GradScaler.unscale_")
-        opt = self.optimizer()
-        r = opt._current_round()
+        r = self.source().cycle.current()
         if r.inv_scale is None:
-            return opt.unscale_grads(inv_scale)
+            return self.optimizer().unscale_grads(inv_scale)  # a subclass's override is honoured
         return r.stats.found_inf
 
     # ------------------------------------------------------------ whole and local grads
     def _pieces(self, i: int) -> Tuple[Any, Any, Any, List[Tuple[int, int]]]:
         """Param ``i``'s slot, bucket, buffers and per shard rank its ``[lo, hi)`` in bucket coords."""
-        opt = self.optimizer()
-        slot = opt._grad_sync.slots[i]
-        bucket = opt._buckets[slot.bucket]
+        src = self.source()
+        slot = src.grad_sync.slots[i]
+        bucket = src.buckets[slot.bucket]
         size = bucket.shard_numel
         a, b = slot.offset, slot.offset + slot.numel
-        ranges = [(max(a, r * size), min(b, (r + 1) * size)) for r in range(opt._comm.shard_size)]
-        return slot, bucket, opt._buffers[slot.bucket], ranges
+        ranges = [(max(a, r * size), min(b, (r + 1) * size)) for r in range(src.comm.shard_size)]
+        return slot, bucket, src.buffers[slot.bucket], ranges
 
     def full_grad(self, p: Any) -> Optional[Tensor]:
         what = "full_grad"
         i = self.index(p, what)
         self.check_reducible(what)
-        opt = self.optimizer()
-        agreement.agree_on_call(opt.shard_view(), what, given=i)
-        touched = torch.tensor([float(opt._grad_sync.local_touched[i])], device=opt._device)
-        opt._comm.all_reduce_max(touched)
+        src = self.source()
+        agreement.agree_on_call(self.optimizer().shard_view(), what, given=i)
+        touched = torch.tensor([float(src.grad_sync.local_touched[i])], device=src.device)
+        src.comm.all_reduce_max(touched)
         if not bool(touched.item()):  # no rank produced a grad for it: None, as param.grad in torch
             return None
         self.reduce(what)
         slot, bucket, buf, ranges = self._pieces(i)
         length = max(max(hi - lo, 0) for lo, hi in ranges)
-        lo, hi = ranges[opt._comm.shard_rank]
+        lo, hi = ranges[src.comm.shard_rank]
         shard = buf.grad_shard
         send = torch.zeros(length, dtype=shard.dtype, device=shard.device)
         if hi > lo:
             send[:hi - lo] = shard[lo - bucket.shard_start:hi - bucket.shard_start]
-        gathered = opt._comm.gather_shards(send, to_first=False)
+        gathered = src.comm.gather_shards(send, to_first=False)
         flat = torch.empty(slot.numel, dtype=torch.float32, device=shard.device)
         for r, (lo_r, hi_r) in enumerate(ranges):
             if hi_r > lo_r:
@@ -270,15 +300,15 @@ class GradsView:
         what = "local_grad"
         i = self.index(p, what)
         self.check_reducible(what)
-        opt = self.optimizer()
-        gs = opt._grad_sync
-        if not opt._cycle.grad_since_zero:
+        src = self.source()
+        gs = src.grad_sync
+        if not src.cycle.grad_since_zero:
             return None
         slot, bucket, buf, ranges = self._pieces(i)
-        lo, hi = ranges[opt._comm.shard_rank]
+        lo, hi = ranges[src.comm.shard_rank]
         if hi <= lo:
             return None
-        if not opt._cycle.stepped_since_zero and _unreduced(gs):
+        if not src.cycle.stepped_since_zero and _unreduced(gs):
             raise RuntimeError(
                 "local_grad: this rank holds grads that are not reduced yet (overlap_grad_sync=False reduces at "
                 "step, or a backward ran inside no_sync since the last reduction). Call opt.grad_sync() on every "

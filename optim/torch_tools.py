@@ -49,7 +49,7 @@ exact and cheaper.
   bound it earlier): over ALL of an optimizer's grads the norm is ``opt.grad_norm()`` (the
   step's one stats all-reduce, shared with unscale_ and step: a loop with torch's GradScaler +
   ``unscale_`` + ``clip_grad_norm_`` still issues exactly one small all-reduce per step), and the
-  clip is ``opt._add_clip`` (the coefficient is resolved in the step kernel, as
+  clip is recorded in the step cycle (``GradsView.clip``; the coefficient is resolved in the step kernel, as
   ``shardamp.optim.clip_grad_norm_`` does). A subset of an optimizer's params cannot be clipped
   by one kernel coefficient: it raises. ``clip_grad_value_`` over managed params raises (clip
   by norm). Everything else goes to torch's original, unchanged. A caller that bound
@@ -76,7 +76,7 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -94,11 +94,13 @@ def _grad_of_managed(p: Tensor) -> Optional[Tensor]:
         return g  # autograd's own (a stray grad, or one not taken by the hooks yet)
     ref = getattr(p, "_shardamp_optimizer", None)
     opt = ref() if ref is not None else None
-    if opt is None or getattr(p, "_shardamp_owner", None) is not opt._grad_sync.owner_token:
+    if opt is None:
         return None  # not managed by a live optimizer (any more)
-    if not opt._cycle.grad_since_zero or _compat.in_backward():
+    view = opt._grads_view  # the optimizer's one seam for reading its grads (grads_view.py)
+    if getattr(p, "_shardamp_owner", None) is not view.owner_token:
+        return None  # a newer optimizer took it over
+    if not view.has_grads() or _compat.in_backward():
         return None  # no grads; or inside a backward, where hooks read autograd's field as before
-    view = opt._grads_view
     i = view.index_of[id(p)]  # p is opt's (checked above), which keeps it alive: ids are unique
     handle = view.handles[i]
     if handle is None:
@@ -331,13 +333,13 @@ def installed() -> bool:
     return bool(_replaced)
 
 
-def install(opt: Any) -> None:
-    """At ``opt``'s construction: wrap torch's functions (once) and switch ``opt``'s params to the
+def install(opt: Any, params: Sequence[Tensor]) -> None:
+    """At ``opt``'s construction: wrap torch's functions (once) and switch its ``params`` to the
     ``.grad``-reading subclass of their class (once per param). Undone when the last
     DistributedFusedAdam is garbage-collected."""
     _wrap_torch()
     refused = []
-    for i, p in enumerate(opt._params):
+    for i, p in enumerate(params):
         if getattr(type(p), "_shardamp_grad_base", None) is None:
             if _compat.switch_class(p, _compat.grad_property_class(type(p), _grad_of_managed, _set_grad_of_managed)):
                 _switched.add(p)

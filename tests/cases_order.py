@@ -250,7 +250,7 @@ class _Launches:
         self.log, self.during, self.ending = [], [], 0
         for name, opt in opts.items():
             launch, sync = opt._comm.reduce_scatter, opt._grad_sync
-            end = sync._end_of_backward
+            end = sync.end_of_backward
 
             def logged(out, full, name=name, launch=launch):
                 self.log.append((name, full.numel()))
@@ -265,7 +265,7 @@ class _Launches:
                     self.ending -= 1
 
             opt._comm.reduce_scatter = logged
-            sync._end_of_backward = ending
+            sync.end_of_backward = ending
 
     def mark(self, what):
         self.log.append(what)

@@ -136,7 +136,7 @@ class GroupOrder:
         for sync in r.members():
             sync.defer_launches = False
             try:
-                sync._end_of_backward()
+                sync.end_of_backward()
             except BaseException as exc:  # noqa: BLE001 - every member ends; the first error is raised
                 error = error or exc
             sync.hold_launches = False  # a refused round's buckets wait for the step; later rounds launch
@@ -175,7 +175,7 @@ def begin(sync: Any) -> None:
     optimizer over the group) or as a member of the group's round (several)."""
     group: Optional[GroupOrder] = sync.order_group
     if group is None or len(group.live()) < 2:
-        _compat.queue_backward_callback(sync._end_of_backward)
+        _compat.queue_backward_callback(sync.end_of_backward)
         return
     group.begin(sync)
 

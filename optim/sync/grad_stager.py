@@ -169,7 +169,7 @@ def make_stager(native, params: Sequence[Tensor], bucket_of: Sequence[int], offs
 
 def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
     """The stager of a ``GradSync`` (grad_sync.py), hooked: its Python hook calls
-    ``sync._hook(entry)``, the native one ``sync._on_event(event, arg)``. An error in the latter
+    ``sync.on_grad(entry)``, the native one ``sync.on_event(event, arg)``. An error in the latter
     must not cross the C++ hook: it is kept in ``sync.hook_error`` and raised at the end of
     backward (``GradSync.raise_hook_error``); the rest of that backward's events are dropped. The
     callbacks hold ``sync`` weakly: hooks live as long as the params and must not pin buffers.
@@ -188,14 +188,14 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
     def on_param(index: int) -> None:
         me = ref()
         if me is not None:
-            me._hook(me.by_stager_index[index])
+            me.on_grad(me.by_stager_index[index])
 
     def on_event(event: int, arg: int) -> None:
         me = ref()
         if me is None or me.hook_error is not None:
             return
         try:
-            me._on_event(event, arg)
+            me.on_event(event, arg)
         except BaseException as exc:  # noqa: BLE001 - re-raised at the end of backward
             me.hook_error = exc
 

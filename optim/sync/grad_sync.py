@@ -202,7 +202,7 @@ class GradSync:
             backward_order.register(self)
 
     # ---------------------------------------------------------------- backward
-    def _hook(self, entry: ParamGrad) -> None:
+    def on_grad(self, entry: ParamGrad) -> None:
         """A grad was accumulated into ``entry``'s param (the Python hook: every grad; the native
         one: the SLOW cases only, see grad_stager.py). Runs once per param per backward."""
         param = entry.param
@@ -225,9 +225,9 @@ class GradSync:
             self._flush(self.states[entry.bucket])
         self._staged(self.states[entry.bucket], self.stager.stage(k))
 
-    def _on_event(self, event: int, arg: int) -> None:
+    def on_event(self, event: int, arg: int) -> None:
         if event == grad_stager.SLOW:
-            self._hook(self.by_stager_index[arg])
+            self.on_grad(self.by_stager_index[arg])
         else:
             self._staged(self.states[arg], event)
 
@@ -317,7 +317,7 @@ class GradSync:
         while self.next_launch < len(states) and fired(self.next_launch) >= states[self.next_launch].expected:
             self._launch(states[self.next_launch])
 
-    def _end_of_backward(self) -> None:
+    def end_of_backward(self) -> None:
         self.callback_queued = False
         self.stager.set_armed(False)
         self.raise_hook_error()
