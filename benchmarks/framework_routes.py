@@ -6,7 +6,7 @@ framework, which lands in :func:`worker`: for each (model, precision) it runs ``
 pairs, default and shardamp alternating (the order flips every repeat: AB BA AB ...), each run
 with a fresh model, optimizer and trainer / accelerator, and times iterations
 ``(warmup, warmup + iters]`` with :class:`BlockTimer`. The results go to a JSON file, rewritten
-after every (model, precision), so that a worker stopped midway still leaves what it measured.
+after every run, so that a worker stopped midway still leaves what it measured.
 
 Routes (world 1, one device):
 
