@@ -12,7 +12,9 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # NCCL parity and AMP loops, graphs, checkpoints, FSDP2 wrappers, fault cases), frameworks (the
 # examples/*_train.py scripts on CUDA: FRAMEWORK_TESTS picks them, default all), kernel_tests
 # (kernels only), bench, host (benchmarks/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
-# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), variants (step
+# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), frameworks_bench
+# (benchmarks/bench_frameworks.py: each framework's default route against its shardamp route, about
+# 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), variants (step
 # chunk sizes side by side), profile, overlap. BUDGET (seconds, default 3000) caps the whole
 # session: each part gets at most what is left of it, so a slow part cannot starve the rest of
 # their logs.
@@ -62,6 +64,13 @@ if [[ " $PARTS " == *" host "* ]]; then
   timeout "$(left "${HOST_TIMEOUT:-300}")" python3 benchmarks/bench_host.py --device cuda --repeats "${HOST_REPEATS:-5}" ${HOST_ITERS:+--iters "$HOST_ITERS"} ${HOST_ARGS:-} \
     ${HOST_ROWS:+--only "$HOST_ROWS"} ${HOST_PROFILE:+--profile "$OUT/prof"} --out "$OUT" >"$OUT/host.log" 2>&1 || status=1
   tail -40 "$OUT/host.log"
+fi
+if [[ " $PARTS " == *" frameworks_bench "* ]]; then
+  # its --budget stops starting new configurations 90 s before the timeout, so the table is still written
+  fb_limit="$(left "${FRAMEWORKS_BENCH_TIMEOUT:-420}")"
+  timeout "$fb_limit" python3 benchmarks/bench_frameworks.py --device cuda --budget $((fb_limit > 180 ? fb_limit - 90 : fb_limit / 2)) \
+    ${FRAMEWORKS_BENCH_ARGS:-} --out "$OUT/frameworks_bench" >"$OUT/frameworks_bench.log" 2>&1 || status=1
+  tail -45 "$OUT/frameworks_bench.log"
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks
