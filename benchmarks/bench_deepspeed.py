@@ -474,7 +474,7 @@ def main() -> None:
                     help=f"one or several (comma-separated, run in order) of {', '.join(MODELS)}")
     ap.add_argument("--seq", type=int, default=None, help="sequence length (default 1024; tiny 64)")
     ap.add_argument("--batch", type=int, default=None, help="micro batch (default 8; tiny 4)")
-    ap.add_argument("--iters", type=int, default=20, help="timed iterations per process")
+    ap.add_argument("--iters", type=int, default=30, help="timed iterations per process")
     ap.add_argument("--warmup", type=int, default=5, help="iterations before the timed ones, per process")
     ap.add_argument("--repeats", type=int, default=3, help="pairs of processes (DeepSpeed, shardamp) per model")
     ap.add_argument("--data-batches", type=int, default=4, help="distinct random batches, cycled")
