@@ -15,7 +15,11 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), frameworks_bench
 # (benchmarks/bench_frameworks.py: each framework's default route against its shardamp route, about
 # 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), variants (step
-# chunk sizes side by side), profile, overlap. BUDGET (seconds, default 3000) caps the whole
+# chunk sizes side by side), profile, overlap, deepspeed (benchmarks/bench_deepspeed.py: DeepSpeed
+# ZeRO-2 against shardamp, GPT-2 bf16 at world 1; DS_MODELS (default 124m,350m), DS_REPEATS (3),
+# DS_TIMEOUT (its budget, default 420 s), DS_ARGS (more flags, split on spaces); the machine has
+# no DeepSpeed and no network: the wheels carried in .whl/ (benchmarks/README.md) are installed
+# into /tmp/site first where deepspeed is not importable). BUDGET (seconds, default 3000) caps the whole
 # session: each part gets at most what is left of it, so a slow part cannot starve the rest of
 # their logs.
 PARTS="${PARTS:-tests bench overlap}"
@@ -79,6 +83,17 @@ if [[ " $PARTS " == *" backward "* ]]; then
 fi
 if [[ " $PARTS " == *" overlap "* ]]; then
   timeout 120 python3 benchmarks/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
+fi
+if [[ " $PARTS " == *" deepspeed "* ]]; then
+  if [[ -d .whl ]] && ! python3 -c 'import deepspeed' >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >"$OUT/deepspeed_install.log" 2>&1 || { status=1; tail -5 "$OUT/deepspeed_install.log"; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  ds_budget=$(left "${DS_TIMEOUT:-420}")  # the script stops starting processes past it; timeout is the backstop
+  timeout $((ds_budget + 60)) python3 benchmarks/bench_deepspeed.py --model "${DS_MODELS:-124m,350m}" \
+    --repeats "${DS_REPEATS:-3}" --budget "$ds_budget" ${DS_ARGS:-} --out "$OUT/deepspeed" >"$OUT/deepspeed.log" 2>&1 || status=1
+  tail -25 "$OUT/deepspeed.log"
 fi
 echo "gpu_session: $((SECONDS - started)) s, status $status"
 exit $status
