@@ -103,7 +103,8 @@ class ShardampTrainerMixin:
     arguments.
 
     The optimizer gets the params' names (groups with ``"param_names"``, as torch 2.5+ optimizers
-    take them) iff ``shardamp_optimizer_class.accepts_param_names is True``.
+    take them) iff ``shardamp_optimizer_class.accepts_param_names is True``, as
+    ``DistributedFusedAdam`` declares (a subclass whose state code drops names sets it False).
 
     Attributes:
         shardamp_optimizer_class: the optimizer class ``create_optimizer`` builds (a

@@ -148,6 +148,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
     """
 
     _step_supports_amp_scaling = True
+    # takes groups with a "param_names" list beside "params" (and named_parameters()), keeps them
+    # in state dicts and names them in last_nonfinite(): the transformers integration passes them
+    accepts_param_names = True
 
     def __init__(
         self,

@@ -136,25 +136,26 @@ def _targs(out: str, **kw: Any):
 
 
 def case_param_names_when_the_optimizer_accepts_them(rank, world, tmp: str = "", **kw):
-    """The groups create_optimizer builds: with names for an optimizer class that declares
-    ``accepts_param_names``, without for one that does not (today's DistributedFusedAdam)."""
+    """The groups create_optimizer builds: with names for DistributedFusedAdam (it declares
+    ``accepts_param_names``), without for a subclass that declares it does not."""
     from shardamp.integrations.transformers import ShardampTrainer
     from shardamp.optim import DistributedFusedAdam
 
-    class Named(DistributedFusedAdam):
-        accepts_param_names = True
+    class Unnamed(DistributedFusedAdam):
+        accepts_param_names = False
 
-    class NamedTrainer(ShardampTrainer):
-        shardamp_optimizer_class = Named
+    class UnnamedTrainer(ShardampTrainer):
+        shardamp_optimizer_class = Unnamed
         shardamp_optimizer_kwargs = {"bucket_cap_mb": 0.0004}
 
     out = {}
-    for label, cls in (("named", NamedTrainer), ("plain", ShardampTrainer)):
+    for label, cls in (("named", ShardampTrainer), ("plain", UnnamedTrainer)):
         _env(rank, world)
         trainer = cls(model=ref.make_model(), args=_targs(os.path.join(tmp, f"hf_names_{label}")))
         opt = trainer.create_optimizer()
         out[label] = {"type": type(opt).__name__, "buckets": len(opt._buckets),
-                      "groups": [(g.get("param_names"), g["weight_decay"], len(g["params"])) for g in opt.param_groups]}
+                      "groups": [(g.get("param_names"), g["weight_decay"], len(g["params"])) for g in opt.param_groups],
+                      "state_names": [g.get("param_names") for g in opt.state_dict()["param_groups"]]}
     return out
 
 

@@ -83,10 +83,11 @@ def test_save_steps_and_resume_from_checkpoint_continue_exactly(world) -> None:
 def test_param_names_go_to_an_optimizer_that_accepts_them(world) -> None:
     decay, no_decay = ["fc1.weight", "fc2.weight"], ["fc1.bias", "fc2.bias"]  # Trainer's split: biases
     for v in case_values(_results(world), "case_param_names_when_the_optimizer_accepts_them"):
-        assert v["named"]["type"] == "Named" and v["plain"]["type"] == "DistributedFusedAdam"
+        assert v["named"]["type"] == "DistributedFusedAdam" and v["plain"]["type"] == "Unnamed"
         assert v["named"]["groups"] == [(decay, ref.WD, 2), (no_decay, 0.0, 2)]
+        assert v["named"]["state_names"] == [decay, no_decay]  # kept in the state dict, as torch's
         assert v["plain"]["groups"] == [(None, ref.WD, 2), (None, 0.0, 2)]
-        assert v["named"]["buckets"] > v["plain"]["buckets"]  # shardamp_optimizer_kwargs reached it
+        assert v["plain"]["buckets"] > v["named"]["buckets"]  # shardamp_optimizer_kwargs reached it
 
 
 @pytest.mark.parametrize("world", [WORLD])
