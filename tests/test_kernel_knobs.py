@@ -84,16 +84,16 @@ def _bits(state):
 def test_cuda_step_shapes_are_bitwise_equal(kind):
     """Every launch shape (adam_step's ``shape``: SHARDAMP_CUDA_STEP's codes) and chunk size
     computes the same bits as the kind's own shape: the split of the work changes no arithmetic."""
-    from test_kernels import _run, _shard_states
+    from kernel_shards import run_step, shard_states
 
     ext = kernels._native(torch.device("cuda"))
     results = []
     for shape in range(len(kernels.CUDA_STEP_SHAPES) + 1):
         for chunk in (2048, 16384):
-            state, table, hparams, steps, touched = _shard_states("cuda", *kind[:4], remainders=kind[4], seed=7)
+            state, table, hparams, steps, touched = shard_states("cuda", *kind[:4], remainders=kind[4], seed=7)
             chunks = ext.build_chunks(table.cpu(), state["grad"].numel(), steps.numel(), hparams.shape[0], chunk)
             for _ in range(2):
-                _run(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device="cuda"),
+                run_step(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device="cuda"),
                      torch.zeros((), device="cuda"), True, True, chunks=chunks.cuda(), shape=shape)
             results.append(((shape, chunk), _bits(state)))
     (_, ref), rest = results[0], results[1:]
@@ -106,10 +106,10 @@ def test_one_prepare_for_several_shards(device):
     """StepRecords: one prepare launch for two shards' segments (CUDA), each shard's step reading
     its rows from its offset, gives the bits of each shard's own prepare; on the CPU there is
     nothing to prepare (the step forms its scalars per chunk)."""
-    from test_kernels import SEGMENTS, _run, _shard_states
+    from kernel_shards import SEGMENTS, run_step, shard_states
     from shardamp.optim.layout import Segment, SegmentTable
 
-    made = [_shard_states(device, torch.float32, None, torch.bfloat16, torch.bfloat16, seed=s) for s in (3, 4)]
+    made = [shard_states(device, torch.float32, None, torch.bfloat16, torch.bfloat16, seed=s) for s in (3, 4)]
     hparams, steps, touched = made[0][2], made[0][3], made[0][4]
     tables = []
     for k, (_, table, *_rest) in enumerate(made):
@@ -123,7 +123,7 @@ def test_one_prepare_for_several_shards(device):
     assert records.offsets == [0, len(SEGMENTS)]
     for k, (state, *_rest) in enumerate(made):
         own = {key: None if t is None else t.clone() for key, t in state.items()}
-        _run(kernels.adam_step, state, tables[k], hparams, steps, touched, coef, found_inf, True, True,
+        run_step(kernels.adam_step, state, tables[k], hparams, steps, touched, coef, found_inf, True, True,
              records=rec, record_offset=records.offsets[k])
-        _run(kernels.adam_step, own, tables[k], hparams, steps, touched, coef, found_inf, True, True)
+        run_step(kernels.adam_step, own, tables[k], hparams, steps, touched, coef, found_inf, True, True)
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(_bits(state), _bits(own))), k
