@@ -51,7 +51,7 @@ if [[ " $PARTS " == *" profile "* ]]; then
   timeout 200 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | tail -80 | tee "$OUT/profile.log" || status=1
 fi
 if [[ " $PARTS " == *" variants "* ]]; then
-  # the CUDA step's chunk size (SHARDAMP_CUDA_CHUNK, read by optim/kernels/dispatch.py) side by side
+  # the CUDA step's chunk size (SHARDAMP_CUDA_CHUNK, read by optim/kernels/launch_config.py) side by side
   for c in ${CHUNKS:-4096 8192 16384}; do
     echo "== SHARDAMP_CUDA_CHUNK=$c" | tee -a "$OUT/variants.log"
     SHARDAMP_CUDA_CHUNK=$c timeout 150 python3 benchmarks/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" \
