@@ -36,7 +36,8 @@ if [[ " $PARTS " == *" tests "* ]]; then
   # TEST_FILES / TEST_K narrow it (e.g. to re-run what failed); the two exclusions always hold
   timeout "$(left "${TEST_TIMEOUT:-420}")" python3 -m pytest -q -p no:cacheprovider -rfE ${TEST_FILES:-tests/test_kernels.py \
     tests/test_kernels_light_state.py tests/test_kernels_stats.py tests/test_cuda.py tests/test_cuda_graph.py \
-    tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py} -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
+    tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py \
+    tests/test_checkpoint_faults.py} -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
   tail -40 "$OUT/tests.log"
 fi
 if [[ " $PARTS " == *" frameworks "* ]]; then
