@@ -37,7 +37,7 @@ WORK="${WORK:-/tmp/shardamp_gpu_build}"
 PARTS="${PARTS:-archs jit_cpu jit_default wheel}"
 BUDGET="${BUDGET:-520}"
 ALL_ARCHS="8.0;8.6;8.9;9.0;10.0;12.0+PTX"
-TESTS="tests/test_cuda.py tests/test_cuda_graph.py tests/test_kernels.py"
+TESTS="tests/test_cuda.py tests/test_cuda_graph.py tests/test_kernels.py tests/test_kernels_light_state.py tests/test_kernels_stats.py"
 # As benchmarks/gpu_session.sh: the two tests that expect an error FROM the extension are left out
 # (any C++ exception leaving an extension kills Python on the GPU image seen so far, csrc/NOTES.md).
 TEST_K="not empty_and_cached and not rejects_non_fp32"

@@ -31,7 +31,8 @@ left() {  # seconds a part may take: its own cap, or what is left of BUDGET (at 
   echo $(( $1 < rest ? $1 : rest ))
 }
 if [[ " $PARTS " == *" kernel_tests "* ]]; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "not empty_and_cached and not rejects_non_fp32" \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_light_state.py \
+    tests/test_kernels_stats.py -k "not empty_and_cached and not rejects_non_fp32" \
     2>&1 | tail -15 | tee "$OUT/kernel_tests.log" || status=1
 fi
 if [[ " $PARTS " == *" tests "* ]]; then
@@ -40,8 +41,9 @@ if [[ " $PARTS " == *" tests "* ]]; then
   # (csrc/NOTES.md); the library itself never relies on one.
   # TEST_FILES / TEST_K narrow it (e.g. to re-run what failed); the two exclusions always hold
   timeout "$(left "${TEST_TIMEOUT:-420}")" python3 -m pytest -q -p no:cacheprovider -rfE ${TEST_FILES:-tests/test_kernels.py \
-    tests/test_cuda.py tests/test_cuda_graph.py tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py \
-    tests/test_faults.py} -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
+    tests/test_kernels_light_state.py tests/test_kernels_stats.py tests/test_cuda.py tests/test_cuda_graph.py \
+    tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py \
+    tests/test_checkpoint_faults.py} -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
   tail -40 "$OUT/tests.log"
 fi
 if [[ " $PARTS " == *" frameworks "* ]]; then
@@ -56,7 +58,7 @@ if [[ " $PARTS " == *" profile "* ]]; then
   timeout 200 python3 benchmarks/profile_step.py --out "$OUT" 2>&1 | tail -80 | tee "$OUT/profile.log" || status=1
 fi
 if [[ " $PARTS " == *" variants "* ]]; then
-  # the CUDA step's chunk size (SHARDAMP_CUDA_CHUNK, read by optim/kernels/dispatch.py) side by side
+  # the CUDA step's chunk size (SHARDAMP_CUDA_CHUNK, read by optim/kernels/launch_config.py) side by side
   for c in ${CHUNKS:-4096 8192 16384}; do
     echo "== SHARDAMP_CUDA_CHUNK=$c" | tee -a "$OUT/variants.log"
     SHARDAMP_CUDA_CHUNK=$c timeout 150 python3 benchmarks/bench_step.py --device cuda --iters "${BENCH_ITERS:-30}" \

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step as bs  # noqa: E402
 
 # "default": SHARDAMP_CUDA_STEP and SHARDAMP_CUDA_CHUNK unset (each kind's own shape and chunk:
-# csrc/cuda/adam_step.cu, optim/kernels/dispatch.py); "UxB": U vector steps per thread held in registers,
+# csrc/cuda/adam_step.cu, optim/kernels/launch_config.py); "UxB": U vector steps per thread held in registers,
 # B blocks per SM; "c2x4": loads staged through shared memory. Chunk 0: the kind's own.
 # --configs overrides the list (SHAPE:CHUNK,...).
 DEFAULT_CONFIGS = "default:0,2x1:8192,2x1:16384,2x3:4096,c2x4:4096,c2x4:8192"

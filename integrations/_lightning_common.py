@@ -1,12 +1,14 @@
 """What shardamp's Lightning strategies share, whatever the package they plug into (``lightning``,
 ``pytorch_lightning``, ``lightning_fabric``): the optimizer check, the precision routing, the
-strategy options and the registry entries. Imports no Lightning package: each package's module
-(``lightning.py``, ``pytorch_lightning.py``, ``lightning_fabric.py``) hands its own classes in.
+strategy options and the registry entries, and ``StrategyBase``, the part of both strategies'
+constructors and classes that is the same for the Trainer and Fabric. Imports no Lightning
+package: each package's module (``lightning.py``, ``pytorch_lightning.py``,
+``lightning_fabric.py``) hands its own classes in.
 """
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, ClassVar, Dict, Iterable, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -15,6 +17,8 @@ from shardamp.scaler import ShardedGradScaler
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 PRECISIONS = "'32-true', 'bf16-mixed', '16-mixed', 'bf16-true' or '16-true'"
+# what a package's Precision, HalfPrecision and MixedPrecision plugins are to route_precision
+PRECISION_KINDS = ("plain", "half", "mixed")
 
 # (name, description, init params): Trainer(strategy=name) / Fabric(strategy=name). The start
 # methods follow DDP's names ('ddp', 'ddp_spawn', 'ddp_fork', 'ddp_notebook').
@@ -130,3 +134,64 @@ def register(cls: type, registry: Any, variants: Iterable[Tuple[str, str, Dict[s
                 )
                 continue
         registry.register(name, cls, description=description, override=override, **params)
+
+
+def precision_table(plugins: Sequence[type],
+                    replacements: Optional[Sequence[type]] = None) -> Dict[type, Tuple[str, type]]:
+    """``route_precision``'s table from a package's ``(Precision, HalfPrecision, MixedPrecision)``
+    and the classes run instead of each (default: the same classes)."""
+    return {plugin: (kind, replacement)
+            for kind, plugin, replacement in zip(PRECISION_KINDS, plugins, replacements or plugins)}
+
+
+def precision_property(attribute: str, doc: str) -> property:
+    """A strategy's precision plugin kept in ``attribute``: routed (``route_precision`` over the
+    class's ``_precision_table``) when set, the class's ``_plain_precision()`` while unset."""
+
+    def get(self: Any) -> Any:
+        plugin = getattr(self, attribute)
+        return plugin if plugin is not None else self._plain_precision()
+
+    def set_(self: Any, plugin: Optional[Any]) -> None:
+        setattr(self, attribute, route_precision(plugin, self._precision_table, type(self).__name__))
+
+    return property(get, set_, doc=doc)
+
+
+class StrategyBase:
+    """What ShardampStrategy (Trainer) and ShardampFabricStrategy share between their own mixin
+    (``_lightning_trainer.TrainerStrategyMixin``, ``_lightning_fabric.FabricStrategyMixin``) and
+    their package's ``DDPStrategy``: the options checked before DDP's constructor runs and kept
+    after it, the registered names, and the precision table.
+
+    A package's strategy class names its precision plugins in its class statement,
+    ``precisions=(Precision, HalfPrecision, MixedPrecision)``, with ``replacements=`` the classes
+    run instead of each where they differ (default: the same classes)."""
+
+    # the package's precision plugin class -> ("plain" | "half" | "mixed", the class run instead)
+    _precision_table: ClassVar[Mapping[type, Tuple[str, type]]] = {}
+    _plain_precision: ClassVar[type]  # what runs without a precision plugin
+
+    def __init_subclass__(cls, precisions: Optional[Sequence[type]] = None,
+                          replacements: Optional[Sequence[type]] = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if precisions is not None:
+            cls._precision_table = precision_table(precisions, replacements)
+            cls._plain_precision = (replacements or precisions)[0]
+
+    def __init__(self, start_method: str, sharded_checkpoint: bool, staging_dir: Optional[str],
+                 unexpected: Mapping[str, Any], **ddp_kwargs: Any) -> None:
+        """Refuse ``unexpected`` (DDP-only) arguments and unknown start methods, run the
+        package's ``DDPStrategy`` constructor with ``start_method`` and ``ddp_kwargs``, keep the
+        checkpoint options."""
+        check_options(type(self).__name__, start_method, unexpected)
+        super().__init__(start_method=start_method, **ddp_kwargs)
+        self.sharded_checkpoint = bool(sharded_checkpoint)
+        self.staging_dir = staging_dir
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``shardamp``, ``shardamp_spawn``, ``shardamp_fork``, ``shardamp_notebook``
+        and ``shardamp_sharded_checkpoint`` in the package's ``strategy_registry`` (done on
+        import)."""
+        register(cls, strategy_registry, VARIANTS)

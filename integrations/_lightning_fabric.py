@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import re
 from datetime import timedelta
-from typing import Any, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -68,15 +68,12 @@ class _OptimizerLoader:
             self.opt.load_state_dict(state)
 
 
-class FabricStrategyMixin:
+class FabricStrategyMixin(common.StrategyBase):
     """ShardampFabricStrategy's logic: Fabric's ``DDPStrategy`` (launchers, process group,
     distributed sampler) without the DDP wrapper, for ``DistributedFusedAdam``. Combined with a
     package's Fabric ``DDPStrategy`` by ``shardamp.integrations.lightning`` and
-    ``shardamp.integrations.lightning_fabric``; see their ``ShardampFabricStrategy``."""
-
-    # the package's precision plugin class -> ("plain" | "half" | "mixed", the class run instead)
-    _precision_table: ClassVar[Mapping[type, Tuple[str, type]]] = {}
-    _plain_precision: ClassVar[type]  # the package's Precision
+    ``shardamp.integrations.lightning_fabric``, whose class statement names that package's
+    precision plugins (``precisions=``, run as they are); see their ``ShardampFabricStrategy``."""
 
     def __init__(
         self,
@@ -113,31 +110,16 @@ class FabricStrategyMixin:
             ValueError: DDP-only options, an unknown ``start_method``, or a precision plugin
                 DistributedFusedAdam cannot train with.
         """
-        common.check_options(type(self).__name__, start_method, kwargs)
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision=precision, process_group_backend=process_group_backend,
-            timeout=timeout, start_method=start_method,
+            start_method, sharded_checkpoint, staging_dir, kwargs, accelerator=accelerator,
+            parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision=precision, process_group_backend=process_group_backend, timeout=timeout,
         )
-        self.sharded_checkpoint = bool(sharded_checkpoint)
-        self.staging_dir = staging_dir
         self._backward_sync_control = _NoBackwardSync(self)
         self._set_up: List[DistributedFusedAdam] = []  # by setup_optimizer, for no_backward_sync
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``shardamp``, ``shardamp_spawn``, ``shardamp_fork``, ``shardamp_notebook``
-        and ``shardamp_sharded_checkpoint`` in Fabric's ``strategy_registry`` (done on import)."""
-        common.register(cls, strategy_registry, common.VARIANTS)
-
-    @property
-    def precision(self) -> Any:
-        """The precision plugin; 16-mixed's GradScaler is a ShardedGradScaler."""
-        return self._precision if self._precision is not None else self._plain_precision()
-
-    @precision.setter
-    def precision(self, plugin: Optional[Any]) -> None:
-        self._precision = common.route_precision(plugin, self._precision_table, type(self).__name__)
+    precision = common.precision_property(
+        "_precision", "The precision plugin; 16-mixed's GradScaler is a ShardedGradScaler.")
 
     # ------------------------------------------------------------------ set up, no DDP
     def setup_module(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -1,5 +1,6 @@
 """The Trainer strategy's logic, for ``lightning.pytorch`` and ``pytorch_lightning`` alike: mixins
-that each package's module combines with that package's ``DDPStrategy`` and precision plugins
+that each package's module combines with that package's ``DDPStrategy``, and ``trainer_plugins``,
+which builds the package's precision plugins and monitor callback from its base classes
 (``shardamp.integrations.lightning`` / ``shardamp.integrations.pytorch_lightning``). Imports no
 Lightning package.
 """
@@ -7,8 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from datetime import timedelta
-from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, ClassVar, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -73,17 +75,60 @@ class ClipThroughOptimizer:
         return step_output
 
 
-class TrainerStrategyMixin:
+class TrainerPlugins(NamedTuple):
+    """One Trainer package's classes built by ``trainer_plugins``."""
+
+    precision: type  # ShardampPrecision: precision="32-true"
+    half_precision: type  # ShardampHalfPrecision: "bf16-true" / "16-true"
+    mixed_precision: type  # ShardampMixedPrecision: "bf16-mixed" / "16-mixed"
+    monitor: type  # ShardampMonitor
+    bases: Tuple[type, type, type]  # the package's Precision, HalfPrecision and MixedPrecision
+
+
+def trainer_plugins(module: str, package: str, precision: type, half_precision: type, mixed_precision: type,
+                    callback: type) -> TrainerPlugins:
+    """The precision plugins a Trainer package's ShardampStrategy runs (its ``Precision``,
+    ``HalfPrecision`` and ``MixedPrecision`` with ``ClipThroughOptimizer``) and its
+    ``ShardampMonitor`` (``callback``: its ``Callback``), as classes of ``module``, which must
+    bind each under its name (a spawned rank unpickles them from there). ``package`` names the
+    package in the monitor's docstring."""
+
+    def make(name: str, bases: Tuple[type, ...], doc: str) -> type:
+        def body(ns: Dict[str, Any]) -> None:
+            ns.update(__module__=module, __qualname__=name, __doc__=doc)
+
+        return types.new_class(name, bases, exec_body=body)
+
+    return TrainerPlugins(
+        make("ShardampPrecision", (ClipThroughOptimizer, precision), '``precision="32-true"`` under ShardampStrategy.'),
+        make("ShardampHalfPrecision", (ClipThroughOptimizer, half_precision),
+             '``precision="bf16-true"`` / ``"16-true"`` under ShardampStrategy.'),
+        make("ShardampMixedPrecision", (ClipThroughOptimizer, mixed_precision),
+             '``precision="bf16-mixed"`` / ``"16-mixed"`` (with a ShardedGradScaler) under ShardampStrategy.'),
+        make("ShardampMonitor", (MonitorLogic, callback),
+             f"A ``{package}`` callback logging ``grad_norm``, ``loss_scale`` and ``skipped_steps`` of every\n"
+             "    DistributedFusedAdam each logged step (``trainer.log_every_n_steps``) into the Trainer's\n"
+             "    loggers; ShardampStrategy adds one itself (``log_step_stats=True``, the default)."),
+        (precision, half_precision, mixed_precision),
+    )
+
+
+class TrainerStrategyMixin(common.StrategyBase):
     """ShardampStrategy's logic: Lightning's ``DDPStrategy`` (launchers, process group,
     distributed sampler) without the DDP wrapper, for ``DistributedFusedAdam``. Combined with a
     package's ``DDPStrategy`` by ``shardamp.integrations.lightning`` and
-    ``shardamp.integrations.pytorch_lightning``; see their ``ShardampStrategy``."""
+    ``shardamp.integrations.pytorch_lightning``, whose class statement names that package's
+    ``trainer_plugins`` (``plugins=``); see their ``ShardampStrategy``."""
 
     strategy_name = "shardamp"
-    # the package's precision plugin class -> ("plain" | "half" | "mixed", the class run instead)
-    _precision_table: ClassVar[Mapping[type, Tuple[str, type]]] = {}
-    _plain_precision: ClassVar[type]  # the package's Precision with ClipThroughOptimizer
     _monitor_class: ClassVar[type]  # the package's ShardampMonitor callback
+
+    def __init_subclass__(cls, plugins: Optional[TrainerPlugins] = None, **kwargs: Any) -> None:
+        if plugins is not None:
+            kwargs.update(precisions=plugins.bases,
+                          replacements=(plugins.precision, plugins.half_precision, plugins.mixed_precision))
+            cls._monitor_class = plugins.monitor
+        super().__init_subclass__(**kwargs)
 
     def __init__(
         self,
@@ -124,21 +169,12 @@ class TrainerStrategyMixin:
             ValueError: DDP-only options (``find_unused_parameters`` ...), an unknown
                 ``start_method``, or a precision plugin DistributedFusedAdam cannot train with.
         """
-        common.check_options(type(self).__name__, start_method, kwargs)
         super().__init__(
-            accelerator=accelerator, parallel_devices=parallel_devices, cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io, precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend, timeout=timeout, start_method=start_method,
+            start_method, sharded_checkpoint, staging_dir, kwargs, accelerator=accelerator,
+            parallel_devices=parallel_devices, cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin, process_group_backend=process_group_backend, timeout=timeout,
         )
-        self.sharded_checkpoint = bool(sharded_checkpoint)
-        self.staging_dir = staging_dir
         self.log_step_stats = bool(log_step_stats)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register ``shardamp``, ``shardamp_spawn``, ``shardamp_fork``, ``shardamp_notebook``
-        and ``shardamp_sharded_checkpoint`` in ``strategy_registry`` (done on import)."""
-        common.register(cls, strategy_registry, common.VARIANTS)
 
     # ------------------------------------------------------------------ no DDP
     def configure_ddp(self) -> None:
@@ -146,16 +182,9 @@ class TrainerStrategyMixin:
         rank from rank 0's buffers."""
         common.broadcast_buffers(self.model)
 
-    @property
-    def precision_plugin(self) -> Any:
-        """The precision plugin, routed (``route_precision``): 16-mixed with a ShardedGradScaler,
-        clipping through the optimizer."""
-        plugin = self._precision_plugin
-        return plugin if plugin is not None else self._plain_precision()
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Optional[Any]) -> None:
-        self._precision_plugin = common.route_precision(plugin, self._precision_table, type(self).__name__)
+    precision_plugin = common.precision_property(
+        "_precision_plugin", "The precision plugin, routed (``route_precision``): 16-mixed with a ShardedGradScaler, "
+                             "clipping through the optimizer.")
 
     def setup(self, trainer: Any) -> None:
         """Lightning's, then a ``ShardampMonitor`` joins the Trainer's callbacks (``log_step_stats``)."""

@@ -65,54 +65,28 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess by th
     ) from exc
 
 from ._lightning_fabric import FabricStrategyMixin
-from ._lightning_trainer import ClipThroughOptimizer, MonitorLogic, TrainerStrategyMixin
+from ._lightning_trainer import TrainerStrategyMixin, trainer_plugins
 
 __all__ = ["ShardampStrategy", "ShardampFabricStrategy", "ShardampMonitor"]
 
-
-class ShardampPrecision(ClipThroughOptimizer, Precision):
-    """``precision="32-true"`` under ShardampStrategy."""
-
-
-class ShardampHalfPrecision(ClipThroughOptimizer, HalfPrecision):
-    """``precision="bf16-true"`` / ``"16-true"`` under ShardampStrategy."""
+# the Trainer's precision plugins (clipping through the optimizer) and monitor callback, built on
+# this package's classes (_lightning_trainer.py holds their logic)
+_plugins = trainer_plugins(__name__, "lightning.pytorch", Precision, HalfPrecision, MixedPrecision, Callback)
+ShardampPrecision, ShardampHalfPrecision = _plugins.precision, _plugins.half_precision
+ShardampMixedPrecision, ShardampMonitor = _plugins.mixed_precision, _plugins.monitor
 
 
-class ShardampMixedPrecision(ClipThroughOptimizer, MixedPrecision):
-    """``precision="bf16-mixed"`` / ``"16-mixed"`` (with a ShardedGradScaler) under ShardampStrategy."""
-
-
-class ShardampMonitor(MonitorLogic, Callback):
-    """A ``lightning.pytorch`` callback logging ``grad_norm``, ``loss_scale`` and ``skipped_steps`` of every
-    DistributedFusedAdam each logged step (``trainer.log_every_n_steps``) into the Trainer's
-    loggers; ShardampStrategy adds one itself (``log_step_stats=True``, the default)."""
-
-
-class ShardampStrategy(TrainerStrategyMixin, DDPStrategy):
+class ShardampStrategy(TrainerStrategyMixin, DDPStrategy, plugins=_plugins):
     """``lightning.pytorch.Trainer(strategy=ShardampStrategy(...))``, or ``strategy="shardamp"``:
     DDP's launch and process group without DDP, for ``DistributedFusedAdam`` (module docstring;
     arguments: ``__init__``)."""
 
-    _precision_table = {
-        Precision: ("plain", ShardampPrecision),
-        HalfPrecision: ("half", ShardampHalfPrecision),
-        MixedPrecision: ("mixed", ShardampMixedPrecision),
-    }
-    _plain_precision = ShardampPrecision
-    _monitor_class = ShardampMonitor
 
-
-class ShardampFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
+class ShardampFabricStrategy(FabricStrategyMixin, FabricDDPStrategy,
+                             precisions=(FabricPrecision, FabricHalfPrecision, FabricMixedPrecision)):
     """``lightning.fabric.Fabric(strategy=ShardampFabricStrategy(...))``, or ``strategy="shardamp"``:
     Fabric's DDP launch and process group without DDP, for ``DistributedFusedAdam`` (module
     docstring; arguments: ``__init__``)."""
-
-    _precision_table = {
-        FabricPrecision: ("plain", FabricPrecision),
-        FabricHalfPrecision: ("half", FabricHalfPrecision),
-        FabricMixedPrecision: ("mixed", FabricMixedPrecision),
-    }
-    _plain_precision = FabricPrecision
 
 
 ShardampStrategy.register_strategies(StrategyRegistry)

@@ -37,17 +37,10 @@ from ._lightning_fabric import FabricStrategyMixin
 __all__ = ["ShardampFabricStrategy"]
 
 
-class ShardampFabricStrategy(FabricStrategyMixin, DDPStrategy):
+class ShardampFabricStrategy(FabricStrategyMixin, DDPStrategy, precisions=(Precision, HalfPrecision, MixedPrecision)):
     """``lightning_fabric.Fabric(strategy=ShardampFabricStrategy(...))``, or ``strategy="shardamp"``:
     Fabric's DDP launch and process group without DDP, for ``DistributedFusedAdam`` (arguments:
     ``__init__``)."""
-
-    _precision_table = {
-        Precision: ("plain", Precision),
-        HalfPrecision: ("half", HalfPrecision),
-        MixedPrecision: ("mixed", MixedPrecision),
-    }
-    _plain_precision = Precision
 
 
 ShardampFabricStrategy.register_strategies(STRATEGY_REGISTRY)

@@ -19,7 +19,9 @@ from parity import MLP, batches
 from shardamp.optim import DistributedFusedAdam, load_sharded, save_sharded
 
 from cases_order import *  # noqa: F401,F403  (the order cases run in the same spawned groups)
-from cases_order import ORDER_BOUND, TINY, _backward, _order_case, _params, _raised, _unchanged  # noqa: F401
+from cases_order import (ORDER_BOUND, TINY, _backward, _bounded_group, _order_case, _params, _raised,  # noqa: F401
+                         _unchanged)
+from cases_two_optimizers import *  # noqa: F401,F403  (and the two-optimizer cases)
 
 
 # ---------------------------------------------------------------- construction
@@ -73,7 +75,7 @@ def case_two_optimizers_one_group(rank, world, **kw):
     del opt_a, opt_b
     # one loss through both models: trains too (their reduce-scatters wait for the end of the
     # backward and go in build order, sync/backward_order.py; exactness against torch in the
-    # case_two_opt_* cases of cases_order.py)
+    # case_two_opt_* cases of cases_two_optimizers.py)
     c, d = MLP(out=12), MLP()
     opt_c, opt_d = DistributedFusedAdam(c.parameters()), DistributedFusedAdam(d.parameters())
     x, y = batches(0, world)[rank]
@@ -240,13 +242,7 @@ def case_watched_state_dict_on_one_rank(rank, world, **kw):
     """With the watchdog (the CUDA path): the agreement all-reduce of a call on one rank only is
     ended by the monitor within the bound, naming the call; the optimizer's (fresh) groups are
     aborted, WORLD stays usable."""
-    import datetime
-
-    group = dist.new_group(list(range(world)), use_local_synchronization=True, timeout=datetime.timedelta(seconds=60))
-    os.environ["SHARDAMP_COLLECTIVE_TIMEOUT"] = str(ORDER_BOUND)
-    os.environ["SHARDAMP_COLLECTIVE_WATCHDOG"] = "force"
-    config.reload()  # settings are read once per process
-    try:
+    with _bounded_group(world, watchdog=True) as group:
         torch.manual_seed(0)
         model = MLP()
         opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=TINY, process_group=group)
@@ -262,10 +258,6 @@ def case_watched_state_dict_on_one_rank(rank, world, **kw):
             time.sleep(3 * ORDER_BOUND + 4.0)
         dist.barrier()  # WORLD is not one of the optimizer's groups: untouched
         return out
-    finally:
-        os.environ.pop("SHARDAMP_COLLECTIVE_TIMEOUT", None)
-        os.environ.pop("SHARDAMP_COLLECTIVE_WATCHDOG", None)
-        config.reload()  # settings are read once per process
 
 
 def case_different_collectives(rank, world, tmp=None, **kw):

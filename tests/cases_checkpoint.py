@@ -20,7 +20,7 @@ import torch.distributed
 import torch.nn as nn
 import torch.nn.functional as F
 
-from parity import named_two_groups, ConvNet, MLP, two_groups
+from parity import named_two_groups, ConvNet, MLP, backward_and_step, two_groups
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.checkpoint import load_sharded, save_sharded
 from shardamp.scaler import ShardedGradScaler
@@ -62,14 +62,7 @@ def train(model: nn.Module, opt: Any, steps: Sequence[int], rank: int = 0, world
     for step in steps:
         x, y = batch(step, kind, per_step)
         x, y = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-        loss = F.mse_loss(model(x.to(p.device, p.dtype)).float(), y.to(p.device))
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        backward_and_step(F.mse_loss(model(x.to(p.device, p.dtype)).float(), y.to(p.device)), opt, scaler)
         opt.zero_grad()
     if hasattr(opt, "param_sync"):
         opt.param_sync()

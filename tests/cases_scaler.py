@@ -1,11 +1,13 @@
 """Scaler/clipping cases, run inside one spawned gloo group per world size (test_scaler_loops.py)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from amp_loops import run_loop
 from grad_reads import run_reads
-from parity import MLP, batches
+from parity import MLP, backward_and_step, batches
 from shardamp.optim import DistributedFusedAdam, _compat
 from shardamp.scaler import ShardedGradScaler
 
@@ -71,12 +73,10 @@ for _name, _loop in (("A", "A"), ("B", "B"), ("C", "C"), ("D", "D"), ("D_no_scal
     globals()[f"case_loop_{_name}_spike"] = _spike_case(_loop)
 
 
-def case_one_all_reduce(rank, world, **kw):
-    """unscale_ + clip_grad_norm + step issue exactly one all-reduce (norm + found-inf + touched)."""
-    torch.manual_seed(0)
-    model = MLP()
-    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
-    scaler = ShardedGradScaler("cpu")
+@contextlib.contextmanager
+def _counted_all_reduces():
+    """Yields the list of every all-reduce shardamp issues meanwhile (its tensor's numel; the
+    caller clears it between steps)."""
     calls = []
     original = _compat.all_reduce
 
@@ -84,9 +84,21 @@ def case_one_all_reduce(rank, world, **kw):
         calls.append(tensor.numel())
         return original(tensor, op, group, **kwargs)
 
-    counts = []
     _compat.all_reduce = counting
     try:
+        yield calls
+    finally:
+        _compat.all_reduce = original
+
+
+def case_one_all_reduce(rank, world, **kw):
+    """unscale_ + clip_grad_norm + step issue exactly one all-reduce (norm + found-inf + touched)."""
+    torch.manual_seed(0)
+    model = MLP()
+    opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
+    scaler = ShardedGradScaler("cpu")
+    counts = []
+    with _counted_all_reduces() as calls:
         for step in range(3):
             x, y = batches(step, world)[rank]
             scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
@@ -97,14 +109,11 @@ def case_one_all_reduce(rank, world, **kw):
             scaler.update()
             counts.append(list(calls))
             opt.zero_grad()
-    finally:
-        _compat.all_reduce = original
     from shardamp.optim.checks import agreement
 
     # the per-step agreement entries ride in the same all-reduce (no tensor lr here)
     entries = opt._step_view.fingerprint.length(len(agreement.host_categories(opt._step_view, 2.0)), 0)
     return {"counts": counts, "n_params": len(list(model.parameters())), "agreement_entries": entries}
-
 
 
 def case_one_all_reduce_torch_clip(rank, world, **kw):
@@ -113,38 +122,28 @@ def case_one_all_reduce_torch_clip(rank, world, **kw):
     import warnings
 
     out = {}
-    original = _compat.all_reduce
     for loop in ("F", "I"):
         torch.manual_seed(0)
         model = MLP()
         opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.0004)
         scaler = torch.amp.GradScaler("cpu")
-        calls, counts = [], []
-
-        def counting(tensor, op, group, **kwargs):
-            calls.append(tensor.numel())
-            return original(tensor, op, group, **kwargs)
-
-        _compat.all_reduce = counting
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # torch's hand-over to step(grad_scaler=)
-                for step in range(3):
-                    x, y = batches(step, world)[rank]
-                    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
-                    calls.clear()
-                    scaler.unscale_(opt)
-                    if loop == "F":
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                    else:
-                        norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
-                        torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
-                    scaler.step(opt)
-                    scaler.update()
-                    counts.append(list(calls))
-                    opt.zero_grad()
-        finally:
-            _compat.all_reduce = original
+        counts = []
+        with _counted_all_reduces() as calls, warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch's hand-over to step(grad_scaler=)
+            for step in range(3):
+                x, y = batches(step, world)[rank]
+                scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+                calls.clear()
+                scaler.unscale_(opt)
+                if loop == "F":
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                else:
+                    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()])
+                    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, norm)
+                scaler.step(opt)
+                scaler.update()
+                counts.append(list(calls))
+                opt.zero_grad()
         out[loop] = counts
     return out
 
@@ -303,14 +302,7 @@ def case_nonfinite_named(rank, world, device="cpu", **kw):
                     ropt.step()
                 ropt.zero_grad()
                 x, y = data[rank]
-                loss = nn.functional.mse_loss(model(x), y)
-                if scaled:
-                    scaler.scale(loss).backward()
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    loss.backward()
-                    opt.step()
+                backward_and_step(nn.functional.mse_loss(model(x), y), opt, scaler)  # scaler None unless scaled
                 opt.zero_grad()
                 named.append(opt.last_nonfinite())
                 params.append([p.detach().cpu().clone() for p in model.parameters()])

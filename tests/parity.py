@@ -117,6 +117,18 @@ def batches(
     return out
 
 
+def backward_and_step(loss: torch.Tensor, opt: Any, scaler: Optional[Any] = None) -> None:
+    """``loss.backward()`` and ``opt.step()``; through ``scaler`` if given (scaled backward, its
+    ``step`` and ``update``)."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 def two_groups(model: nn.Module) -> List[Dict[str, Any]]:
     first = [p for n, p in model.named_parameters() if n.startswith(("a.", "conv1."))]
     rest = [p for n, p in model.named_parameters() if not n.startswith(("a.", "conv1."))]

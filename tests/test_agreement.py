@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import cases_agreement
-from cases_order import INF_STEP
+from cases_two_optimizers import INF_STEP
 from dist_helper import case_values, run_cases, run_distributed
 from parity import ATOL, RTOL
 
@@ -62,7 +62,7 @@ def test_two_optimizers_over_one_group(world):
         assert all(torch.equal(p, q) for p, q in zip(value["model"], values[0]["model"]))
 
 
-# case_two_opt_<pattern> (cases_order.py): models A and B, two DistributedFusedAdam over one group
+# case_two_opt_<pattern> (cases_two_optimizers.py): models A and B, two DistributedFusedAdam over one group
 # (A built first) against two torch AdamW. Per step, the order the ranks launched the
 # optimizers' reduce-scatters in, as runs of one optimizer's buckets: a backward reaching one
 # optimizer launches its buckets as they complete (during the backward); one reaching both

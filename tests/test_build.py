@@ -17,7 +17,7 @@ import torch
 from conftest import set_env
 
 from shardamp.optim import DistributedFusedAdam
-from shardamp.optim.kernels import build as _build, dispatch as kernels
+from shardamp.optim.kernels import build as _build, dispatch as kernels, launch_config
 from shardamp.optim.layout import Segment, SegmentTable
 
 
@@ -100,12 +100,12 @@ def test_host_chunk_table_equals_the_kernels(chunk):
     ext = _native_or_skip()
     segs = [Segment(0, 5, 0, 0, 0), Segment(16, 0, 1, 1, 0), Segment(16, 40, 2, 1, 3), Segment(64, 33, 3, 0, 0)]
     table = SegmentTable.build(segs, torch.device("cpu"))
-    ours = kernels.chunk_table(table, 100, 4, 2, chunk)
+    ours = launch_config.chunk_table(table, 100, 4, 2, chunk)
     assert torch.equal(ours, ext.build_chunks(table.table, 100, 4, 2, chunk))
     with pytest.raises(ValueError, match="outside the shard"):
-        kernels.chunk_table(table, 90, 4, 2, chunk)
+        launch_config.chunk_table(table, 90, 4, 2, chunk)
     with pytest.raises(ValueError, match="param_index 3 out of range"):
-        kernels.chunk_table(table, 100, 3, 2, chunk)
+        launch_config.chunk_table(table, 100, 3, 2, chunk)
 
 
 def test_chunk_tables_exist_after_construction_and_the_step_reads_no_device_table(monkeypatch):

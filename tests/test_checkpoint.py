@@ -29,6 +29,26 @@ def _close(ours, ref, what: str = "") -> None:
 _ok = case_values
 
 
+def _resume_here(saved, reference, what: str, named: bool = False, check_torch=None) -> None:
+    """The model and optimizer state saved at world 3 resumed in this process and trained to the
+    end, by a world-1 DistributedFusedAdam (another layout) and by torch.optim.AdamW (``named``:
+    both over named params); each must end as the uninterrupted run. ``check_torch(topt)`` runs
+    on the loaded torch optimizer before it trains."""
+    model, opt = cc.build(bucket_cap_mb=cc.TINY, named=named)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL))
+    _close(cc.params_of(model), reference, f"{what}world 1")
+    model = cc.new_model()
+    model.load_state_dict(saved["model"])
+    topt = torch.optim.AdamW((cc.named_two_groups if named else two_groups)(model))
+    topt.load_state_dict(saved["opt"])
+    if check_torch is not None:
+        check_torch(topt)
+    cc.train(model, topt, range(cc.SAVE_AT, cc.TOTAL))
+    _close(cc.params_of(model), reference, f"{what}torch.optim.AdamW")
+
+
 @functools.lru_cache(maxsize=None)
 def _groups():
     tmp = tempfile.mkdtemp(prefix="shardamp-ckpt-")
@@ -85,19 +105,11 @@ def test_resume_at_world_2_equals_uninterrupted_run(groups, reference):
 def test_resume_at_world_1_and_in_torch(groups, reference):
     tmp = groups[0]
     saved = torch.load(os.path.join(tmp, "w3.pt"), weights_only=True)
-    model, opt = cc.build(bucket_cap_mb=cc.TINY)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL))
-    _close(cc.params_of(model), reference, "world 1")
 
-    model = cc.new_model()
-    model.load_state_dict(saved["model"])
-    topt = torch.optim.AdamW(two_groups(model))
-    topt.load_state_dict(saved["opt"])
-    assert topt.param_groups[0]["decoupled_weight_decay"] is True
-    cc.train(model, topt, range(cc.SAVE_AT, cc.TOTAL))
-    _close(cc.params_of(model), reference, "torch.optim.AdamW")
+    def decoupled(topt):
+        assert topt.param_groups[0]["decoupled_weight_decay"] is True
+
+    _resume_here(saved, reference, "", check_torch=decoupled)
 
 
 def test_dcp_saved_at_3_loads_at_2_and_1(groups, reference):
@@ -210,15 +222,5 @@ def test_named_params_state_dicts_across_worlds_and_torch(groups, reference):
         assert value["sd"]["param_groups"] == sd["param_groups"]
         _close(value["params"], reference, "named, world 2")
     saved = torch.load(os.path.join(tmp, "named.pt"), weights_only=True)
-    model, opt = cc.build(bucket_cap_mb=cc.TINY, named=True)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(saved["opt"])
-    cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL))
-    _close(cc.params_of(model), reference, "named, world 1")
-    model = cc.new_model()
-    model.load_state_dict(saved["model"])
-    topt = torch.optim.AdamW(cc.named_two_groups(model))
-    topt.load_state_dict(saved["opt"])
-    cc.train(model, topt, range(cc.SAVE_AT, cc.TOTAL))
-    _close(cc.params_of(model), reference, "named, torch.optim.AdamW")
+    _resume_here(saved, reference, "named, ", named=True)
 

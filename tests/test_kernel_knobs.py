@@ -9,14 +9,15 @@ from conftest import set_env
 
 from shardamp.optim import config
 from shardamp.optim.kernels import dispatch as kernels
+from shardamp.optim.kernels import launch_config
 
 
 def test_cuda_chunk_knob(monkeypatch):
     monkeypatch.delenv("SHARDAMP_CUDA_CHUNK", raising=False)
     config.reload()
-    assert kernels.cuda_chunk(4096) == 4096
+    assert launch_config.cuda_chunk(4096) == 4096
     set_env(monkeypatch, "SHARDAMP_CUDA_CHUNK", "8192")
-    assert kernels.cuda_chunk(4096) == 8192
+    assert launch_config.cuda_chunk(4096) == 8192
     for bad in ("0", "-5", "4k", "1.5"):
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_CHUNK"):
             set_env(monkeypatch, "SHARDAMP_CUDA_CHUNK", bad)
@@ -25,10 +26,10 @@ def test_cuda_chunk_knob(monkeypatch):
 def test_cuda_step_shape_knob(monkeypatch):
     monkeypatch.delenv("SHARDAMP_CUDA_STEP", raising=False)
     config.reload()
-    assert kernels.cuda_step_shape() == ""
-    for ok in kernels.CUDA_STEP_SHAPES:
+    assert launch_config.cuda_step_shape() == ""
+    for ok in launch_config.CUDA_STEP_SHAPES:
         set_env(monkeypatch, "SHARDAMP_CUDA_STEP", ok)
-        assert kernels.cuda_step_shape() == ok
+        assert launch_config.cuda_step_shape() == ok
     for bad in ("4x2", " 2x1", "c2x3"):
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_STEP"):
             set_env(monkeypatch, "SHARDAMP_CUDA_STEP", bad)
@@ -41,28 +42,29 @@ def test_knobs_are_read_once(monkeypatch):
         monkeypatch.setenv("SHARDAMP_CUDA_STEP", "1x4")
         monkeypatch.setenv("SHARDAMP_CUDA_CHUNK", "2048")
         config.reload()
-        assert kernels.refresh_knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)
+        assert launch_config.refresh_knobs() == (launch_config.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)
         monkeypatch.setenv("SHARDAMP_CUDA_STEP", "2x1")
-        assert kernels._knobs() == (kernels.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)  # still the cached read
+        assert launch_config.knobs() == (launch_config.CUDA_STEP_SHAPES.index("1x4") + 1, 2048)  # still the cached read
         assert config.settings().cuda_step == "1x4"  # the environment is not read again
         with pytest.raises(ValueError, match="SHARDAMP_CUDA_STEP"):
             set_env(monkeypatch, "SHARDAMP_CUDA_STEP", "4x2")
     finally:
         monkeypatch.undo()
         config.reload()
-        kernels.refresh_knobs()  # back to what the environment says
+        launch_config.refresh_knobs()  # back to what the environment says
 
 
 def test_light_state_chunk_sizes():
     """Each state kind's CUDA chunk size (csrc/NOTES.md): 0 (CUDA_CHUNK) for fp32 states."""
     f, b, r = (torch.empty(1, dtype=d) for d in (torch.float32, torch.bfloat16, torch.int16))
-    assert kernels.light_state(f, f, f) == 0
-    assert kernels.light_state(f, b, b) == kernels.light_state(f, b, b, torch.float32) == 2048
-    assert kernels.BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK == 2048
-    assert kernels.light_state(f, b, b, torch.bfloat16) == kernels.light_state(f, b, b, torch.float16) == 4096
-    assert kernels.BF16_MOMENTS_CUDA_CHUNK == 4096
-    assert kernels.light_state(r, f, f) == kernels.light_state(r, b, b) == kernels.REMAINDERS_CUDA_CHUNK == 4096
-    assert kernels.light_state(f, f, b) == kernels.light_state(r, b, f) == kernels.LIGHT_STATE_CUDA_CHUNK == 8192
+    light_state = launch_config.light_state
+    assert light_state(f, f, f) == 0
+    assert light_state(f, b, b) == light_state(f, b, b, torch.float32) == 2048
+    assert launch_config.BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK == 2048
+    assert light_state(f, b, b, torch.bfloat16) == light_state(f, b, b, torch.float16) == 4096
+    assert launch_config.BF16_MOMENTS_CUDA_CHUNK == 4096
+    assert light_state(r, f, f) == light_state(r, b, b) == launch_config.REMAINDERS_CUDA_CHUNK == 4096
+    assert light_state(f, f, b) == light_state(r, b, f) == launch_config.LIGHT_STATE_CUDA_CHUNK == 8192
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -84,16 +86,16 @@ def _bits(state):
 def test_cuda_step_shapes_are_bitwise_equal(kind):
     """Every launch shape (adam_step's ``shape``: SHARDAMP_CUDA_STEP's codes) and chunk size
     computes the same bits as the kind's own shape: the split of the work changes no arithmetic."""
-    from test_kernels import _run, _shard_states
+    from kernel_shards import run_step, shard_states
 
     ext = kernels._native(torch.device("cuda"))
     results = []
-    for shape in range(len(kernels.CUDA_STEP_SHAPES) + 1):
+    for shape in range(len(launch_config.CUDA_STEP_SHAPES) + 1):
         for chunk in (2048, 16384):
-            state, table, hparams, steps, touched = _shard_states("cuda", *kind[:4], remainders=kind[4], seed=7)
+            state, table, hparams, steps, touched = shard_states("cuda", *kind[:4], remainders=kind[4], seed=7)
             chunks = ext.build_chunks(table.cpu(), state["grad"].numel(), steps.numel(), hparams.shape[0], chunk)
             for _ in range(2):
-                _run(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device="cuda"),
+                run_step(ext.adam_step, state, table, hparams, steps, touched, torch.tensor(0.5, device="cuda"),
                      torch.zeros((), device="cuda"), True, True, chunks=chunks.cuda(), shape=shape)
             results.append(((shape, chunk), _bits(state)))
     (_, ref), rest = results[0], results[1:]
@@ -106,10 +108,10 @@ def test_one_prepare_for_several_shards(device):
     """StepRecords: one prepare launch for two shards' segments (CUDA), each shard's step reading
     its rows from its offset, gives the bits of each shard's own prepare; on the CPU there is
     nothing to prepare (the step forms its scalars per chunk)."""
-    from test_kernels import SEGMENTS, _run, _shard_states
+    from kernel_shards import SEGMENTS, run_step, shard_states
     from shardamp.optim.layout import Segment, SegmentTable
 
-    made = [_shard_states(device, torch.float32, None, torch.bfloat16, torch.bfloat16, seed=s) for s in (3, 4)]
+    made = [shard_states(device, torch.float32, None, torch.bfloat16, torch.bfloat16, seed=s) for s in (3, 4)]
     hparams, steps, touched = made[0][2], made[0][3], made[0][4]
     tables = []
     for k, (_, table, *_rest) in enumerate(made):
@@ -123,7 +125,7 @@ def test_one_prepare_for_several_shards(device):
     assert records.offsets == [0, len(SEGMENTS)]
     for k, (state, *_rest) in enumerate(made):
         own = {key: None if t is None else t.clone() for key, t in state.items()}
-        _run(kernels.adam_step, state, tables[k], hparams, steps, touched, coef, found_inf, True, True,
+        run_step(kernels.adam_step, state, tables[k], hparams, steps, touched, coef, found_inf, True, True,
              records=rec, record_offset=records.offsets[k])
-        _run(kernels.adam_step, own, tables[k], hparams, steps, touched, coef, found_inf, True, True)
+        run_step(kernels.adam_step, own, tables[k], hparams, steps, touched, coef, found_inf, True, True)
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(_bits(state), _bits(own))), k

@@ -1,6 +1,6 @@
 """Storage options: bf16 moments (exp_avg_dtype / exp_avg_sq_dtype) and param remainders
 (store_param_remainders): validation, state dicts and DCP checkpoints across world sizes and
-layouts, torch.optim interop. (Training parity and memory: test_core.py; kernels: test_kernels.py.)
+layouts, torch.optim interop. (Training parity and memory: test_core.py; kernels: test_kernels_light_state.py.)
 """
 from __future__ import annotations
 
