@@ -43,7 +43,13 @@ if [[ " $PARTS " == *" tests "* ]]; then
   timeout "$(left "${TEST_TIMEOUT:-420}")" python3 -m pytest -q -p no:cacheprovider -rfE ${TEST_FILES:-tests/test_kernels.py \
     tests/test_kernels_light_state.py tests/test_kernels_stats.py tests/test_cuda.py tests/test_cuda_graph.py \
     tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py \
-    tests/test_checkpoint_faults.py} -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
+    tests/test_checkpoint_faults.py tests/test_grad_stager.py tests/test_kernel_knobs.py tests/test_release_thread.py \
+    tests/test_collective_watchdog.py tests/test_compat.py} \
+    -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
+  # the docs' GPU snippets (<!-- snippet: gpu -->): CUDA graphs
+  timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_docs.py -k "cuda-graphs" \
+    >"$OUT/docs_gpu.log" 2>&1 || status=1
+  tail -3 "$OUT/docs_gpu.log"
   tail -40 "$OUT/tests.log"
 fi
 if [[ " $PARTS " == *" frameworks "* ]]; then

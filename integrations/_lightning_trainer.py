@@ -283,8 +283,11 @@ class MonitorLogic:
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Log the last step's values on the Trainer's logging steps (``log_every_n_steps``)."""
         every = max(int(getattr(trainer, "log_every_n_steps", 1) or 1), 1)
-        if trainer.global_step == 0 or trainer.global_step % every != 0:
+        step = trainer.global_step
+        # under accumulate_grad_batches every micro-batch ends here: read once per optimizer step
+        if step == 0 or step % every != 0 or step == getattr(self, "_logged_step", None):
             return
+        self._logged_step = step
         values = step_logging.step_values(trainer.optimizers)
         if values:  # the same on every rank: no reduction needed
             pl_module.log_dict(values, on_step=True, on_epoch=False, prog_bar=False, logger=True, sync_dist=False)

@@ -247,11 +247,6 @@ def refresh_scaler_states(scaler: Any) -> None:
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
 
-def scaler_maybe_opt_step(scaler: Any, optimizer: Any, state: dict, *args: Any, **kwargs: Any) -> Any:
-    """torch's skip-or-step for optimizers without in-kernel skipping (one ``.item()``)."""
-    return scaler._maybe_opt_step(optimizer, state, *args, **kwargs)
-
-
 def storage_alias(buffer: torch.Tensor, offset: int, numel: int, shape, stride) -> torch.Tensor:
     """A tensor of ``shape``/``stride`` over elements ``[offset, offset + numel)`` of ``buffer``'s
     storage, with a storage OBJECT of its own that aliases those bytes and keeps ``buffer``'s

@@ -134,11 +134,13 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             retval = optimizer.step(*args, **kwargs)  # the kernel skips on the device flag
         else:
-            # torch's skip-or-step reads found-inf on the host anyway; a skipped step is counted
-            # (and its non-finite grads reported) by the optimizer's step health
+            # torch's skip-or-step: found-inf read on the host once (as torch reads it); a skipped
+            # step is counted (and its non-finite grads reported) by the optimizer's step health
             skipped = bool(sum(float(f) for f in state["found_inf_per_device"].values()))
-            retval = _compat.scaler_maybe_opt_step(self, optimizer, state, *args, **kwargs)
-            if skipped and hasattr(optimizer, "_note_step_skipped_by_scaler"):
+            retval = None
+            if not skipped:
+                retval = optimizer.step(*args, **kwargs)
+            elif hasattr(optimizer, "_note_step_skipped_by_scaler"):
                 optimizer._note_step_skipped_by_scaler()
         state["stage"] = _compat.OptState.STEPPED
         return retval

@@ -298,21 +298,21 @@ def test_grad_stats_after_joins_the_side_stream_then_zeroes_and_accumulates() ->
     if kernels.native_module(torch.device("cuda")) is None:
         pytest.skip("the CUDA kernels did not build")
     side = torch.cuda.Stream()
-    partials = torch.full((3, 2), 5.0, device="cuda")
+    rows = torch.full((3, 2), 5.0, device="cuda")
     shard = torch.zeros(1 << 20, device="cuda")
     values = torch.randn(1 << 20, device="cuda")
     torch.cuda.synchronize()
     torch.cuda._sleep(int(5e8))  # the current stream is busy: the copy below lands late
     shard.copy_(values)
-    assert partials.accumulate_partial_after(side, shard, partials[1], partials, 2.0)
+    assert partials.accumulate_partial_after(side, shard, rows[1], rows, 2.0)
     torch.cuda.synchronize()
     expect = values.double().square().sum()
-    torch.testing.assert_close(partials[1, 0].double(), expect, rtol=1e-5, atol=0)
-    assert partials[1, 1] == 0 and torch.equal(partials[[0, 2]], torch.zeros(2, 2, device="cuda"))
+    torch.testing.assert_close(rows[1, 0].double(), expect, rtol=1e-5, atol=0)
+    assert rows[1, 1] == 0 and torch.equal(rows[[0, 2]], torch.zeros(2, 2, device="cuda"))
     shard[7] = float("inf")
-    assert partials.accumulate_partial_after(side, shard, partials[2], None, 2.0)  # no zeroing now
+    assert partials.accumulate_partial_after(side, shard, rows[2], None, 2.0)  # no zeroing now
     torch.cuda.synchronize()
-    assert partials[2, 1] == 1 and partials[1, 0] > 0
+    assert rows[2, 1] == 1 and rows[1, 0] > 0
 
 
 def test_capturable_takes_the_python_hooks() -> None:

@@ -140,13 +140,18 @@ def _sequential_loader(trainer, dataset):
 
 
 # ---------------------------------------------------------------- Lightning
-def _lightning_rank(rank: int, world: int, out_dir: str) -> dict:
+def _lightning_rank(rank: int, world: int, out_dir: str, accumulate: int = 1) -> dict:
     import lightning as L
     from lightning.pytorch.loggers import CSVLogger
 
     import shardamp.integrations.lightning  # noqa: F401  (registers "shardamp")
+    from shardamp.integrations import _step_logging
     from shardamp.integrations.lightning import ShardampMonitor
     from shardamp.optim import DistributedFusedAdam
+
+    reads = []  # each host read of the step values (one per logged optimizer step)
+    real_values = _step_logging.step_values
+    _step_logging.step_values = lambda optimizers: reads.append(1) or real_values(optimizers)
 
     class Module(L.LightningModule):
         def __init__(self) -> None:
@@ -164,12 +169,17 @@ def _lightning_rank(rank: int, world: int, out_dir: str) -> dict:
     seen: list = []
     data = torch.utils.data.DataLoader(
         [(x[i], y[i]) for x, y in _data() for i in range(4)], batch_size=4, shuffle=False)
-    trainer = L.Trainer(strategy="shardamp", accelerator="cpu", devices=1, max_steps=STEPS, precision="32-true",
-                        gradient_clip_val=CLIP, log_every_n_steps=1, logger=CSVLogger(out_dir, name="run"),
+    trainer = L.Trainer(strategy="shardamp", accelerator="cpu", devices=1, max_steps=STEPS // accumulate,
+                        precision="32-true", gradient_clip_val=CLIP, log_every_n_steps=1,
+                        accumulate_grad_batches=accumulate, logger=CSVLogger(out_dir, name="run"),
                         enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
-    trainer.fit(Module(), data)
+    try:
+        trainer.fit(Module(), data)
+    finally:
+        _step_logging.step_values = real_values
     monitors = [c for c in trainer.callbacks if isinstance(c, ShardampMonitor)]
-    return {"monitors": len(monitors), "log_dir": trainer.logger.log_dir, "batches": seen}
+    return {"monitors": len(monitors), "log_dir": trainer.logger.log_dir, "batches": seen, "reads": len(reads),
+            "global_step": trainer.global_step}
 
 
 def test_lightning_strategy_logs_through_its_monitor() -> None:
@@ -185,3 +195,28 @@ def test_lightning_strategy_logs_through_its_monitor() -> None:
         assert float(row["grad_norm"]) == pytest.approx(norm, rel=1e-5), row  # the pre-clip norm the step used
         assert float(row["skipped_steps"]) == 0.0
         assert not row.get("loss_scale")  # 32-true: no scaler, no scale
+
+
+def test_lightning_monitor_reads_once_per_optimizer_step_under_accumulation() -> None:
+    """accumulate_grad_batches=2: every micro-batch ends a batch, but the values are read (a
+    host read) and logged once per optimizer step, with the step's pre-clip norm."""
+    pytest.importorskip("lightning")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_distributed(_lightning_rank, 1, tmp, 2)[0]
+        with open(os.path.join(out["log_dir"], "metrics.csv")) as f:
+            rows = [r for r in csv.DictReader(f) if r.get("grad_norm")]
+    assert len(out["batches"]) == STEPS and out["global_step"] == STEPS // 2
+    assert out["reads"] == STEPS // 2, out["reads"]  # not once per micro-batch
+    assert len(rows) == STEPS // 2
+    # the reference: the mean of each pair of micro-batch losses' grads (Lightning divides the loss)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    want = []
+    for k in range(0, STEPS, 2):
+        opt.zero_grad()
+        for x, y in out["batches"][k:k + 2]:
+            (nn.functional.mse_loss(model(x), y) / 2).backward()
+        want.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
+        opt.step()
+    for row, norm in zip(rows, want):
+        assert float(row["grad_norm"]) == pytest.approx(norm, rel=1e-5), row
