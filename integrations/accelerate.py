@@ -122,7 +122,39 @@ class ShardampAccelerator(Accelerator):
         super().__init__(*args, **kwargs)
         # the DDP handler passed HERE is the user's; an Accelerator built elsewhere (the Trainer's,
         # adopted by ShardampTrainerMixin) never runs this and has none recorded
-        self._shardamp_user_ddp_handler: Optional[DistributedDataParallelKwargs] = self.ddp_handler
+        self._set_user_ddp_handler(self.ddp_handler)
+
+    @classmethod
+    def adopt(cls, accelerator: Accelerator, owner: str = "the caller") -> "ShardampAccelerator":
+        """Make an ``Accelerator`` built elsewhere (e.g. the transformers Trainer's) a
+        ``ShardampAccelerator`` in place: it keeps everything it was built with, and its DDP
+        kwargs handler counts as internal (the user did not pass it; a ``DistributedFusedAdam``'s
+        model is never DDP-wrapped). Local; no collective.
+
+        Args:
+            accelerator: a plain ``Accelerator`` (or already a ``ShardampAccelerator``).
+            owner: who built it, for the error message.
+
+        Returns:
+            The same object, now a ``ShardampAccelerator``.
+
+        Raises:
+            TypeError: ``accelerator`` is of another ``Accelerator`` subclass (its class cannot
+                be swapped safely): derive that class from ``ShardampAccelerator``.
+        """
+        if type(accelerator) is Accelerator:
+            accelerator.__class__ = cls
+        elif not isinstance(accelerator, cls):
+            raise TypeError(
+                f"{owner}: the trainer built a {type(accelerator).__name__}, which cannot become a "
+                "ShardampAccelerator (it would wrap the model in DDP). Derive that accelerator class from "
+                "shardamp.integrations.accelerate.ShardampAccelerator."
+            )
+        accelerator._set_user_ddp_handler(None)
+        return accelerator
+
+    def _set_user_ddp_handler(self, handler: Optional[DistributedDataParallelKwargs]) -> None:
+        self._shardamp_user_ddp_handler = handler
 
     # ------------------------------------------------------------------ which params are ours
     def _shardamp_optimizers(self) -> List[DistributedFusedAdam]:

@@ -47,7 +47,6 @@ import warnings
 from typing import Any, ClassVar, Dict, List, Optional
 
 import torch
-from accelerate import Accelerator
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME  # the file names the Trainer resumes from
 
@@ -153,15 +152,7 @@ class ShardampTrainerMixin:
         never DDP-wrapped, and the user did not pass it.
         """
         super().create_accelerator_and_postprocess()
-        if type(self.accelerator) is Accelerator:
-            self.accelerator.__class__ = ShardampAccelerator
-        elif not isinstance(self.accelerator, ShardampAccelerator):
-            raise TypeError(
-                f"{type(self).__name__}: the trainer built a {type(self.accelerator).__name__}, which "
-                "ShardampTrainerMixin cannot turn into a ShardampAccelerator (it would wrap the model in DDP). "
-                "Derive that accelerator class from shardamp.integrations.accelerate.ShardampAccelerator."
-            )
-        self.accelerator._shardamp_user_ddp_handler = None
+        ShardampAccelerator.adopt(self.accelerator, owner=f"{type(self).__name__} (ShardampTrainerMixin)")
 
     def shardamp_param_groups(self, model: torch.nn.Module) -> List[Dict[str, Any]]:
         """The param groups ``create_optimizer`` builds: ``Trainer.create_optimizer``'s split

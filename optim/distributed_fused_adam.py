@@ -40,13 +40,17 @@ from . import torch_tools
 from .grads_view import GradSource, GradsView
 from .reads import OptimizerReads
 
-def _step_options(ref: "weakref.ReferenceType[DistributedFusedAdam]") -> Callable[[], Tuple[Any, Any, Any]]:
-    """The options the ranks compare every step, read as they are then (a weak reference: the
-    view the checks hold never keeps the optimizer alive)."""
+def _live_reads(ref: "weakref.ReferenceType[DistributedFusedAdam]") -> Tuple[Callable[[], Any], Callable[[], Any]]:
+    """The param groups and the options the ranks compare every step, read as they are then
+    (a weak reference: the view the checks hold never keeps the optimizer alive)."""
+    def param_groups() -> List[Dict[str, Any]]:
+        opt = ref()
+        return [] if opt is None else opt.param_groups
+
     def options() -> Tuple[Any, Any, Any]:
         opt = ref()
         return (None, None, None) if opt is None else (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)
-    return options
+    return param_groups, options
 
 
 class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
@@ -262,9 +266,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                                      self._comm, self._hparam_table, self._cycle.clips_of_last_step)
         self._coef = torch.empty((), dtype=torch.float32, device=self._device)  # the step's grad coefficient
         # what the per-step agreement reads (checks/agreement.py): nothing it may write
+        groups_now, options_now = _live_reads(weakref.ref(self))
         self._step_view = agreement.StepView(
-            comm=self._comm, param_groups=self.param_groups,
-            options=_step_options(weakref.ref(self)), cycle=self._cycle,
+            comm=self._comm, param_groups=groups_now, options=options_now, cycle=self._cycle,
             local_touched=functools.partial(getattr, self._grad_sync, "local_touched"),
             fingerprint=agreement.StepFingerprint(self.world_size, self._device),
             patterns=TouchedPatterns(self._device))
@@ -353,6 +357,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
         updates (weight decay, momentum) every param that had a grad, as torch does."""
+        self._cycle.dropping()  # counted first: a wait in zero() that times out names it
         self._grad_sync.zero(set_to_none)
         self._cycle.grads_dropped(set_to_none)  # the last step's norms stay readable until the next backward
         self._health.grads_dropped()

@@ -308,7 +308,7 @@ class GradsView:
         lo, hi = ranges[src.comm.shard_rank]
         if hi <= lo:
             return None
-        if not src.cycle.stepped_since_zero and _unreduced(gs):
+        if not src.cycle.stepped_since_zero and gs.holds_unreduced():
             raise RuntimeError(
                 "local_grad: this rank holds grads that are not reduced yet (overlap_grad_sync=False reduces at "
                 "step, or a backward ran inside no_sync since the last reduction). Call opt.grad_sync() on every "
@@ -317,11 +317,3 @@ class GradsView:
         piece = buf.grad_shard[lo - bucket.shard_start:hi - bucket.shard_start]
         value = (piece.float() * self.factor()).to(p.dtype)
         return LocalGrad(value, lo - slot.offset, hi - slot.offset)
-
-
-def _unreduced(gs: Any) -> bool:
-    """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
-    round half launched)."""
-    return gs.next_launch > 0 or any(s.in_buffer for s in gs.states) or any(
-        gs.stager.staged_count(s.index) for s in gs.states)
-

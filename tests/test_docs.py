@@ -66,7 +66,7 @@ def _own_members(cls: type) -> Iterator[Tuple[str, object]]:
     (e.g. DistributedFusedAdam's reading half, optim/reads.py), not those of torch's bases."""
     seen = set()
     for klass in cls.__mro__:
-        if not klass.__module__.startswith("shardamp"):
+        if klass is not cls and not klass.__module__.startswith("shardamp"):
             continue
         for name, value in vars(klass).items():
             if name in seen:
@@ -79,7 +79,7 @@ def _member(name: str, value: object) -> Iterator[Tuple[str, object]]:
     if name.startswith("_"):
         return
     if isinstance(value, property):
-        yield name, value.fget
+        yield name, value  # its doc: the getter's, or the one given to property()
     elif isinstance(value, (staticmethod, classmethod)):
         yield name, value.__func__
     elif inspect.isfunction(value):

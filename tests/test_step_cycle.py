@@ -166,8 +166,6 @@ ALLOWED_FOREIGN_WRITES = {
     ("optim/sync/grad_stager.py", "p._shardamp_owner"), ("optim/sync/grad_stager.py", "p._shardamp_grad_sync"),
     # the launch's cached native struct, set by the module that defines AdamLaunch
     ("optim/kernels/dispatch.py", "launch._native"),
-    # a tag on accelerate's Accelerator: the user's DDP kwargs handler, refused at prepare
-    ("integrations/transformers.py", "self.accelerator._shardamp_user_ddp_handler"),
 }
 
 

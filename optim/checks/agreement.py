@@ -182,7 +182,8 @@ class StepView:
 
     Attributes:
         comm: the optimizer's comm (``has_peers``).
-        param_groups: the optimizer's param groups (read every step: schedules change them).
+        param_groups: returns the optimizer's param groups as they are now (schedules change
+            their values; a wrapper may rebind the list).
         options: returns ``(max_grad_norm, adam_w_mode, bias_correction)`` as they are now.
         cycle: the step cycle (step/cycle.py): ``rounds_since_step`` and ``last_clips``.
         local_touched: returns this rank's touched pattern (which params got a grad).
@@ -191,7 +192,7 @@ class StepView:
     """
 
     comm: Any
-    param_groups: Sequence[Dict[str, Any]]
+    param_groups: Callable[[], Sequence[Dict[str, Any]]]
     options: Callable[[], Tuple[Any, Any, Any]]
     cycle: Any
     local_touched: Callable[[], bytes]
@@ -200,7 +201,7 @@ class StepView:
 
 
 def host_categories(view: StepView, norm_type: float) -> List[Tuple[str, Any]]:
-    groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in view.param_groups]
+    groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in view.param_groups()]
     return [
         ("hyperparameters (lr, betas, eps, weight_decay of the param groups)", groups),
         ("norm_type", float(norm_type)),

@@ -73,6 +73,7 @@ class StepCycle:
         self._steps_taken = 0
         self._backwards_at_step = 0
         self._dropped_rounds = 0
+        self._drop_counted = False  # this zero_grad's dropped round is counted (a retried zero_grad counts once)
         # what the last step clipped: compared across ranks at the next step and at state reads
         self._last_clips: Tuple[Any, ...] = ()
         # this step's agreement: this rank's invalid hyperparameter, if any, and the categories
@@ -121,6 +122,7 @@ class StepCycle:
         """
         stepped = self._stepped_since_zero
         self._backwards += 1
+        self._drop_counted = False
         self._stepped_since_zero = False
         self._grad_since_zero = True
         self._round, self._last = None, None
@@ -157,11 +159,18 @@ class StepCycle:
         self._last, self._round = r, None
         self._phase = StepPhase.STEPPED
 
-    def grads_dropped(self, set_to_none: bool) -> None:
-        """``zero_grad``: a round no step consumed is counted as dropped; the last step's norms
-        stay readable until the next backward."""
-        if self._grad_since_zero and not self._stepped_since_zero:
+    def dropping(self) -> None:
+        """``zero_grad`` is about to drop the grads: a round no step consumed counts as dropped
+        (once: ``grads_dropped`` ends it)."""
+        if self._grad_since_zero and not self._stepped_since_zero and not self._drop_counted:
             self._dropped_rounds += 1
+            self._drop_counted = True
+
+    def grads_dropped(self, set_to_none: bool) -> None:
+        """``zero_grad`` dropped the grads (``dropping`` came first); the last step's norms stay
+        readable until the next backward."""
+        self.dropping()
+        self._drop_counted = False
         self._stepped_since_zero = False
         if set_to_none:
             self._grad_since_zero = False

@@ -402,6 +402,12 @@ class GradSync:
         norms.sum_partials(self.partials, out)  # a sum of 0/1 flags is still "any" (> 0)
         return True
 
+    def holds_unreduced(self) -> bool:
+        """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
+        round half launched)."""
+        return self.next_launch > 0 or any(s.in_buffer for s in self.states) or any(
+            self.stager.staged_count(s.index) for s in self.states)
+
     # ---------------------------------------------------------------- explicit sync
     def sync(self) -> None:
         """Finish the gradient reduction: launch what is left, then wait for every bucket.
