@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from kernel_shards import DEVICES, GRAD_DTYPES, NUMEL, ext_for
-from shardamp.optim import kernels
-from shardamp.optim.kernels import reference
+from shardamp.optim.kernels import launch_config, reference
 from shardamp.optim.layout import Segment, SegmentTable
 
 
@@ -217,8 +216,11 @@ def test_group_partials_match_reference(device, dtype, norm_type):
         outs = []
         for native in (True, False):
             out = torch.tensor([0.5, 0.25, 0.0, 7.0], device=device)  # accumulated into; group 3 has no segment
-            if native:
-                kernels.group_partials(grad, table, out, norm_type, 6)
+            if native:  # the compiled kernel itself, whatever SHARDAMP_KERNELS says (not the dispatcher)
+                chunks = None
+                if device == "cuda":
+                    chunks = launch_config.chunk_table(table, grad.numel(), 6, out.numel(), ext.CUDA_CHUNK).to(device)
+                ext.group_partials(grad, table.table, out, float(norm_type), chunks)
             else:
                 reference.group_partials(grad, table.table.cpu(), out, norm_type)
             outs.append(out.cpu())

@@ -25,6 +25,16 @@ def _batch(step: int, scale: float = 1.0):
     return torch.randn(4, 12, generator=g), torch.randn(4, 5, generator=g) * scale
 
 
+def _torch_norm(model, step: int, scale: float = 1.0) -> float:
+    """torch's global grad norm of ``model``'s params as they are now, on ``_step``'s batch."""
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():
+        p.grad = None
+    x, y = _batch(step, scale)
+    nn.functional.mse_loss(ref(x), y).backward()
+    return float(torch.nn.utils.clip_grad_norm_(ref.parameters(), math.inf))
+
+
 def _step(model, opt, step: int, poison: float = 0.0, scale: float = 1.0, scaler=None, zero: bool = True):
     if zero:
         opt.zero_grad()
@@ -134,17 +144,20 @@ def test_step_stats_counts_and_spikes() -> None:
     assert set(first) == KEYS and first["last_grad_norm"] is None and first["loss_scale"] is None
     assert first["steps"] == first["skipped_steps"] == first["consecutive_skips"] == 0
     assert opt.skip_grad_norm_above == 50.0 and "skip_grad_norm_above=50.0" in repr(opt)
+    want = _torch_norm(model, 0)  # unsharded torch, before the step moves the params
     _step(model, opt, 0)
-    assert opt.step_stats()["last_grad_norm"] == pytest.approx(float(opt.grad_norm()), rel=0, abs=0)
+    assert opt.step_stats()["last_grad_norm"] == pytest.approx(want, rel=1e-5)
+    assert opt.step_stats()["last_grad_norm"] == float(opt.grad_norm())  # the one grad_norm() hands out
     before = [p.detach().clone() for p in model.parameters()]
     _step(model, opt, 1, scale=1000.0)  # a spike
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     spike_norm = float(opt.grad_norm())
-    assert spike_norm > 50.0
+    assert spike_norm > 50.0 and spike_norm == pytest.approx(_torch_norm(model, 1, scale=1000.0), rel=1e-5)
     _step(model, opt, 2, poison=math.inf)
     stats = opt.step_stats()
+    assert not math.isfinite(stats.pop("last_grad_norm"))  # the overflowing step's norm
     assert stats == dict(steps=1, skipped_steps=2, skipped_spike=1, skipped_nonfinite=1, consecutive_skips=2,
-                         last_grad_norm=stats["last_grad_norm"], loss_scale=None)
+                         loss_scale=None)
     assert opt.last_nonfinite() == [(0, "group 0, param 0, shape (20, 12)")]
     _step(model, opt, 3)
     assert opt.step_stats()["consecutive_skips"] == 0 and opt.step_stats()["steps"] == 2
