@@ -86,8 +86,9 @@ def _ddp_settings(handler: DistributedDataParallelKwargs) -> str:
 
 
 class _ShardampAcceleratedOptimizer(AcceleratedOptimizer):
-    """AcceleratedOptimizer whose ``step_was_skipped`` reads the ShardedGradScaler's verdict:
-    the skip happens on the device inside ``step``, which accelerate would count as a step."""
+    """AcceleratedOptimizer whose ``step_was_skipped`` reads the ShardedGradScaler's verdict and,
+    with ``skip_grad_norm_above``, the optimizer's own: the skip happens on the device inside
+    ``step``, which accelerate would count as a step."""
 
     @property
     def step_was_skipped(self) -> bool:
@@ -99,12 +100,18 @@ class _ShardampAcceleratedOptimizer(AcceleratedOptimizer):
         the host whether to advance the lr; with torch's GradScaler that same loop syncs inside
         every ``scaler.step`` instead."""
         skipped = getattr(self.scaler, "last_step_skipped", None)
-        if skipped is None:
-            return False
-        cached = getattr(self, "_shardamp_skip_read", None)
-        if cached is None or cached[0] is not skipped:
-            cached = self._shardamp_skip_read = (skipped, bool(skipped))
-        return cached[1]
+        if skipped is not None:
+            cached = getattr(self, "_shardamp_skip_read", None)
+            if cached is None or cached[0] is not skipped:
+                cached = self._shardamp_skip_read = (skipped, bool(skipped))
+            if cached[1]:
+                return True
+        opt = getattr(self, "optimizer", None)
+        if isinstance(opt, DistributedFusedAdam) and opt.skip_grad_norm_above is not None:
+            # the step may have been skipped for its norm (no overflow: the scaler saw none); read
+            # only where the user asked for such skips (one host read each time asked)
+            return bool(opt.last_step_skipped())
+        return False
 
 
 class ShardampAccelerator(Accelerator):

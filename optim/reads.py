@@ -118,6 +118,19 @@ class OptimizerReads:
         """
         return self._health.last_nonfinite()
 
+    def last_step_skipped(self) -> Tensor:
+        """Whether the last ``step`` was skipped (non-finite grads or norm, or a norm above
+        ``skip_grad_norm_above``), as the step kernels decided on the device.
+
+        Returns:
+            A new 0-d float32 tensor on the params' device, exactly 1.0 (skipped) or 0.0, the same
+            on every rank; 0.0 before the first step. A scaler that skipped ``step`` on the host
+            (``_step_supports_amp_scaling = False``) is not counted here: ask the scaler.
+
+        Neither a collective nor a host sync (``bool()`` of it is one).
+        """
+        return self._health.skip.clone()
+
     def grad_norms_by_group(self) -> Tensor:
         """Each param group's global grad norm, from the step's one stats all-reduce.
 

@@ -26,7 +26,7 @@ def _env(rank: int, world: int) -> None:
 
 def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int = 1, steps: int = N_STEPS,
            save: Optional[str] = None, load: Optional[str] = None, skip_steps: int = 0,
-           poison_step: Optional[int] = None) -> Dict[str, Any]:
+           poison_step: Optional[int] = None, skip_above: Optional[float] = None) -> Dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from shardamp.integrations.accelerate import ShardampAccelerator
@@ -40,10 +40,16 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
         acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
     model = ref.make_model()
     opt = DistributedFusedAdam(ref.decay_groups(model), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
-                               bucket_cap_mb=0.0004)
+                               bucket_cap_mb=0.0004, skip_grad_norm_above=skip_above)
+    initial = [p.detach().clone() for p in model.parameters()]
     x, y = ref.dataset(N_STEPS * world * BATCH * accumulate)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
-    model, opt, loader = acc.prepare(model, opt, loader)
+    # with spike skips: a prepared LR scheduler, which accelerate advances only after steps not skipped
+    sched = None if skip_above is None else torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+    if sched is None:
+        model, opt, loader = acc.prepare(model, opt, loader)
+    else:
+        model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
     if load is not None:
         acc.load_state(load)
         loader = acc.skip_first_batches(loader, skip_steps * accumulate)
@@ -60,6 +66,8 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
             if acc.sync_gradients:
                 norms.append(float(acc.clip_grad_norm_(model.parameters(), ref.MAX_NORM)))
             opt.step()
+            if sched is not None:
+                sched.step()
             opt.zero_grad()
         if acc.sync_gradients:
             skipped.append(acc.optimizer_step_was_skipped)
@@ -70,7 +78,8 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
                 break
     inner = opt.optimizer
     return {
-        "params": [p.detach().clone() for p in model.parameters()],
+        "params": [p.detach().clone() for p in model.parameters()], "initial": initial,
+        "lr": [g["lr"] for g in opt.param_groups],
         "seen": seen, "norms": norms, "skipped": skipped, "wrapped": type(model).__name__,
         "scaler": type(acc.scaler).__name__ if acc.scaler is not None else None,
         "world": inner.world_size, "buckets": len(inner._buckets),
@@ -88,6 +97,12 @@ def case_bf16_clip(rank, world, **kw):
 
 def case_fp16_sharded_grad_scaler(rank, world, **kw):
     return _train(rank, world, mixed_precision="fp16", poison_step=1)
+
+
+def case_spike_skips_are_skipped_steps(rank, world, **kw):
+    """skip_grad_norm_above below every step's norm: accelerate sees each step skipped (the LR
+    scheduler does not advance) and the params never move."""
+    return _train(rank, world, mixed_precision="bf16", skip_above=1e-6)
 
 
 def case_accumulate_no_sync(rank, world, **kw):

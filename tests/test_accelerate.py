@@ -62,6 +62,16 @@ def test_fp16_uses_sharded_grad_scaler_and_skips_an_overflow_on_one_rank(world) 
 
 
 @pytest.mark.parametrize("world", [WORLD])
+def test_spike_skips_are_reported_to_accelerate(world) -> None:
+    for v in case_values(_results(world), "case_spike_skips_are_skipped_steps"):
+        assert v["skipped"] == [True] * cases.N_STEPS  # optimizer_step_was_skipped, every rank
+        assert all(n > 1e-6 for n in v["norms"])
+        assert v["lr"] == [ref.LR, ref.LR]  # the scheduler never advanced (1 / (1 + step) at step 0)
+        for p, q in zip(v["params"], v["initial"]):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [WORLD])
 def test_accumulate_uses_no_sync(world) -> None:
     values = _check_run(case_values(_results(world), "case_accumulate_no_sync"), accumulate=3)
     for v in values:
