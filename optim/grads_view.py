@@ -115,6 +115,7 @@ class GradsView:
         self.handles: List[Optional[Tensor]] = [None] * len(source.params)
         self.generation = 0  # zero_grad calls: the cached norms are of dropped grads after one
         self._norms: Optional[Tuple[tuple, Tensor]] = None  # (key, raw per-param norms)
+        self._scaled: Optional[Tuple[tuple, Tensor]] = None  # (key, the norms times factor())
         self._segment_params: Dict[int, Tensor] = {}  # bucket -> param index of each segment (device)
 
     # ------------------------------------------------------------ state
@@ -143,7 +144,7 @@ class GradsView:
     def dropped(self) -> None:
         """``zero_grad``: the grads (so the cached norms) are gone."""
         self.generation += 1
-        self._norms = None
+        self._norms = self._scaled = None
 
     def has_grads(self) -> bool:
         """Some backward on this rank produced grads for this optimizer since ``zero_grad``
@@ -189,7 +190,21 @@ class GradsView:
             value = raw[:n] if math.isinf(norm_type) else raw[:n].pow(1.0 / norm_type)
             value = torch.where(raw[n:] > 0, torch.full_like(value, math.nan), value)  # NaN stays NaN (MAX drops it)
             self._norms = (self._key(norm_type), value)
-        return self._norms[1] * self.factor()
+        # torch's tools ask per param (p.grad.norm() for each of P params): the scaled vector is
+        # cached until the norms or the factor can change (the scale, a clip, the step)
+        key = (self._norms[0], self._factor_key())
+        if self._scaled is None or self._scaled[0] != key:
+            self._scaled = (key, self._norms[1] * self.factor())
+        return self._scaled[1]
+
+    def _factor_key(self) -> tuple:
+        """What ``factor()`` depends on: after a step, that step's coefficient; before, the
+        round, its phase (unscaling rescales its norms in place) and its clips."""
+        cycle = self.source().cycle
+        if cycle.stepped_since_zero:
+            return ("stepped",)
+        r = cycle.current()
+        return (id(r), cycle.phase, len(r.clips))
 
     def _local_partials(self, norm_type: float) -> Tensor:
         """``[sum |g|^p (max |g| for inf) per param, NaN flag per param]`` over this rank's shards."""
