@@ -1,5 +1,9 @@
 """DistributedFusedAdam: ZeRO-2 Adam/AdamW whose unscale, clip and step agree with unsharded torch.
 
+This file is the optimizer's constructor and its step protocol's entry points; a third of it is
+the class's documentation (every constructor argument, the extension points), which the API
+reference is built from. Its reading methods are in reads.py.
+
 The step's phase and counters: step/cycle.py (one step's norms, scale and clips: step/step_round.py);
 slices: layout.py; buffers: shards/buffers.py; collectives: comm/, used by sync/grad_sync.py and
 sync/param_sync.py; the one all-reduce: step/grad_stats.py; ranks that disagree: checks/; norms:
@@ -24,7 +28,7 @@ from . import kernels
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
                              reattach_param)
-from .checks.misuse import check_launcher_env, ddp_error, find_ddp
+from .checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, check_launcher_env, ddp_error, find_ddp
 from .step.grad_stats import HEADER, GradStats, TouchedPatterns
 from .step.health import StepHealth, check_skip_above
 from .shards.view import ShardView
@@ -459,13 +463,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # (three launches: found + 0 * log(inv) is NaN unless 0 < inv < inf, and NaN != 0)
         stats.found_inf.add_(inv.log(), alpha=0.0).ne_(0.0)
         if r.clips and self._cycle.warn_once("clip before unscale"):
-            warnings.warn(
-                "DistributedFusedAdam: clip_grad_norm ran before unscaling, while the loss was scaled. Its "
-                "max_norm is compared with the TRUE (unscaled) norm once the scale is known, so torch's idiom "
-                "clip_grad_norm_(params, max_norm * scaler.get_scale()) would never clip here: pass the plain, "
-                "unscaled max_norm (or clip after scaler.unscale_(opt)).",
-                UserWarning, stacklevel=3,
-            )
+            warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=3)
         self._cycle.unscaled(inv)  # norms handed out before unscaling become the true norms
         return stats.found_inf.to(inv_scale.device)
 
@@ -482,13 +480,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._param_sync.wait()
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
         if not self._cycle.grad_since_zero:
-            raise RuntimeError(
-                "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on "
-                "this rank since the last zero_grad(). Either backward() did not run, or the model's "
-                "parameters were replaced (load_state_dict(assign=True), deepcopy, re-created modules) "
-                "and the optimizer no longer sees them: build the optimizer over the model's current "
-                "parameters."
-            )
+            raise RuntimeError(NO_GRAD_AT_STEP)
         if grad_scaler is not None:
             self._health.note_scaler(grad_scaler)  # step_stats() reports its scale
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)

@@ -1,6 +1,6 @@
 """Misuse that would otherwise train silently wrong, detected so it raises naming the fix: a model
-wrapped in ``torch.nn.parallel.DistributedDataParallel``, and a launcher's ``WORLD_SIZE > 1``
-without a process group.
+wrapped in ``torch.nn.parallel.DistributedDataParallel``, a launcher's ``WORLD_SIZE > 1``
+without a process group, a step with no grads, a clip with torch's scaled ``max_norm`` idiom.
 
 DDP would all-reduce every grad a second time and write the result into ``param.grad`` (which
 the optimizer never reads: it reduce-scatters the grads itself during backward). DDP leaves no
@@ -59,3 +59,18 @@ def check_launcher_env() -> None:
             "torch.distributed.init_process_group() before building the optimizer (or use a "
             "distributed strategy/launcher that does), or unset WORLD_SIZE for a single-process run."
         )
+
+
+NO_GRAD_AT_STEP = (
+    "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on this rank since the "
+    "last zero_grad(). Either backward() did not run, or the model's parameters were replaced "
+    "(load_state_dict(assign=True), deepcopy, re-created modules) and the optimizer no longer sees them: build "
+    "the optimizer over the model's current parameters."
+)
+
+CLIP_BEFORE_UNSCALE = (
+    "DistributedFusedAdam: clip_grad_norm ran before unscaling, while the loss was scaled. Its max_norm is "
+    "compared with the TRUE (unscaled) norm once the scale is known, so torch's idiom "
+    "clip_grad_norm_(params, max_norm * scaler.get_scale()) would never clip here: pass the plain, unscaled "
+    "max_norm (or clip after scaler.unscale_(opt))."
+)
