@@ -1,9 +1,10 @@
 """The ops issued between backward and the step kernel: on a GPU each is a launch the host pays
-for, so their number is pinned here (counted on the CPU with a dispatch mode; the fused kernels
-are not aten ops and are not counted). The grad coefficient and the step counts are one native
+for, so their number is pinned here (counted on the CPU with a dispatch mode); the compiled kernels'
+entry points, which are not aten ops, are counted by name per iteration. The grad coefficient and the step counts are one native
 launch (``kernels.step_scalars``), a tensor lr is read once per step."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import List
 
 import pytest
@@ -77,6 +78,55 @@ def test_ops_between_backward_and_step_are_few(clip: bool, health: str) -> None:
     for folded in ("clamp", "clamp_", "sqrt", "clone", "copy_", "zero_", "nan_to_num", "addcmul_", "rsub", "reciprocal_",
                    "masked_fill_", "bitwise_and"):
         assert folded not in ops, (folded, ops)
+
+
+def _native_calls(opt, scaler, model, clip: bool) -> Counter:
+    """The compiled kernels' entry points called during one whole iteration (backward included),
+    by name: what the aten count above cannot see."""
+    ext = kernels.native_module(torch.device("cpu"))
+    names = [n for n in dir(ext) if not n.startswith("_") and callable(getattr(ext, n))
+             and not isinstance(getattr(ext, n), type)]
+    saved = {n: getattr(ext, n) for n in names}
+    calls: Counter = Counter()
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(ext, name, counted(name, fn))
+    try:
+        _iteration(opt, scaler, model, 3, clip, count=False)
+    finally:
+        for name, fn in saved.items():
+            setattr(ext, name, fn)
+    return calls
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the CPU kernels")
+@pytest.mark.parametrize("clip", [True, False])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
+    """Per bucket: the landed grads' non-finite flags (the step's health), the norm partial, the
+    step; with several groups each group's partial too; per step one stats finish and one
+    scalar launch. A new pass over the grads shows up here."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
+              else model.parameters())
+    opt = DistributedFusedAdam(params, lr=1e-3, bucket_cap_mb=0.0002)
+    scaler = ShardedGradScaler("cpu")
+    for step in range(3):
+        _iteration(opt, scaler, model, step, clip, count=False)
+    buckets = len(opt._buckets)
+    assert buckets >= 2  # the per-bucket counts are told apart from the per-step ones
+    want = {"nonfinite_flags": buckets, "grad_stats": buckets, "adam_launch": buckets, "stats_finish": 1,
+            "step_scalars": 1}
+    if groups > 1:
+        want["group_partials"] = buckets
+    assert dict(_native_calls(opt, scaler, model, clip)) == want
 
 
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the CPU kernels")
