@@ -32,7 +32,7 @@ class _NoBackwardSync:
         if not enabled:
             return contextlib.nullcontext()
         held = {id(p) for p in module.parameters()}
-        opts = [opt for opt in self._strategy._set_up
+        opts = [opt for opt in self._strategy.set_up_optimizers()
                 if any(id(p) in held for group in opt.param_groups for p in group["params"])]
         if not opts:
             raise ValueError(
@@ -128,6 +128,10 @@ class FabricStrategyMixin(common.StrategyBase):
         moves it; ``fabric.init_module()`` builds it there)."""
         common.broadcast_buffers(module)
         return module
+
+    def set_up_optimizers(self) -> List[DistributedFusedAdam]:
+        """The DistributedFusedAdams set up through this strategy, in setup order."""
+        return list(self._set_up)
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """The optimizer itself; it must be a DistributedFusedAdam.
