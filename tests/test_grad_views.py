@@ -298,3 +298,28 @@ def test_torchs_own_functions_bound_before_the_wrapping_are_true_or_raise() -> N
     torch.testing.assert_close(own_norm([p.grad for p in model.parameters()]), expected, rtol=1e-5, atol=0)
     with pytest.raises(RuntimeError, match=r"opt\.full_grad\(p\)"):
         own_clip(model.parameters(), 0.01, expected)
+
+
+def test_torch_save_of_the_whole_model_works_and_loads_plain() -> None:
+    """torch.save(model) after the optimizer is built and has stepped (a pattern torch trains
+    with): the saved model is torch's plain one (Parameter class, no shardamp tags), its weights
+    the trained ones; the live model keeps training as the unsharded reference does."""
+    import io
+
+    model, ref, opt = _setup()
+    torch_opt = torch.optim.AdamW(two_groups(ref), lr=1e-3, weight_decay=0.0)
+    for seed in range(2):
+        for m, o in ((model, opt), (ref, torch_opt)):
+            o.zero_grad()
+            _backward(m, seed)
+            o.step()
+        if seed == 0:
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=False)
+            for p, q in zip(saved.parameters(), model.parameters()):
+                assert type(p) is nn.Parameter and not [k for k in vars(p) if k.startswith("_shardamp")]
+                assert torch.equal(p, q) and p.stride() == q.stride()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
