@@ -251,3 +251,33 @@ def test_capturable_keeps_flag_addresses() -> None:
         _step(model, opt, step, poison=math.inf if step == 2 else 0.0)
         assert opt.last_nonfinite() == ([(0, "a.weight")] if step == 2 else []), step
     assert (health.flags.data_ptr(), health.last_flags.data_ptr()) == ptrs
+
+
+def test_group_norms_after_a_step_a_scaler_skipped_on_the_host() -> None:
+    """A subclass without in-kernel skipping (``_step_supports_amp_scaling = False``): the scaler
+    skips an overflowing step on the host; grad_norms_by_group() then reports that step's norms
+    (non-finite where the inf was) instead of raising, and a finite step's equal torch's per group."""
+
+    class HostSkipped(DistributedFusedAdam):
+        _step_supports_amp_scaling = False
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    opt = HostSkipped([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=1e-3)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(5, 3)
+    scaler.scale(model(x).square().sum()).backward()
+    ref(x).square().sum().backward()
+    scaler.step(opt)
+    scaler.update()
+    want = [float(torch.nn.utils.get_total_norm([p.grad for p in ref[i].parameters()])) for i in (0, 2)]
+    assert opt.grad_norms_by_group().tolist() == pytest.approx(want, rel=1e-5)
+    opt.zero_grad()
+    x[0, 0] = math.inf  # group 0's weight grad only: the tanh keeps group 1's finite
+    scaler.scale(model(x).square().sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert opt.step_stats()["skipped_nonfinite"] == 1
+    norms = opt.grad_norms_by_group()
+    assert not torch.isfinite(norms[0]) and torch.isfinite(norms[1])

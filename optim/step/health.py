@@ -308,6 +308,8 @@ class StepHealth:
     def group_norms(self, last: bool, avg: float, inv_scale: Optional[Tensor]) -> Tensor:
         """Each group's norm of this round (``last=False``) or the last step, averaged and
         multiplied by ``inv_scale`` (the last step's own when ``last``); a new 1-D float32 tensor."""
+        # a round a scaler skipped on the host (host_skipped) was handed to ``_last`` already
+        last = last or (self._round is None and self._last is not None)
         norms_of = self._last if last else self._round
         if norms_of is None:
             raise RuntimeError("grad_norms_by_group(): no step's norms yet; call it after backward (every rank) "
