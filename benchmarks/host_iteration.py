@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
@@ -21,6 +21,9 @@ LOOPS = {  # name -> (scaler, unscale_, clip): torch runs exactly this; shardamp
     "scaler+unscale_+clip": (True, True, True),
     "scaler+unscale_": (True, True, False),
     "max_grad_norm in step": (True, True, True),  # shardamp: DistributedFusedAdam(max_grad_norm=1)
+    # the same with the transformers Trainer's two groups (weight decay on matrices, none on
+    # biases and norms): shardamp adds each group's norm partial to the step's statistics
+    "max_grad_norm in step, two groups": (True, True, True),
     "scaler, no unscale_": (True, False, False),
     "plain step": (False, False, False),
 }
@@ -37,16 +40,21 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
     """Build the optimizer (after the model is final) and return ``one()``: a full iteration."""
     use_scaler, unscale, clip = LOOPS[loop]
     use_scaler = use_scaler and amp_dtype is not torch.bfloat16
+    in_step = loop.startswith("max_grad_norm in step")
     params = [p for p in model.parameters() if p.requires_grad]
+    groups: Any = params
+    if loop.endswith("two groups"):
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     if impl == "torch":
-        opt = torch.optim.AdamW(params, lr=lr, fused=True) if device.type == "cuda" else torch.optim.AdamW(params, lr=lr)
+        opt = torch.optim.AdamW(groups, lr=lr, fused=True) if device.type == "cuda" else torch.optim.AdamW(groups, lr=lr)
         scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         do_clip = (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)) if clip else (lambda: None)
     else:
-        opt = DistributedFusedAdam(params, lr=lr, max_grad_norm=1.0 if loop == "max_grad_norm in step" else None)
+        opt = DistributedFusedAdam(groups, lr=lr, max_grad_norm=1.0 if in_step else None)
         scaler = ShardedGradScaler(device.type, enabled=use_scaler)
-        clip = clip and loop != "max_grad_norm in step"
-        unscale = unscale and loop != "max_grad_norm in step"
+        clip = clip and not in_step
+        unscale = unscale and not in_step
         do_clip = (lambda: opt.clip_grad_norm(1.0)) if clip else (lambda: None)
     autocast = torch.autocast(device.type, dtype=amp_dtype or torch.float32, enabled=amp_dtype is not None)
 

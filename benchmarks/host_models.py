@@ -213,7 +213,7 @@ def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
     gb = 2 if small else 8
     idx = torch.randint(0, cfg.vocab_size, (gb, cfg.seq_len + 1), generator=gen).to(device)
     specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
-                              amp=bf16, cl=False, loops=["max_grad_norm in step"])
+                              amp=bf16, cl=False, loops=["max_grad_norm in step", "max_grad_norm in step, two groups"])
     count, numel = (64, 256) if small else (1024, 4096)
     one = torch.ones((), device=device)
     specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((one,), None),

@@ -109,7 +109,8 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
     for prefix in ("backward host 64x256", "backward host small resnet", "backward host 64x256 world 2 gloo",
                    "host-bound unscale_+clip+step+update float32", "host-bound clip+step (no scaler) bfloat16",
                    "small resnet: scaler+unscale_+clip", "small resnet: max_grad_norm in step",
-                   "small resnet: plain step", "unet fp16", "gpt2 bf16", "many params"):
+                   "small resnet: plain step", "unet fp16", "gpt2 bf16", "gpt2 bf16: max_grad_norm in step, two groups",
+                   "many params"):
         assert any(n.startswith(prefix) for n in names), (prefix, names)
     pieces = (tmp_path / "prof" / "pieces.txt").read_text()
     for what in ("plain step shardamp: zero_grad", "Python own time, backward to update", "float32 shardamp: zero_grad"):
