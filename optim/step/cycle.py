@@ -4,19 +4,20 @@ A :class:`StepCycle` is the one owner of the step's state. The grad hooks (sync/
 tell it when a backward begins and when a reduction round is launched; the optimizer tells it
 when the stats are reduced, the scale is known, the step ran and the grads were dropped; the
 checks (checks/agreement.py, checks/deferred.py) read what they compare through its methods and
-record nothing in it but the categories a step's agreement entries name. Nothing else keeps a
-counter of its own.
+write nothing into it (the optimizer hands it the categories a step's agreement compared). The
+host keeps no other per-step counter (the step health's counters live on the device:
+step/health.py; the grad sync keeps only where its launches stand).
 
 The phases, in order (``zero_grad`` may come at any point)::
 
     IDLE -> ACCUMULATING -> REDUCED -> UNSCALED -> STEPPED -> ACCUMULATING ...
              (backward)     (stats)    (scale)     (step)     (next backward)
 
-``REDUCED`` and ``UNSCALED`` may come in either order's subset: a step without a scaler goes
-from ``REDUCED`` to ``STEPPED``; ``unscale_grads`` reduces the stats first if nothing asked for
-them. A new backward before the step (accumulating after a logged norm) goes back to
-``ACCUMULATING`` and the stats are computed anew. After ``zero_grad`` the phase is ``STEPPED``
-when a step's norms are still readable, else ``IDLE``.
+A step without a scaler goes from ``REDUCED`` to ``STEPPED``; ``unscale_grads`` reduces the
+stats first if nothing asked for them yet, so ``REDUCED`` always comes before ``UNSCALED``. A new
+backward before the step (accumulating after a logged norm) goes back to ``ACCUMULATING`` and
+the stats are computed anew. After ``zero_grad`` the phase is ``STEPPED`` when a step's norms
+are still readable, else ``IDLE``.
 """
 from __future__ import annotations
 
