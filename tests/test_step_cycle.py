@@ -4,11 +4,14 @@ object's private attributes."""
 from __future__ import annotations
 
 import ast
+import copy
+import math
 from pathlib import Path
 from typing import List
 
 import pytest
 import torch
+import torch.nn as nn
 
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.step.cycle import StepCycle, StepPhase
@@ -199,3 +202,64 @@ def test_no_module_writes_another_objects_private_attributes() -> None:
 def test_the_private_write_scan_finds_a_write() -> None:
     # the scan itself can fail: the optimizer's own tag on its params is found
     assert ("optim/distributed_fused_adam.py", "p._shardamp_optimizer") in _foreign_private_writes()
+
+
+def _ranks_walk_the_same_cycle(rank: int, world: int) -> dict:
+    """Two param groups over several uneven buckets, ShardedGradScaler, a clip; an inf in one
+    rank's batch at step 2 only. Every phase is recorded, and the unsharded torch AdamW fed the
+    union of the ranks' batches (skipping the step the scaler skips) is trained alongside."""
+    import parity
+
+    torch.manual_seed(0)
+    model = parity.MLP()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(parity.two_groups(model), bucket_cap_mb=0.0003)
+    ropt = torch.optim.AdamW(parity.two_groups(ref), weight_decay=0.0)
+    scaler = ShardedGradScaler("cpu", init_scale=2.0**8)
+    loss_fn = nn.MSELoss()
+    phases, norms = [], []
+    for step in range(4):
+        data = parity.batches(step, world)
+        opt.zero_grad()
+        ropt.zero_grad()
+        phases.append(opt._cycle.phase.value)
+        x, y = data[rank]
+        if step == 2 and rank == world - 1:
+            x = x.clone()
+            x[0, 0] = math.inf
+        scaler.scale(loss_fn(model(x), y)).backward()
+        phases.append(opt._cycle.phase.value)
+        scaler.unscale_(opt)
+        phases.append(opt._cycle.phase.value)
+        norms.append(float(opt.clip_grad_norm(1.0)))
+        scaler.step(opt)
+        scaler.update()
+        phases.append(opt._cycle.phase.value)
+        ref_x = [xb.clone() for xb, _ in data]
+        if step == 2:
+            ref_x[world - 1][0, 0] = math.inf
+        (sum(loss_fn(ref(xb), yb) for xb, (_, yb) in zip(ref_x, data)) / world).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        if torch.isfinite(ref_norm):  # the scaler skips the step on every rank
+            ropt.step()
+    return {"phases": phases, "norms": norms, "position": opt._cycle.position(), "stats": opt.step_stats(),
+            "buckets": len(opt._buckets),
+            "params": [p.detach().clone() for p in model.parameters()],
+            "ref": [p.detach().clone() for p in ref.parameters()]}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_walks_the_same_cycle_and_trains_as_torch(world: int) -> None:
+    from dist_helper import run_distributed
+
+    results = run_distributed(_ranks_walk_the_same_cycle, world, pg_timeout=120)
+    step = ["stepped", "accumulating", "unscaled", "stepped"]
+    for r, v in enumerate(results):
+        assert v["buckets"] >= 2
+        assert v["phases"] == ["idle", "accumulating", "unscaled", "stepped"] + step * 3, (r, v["phases"])
+        assert v["position"] == {"steps": 4, "backwards": 0, "dropped": 0}
+        assert v["stats"]["steps"] == 3 and v["stats"]["skipped_nonfinite"] == 1
+        assert not math.isfinite(v["norms"][2]) and all(math.isfinite(n) for i, n in enumerate(v["norms"]) if i != 2)
+        assert v["norms"][:2] + v["norms"][3:] == results[0]["norms"][:2] + results[0]["norms"][3:]
+        for p, q in zip(v["params"], v["ref"]):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
