@@ -109,7 +109,7 @@ def test_torch_fp32_state_into_bf16_moments_rounds_to_nearest_even():
     cc.train(model, opt, range(2, 4))  # and trains on
 
 
-def test_defaults_keep_todays_layout():
+def test_defaults_keep_fp32_moments_and_no_remainders():
     model, opt = cc.build()
     assert opt.exp_avg_dtype == opt.exp_avg_sq_dtype == torch.float32 and not opt.store_param_remainders
     assert all(b.exp_avg.dtype == torch.float32 and not b.remainders for b in opt._buffers)

@@ -147,7 +147,7 @@ def _master_is_param(param_dtype: torch.dtype, state_dtype: torch.dtype, sync: O
 
 
 def check_moment_dtypes(dtype: torch.dtype, *moments: Optional[torch.dtype]) -> Tuple[torch.dtype, ...]:
-    """The moments' dtypes, None resolved to the state dtype (today's layout)."""
+    """The moments' dtypes, None resolved to the state dtype (the default layout)."""
     out = []
     for name, value in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments):
         if value is not None and value not in (torch.float32, torch.bfloat16):
