@@ -185,7 +185,7 @@ class StepView:
         param_groups: returns the optimizer's param groups as they are now (schedules change
             their values; a wrapper may rebind the list).
         options: returns ``(max_grad_norm, adam_w_mode, bias_correction)`` as they are now.
-        cycle: the step cycle (step/cycle.py): ``rounds_since_step`` and ``last_clips``.
+        cycle: the step cycle (step/cycle.py): ``rounds_since_step`` and ``clips_of_last_step()``.
         local_touched: returns this rank's touched pattern (which params got a grad).
         fingerprint: the per-step entries' encoder.
         patterns: the cached device tails and touched patterns (step/grad_stats.TouchedPatterns).
@@ -214,7 +214,7 @@ def host_categories(view: StepView, norm_type: float) -> List[Tuple[str, Any]]:
         # the next step, not in this one's stats, because which call starts the stats may differ
         # legitimately (rank 0 logging grad_norm() before clipping, the others clipping at once)
         ("clip_grad_norm calls of the previous step (max_norms and norm types; called on some ranks only? "
-         "that step updated some shards clipped, others not)", view.cycle.last_clips),
+         "that step updated some shards clipped, others not)", view.cycle.clips_of_last_step()),
     ]
 
 
@@ -308,7 +308,7 @@ def agree_on_call(view: Any, name: str, given: Any = None, problem: str = "", cl
     every rank that took part if the ranks are not all in the same call with the same input, or
     if any rank reported ``problem``; a rank left waiting raises after the timeout, naming the
     call. With ``clips`` (the calls that read the state, ``state_dict`` and ``save_sharded``,
-    pass the step cycle's ``last_clips``) the ranks also agree on the clips their last step applied: a clip on some ranks only in the
+    pass the step cycle's ``clips_of_last_step()``) the ranks also agree on the clips their last step applied: a clip on some ranks only in the
     LAST step of a run (no later step compares it) would otherwise be published, some shards
     clipped and others not."""
     message = problem if problem.startswith(name) else f"{name}: {problem}"

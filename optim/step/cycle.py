@@ -206,13 +206,9 @@ class StepCycle:
         """A step consumed the grads since the last ``zero_grad`` (they are reduced and stepped on)."""
         return self._stepped_since_zero
 
-    @property
-    def last_clips(self) -> Tuple[Any, ...]:
-        """``(max_norms, norm types)`` the last step applied and computed; ``()`` before any."""
-        return self._last_clips
-
     def clips_of_last_step(self) -> Tuple[Any, ...]:
-        """``last_clips``, as a method (what a view hands on without holding the optimizer)."""
+        """``(max_norms, norm types)`` the last step applied and computed; ``()`` before any. A
+        method, so a view can hand it on without holding the optimizer."""
         return self._last_clips
 
     @property
