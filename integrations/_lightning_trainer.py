@@ -207,6 +207,19 @@ class TrainerStrategyMixin(common.StrategyBase):
     def _fused_adams(self) -> List[DistributedFusedAdam]:
         return [common.unwrap(opt) for opt in self.optimizers]
 
+    def teardown(self) -> None:
+        """Drop the optimizers' grads (``zero_grad()``), then Lightning's teardown, which moves the
+        module to the CPU.
+
+        The grads must go first: a managed param's ``.grad`` is a view of the optimizer's reduced
+        shards, which cannot be moved (it raises), and Lightning's ``module.cpu()`` moves every
+        grad with its param. Dropping them frees the grad buffers as the teardown intends; the
+        params' values move to the CPU as with any strategy. Not a collective."""
+        for opt in self._fused_adams():
+            if isinstance(opt, DistributedFusedAdam):
+                opt.zero_grad()
+        super().teardown()
+
     @contextlib.contextmanager
     def block_backward_sync(self) -> Iterator[None]:
         """Accumulating micro-batches: grads stay local until the last one's backward."""

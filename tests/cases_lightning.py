@@ -118,8 +118,9 @@ def _result(trainer: Any, module: Any, ckpt_dir: Optional[str] = None, top1_dir:
         fs, path = url_to_fs(d)
         return sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False)) if fs.isdir(path) else []
 
+    params = [p.detach().clone() for p in module.net.parameters()]
     return {
-        "params": [p.detach().clone() for p in module.net.parameters()],
+        "params": params,
         "seen": module.seen,
         "norms": module.norms,
         "skipped": module.skipped,
@@ -133,7 +134,20 @@ def _result(trainer: Any, module: Any, ckpt_dir: Optional[str] = None, top1_dir:
         "buckets": len(opt._buckets),
         "ckpts": listing(ckpt_dir),
         "top1": listing(top1_dir),
+        **_after_teardown(module),
     }
+
+
+def _after_teardown(module: Any) -> Dict[str, Any]:
+    """What fit's teardown left: no grads, and a module that moves and casts (Lightning's teardown
+    moves it to the CPU; on the CPU a cast walks the grads the same way)."""
+    grads_none = all(p.grad is None for p in module.net.parameters())
+    try:
+        module.net.to(torch.float64)
+        moved = "ok"
+    except RuntimeError as exc:
+        moved = str(exc)[:200]
+    return {"grads_none_after_fit": grads_none, "moves_after_fit": moved}
 
 
 def _checkpoint(path: str) -> Dict[str, Any]:

@@ -43,6 +43,9 @@ def _check_run(values, autocast_dtype=None, accumulate=1, lr_lambda=None, strate
         assert v["strategy"] == strategy
         assert v["wrapped"] not in ("DistributedDataParallel", "_FabricModule"), v["wrapped"]
         assert v["world"] == WORLD
+        if strategy in (TRAINER, STANDALONE_TRAINER):  # Trainer.fit's teardown dropped the grads, so
+            # Lightning's module.cpu() (here a cast) moves the module; Fabric has no such teardown
+            assert v["grads_none_after_fit"] and v["moves_after_fit"] == "ok", v["moves_after_fit"]
     # "norms": opt.grad_norm() after each step (Trainer) / fabric.clip_gradients' return (Fabric)
     return ref.check_run(values, cases.N_STEPS, "norms", autocast_dtype, accumulate, lr_lambda)
 
@@ -53,6 +56,8 @@ def _check_overflow_run(values, strategy):
     params, norms, finite = ref.fp16_overflow_reference(values, cases.N_STEPS)
     for v in values:
         assert v["strategy"] == strategy
+        if strategy in (TRAINER, STANDALONE_TRAINER):
+            assert v["grads_none_after_fit"] and v["moves_after_fit"] == "ok", v["moves_after_fit"]
         assert v["scaler"] == "ShardedGradScaler"
         assert v["skipped"] == [not f for f in finite]
         assert v["scale"] == v["init_scale"] * 0.5  # one backoff (growth_interval 2000 not reached)
