@@ -14,7 +14,8 @@ shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_no
   slower) with the geometric mean of the paired repeats' ratios and its 95% t-interval, and
   peak memory of each alone. Models:
   ResNet-50 channels_last fp16 in five loops, torch.compile(ResNet-18), a diffusion UNet (fp16
-  and bf16), GPT-2 124M bf16, ``many params`` (1024 x 4096). On the CPU: a small ResNet-like
+  and bf16), GPT-2 124M bf16, the examples' MLP in bf16 (host-bound: the
+  fixed cost per step), ``many params`` (1024 x 4096). On the CPU: a small ResNet-like
   net, a small UNet and GPT, fp32 compute with the scaler still enabled, no torch.compile.
 * ``backward host`` rows: perf_counter around ``loss.backward()`` (host time: the GPU runs
   behind) for plain autograd, DDP's C++ reducer and shardamp's hooks; overhead per param over
@@ -314,9 +315,9 @@ def step_rows(args, device: torch.device, wanted) -> List[dict]:
 
 
 # ------------------------------------------------------------------------------ profile
-def profile(args, device: torch.device, out: Path) -> None:
+def profile(args, device: torch.device, out: Path, wanted: Callable[[str], bool]) -> None:
     """Where the time goes: torch.profiler (CPU + CUDA) tables of a few torch and shardamp
-    iterations of the first model row and of the host-bound step loop (fp32, bf16 params), and
+    iterations of the first model row that ``--only`` selects and of the host-bound step loop (fp32, bf16 params), and
     perf_counter around each piece of the first model's iteration (two loops) and of the
     host-bound loop; written under ``out``."""
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -339,7 +340,7 @@ def profile(args, device: torch.device, out: Path) -> None:
                 f.write(f"== {tag}, sorted by {key}\n{prof.key_averages().table(sort_by=key, row_limit=60)}\n")
 
     specs = model_specs(device, args.small)
-    mname = next(iter(specs))
+    mname = next((name for name in specs if wanted(name)), next(iter(specs)))  # the first --only picks
     spec = specs[mname]
     lines = []
     for loop in ("scaler+unscale_+clip", "plain step"):
@@ -456,7 +457,7 @@ def main() -> None:
                 return []
 
         if args.profile:
-            guarded(profile, args, device, Path(args.profile))
+            guarded(profile, args, device, Path(args.profile), wanted)
         rows += guarded(backward_rows, args, device, wanted)
         rows += guarded(step_rows, args, device, wanted)
         rows += guarded(model_rows, args, device, wanted)

@@ -1,5 +1,5 @@
 """Models for benchmarks/bench_host.py: ``model_specs`` (what each row trains: torchvision's
-ResNet-50 / ResNet-18 where installed, the UNet, GPT-2, many params; their batches, losses and
+ResNet-50 / ResNet-18 where installed, the UNet, GPT-2, the examples' MLP, many params; their batches, losses and
 AMP dtypes), and the stand-ins built from plain torch modules (no torchvision needed):
 
 * ``SmallResNet``: a ResNet-like conv net (conv-bn-relu stem, basic blocks with BatchNorm and
@@ -214,6 +214,15 @@ def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
     idx = torch.randint(0, cfg.vocab_size, (gb, cfg.seq_len + 1), generator=gen).to(device)
     specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
                               amp=bf16, cl=False, loops=["max_grad_norm in step", "max_grad_norm in step, two groups"])
+    # the examples' MLP (33.6M params in 20 tensors, batch 64): the GPU finishes an iteration in
+    # well under a millisecond, so the loop measures the host's fixed cost per step
+    from framework_common import Net, loss_fn as mlp_loss
+
+    dim, depth, mb = (32, 2, 8) if small else (2048, 8, 64)
+    mx = torch.randn(mb, 16, generator=gen).to(device)
+    my = (torch.tanh(mx[:, :4] * 2) + 0.1 * torch.randn(mb, 4, generator=gen).to(device))
+    specs["mlp bf16"] = dict(make=lambda: Net(dim, depth), batch=lambda: ((mx,), my), loss=mlp_loss, amp=bf16,
+                             cl=False, loops=["scaler+unscale_+clip", "plain step"])
     count, numel = (64, 256) if small else (1024, 4096)
     one = torch.ones((), device=device)
     specs[f"many params {count}x{numel}"] = dict(make=lambda: ManyParams(count, numel), batch=lambda: ((one,), None),
