@@ -1,6 +1,7 @@
 """Where one training iteration spends host time, phase by phase (used by bench_host --profile):
 the CUDA runtime calls each phase makes (launches, copies, memsets, events, syncs) with the Python
-line that made each copy, memset or sync, and the Python functions with the most own time.
+line that made each copy, memset or sync, the Python functions with the most own time, and the
+GPU's idle gaps with the host phase that left it idle.
 
 A phase is the span between two of the iteration's marks (host_iteration.PHASES): zero_grad,
 forward, backward, unscale_, clip, step, update. On CUDA autograd runs backward's ops on a device
@@ -21,7 +22,7 @@ import gc
 import io
 import pstats
 import warnings
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
@@ -114,6 +115,75 @@ def runtime_calls(one: Callable[..., None], device: torch.device, iters: int = 3
                 f"{n} {count[(phase, n)] / iters:g}x {spent[(phase, n)] / iters:.0f}us" for n in calls))
     for (phase, name, stack), n in sorted(where.items()):
         lines.append(f"    {phase} {name} {n / iters:g}x: {stack}")
+    return lines
+
+
+def idle_gaps(intervals: List[tuple], start: float, end: float,
+              phase_at: Callable[[float], str]) -> Tuple[float, List[Tuple[float, float, str]]]:
+    """The device's busy time and idle gaps in ``[start, end]`` (microseconds).
+
+    ``intervals``: ``(begin, end)`` of everything the device ran (kernels, copies, memsets), in
+    any order, overlapping where streams ran at once. Returns the busy time (their union) and
+    each gap ``(length, begin, phase)``, ``phase`` being what the host was running when the
+    device fell idle (``phase_at(begin)``): the host phase that kept it waiting."""
+    busy = 0.0
+    gaps: List[Tuple[float, float, str]] = []
+    cur_begin, cur_end = None, start
+    for b, e in sorted(intervals):
+        b, e = max(b, start), min(e, end)
+        if e <= b:
+            continue
+        if cur_begin is None or b > cur_end:
+            if cur_begin is not None:
+                busy += cur_end - cur_begin
+            if b > cur_end:
+                gaps.append((b - cur_end, cur_end, phase_at(cur_end)))
+            cur_begin, cur_end = b, e
+        else:
+            cur_end = max(cur_end, e)
+    if cur_begin is not None:
+        busy += cur_end - cur_begin
+    if end > cur_end:
+        gaps.append((end - cur_end, cur_end, phase_at(cur_end)))
+    return busy, gaps
+
+
+def gpu_timeline(one: Callable[..., None], device: torch.device, iters: int = 10, top: int = 5) -> List[str]:
+    """Over ``iters`` back-to-back iterations (synchronized at the ends only, as the timed loops
+    run): the wall time, the GPU's busy time (the union of its kernels, copies and memsets over
+    all streams) and its idle time per iteration, the idle time by the host phase that was running
+    when the GPU fell idle, and the longest gaps. A loop whose iteration is longer than its host
+    time with little GPU idle is GPU-bound; idle time under one phase is the host keeping the
+    GPU waiting there (or a wait on the host, which :func:`runtime_calls` would show)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if device.type != "cuda":
+        return ["GPU timeline: not measured off CUDA"]
+    run = _phased(one)
+    run()
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        sync(device)
+    events = prof.events()
+    cpu, gpu_type = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    phases = [e for e in events if e.name.startswith("phase:") and e.device_type == cpu]
+    start, host_end = min(e.time_range.start for e in phases), max(e.time_range.end for e in phases)
+    device_work = [(e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == gpu_type and not getattr(e, "is_user_annotation", False)
+                   and not e.name.startswith("phase:")]
+    end = max([host_end] + [w[1] for w in device_work])
+    busy, gaps = idle_gaps(device_work, start, end, _phase_finder(events))
+    by_phase: Dict[str, float] = collections.Counter()
+    for length, _begin, phase in gaps:
+        by_phase[phase] += length
+    lines = [f"  per iteration: wall {(end - start) / iters:.0f}us, GPU busy {busy / iters:.0f}us, "
+             f"idle {(end - start - busy) / iters:.0f}us in {len(gaps) / iters:.1f} gaps"]
+    lines.append("  idle by host phase: " + ", ".join(
+        f"{p} {v / iters:.0f}us" for p, v in sorted(by_phase.items(), key=lambda kv: -kv[1])))
+    lines += [f"    gap {length:.0f}us at +{begin - start:.0f}us, host in {phase}"
+              for length, begin, phase in sorted(gaps, reverse=True)[:top]]
     return lines
 
 

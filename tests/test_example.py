@@ -190,3 +190,28 @@ def test_bench_host_paired_ratio_interval() -> None:
         assert math.log(mean) == pytest.approx(m)
         assert math.log(hi) - m == pytest.approx(t * sd / math.sqrt(n), rel=2e-4), n
         assert m - math.log(lo) == pytest.approx(t * sd / math.sqrt(n), rel=2e-4), n
+
+
+def test_host_trace_idle_gaps_union_and_phases() -> None:
+    """bench_host --profile's GPU timeline: busy time is the union of overlapping device work
+    (two streams), each idle gap is attributed to the host phase running when it began, and the
+    window's head and tail count as idle."""
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        from host_trace import idle_gaps
+    finally:
+        sys.path.pop(0)
+
+    def phase_at(t: float) -> str:
+        return "forward" if t < 50 else ("backward" if t < 120 else "step")
+
+    # [10, 30] and [20, 40] overlap (one busy span 10-40); [60, 70]; [100, 100] is empty;
+    # [130, 150] reaches past the window's end (140)
+    busy, gaps = idle_gaps([(60, 70), (20, 40), (10, 30), (100, 100), (130, 150)], 0.0, 140.0, phase_at)
+    assert busy == pytest.approx(30 + 10 + 10)
+    assert gaps == [(10.0, 0.0, "forward"), (20.0, 40, "forward"), (60.0, 70, "backward")]
+    assert busy + sum(g[0] for g in gaps) == pytest.approx(140.0)
+    busy, gaps = idle_gaps([], 0.0, 5.0, phase_at)  # nothing ran: all idle
+    assert busy == 0.0 and gaps == [(5.0, 0.0, "forward")]
+    busy, gaps = idle_gaps([(0, 3)], 0.0, 5.0, phase_at)  # a tail gap after the last work
+    assert busy == 3 and gaps == [(2.0, 3, "forward")]
