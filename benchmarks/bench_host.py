@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # gpt.py, reporting.py
 from host_iteration import (PHASES, host_pieces, interleaved, make_iteration, paired_ratio,  # noqa: E402
                             peak_memory, sync)
-from host_trace import gpu_timeline, host_syncs, python_hotspots, runtime_calls  # noqa: E402
+from host_trace import gpu_timeline, host_syncs, host_waits, python_hotspots, runtime_calls  # noqa: E402
 from host_models import ManyParams, Compiled, build_model, model_specs  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
@@ -315,6 +315,15 @@ def step_rows(args, device: torch.device, wanted) -> List[dict]:
 
 
 # ------------------------------------------------------------------------------ profile
+def _lines_or_error(fn: Callable[..., List[str]], *fargs) -> List[str]:
+    """``fn``'s report lines, or one line naming its error: one analysis failing must not cost
+    the profile's other lines."""
+    try:
+        return fn(*fargs)
+    except Exception as exc:  # noqa: BLE001 - reported in pieces.txt
+        return [f"  failed: {type(exc).__name__}: {exc}"]
+
+
 def profile(args, device: torch.device, out: Path, wanted: Callable[[str], bool]) -> None:
     """Where the time goes: torch.profiler (CPU + CUDA) tables of a few torch and shardamp
     iterations of the first model row that ``--only`` selects and of the host-bound step loop (fp32, bf16 params), and
@@ -350,11 +359,9 @@ def profile(args, device: torch.device, out: Path, wanted: Callable[[str], bool]
             trace(f"{mname} {loop} {impl}", one)
             lines.append(f"{mname} {loop} {impl}: host syncs through torch: " + ("; ".join(host_syncs(one, device)) or "none"))
             lines += [f"{mname} {loop} {impl}: CUDA runtime calls per iteration:"] + runtime_calls(one, device)
-            try:  # a new analysis: its failure must not cost the profile's other lines
-                timeline = gpu_timeline(one, device)
-            except Exception as exc:  # noqa: BLE001 - reported in pieces.txt
-                timeline = [f"  failed: {type(exc).__name__}: {exc}"]
-            lines += [f"{mname} {loop} {impl}: GPU timeline:"] + timeline
+            lines += [f"{mname} {loop} {impl}: GPU timeline:"] + _lines_or_error(gpu_timeline, one, device)
+            lines += [f"{mname} {loop} {impl}: host waits on the GPU through torch.cuda:"] + _lines_or_error(
+                host_waits, one, device)
             lines += [f"{mname} {loop} {impl}: Python own time, backward to update:"] + python_hotspots(one)
             pieces = host_pieces(one, args.iters * 3)
             lines.append(f"{mname} {loop} {impl}: " + "  ".join(f"{k} {v:.0f}us" for k, v in pieces.items())

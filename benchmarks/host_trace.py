@@ -187,6 +187,40 @@ def gpu_timeline(one: Callable[..., None], device: torch.device, iters: int = 10
     return lines
 
 
+def host_waits(one: Callable[..., None], device: torch.device, iters: int = 30) -> List[str]:
+    """How often ``one()`` makes the host wait for the GPU through torch's Python API
+    (``torch.cuda.Event.synchronize``, ``torch.cuda.Stream.synchronize``,
+    ``torch.cuda.synchronize``), counted over ``iters`` iterations run at full speed, with no
+    profiler slowing the host (under one the GPU always keeps up, so a wait that happens only
+    when the host runs ahead never shows). Such waits are legal and invisible to torch's sync
+    debug mode: e.g. the deferred checks wait for the last step's flags if its copy has not
+    finished."""
+    if device.type != "cuda":
+        return ["host waits: not measured off CUDA"]
+    targets = [(torch.cuda.Event, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda, "synchronize")]
+    counts: Dict[str, int] = collections.Counter()
+    saved = [getattr(owner, name) for owner, name in targets]
+
+    def counting(label: str, fn: Callable[..., None]) -> Callable[..., None]:
+        def wrapper(*args, **kwargs):
+            counts[label] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    one()
+    sync(device)
+    try:
+        for (owner, name), fn in zip(targets, saved):
+            setattr(owner, name, counting(f"{getattr(owner, '__name__', owner)}.{name}", fn))
+        for _ in range(iters):
+            one()
+    finally:
+        for (owner, name), fn in zip(targets, saved):
+            setattr(owner, name, fn)
+    sync(device)
+    return ["  per iteration: " + (", ".join(f"{k} {v / iters:g}x" for k, v in sorted(counts.items())) or "none")]
+
+
 def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
                     phases: tuple = ("backward", "unscale_", "clip", "step", "update")) -> List[str]:
     """cProfile over ``phases`` of ``iters`` iterations (the main thread only: on CUDA the grad
