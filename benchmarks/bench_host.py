@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -43,12 +43,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # gpt.py, reporting.py
-from host_iteration import (PHASES, host_pieces, interleaved, make_iteration, paired_ratio,  # noqa: E402
-                            peak_memory, sync)
+from host_iteration import (PHASES, VARIANTS, host_pieces, interleaved, make_iteration,  # noqa: E402
+                            paired_ratio, peak_memory, sync)
 from host_trace import gpu_timeline, host_syncs, host_waits, python_hotspots, runtime_calls  # noqa: E402
 from host_models import ManyParams, Compiled, build_model, model_specs  # noqa: E402
 
-from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
+from shardamp.optim import DistributedFusedAdam  # noqa: E402
 from shardamp.scaler import ShardedGradScaler  # noqa: E402
 
 def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> List[dict]:
@@ -60,12 +60,13 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                 continue
             compile_ = spec.get("compile") and device.type == "cuda"
 
-            def build(impl: str, spec=spec, loop=loop, compile_=compile_):
+            def build(impl: str, spec=spec, loop=loop, compile_=compile_, variant: str = ""):
                 model = build_model(spec, device)
                 run = Compiled(model) if compile_ else model
-                return make_iteration(impl, run, spec["batch"], spec["loss"], loop, device, spec["amp"])
+                return make_iteration(impl, run, spec["batch"], spec["loss"], loop, device, spec["amp"],
+                                      variant=variant)
 
-            sides = ["torch", "shardamp"] + (["shardamp, inline free"] if args.inline_free else [])
+            sides = ["torch", "shardamp"] + [f"shardamp, {v}" for v in args.variants]
             builds = 1 if compile_ else args.builds  # a compiled build compiles again
             try:
                 # two builds of one loop differ by a few percent (memory placement): pooled builds
@@ -73,10 +74,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                 fns = {}
                 for k in range(builds):
                     for side in sides:
-                        one = build("torch" if side == "torch" else "shardamp")
-                        one = _inline_free(one, device) if side == "shardamp, inline free" else one
-                        if one is not None:
-                            fns[f"{side}#{k}"] = one
+                        variant = side[len("shardamp, "):] if side.startswith("shardamp, ") else ""
+                        fns[f"{side}#{k}"] = build("torch" if side == "torch" else "shardamp", variant=variant)
                 runs: Dict[str, List[float]] = {}
                 objects: Dict[str, float] = {}
                 interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
@@ -84,7 +83,7 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                 print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
                 rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
                 continue
-            del fns, one  # the last build too: not alive through peak_memory and the next row
+            del fns  # every build: not alive through peak_memory and the next row
             # pooled over the builds, in the same order on every side: runs[i] of two sides ran
             # back to back (same build index, same repeat)
             pooled = {side: [t for k in range(builds) for t in runs.get(f"{side}#{k}", [])] for side in sides}
@@ -97,28 +96,10 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                        torch_gc_objects=left["torch"], shardamp_gc_objects=left["shardamp"],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
-            if "shardamp, inline free" in ms:
-                row.update(inline_free_ms=ms["shardamp, inline free"], inline_free_runs=pooled["shardamp, inline free"])
+            row["variants"] = {v: dict(ms=ms[f"shardamp, {v}"], runs=pooled[f"shardamp, {v}"]) for v in args.variants}
             rows.append(row)
             print(_fmt(row), flush=True)
     return rows
-
-
-def _inline_free(one: Callable[..., None], device: torch.device) -> Optional[Callable[..., None]]:
-    """``one`` with landed grads freed on the autograd thread (the release thread off while it
-    runs): the A/B of ``--inline-free``."""
-    native = kernels.native_module(device)
-    if native is None or not hasattr(native, "set_async_release"):
-        print("--inline-free: no native kernels with a release thread here: the A/B is left out", flush=True)
-        return None
-
-    def run(*a) -> None:  # the thread is on by default: back on after each call
-        native.set_async_release(False)
-        try:
-            one(*a)
-        finally:
-            native.set_async_release(True)
-    return run
 
 
 # ------------------------------------------------------------------------------ backward host time
@@ -401,10 +382,10 @@ def _fmt(row: dict) -> str:
                      f"median {statistics.median(speeds):.2f}x,"
                      f" geometric mean {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}];"
                      f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
-        if row.get("inline_free_runs"):  # the release thread's A/B
-            mean, lo, hi = paired_ratio(row["inline_free_runs"], row["shardamp_runs"])
-            text += (f"\n    grads freed inline {row['inline_free_ms']:.2f} ms: inline / release thread "
-                     f"{mean:.3f}x [95% t {lo:.3f}-{hi:.3f}] (> 1: the thread is faster)")
+        for v, got in row.get("variants", {}).items():  # --variants: each against the default build
+            mean, lo, hi = paired_ratio(got["runs"], row["shardamp_runs"])
+            text += (f"\n    shardamp, {v}: {got['ms']:.2f} ms; variant / default {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}]"
+                     f" (> 1: the default is faster); torch / variant {row['torch_ms'] / got['ms']:.2f}x")
         for impl in ("torch", "shardamp"):  # where each side's peak is, and what outlives it
             m = row.get(f"{impl}_memory")
             if m:
@@ -433,8 +414,17 @@ def main() -> None:
     ap.add_argument("--profile", default="", help="write torch.profiler tables of the first model here")
     ap.add_argument("--world2", action="store_true", help="also 2 gloo CPU ranks (backward host rows)")
     ap.add_argument("--builds", type=int, default=None, help="model rows: builds of each side, pooled (CUDA 2, CPU 1)")
-    ap.add_argument("--inline-free", action="store_true", help="model rows: also shardamp freeing landed grads inline")
+    ap.add_argument("--variants", default="",
+                    help="model rows: also these shardamp variants, comma-separated, interleaved with the rest: "
+                         + ", ".join(VARIANTS))
+    ap.add_argument("--inline-free", action="store_true", help="the same as --variants inline-free")
     args = ap.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.inline_free and "inline-free" not in args.variants:
+        args.variants.append("inline-free")
+    for v in args.variants:
+        if v not in VARIANTS:
+            ap.error(f"--variants: unknown variant {v!r}; known: {', '.join(VARIANTS)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")

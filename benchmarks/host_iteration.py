@@ -35,9 +35,26 @@ def sync(device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------ one iteration
+# shardamp's variants for an A/B inside one row (bench_host --variants): name -> what differs.
+# "settings": shardamp.optim.config values in force while the optimizer is built; "run_settings":
+# values in force while each iteration runs (process-wide ones, set back after the call); "opt":
+# constructor arguments.
+VARIANTS: Dict[str, Dict[str, Dict[str, Any]]] = {
+    "inline-free": {"run_settings": {"async_grad_release": False}},  # no release thread
+    "python-hooks": {"settings": {"python_grad_hooks": True}},
+    "no-overlap": {"opt": {"overlap_grad_sync": False}},  # grads land at the step, not in backward
+    "one-bucket": {"opt": {"bucket_cap_mb": 4096.0}},
+}
+
+
 def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: Callable, loop: str,
-                   device: torch.device, amp_dtype: Optional[torch.dtype], lr: float = 1e-4):
-    """Build the optimizer (after the model is final) and return ``one()``: a full iteration."""
+                   device: torch.device, amp_dtype: Optional[torch.dtype], lr: float = 1e-4,
+                   variant: str = ""):
+    """Build the optimizer (after the model is final) and return ``one()``: a full iteration.
+    ``variant``: one of :data:`VARIANTS` (shardamp only)."""
+    from shardamp.optim import config
+
+    spec = VARIANTS[variant] if variant else {}
     use_scaler, unscale, clip = LOOPS[loop]
     use_scaler = use_scaler and amp_dtype is not torch.bfloat16
     in_step = loop.startswith("max_grad_norm in step")
@@ -51,7 +68,11 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
         scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         do_clip = (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)) if clip else (lambda: None)
     else:
-        opt = DistributedFusedAdam(groups, lr=lr, max_grad_norm=1.0 if in_step else None)
+        config.configure(**spec.get("settings", {}))
+        try:
+            opt = DistributedFusedAdam(groups, lr=lr, max_grad_norm=1.0 if in_step else None, **spec.get("opt", {}))
+        finally:
+            config.configure(**dict.fromkeys(spec.get("settings", {})))
         scaler = ShardedGradScaler(device.type, enabled=use_scaler)
         clip = clip and not in_step
         unscale = unscale and not in_step
@@ -85,6 +106,17 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
             opt.step()
             mark("step")
         mark("update")
+
+    run_settings = spec.get("run_settings")
+    if run_settings:
+        plain = one
+
+        def one(mark: Callable[[str], None] = lambda _phase: None) -> None:  # noqa: F811
+            config.configure(**run_settings)
+            try:
+                plain(mark)
+            finally:
+                config.configure(**dict.fromkeys(run_settings))
 
     one.opt = opt
     return one

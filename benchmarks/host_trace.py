@@ -21,6 +21,7 @@ import cProfile
 import gc
 import io
 import pstats
+import time
 import warnings
 from typing import Callable, Dict, List, Tuple
 
@@ -209,16 +210,27 @@ def host_waits(one: Callable[..., None], device: torch.device, iters: int = 30) 
 
     one()
     sync(device)
+    walls: List[float] = []
+    start = time.perf_counter()
     try:
         for (owner, name), fn in zip(targets, saved):
             setattr(owner, name, counting(f"{getattr(owner, '__name__', owner)}.{name}", fn))
         for _ in range(iters):
+            t0 = time.perf_counter()
             one()
+            walls.append((time.perf_counter() - t0) * 1e6)
     finally:
         for (owner, name), fn in zip(targets, saved):
             setattr(owner, name, fn)
     sync(device)
-    return ["  per iteration: " + (", ".join(f"{k} {v / iters:g}x" for k, v in sorted(counts.items())) or "none")]
+    drained = (time.perf_counter() - start) * 1e6 / iters
+    walls.sort()
+    # the host's time per call at full speed: a spread (p90, max far above the median) is a wait or
+    # a periodic cost that the pieces' medians leave out
+    return ["  per iteration: " + (", ".join(f"{k} {v / iters:g}x" for k, v in sorted(counts.items())) or "none"),
+            f"  host time per call: median {walls[len(walls) // 2]:.0f}us, p90 {walls[int(len(walls) * 0.9)]:.0f}us, "
+            f"max {walls[-1]:.0f}us, mean {sum(walls) / len(walls):.0f}us; with the GPU drained at the end "
+            f"{drained:.0f}us"]
 
 
 def python_hotspots(one: Callable[..., None], iters: int = 20, top: int = 20,
