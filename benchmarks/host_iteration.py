@@ -36,11 +36,12 @@ def sync(device: torch.device) -> None:
 
 # ------------------------------------------------------------------------------ one iteration
 # shardamp's variants for an A/B inside one row (bench_host --variants): name -> what differs.
-# "settings": shardamp.optim.config values in force while the optimizer is built; "run_settings":
-# values in force while each iteration runs (process-wide ones, set back after the call); "opt":
-# constructor arguments.
-VARIANTS: Dict[str, Dict[str, Dict[str, Any]]] = {
-    "inline-free": {"run_settings": {"async_grad_release": False}},  # no release thread
+# "settings": shardamp.optim.config values in force while the optimizer is built; "release":
+# the release thread's switch while each iteration runs (process-wide: set back after the call,
+# on the extension itself, ~1 us: config.configure costs tens of us a call, which would bias the
+# A/B by a percent of a host-bound iteration); "opt": constructor arguments.
+VARIANTS: Dict[str, Dict[str, Any]] = {
+    "inline-free": {"release": False},  # landed grads freed inline, no release thread
     "python-hooks": {"settings": {"python_grad_hooks": True}},
     "no-overlap": {"opt": {"overlap_grad_sync": False}},  # grads land at the step, not in backward
     "one-bucket": {"opt": {"bucket_cap_mb": 4096.0}},
@@ -107,16 +108,16 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
             mark("step")
         mark("update")
 
-    run_settings = spec.get("run_settings")
-    if run_settings:
-        plain = one
+    native = kernels.native_module(device) if "release" in spec else None
+    if native is not None and hasattr(native, "set_async_release"):
+        plain, on = one, config.settings().async_grad_release
 
         def one(mark: Callable[[str], None] = lambda _phase: None) -> None:  # noqa: F811
-            config.configure(**run_settings)
+            native.set_async_release(spec["release"])
             try:
                 plain(mark)
             finally:
-                config.configure(**dict.fromkeys(run_settings))
+                native.set_async_release(on)
 
     one.opt = opt
     return one
