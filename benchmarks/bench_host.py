@@ -43,8 +43,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # gpt.py, reporting.py
-from host_iteration import (PHASES, VARIANTS, host_pieces, interleaved, make_iteration,  # noqa: E402
-                            paired_ratio, peak_memory, sync)
+from host_iteration import (PHASES, VARIANTS, has_release_switch, host_pieces, interleaved,  # noqa: E402
+                            make_iteration, paired_ratio, peak_memory, sync)
 from host_trace import gpu_timeline, host_syncs, host_waits, python_hotspots, runtime_calls  # noqa: E402
 from host_models import ManyParams, Compiled, build_model, model_specs  # noqa: E402
 
@@ -428,6 +428,9 @@ def main() -> None:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda: CUDA is not available")
+    if "inline-free" in args.variants and not has_release_switch(device):
+        print(f"--variants inline-free: no compiled kernels with a release thread on {device.type}: left out", flush=True)
+        args.variants.remove("inline-free")
     args.small = device.type == "cpu"
     args.iters = args.iters or (10 if not args.small else 2)
     args.repeats = args.repeats or (5 if not args.small else 3)

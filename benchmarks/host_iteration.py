@@ -48,6 +48,13 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
 }
 
 
+def has_release_switch(device: torch.device) -> bool:
+    """Whether the compiled kernels for ``device`` have the release thread's switch (the
+    ``inline-free`` variant needs it)."""
+    native = kernels.native_module(device)
+    return native is not None and hasattr(native, "set_async_release")
+
+
 def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: Callable, loop: str,
                    device: torch.device, amp_dtype: Optional[torch.dtype], lr: float = 1e-4,
                    variant: str = ""):
@@ -69,11 +76,13 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
         scaler = torch.amp.GradScaler(device.type, enabled=use_scaler)
         do_clip = (lambda: torch.nn.utils.clip_grad_norm_(params, 1.0)) if clip else (lambda: None)
     else:
-        config.configure(**spec.get("settings", {}))
+        settings = spec.get("settings", {})
+        before = {k: config.explicit().get(k) for k in settings}  # put back as they were, set or not
+        config.configure(**settings)
         try:
             opt = DistributedFusedAdam(groups, lr=lr, max_grad_norm=1.0 if in_step else None, **spec.get("opt", {}))
         finally:
-            config.configure(**dict.fromkeys(spec.get("settings", {})))
+            config.configure(**before)
         scaler = ShardedGradScaler(device.type, enabled=use_scaler)
         clip = clip and not in_step
         unscale = unscale and not in_step
@@ -108,8 +117,10 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
             mark("step")
         mark("update")
 
-    native = kernels.native_module(device) if "release" in spec else None
-    if native is not None and hasattr(native, "set_async_release"):
+    if "release" in spec:
+        native = kernels.native_module(device)
+        if not has_release_switch(device):  # measuring the default under the variant's name would mislead
+            raise RuntimeError(f"variant {variant!r}: no compiled kernels with a release thread on {device.type}")
         plain, on = one, config.settings().async_grad_release
 
         def one(mark: Callable[[str], None] = lambda _phase: None) -> None:  # noqa: F811

@@ -116,10 +116,15 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
     for what in ("plain step shardamp: zero_grad", "Python own time, backward to update", "float32 shardamp: zero_grad"):
         assert what in pieces, pieces
     assert "== small resnet plain step torch, sorted by self_cpu_time_total" in (tmp_path / "prof" / "tables.txt").read_text()
+    from shardamp.optim import kernels
+
+    native = kernels.native_module(torch.device("cpu"))
+    # inline-free needs the kernels' release switch: left out (said so), never measured as the default
+    expected = {"no-overlap"} | ({"inline-free"} if native is not None and hasattr(native, "set_async_release") else set())
     for r in rows:
         if r["kind"] == "model":
             assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0, r
-            assert set(r["variants"]) == {"inline-free", "no-overlap"}, r  # --variants: each measured
+            assert set(r["variants"]) == expected, r  # --variants: each measured
             assert all(v["ms"] > 0 and len(v["runs"]) == len(r["shardamp_runs"]) for v in r["variants"].values()), r
         elif r["kind"] == "backward":
             assert r["torch_us"] > 0 and r["shardamp_us"] > 0 and r["ddp_us"] > 0, r
