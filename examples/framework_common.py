@@ -438,4 +438,16 @@ def finish(args: argparse.Namespace, framework: str, ours_ms: float, baseline: C
     name = "DDP + AdamW(fused)" if args.device == "cuda" else "DDP + AdamW"
     report_time(args, framework, ours_ms, default, name)
     clean(args.out)
+    shut_down()
     sys.exit(0 if ok else 1)
+
+
+def shut_down() -> None:
+    """Destroy the process group before the interpreter exits, as torch asks every program to
+    (accelerate's ``end_training`` does the same): a gloo group left to interpreter finalization
+    can abort its process ("terminate called without an active exception", SIGABRT) while its
+    worker threads are torn down. The barrier keeps a rank from leaving while another still
+    talks to it."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
