@@ -36,7 +36,7 @@ from .step.step_round import StepRound
 from .sync.grad_sync import GradSync
 from .checks.deferred import DeferredChecks
 from .hparams import (NO_COPY, HparamTable, check_hparams, check_new_group, check_max_norm, check_norm_type,
-                      check_options, clip_invalid, tensor_lrs, validate_groups)
+                      check_options, clip_invalid, tensor_lrs)
 from .layout import Bucket, build_layout, forward_order, grouped_params, params_device
 from .sync.param_sync import ParamSync
 from .sync.stale_read_guard import StaleReadGuard
@@ -391,7 +391,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             self.grad_sync()
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
-            problem = validate_groups(self.param_groups, read_lr=self._device.type != "cuda")
+            problem = self._hparam_table.validate(self.param_groups)
             # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
             problem = problem or self._grad_sync.refusal
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective

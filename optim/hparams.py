@@ -160,19 +160,62 @@ def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[T
     return TensorLrs(groups, out)
 
 
+_PLAIN = (float, int)  # exact types: a bool is refused by the checks, so it never matches a key
+
+
+def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
+    """The groups' hyperparameters and options as one hashable key, where every value is a plain
+    float or int and the betas a pair: equal keys validate alike and fill the same table rows.
+    None (no caching) for anything else: a tensor lr, a NaN (never equal to itself anyway)."""
+    key = []
+    for group in param_groups:
+        lr, betas, eps, wd = group.get("lr"), group.get("betas"), group.get("eps"), group.get("weight_decay")
+        if type(betas) not in (tuple, list) or len(betas) != 2:
+            return None
+        values = (lr, betas[0], betas[1], eps, wd)
+        for v in values:
+            if type(v) not in _PLAIN:
+                return None
+        key.append(values + tuple(group.get(k, _ABSENT) for k in UNSUPPORTED_OPTIONS))
+    return tuple(key)
+
+
+_ABSENT = object()
+
+
 class HparamTable:
+    """The step kernels' fp64 ``[G, 5]`` table on the device, and the step's validation of the
+    groups: both skipped while the groups hold the values last validated and uploaded (the
+    checks cost tens of microseconds of host time per step on a GPU host)."""
+
     def __init__(self, num_groups: int, device: torch.device) -> None:
         self.device = device
         self.table = torch.zeros(num_groups, 5, dtype=torch.float64, device=device)
         self._host: Optional[List[Tuple]] = None
+        self._valid_key: Optional[tuple] = None  # the last plain_key that validated
+        self._table_key: Optional[tuple] = None  # the plain_key the table holds
 
     def invalidate(self) -> None:
         """Force a re-upload at the next refresh (after param_groups were replaced wholesale)."""
         self._host = None
+        self._valid_key = self._table_key = None
+
+    def validate(self, param_groups: Sequence[dict]) -> str:
+        """``validate_groups`` (the first problem, '' if none), skipped while the groups hold the
+        values that validated last time."""
+        key = plain_key(param_groups)
+        if key is not None and key == self._valid_key:
+            return ""
+        problem = validate_groups(param_groups, read_lr=self.device.type != "cuda")
+        self._valid_key = None if problem else key
+        return problem
 
     def refresh(self, param_groups: Sequence[dict], lrs: Optional[TensorLrs] = None) -> Tensor:
         """Validate ``param_groups`` and bring the device table up to date; return it. ``lrs``:
         this step's tensor lrs as already read (``tensor_lrs``); read here if not given."""
+        key = plain_key(param_groups)
+        if key is not None and key == self._table_key:  # float lrs only: no tensor lr to copy either
+            return self.table
         host = []
         for i, group in enumerate(param_groups):
             check_hparams(group["lr"], group["betas"], group["eps"], group["weight_decay"], f"param_groups[{i}]: ",
@@ -189,6 +232,7 @@ class HparamTable:
                 table = table.pin_memory()
             self.table.copy_(table, non_blocking=True)
             self._host = host
+        self._table_key = self._valid_key = key
         if lrs is None:
             lrs = tensor_lrs(param_groups, self.device)
         if lrs is not None:  # capturable: copied on the device, every step

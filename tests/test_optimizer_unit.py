@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import warnings
 
 import pytest
@@ -115,6 +116,35 @@ def test_lr_tensor_and_param_group_edits_take_effect() -> None:
             o.step()
             o.zero_grad()
     _close(model, ref)
+
+
+@pytest.mark.parametrize("key, bad, match", [
+    ("lr", -0.01, "lr=-0.01"), ("lr", True, "lr=True"), ("lr", float("nan"), "lr=nan"),
+    ("betas", [0.9, 0.99, 0.5], "betas="), ("betas", (0.9, 1.0), "betas="), ("eps", float("inf"), "eps=inf"),
+    ("weight_decay", -1, "weight_decay=-1"), ("amsgrad", True, "amsgrad=True"),
+])
+def test_a_value_made_invalid_after_steps_with_the_same_values_still_raises(key, bad, match) -> None:
+    """The step skips validating groups whose values validated last time (a host-time cache): any
+    change, to a value equal in float but of another type (True for 1) too, is checked again."""
+    model, opt, ref, ropt = _pair()
+    for step in range(3):  # the same values every step: the cached path after the first
+        for m, o in ((model, opt), (ref, ropt)):
+            _loss(m, 40 + step).backward()
+            o.step()
+            o.zero_grad()
+    _close(model, ref)
+    if key == "lr" and bad is True:
+        opt.param_groups[0]["lr"] = 1  # an int equal to the float: valid, trains as torch would
+        ropt.param_groups[0]["lr"] = 1
+        for m, o in ((model, opt), (ref, ropt)):
+            _loss(m, 50).backward()
+            o.step()
+            o.zero_grad()
+        _close(model, ref)
+    opt.param_groups[0][key] = bad
+    _loss(model, 51).backward()
+    with pytest.raises(ValueError, match=re.escape(f"param_groups[0]: {match}")):
+        opt.step()
 
 
 def test_repr_names_layout_and_groups() -> None:

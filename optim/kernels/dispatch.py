@@ -37,8 +37,21 @@ def requested_backend() -> str:
     return config.settings().kernels
 
 
+# device type -> (the load cache it came from, what _native returns under the settings in force)
+_resolved: Dict[str, Tuple[Dict[str, Any], Any]] = {}
+
+
 def _native(device: torch.device) -> Optional[Any]:
     """The compiled extension for ``device``'s type, or None to use the reference."""
+    hit = _resolved.get(device.type)  # called several times per step: one lookup once resolved
+    if hit is not None and hit[0] is _native_cache:  # (a replaced load cache resolves again)
+        return hit[1]
+    ext = _resolve(device)
+    _resolved[device.type] = (_native_cache, ext)
+    return ext
+
+
+def _resolve(device: torch.device) -> Optional[Any]:
     mode = requested_backend()
     if mode == "reference":
         return None
@@ -98,6 +111,7 @@ def _apply_settings(ext: Optional[Any], settings: config.Settings) -> None:
 
 
 def _settings_changed(settings: config.Settings) -> None:
+    _resolved.clear()  # SHARDAMP_KERNELS may have changed
     for ext in _native_cache.values():
         _apply_settings(ext, settings)
 
