@@ -1,5 +1,6 @@
-"""Hyperparameters: validated from ``param_groups`` at every step, and kept on the device as the
-fp64 ``[G, 5]`` table (lr, beta1, beta2, eps, weight_decay) the step kernels read.
+"""Hyperparameters: validated from ``param_groups`` at every step (skipped while the groups hold
+the plain values that validated last time), and kept on the device as the fp64 ``[G, 5]`` table
+(lr, beta1, beta2, eps, weight_decay) the step kernels read.
 
 Re-uploaded only when a value changed (from pinned memory, non-blocking: no host sync), so LR
 schedulers and edits take effect at the next step; a tensor lr (capturable) is read every step,
