@@ -20,11 +20,11 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 
+import framework_common as common  # noqa: E402
 from shardamp.integrations.transformers import ShardampTrainerMixin  # noqa: E402
 
 WORDS = "the a cat dog sat on mat ran far and then slept ate fish bird flew high low red blue green".split()
@@ -75,9 +75,7 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"{ours_opt} vs {plain_opt} (world {os.environ.get('WORLD_SIZE')}): worst param "
               f"{worst:.3f} of the tolerance (rtol 1e-5, atol 1e-6): {'PASS' if worst <= 1 else 'FAIL'}", flush=True)
-    if dist.is_initialized():  # before exit: a gloo group left to interpreter finalization can abort the process
-        dist.barrier()
-        dist.destroy_process_group()
+    common.shut_down()
     sys.exit(0 if worst <= 1 else 1)
 
 

@@ -162,6 +162,7 @@ def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[T
 
 
 _PLAIN = (float, int)  # exact types: a bool is refused by the checks, so it never matches a key
+_ABSENT = object()  # an option a group does not set
 
 
 def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
@@ -179,9 +180,6 @@ def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
                 return None
         key.append(values + tuple(group.get(k, _ABSENT) for k in UNSUPPORTED_OPTIONS))
     return tuple(key)
-
-
-_ABSENT = object()
 
 
 class HparamTable:
