@@ -8,6 +8,7 @@
 #include "common.h"
 #include "land_grads.h"
 #include "step_scalars.h"
+#include "view_check.h"
 
 namespace shardamp {
 
@@ -388,34 +389,31 @@ void adam_launch(const AdamLaunch& l) {
             l.shape);
 }
 
-// The per-step "do the model params still live in the buffers" check (optim/shards/buffers.py): true
-// iff every param has its ref's data pointer, dtype, sizes and strides and no .grad. (Python
-// re-checks in detail, to name the param, whenever this says false.)
-bool same_view(const at::Tensor& p, const at::Tensor& r) {
-  return p.data_ptr() == r.data_ptr() && p.scalar_type() == r.scalar_type() && p.sizes() == r.sizes() &&
-         p.strides() == r.strides() && !p.grad().defined();
-}
-
-// The refs are held here (the optimizer's, fixed at construction) and the params read from the
-// Python list as they are (no conversion into a vector of tensors: converting two lists was
-// most of the check's time, 14.8 against 3.4 us a step for 161 params on the CPU). Each param is
-// unpacked from its Python object every call, so a param whose object now holds another tensor
-// is seen.
-class ViewCheck {
- public:
-  explicit ViewCheck(std::vector<at::Tensor> refs) : refs_(std::move(refs)) {}
-  bool intact(const py::list& params) const {
-    if (static_cast<size_t>(py::len(params)) != refs_.size()) return false;
-    for (size_t i = 0; i < refs_.size(); ++i) {
-      PyObject* obj = PyList_GET_ITEM(params.ptr(), static_cast<Py_ssize_t>(i));
-      if (!THPVariable_Check(obj) || !same_view(THPVariable_Unpack(obj), refs_[i])) return false;
+// The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
+// launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
+// flag and records (CUDA; None on the CPU). Every launch lets go of its grad afterwards, also
+// when one of them raises: the grad shards are released between steps.
+void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                     const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                     const c10::optional<at::Tensor>& records) {
+  SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
+                 " launches, ", grads.size(), " grads)");
+  struct Release {
+    const std::vector<AdamLaunch*>& launches;
+    ~Release() {
+      for (AdamLaunch* l : launches) l->grad = at::Tensor();
     }
-    return true;
+  } release{launches};
+  for (size_t i = 0; i < launches.size(); ++i) {
+    AdamLaunch& l = *launches[i];
+    l.grad = grads[i];
+    l.hparams = hparams;
+    l.touched = touched;
+    l.found_inf = found_inf;
+    l.records = records;
+    adam_launch(l);
   }
-
- private:
-  std::vector<at::Tensor> refs_;
-};
+}
 
 }  // namespace
 }  // namespace shardamp
@@ -450,6 +448,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
       .def_readwrite("shape", &shardamp::AdamLaunch::shape);
   m.def("adam_launch", &shardamp::adam_launch, "adam_step over a prepared AdamLaunch", py::arg("launch"));
+  m.def("adam_launch_all", &shardamp::adam_launch_all,
+        "adam_launch over each prepared launch in turn with its grad and the step's hparams, touched, found_inf and "
+        "records; every launch's grad is released afterwards",
+        py::arg("launches"), py::arg("grads"), py::arg("hparams"), py::arg("touched"), py::arg("found_inf"),
+        py::arg("records"));
   m.def("adam_prepare", &shardamp::adam_prepare,
         "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),

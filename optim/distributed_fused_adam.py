@@ -504,13 +504,13 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         if self._launches is None:  # built at the first step: the state buffers persist
             self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps, coef,
                                            self.adam_w_mode, self.bias_correction)
-        launches = self._launches
-        for i in forward_order(len(self._buckets)):  # the first layers' params land first
-            launch = launches[i]
-            launch.grad, launch.hparams, launch.records = self._buffers[i].grad_shard, hparams, records
-            launch.touched, launch.found_inf = stats.touched, skip
-            kernels.launch_adam(launch)
-            self._param_sync.launch(i)
+        order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
+        if self._param_sync.gathers:  # the first layers' params land first, each all-gather overlapping
+            for i in order:  # the next bucket's step kernel
+                kernels.launch_adam_all(self._launches, (i,), grads, hparams, stats.touched, skip, records)
+                self._param_sync.launch(i)
+        else:  # nothing to gather (one shard rank): every bucket's kernel in one native call
+            kernels.launch_adam_all(self._launches, order, grads, hparams, stats.touched, skip, records)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

@@ -152,6 +152,58 @@ def test_dispatcher_uses_native_with_cached_chunks(device, monkeypatch):
     torch.testing.assert_close(stats[0].cpu(), state["grad"].float().pow(2).sum().cpu(), rtol=1e-5, atol=0)
 
 
+def _launches(device, seeds, grad_dtype=torch.bfloat16):
+    """One kernels.AdamLaunch per seed over shard()'s layout (their own state), and each grad."""
+    launches, grads = [], []
+    for seed in seeds:
+        state, table, hparams, steps, touched = shard(device, grad_dtype, torch.bfloat16, seed=seed)
+        segs = SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in SEGMENTS], table)
+        launches.append(kernels.AdamLaunch(None, state["master"], state["exp_avg"], state["exp_avg_sq"],
+                                           state["model_out"], segs, hparams, steps, touched,
+                                           torch.tensor(0.5, device=device), torch.zeros((), device=device), True, True))
+        grads.append(state["grad"])
+    return launches, grads, hparams, steps, touched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backend", ["native", "reference"])
+def test_launch_adam_all_runs_each_shard_as_its_own_step(device, backend, monkeypatch):
+    """kernels.launch_adam_all (the step's launches, one native call where the kernels are
+    built) updates each shard as kernels.adam_step alone would, in the given order, skipping
+    none and touching no other; each launch lets go of its grad shard afterwards."""
+    ext_for(device)
+    set_env(monkeypatch, "SHARDAMP_KERNELS", backend)
+    launches, grads, hparams, steps, touched = _launches(device, seeds=(3, 4, 5))
+    want = []
+    for launch, grad in zip(launches, grads):
+        ref = {"grad": grad, "master": launch.master.clone(), "exp_avg": launch.exp_avg.clone(),
+               "exp_avg_sq": launch.exp_avg_sq.clone(), "model_out": launch.model_out.clone()}
+        run_step(reference.adam_step, ref, launch.segments.table.cpu(), hparams, steps, touched, launch.grad_coef,
+                 launch.found_inf, True, True)
+        want.append(ref)
+    for ref in want:  # two steps: the second runs the launches as the first prepared them
+        run_step(reference.adam_step, ref, launches[0].segments.table.cpu(), hparams, steps, touched,
+                 launches[0].grad_coef, launches[0].found_inf, True, True)
+    untouched = {k: getattr(launches[1], k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}
+    calls = []
+    if backend == "native":
+        ext = kernels.native_module(torch.device(device))
+        real = ext.adam_launch_all
+        monkeypatch.setattr(ext, "adam_launch_all", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
+    for _ in range(2):
+        kernels.launch_adam_all(launches, [2, 0], grads, hparams, touched, launches[0].found_inf, None)
+        assert all(launch.grad is None for launch in launches)
+        if backend == "native":  # released by the native launches too
+            assert all(launch._native.grad is None for launch in (launches[0], launches[2]))
+    assert calls == ([2, 2] if backend == "native" else [])
+    for i in (0, 2):
+        got = {k: getattr(launches[i], k) for k in ("master", "exp_avg", "exp_avg_sq")}
+        assert_state_close(got, want[i])
+        torch.testing.assert_close(launches[i].model_out.cpu(), want[i]["model_out"].cpu(), equal_nan=True)
+    for k, v in untouched.items():  # launch 1 was not in the order
+        assert torch.equal(getattr(launches[1], k).cpu(), v.cpu()), k
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")
 def test_cuda_graph_capture():
     """Stats + step replayed from a CUDA graph: no host sync, no allocation in the native path."""

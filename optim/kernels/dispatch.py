@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -271,6 +271,8 @@ class AdamLaunch:
     records: Optional[Tensor] = None
     record_offset: int = 0
     _native: Any = field(default=None, repr=False)  # the extension's AdamLaunch, made at the first native launch
+    _tuned: Any = field(default=None, repr=False)  # the tuning knobs its chunk map and shape were set for
+    _grad_dtype: Any = field(default=None, repr=False)  # the grads' dtype they were set for
 
     def native_state(self) -> bool:
         """Whether the compiled kernels take this shard's state: an fp32 master (or int16
@@ -308,31 +310,76 @@ def _launch_adam(launch: AdamLaunch) -> None:
             launch.bias_correction,
         )
         return
-    native = launch._native
-    if native is None:
-        native = _native_launch(ext, launch)
+    native = _prepared(ext, launch)
     native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
         launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
-    cuda = launch.grad.device.type == "cuda"
-    native.chunks = shard_chunks(ext, segments, launch.grad, launch.steps, launch.hparams,
-                                 light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, launch.grad.dtype))
-    native.records = launch.records if cuda else None
-    native.record_offset = launch.record_offset
-    native.shape = knobs()[0] if cuda else 0
+    native.records = launch.records if launch.grad.device.type == "cuda" else None
     try:
         ext.adam_launch(native)
     finally:  # the grad shard is released between steps: holding it here would keep its memory alive
         native.grad = _NO_GRAD
 
 
-def _native_launch(ext: Any, launch: AdamLaunch) -> Any:
-    native = ext.AdamLaunch(
-        grad=launch.grad, master=launch.master, exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq,
-        model_out=launch.model_out, segments=launch.segments.table, hparams=launch.hparams, steps=launch.steps,
-        touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
-        adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
-    launch._native = native
+def _prepared(ext: Any, launch: AdamLaunch) -> Any:
+    """The extension's launch object of ``launch`` (made at its first native launch) with its
+    chunk map and launch shape for the tuning knobs in force (set again only when they change)."""
+    native = launch._native
+    if native is None:
+        native = launch._native = ext.AdamLaunch(
+            grad=launch.grad, master=launch.master, exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq,
+            model_out=launch.model_out, segments=launch.segments.table, hparams=launch.hparams, steps=launch.steps,
+            touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
+            adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
+        native.record_offset = launch.record_offset
+    cuda = launch.grad.device.type == "cuda"
+    tuned = knobs() if cuda else None  # one cached tuple until the settings change
+    if launch._tuned is not tuned or native.chunks is None or launch._grad_dtype != launch.grad.dtype:
+        light = light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, launch.grad.dtype)
+        native.chunks = shard_chunks(ext, launch.segments, launch.grad, launch.steps, launch.hparams, light)
+        native.shape = tuned[0] if cuda else 0
+        launch._tuned, launch._grad_dtype = tuned, launch.grad.dtype
     return native
+
+
+def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads: Sequence[Tensor],
+                    hparams: Tensor, touched: Tensor, found_inf: Tensor, records: Optional[Tensor]) -> None:
+    """Run ``launches[i]`` for each ``i`` of ``order`` with ``grads[i]`` and the step's
+    ``hparams``, ``touched``, ``found_inf`` (the skip flag) and ``records``, as
+    :func:`launch_adam` each: in ONE native call where every launch takes the compiled kernels
+    (a launch from Python costs tens of microseconds of host time on a GPU host), else one by
+    one. The launches let go of their grad shards afterwards."""
+    if not order:
+        return
+    device = grads[order[0]].device
+    ext = _native(device)
+    if ext is not None and hasattr(ext, "adam_launch_all"):
+        cuda = device.type == "cuda"
+        tuned = knobs() if cuda else None
+        natives: Optional[List[Any]] = []
+        shards = []
+        for i in order:
+            launch, grad = launches[i], grads[i]
+            if not launch.segments.segments:
+                continue
+            native = launch._native
+            if native is None or launch._tuned is not tuned or launch._grad_dtype is not grad.dtype:
+                launch.grad = grad  # (re)prepared: the state kinds are checked once, then at a change
+                native = _prepared(ext, launch) if launch.native_state() else None
+                launch.grad = None
+                if native is None:
+                    natives = None
+                    break
+            natives.append(native)
+            shards.append(grad)
+        if natives is not None:
+            if natives:
+                ext.adam_launch_all(natives, shards, hparams, touched, found_inf, records if cuda else None)
+            return
+    for i in order:
+        launch = launches[i]
+        launch.grad, launch.hparams, launch.records = grads[i], hparams, records
+        launch.touched, launch.found_inf = touched, found_inf
+        launch_adam(launch)
 
 
 def adam_step(

@@ -48,6 +48,11 @@ class ParamSync:
     def __del__(self) -> None:
         self.remove_hooks()
 
+    @property
+    def gathers(self) -> bool:
+        """Whether the step's shards are all-gathered (several shard ranks); else ``launch`` does nothing."""
+        return self.comm.gathers_params
+
     def launch(self, i: int) -> None:
         """All-gather bucket ``i``'s updated shard. The step calls this right after the bucket's
         kernel, in ``layout.forward_order``, identical on every rank: each all-gather overlaps
