@@ -380,9 +380,10 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
     from shardamp.scaler import ShardedGradScaler
 
     pushed = []
-    real_push = deferred_checks.DeferredChecks.push
-    monkeypatch.setattr(deferred_checks.DeferredChecks, "push",
-                        lambda self, flags, context: (pushed.append(flags.tolist()), real_push(self, flags, context)))
+    real_push = deferred_checks.DeferredChecks._push  # where every push copies its flags
+    monkeypatch.setattr(deferred_checks.DeferredChecks, "_push",
+                        lambda self, flags, context, **kw: (pushed.append(flags.tolist()),
+                                                            real_push(self, flags, context, **kw)))
     model, opt, ref, ropt = _pair()
     scaler, rscaler = ShardedGradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     for step in range(4):

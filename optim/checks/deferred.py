@@ -47,9 +47,14 @@ class DeferredChecks:
     def push(self, flags: Tensor, context: dict) -> None:
         """Record ``flags`` (float32 ``[found_inf, clip invalid, invalid, mismatch per category...]``
         on the device; the last parts only where they were checked: ``context`` says)."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        self._push(flags, context)
+
+    def _push(self, flags: Tensor, context: dict, fresh: bool = False) -> None:
+        """``push`` where the caller knows no CUDA graph is being captured; ``fresh``: ``flags``
+        is a new tensor nothing else holds (kept as it is on the CPU, not copied)."""
         if self.device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return
             self.turn ^= 1
             slot = self.slots[self.turn]
             if slot is None or slot[0].shape != flags.shape or slot[0].dtype != flags.dtype:
@@ -60,7 +65,7 @@ class DeferredChecks:
             event.record(torch.cuda.current_stream(flags.device))  # where the copy ran, whatever device is current
             self.pending = (host, event, context)
         else:
-            self.pending = (flags.detach().clone(), None, context)
+            self.pending = (flags if fresh else flags.detach().clone(), None, context)
 
     def ready(self, force: bool) -> Optional[tuple]:
         """The recorded ``(values: list of floats, context)`` if they may be read now: always on the CPU; on
@@ -98,7 +103,7 @@ class DeferredChecks:
         parts += record
         context = self._context(clip_checked=bad_clip is not None)
         context["step"], context["record"] = self.health.steps, sum(t.numel() for t in record)
-        self.push(torch.cat(parts), context)
+        self._push(torch.cat(parts), context, fresh=True)  # not capturing: checked above
         self.check_last_step(force=False)
 
     def check_now(self, stats: Any) -> None:

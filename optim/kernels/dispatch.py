@@ -170,11 +170,12 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
     h = health or {}
     tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm]) + [
         h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record") if h.get(k) is not None]
+    device = coef_out.device  # (each .device makes a new object: read once)
     native = ext is not None and hasattr(ext, "step_scalars") and all(
-        t.dtype == torch.float32 and t.device == coef_out.device and t.is_contiguous() for t in tensors) and (
+        t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
         and touched.numel() == steps.numel()) and (
-        h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == coef_out.device
+        h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == device
                                       and h["counters"].is_contiguous()))
     if native:
         ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, **h)

@@ -82,7 +82,7 @@ class _StepNorms:
 
     partials: Tensor  # each group's norm partial (G == 1: the whole norm's)
     norm_type: float
-    nonfinite_ranks: Tensor  # 0-d: ranks whose own grads held inf/NaN
+    nonfinite_ranks: Tensor  # 1 element: ranks whose own grads held inf/NaN
     inv_scale: Optional[Tensor] = None  # the step's 1 / scale (set when it is stepped)
 
 
@@ -112,6 +112,9 @@ class StepHealth:
         f32 = dict(dtype=torch.float32, device=device)
         self.flags = torch.zeros(self.n_params + 1, **f32)  # this step's (the grads since zero_grad)
         self.last_flags = torch.zeros(self.n_params + 1, **f32)  # the last step's, once this one landed
+        # each one's "any" entry as a 1-element view, made once (swapped with them): a view made
+        # every step costs microseconds of host time
+        self._any = {id(t): t[-1:] for t in (self.flags, self.last_flags)}
         self.counters = torch.zeros(4, dtype=torch.float64, device=device)
         self.record = torch.zeros(2, **f32)  # the last step's [reason, unscaled norm]
         self.skip = torch.zeros((), **f32)  # the step's skip flag: what the step kernel skips on
@@ -169,7 +172,7 @@ class StepHealth:
     def entries(self) -> List[Tensor]:
         """This rank's entries for the stats tensor: its "any non-finite" flag (a view), and
         zeros where the group partials are accumulated (several groups only)."""
-        return [self.flags[-1:]] + ([] if self._group_zeros is None else [self._group_zeros])
+        return [self._any[id(self.flags)]] + ([] if self._group_zeros is None else [self._group_zeros])
 
     def group_slice(self, offset: int) -> Optional[slice]:
         """Where the group partials sit in a stats tensor whose entries start at ``offset`` (None
@@ -179,7 +182,8 @@ class StepHealth:
     def note_stats(self, stats: Tensor, offset: int, norm_type: float) -> None:
         """The step's stats were all-reduced; its entries start at ``stats[offset]``."""
         groups = self.group_slice(offset)
-        self._round = _StepNorms(stats[groups] if groups is not None else stats[0:1], norm_type, stats[offset])
+        self._round = _StepNorms(stats[groups] if groups is not None else stats[0:1], norm_type,
+                                 stats[offset:offset + 1])
 
     # ------------------------------------------------------------------ the step
     def step_args(self, raw_norm: Tensor, inv_scale: Optional[Tensor], avg: float) -> Dict[str, Any]:
@@ -205,8 +209,8 @@ class StepHealth:
         self._pushed = True
         last = self._last
         inv = last.inv_scale if last is not None and last.inv_scale is not None else self._one
-        ranks = last.nonfinite_ranks.reshape(1) if last is not None else self._one.mul(0.0)
-        return [self.record, ranks, inv.reshape(1)]
+        ranks = last.nonfinite_ranks if last is not None else self._one.mul(0.0)
+        return [self.record, ranks, inv if inv.dim() == 1 else inv.reshape(1)]
 
     def host_skipped(self, unscaled_norm: Tensor, inv_scale: Optional[Tensor]) -> None:
         """A scaler skipped this round's step on the host (``_step_supports_amp_scaling = False``:
@@ -298,7 +302,7 @@ class StepHealth:
         if self._report_of == self.steps and not self.capturable:
             return list(self._report)
         last = self._last
-        ranks = last.nonfinite_ranks.reshape(1).float() if last is not None else self._one.mul(0.0)
+        ranks = last.nonfinite_ranks.float() if last is not None else self._one.mul(0.0)
         reason, count = torch.cat([self.record[:1], ranks]).tolist()  # a host read
         report = self._gather() if int(reason) == NONFINITE and count > 0 else []
         if not self.capturable:  # a graph replay rewrites the device values: read them every time

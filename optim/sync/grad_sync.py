@@ -105,6 +105,7 @@ class GradSync:
         # backward only the one small all-reduce remains (norms.sum_partials sums them).
         device = buckets[0].device if buckets else torch.device("cpu")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
         self.partials = torch.zeros(len(buckets), 2, dtype=torch.float32, device=device)
         self.partials_zeroed = False  # zeroed once per round, not once per bucket
         divisor = 1 if self.in_place else STAGE_FRACTION
@@ -320,7 +321,7 @@ class GradSync:
         # one process (nothing reduced): the stats alone, in one native call where there is one
         # (Python's stream switch and launches cost ~150 us of host time a bucket on an H200 host)
         if work is not None or accumulate or not partials.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
-            self.side.wait_stream(torch.cuda.current_stream())
+            self.side.wait_stream(torch.cuda.current_stream(self.side.device))
             with torch.cuda.stream(self.side):
                 if work is not None:
                     work.wait()
@@ -395,8 +396,18 @@ class GradSync:
         if self.side is not None and self.pending:
             # join: the compute stream resumes after every landing; only then may the
             # buffers the side stream read be freed (they are dropped with ``pending``)
-            torch.cuda.current_stream().wait_stream(self.side)
+            self._join_side()
         self.pending.clear()
+
+    def _join_side(self) -> None:
+        """The compute stream waits for everything queued on the side stream so far. One event,
+        recorded again at each join (a wait takes the record made before it), and the streams
+        named by device: ``wait_stream`` and ``current_stream()`` create an event and resolve the
+        current device in Python, tens of microseconds of host time a step on a GPU host."""
+        if self._joined is None:
+            self._joined = torch.cuda.Event()
+        self._joined.record(self.side)
+        torch.cuda.current_stream(self.side.device).wait_event(self._joined)
 
     def alive_full_buffers(self) -> List[Tensor]:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
