@@ -246,12 +246,13 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
 // The step's scalars in one launch (optim/kernels/dispatch.py checks dtypes and devices before calling:
 // fp32 everywhere, one device; these checks are the backstop).
 // With ``skip_out`` the same launch decides the step's skip (found-inf or a norm spike above
-// ``skip_above``) and updates the health ``counters`` (fp64 [4]) and ``record`` (fp32 [2]).
+// ``skip_above``) and updates the health ``counters`` (fp64 [4]) and ``record`` (fp32 [2], or [4] with the ranks and inverse scale).
 void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
                   const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
                   const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
-                  const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record) {
+                  const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
+                  const c10::optional<at::Tensor>& ranks) {
   auto check = [&](const at::Tensor& t, const char* name, int64_t numel) {
     SHARDAMP_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == coef_out.device(),
                    "step_scalars: ", name, " must be a contiguous fp32 tensor on ", coef_out.device());
@@ -263,7 +264,7 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   check(found_inf, "found_inf", 1);
   check(steps, "steps", -1);
   check(touched, "touched", steps.numel());
-  StepHealth health{nullptr, nullptr, nullptr, static_cast<float>(avg), skip_above, nullptr, nullptr};
+  StepHealth health{nullptr, nullptr, nullptr, static_cast<float>(avg), skip_above, nullptr, nullptr, nullptr, false};
   if (skip_out) {
     SHARDAMP_CHECK(raw_norm.has_value(), "step_scalars: skip_out needs raw_norm");
     check(*skip_out, "skip_out", 1);
@@ -281,11 +282,18 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
       health.counters = counters->data_ptr<double>();
     }
     if (record) {
-      check(*record, "record", 2);
+      check(*record, "record", -1);
+      SHARDAMP_CHECK(record->numel() == 2 || record->numel() == 4, "step_scalars: record must hold 2 or 4 elements");
       health.record = record->data_ptr<float>();
+      health.full_record = record->numel() == 4;
+    }
+    if (ranks) {
+      SHARDAMP_CHECK(health.full_record, "step_scalars: ranks needs a record of 4 elements");
+      check(*ranks, "ranks", 1);
+      health.ranks = ranks->data_ptr<float>();
     }
   } else {
-    SHARDAMP_CHECK(!counters && !record, "step_scalars: counters and record need skip_out");
+    SHARDAMP_CHECK(!counters && !record && !ranks, "step_scalars: counters, record and ranks need skip_out");
   }
   const StepHealth* h = skip_out ? &health : nullptr;
   if (coef_out.is_cuda()) {
@@ -469,7 +477,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("found_inf"), py::arg("steps"), py::arg("touched"), py::arg("skip_out") = py::none(),
         py::arg("raw_norm") = py::none(), py::arg("inv_scale") = py::none(), py::arg("avg") = 1.0,
         py::arg("skip_above") = std::numeric_limits<double>::infinity(), py::arg("counters") = py::none(),
-        py::arg("record") = py::none());
+        py::arg("record") = py::none(), py::arg("ranks") = py::none());
   m.def("nonfinite_flags", &shardamp::nonfinite_flags,
         "flags[index] = 1 (and flags[-1] = 1) for each (start, length, index) row of full holding an inf or NaN",
         py::arg("full"), py::arg("rows"), py::arg("flags"));

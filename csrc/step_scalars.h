@@ -42,7 +42,9 @@ struct StepHealth {
   float avg;               // the averaging factor
   double skip_above;       // a spike: the unscaled norm above this (inf: never)
   double* counters;        // [applied, skipped non-finite, skipped spike, consecutive skips]
-  float* record;           // [reason 0 applied / 1 found-inf / 2 spike, unscaled norm]
+  float* record;           // [reason 0 applied / 1 found-inf / 2 spike, unscaled norm(, ranks, inv scale)]
+  const float* ranks;      // with a 4-float record: the ranks whose own grads held inf/NaN, or null (0)
+  bool full_record;        // the record holds 4 floats: the two above, then ranks and the inverse scale (1 without)
 };
 
 // ``raw * avg * inv_scale`` in that order, as StepRound forms the norm grad_norm() hands out.
@@ -72,6 +74,10 @@ SHARDAMP_HD void update_health(const StepHealth& h, float found_inf) {
   if (h.record != nullptr) {
     h.record[0] = found ? 1.0f : (spike ? 2.0f : 0.0f);
     h.record[1] = norm;
+    if (h.full_record) {  // the whole step report the host reads back (optim/checks/deferred.py): no concatenation
+      h.record[2] = h.ranks != nullptr ? *h.ranks : 0.0f;
+      h.record[3] = h.inv_scale != nullptr ? *h.inv_scale : 1.0f;
+    }
   }
 }
 

@@ -124,36 +124,41 @@ def test_stats_finish_matches_reference_bitwise(device):
 def test_step_scalars_health_match_reference_bitwise(device):
     """The step's health in the same launch: the skip (found-inf, or the unscaled norm ``raw *
     avg * inv_scale`` above ``skip_above``, never for NaN), the steps advanced by it, the fp64
-    counters and the record [reason, unscaled norm]: bit for bit the reference's torch ops,
-    for norms below, at and above the threshold, inf and NaN, with and without a scale."""
+    counters and the record [reason, unscaled norm], or the whole report [reason, unscaled
+    norm, ranks (0 if not given), inverse scale (1 without)]: bit for bit the reference's torch
+    ops, for norms below, at and above the threshold, inf and NaN, with and without a scale."""
     ext = ext_for(device)
     touched = torch.tensor([1.0, 0.0, 1.0, 1.0], device=device)
-    for raw_value in (0.0, 0.5, 2.0, 2.0 + 1e-6, 3e38, math.inf, math.nan):
-        for found in (0.0, 1.0):
-            for inv in (None, 0.25, 1.0):
-                for above in (math.inf, 1.0, 0.5):
-                    outs = []
-                    for fn in (ext.step_scalars, reference.step_scalars):
-                        coef, steps = torch.empty((), device=device), torch.arange(4.0, device=device)
-                        counters = torch.tensor([5.0, 1.0, 2.0, 3.0], dtype=torch.float64, device=device)
-                        health = dict(skip_out=torch.full((), -1.0, device=device),
-                                      raw_norm=torch.tensor(raw_value, device=device),
-                                      inv_scale=None if inv is None else torch.tensor(inv, device=device),
-                                      avg=0.5, skip_above=above, counters=counters,
-                                      record=torch.full((2,), -1.0, device=device))
-                        fn(coef, torch.tensor(1.0, device=device), 1.0, None, 0.0,
-                           torch.tensor(found, device=device), steps, touched, **health)
-                        outs.append((steps, health["skip_out"], counters, health["record"]))
-                    where = (raw_value, found, inv, above)
-                    for a, b in zip(*outs):
-                        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")
-                    steps, skip, counters, record = outs[0]
-                    unscaled = raw_value * 0.5 * (1.0 if inv is None else inv)
-                    want_skip = found != 0 or unscaled > above
-                    assert skip.item() == float(want_skip), where
-                    assert counters.tolist() == [5.0 + (not want_skip), 1.0 + found, 2.0 + (want_skip and not found),
-                                                 3.0 + 1 if want_skip else 0.0], where
-                    assert record[0].item() == (1.0 if found else 2.0 if want_skip else 0.0), where
+    cases = [(raw, found, inv, above, 2, None) for raw in (0.0, 0.5, 2.0, 2.0 + 1e-6, 3e38, math.inf, math.nan)
+             for found in (0.0, 1.0) for inv in (None, 0.25, 1.0) for above in (math.inf, 1.0, 0.5)]
+    cases += [(raw, found, inv, 1.0, 4, ranks) for raw in (0.5, 3.0, math.nan) for found in (0.0, 1.0)
+              for inv in (None, 0.25) for ranks in (None, 0.0, 2.0)]
+    for raw_value, found, inv, above, record_len, ranks in cases:
+        outs = []
+        for fn in (ext.step_scalars, reference.step_scalars):
+            coef, steps = torch.empty((), device=device), torch.arange(4.0, device=device)
+            counters = torch.tensor([5.0, 1.0, 2.0, 3.0], dtype=torch.float64, device=device)
+            health = dict(skip_out=torch.full((), -1.0, device=device),
+                          raw_norm=torch.tensor(raw_value, device=device),
+                          inv_scale=None if inv is None else torch.tensor(inv, device=device),
+                          avg=0.5, skip_above=above, counters=counters,
+                          record=torch.full((record_len,), -1.0, device=device),
+                          ranks=None if ranks is None else torch.tensor([ranks], device=device))
+            fn(coef, torch.tensor(1.0, device=device), 1.0, None, 0.0,
+               torch.tensor(found, device=device), steps, touched, **health)
+            outs.append((steps, health["skip_out"], counters, health["record"]))
+        where = (raw_value, found, inv, above)
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=lambda m: f"{where}: {m}")
+        steps, skip, counters, record = outs[0]
+        unscaled = raw_value * 0.5 * (1.0 if inv is None else inv)
+        want_skip = found != 0 or unscaled > above
+        assert skip.item() == float(want_skip), where
+        assert counters.tolist() == [5.0 + (not want_skip), 1.0 + found, 2.0 + (want_skip and not found),
+                                     3.0 + 1 if want_skip else 0.0], where
+        assert record[0].item() == (1.0 if found else 2.0 if want_skip else 0.0), where
+        if record_len == 4:
+            assert record[2:].tolist() == [ranks or 0.0, 1.0 if inv is None else inv], where
 
 
 def _flag_rows(device):

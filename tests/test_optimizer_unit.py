@@ -420,11 +420,11 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
         skipped_step(3)
     with pytest.warns(RuntimeWarning, match="skipped"):
         skipped_step(4)
-    # found-inf, then the health record [reason 1 (non-finite), unscaled norm NaN, ranks with own
-    # non-finite grads 1, inverse scale 1 (no scaler)]
+    # the health record alone (no other flag was checked): [reason 1 (non-finite), unscaled norm
+    # NaN, ranks with own non-finite grads 1, inverse scale 1 (no scaler)], as the step wrote it
     assert len(pushed) == 5
     for flags in pushed:
-        assert flags[0] == 1.0 and flags[1] == 1.0 and math.isnan(flags[2]) and flags[3:] == [1.0, 1.0], flags
+        assert flags[0] == 1.0 and math.isnan(flags[1]) and flags[2:] == [1.0, 1.0], flags
 
 
 def test_clean_interpreter_exit_after_training(tmp_path) -> None:

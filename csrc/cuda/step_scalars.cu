@@ -54,7 +54,7 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
                   const StepHealth* health) {
   const c10::cuda::CUDAGuard guard(coef_out.device());
   const int64_t count = steps.numel();
-  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr};
+  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr, nullptr, false};
   step_scalars_kernel<<<blocks_for(count), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       coef_out.data_ptr<float>(), base.data_ptr<float>(), static_cast<float>(scale),
       norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(max_norm), found_inf.data_ptr<float>(),

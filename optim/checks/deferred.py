@@ -88,22 +88,23 @@ class DeferredChecks:
         ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid)."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return  # nothing is recorded under capture (push): no launch for the flags either
-        parts = [stats.found_inf.reshape(1)]
-        if bad_clip is not None:
-            parts.append(bad_clip.reshape(1))
+        flags = [] if bad_clip is None else [bad_clip.reshape(1)]
         if stats.disagreement is not None:
-            parts.append(stats.disagreement)
-        if len(parts) == 1 and self.cycle.scaled:
+            flags.append(stats.disagreement)
+        if not flags and self.cycle.scaled:
             # found-inf alone, and a scaler unscaled this step: it acts on found-inf itself (lowers
             # the scale) and a scaled step never counts as a skip without a scaler, so there is
             # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
             # GPU host, per step); the step's health stays on the device (step_stats() reads it)
             return
-        record = self.health.record_parts()  # views: the same one cat
-        parts += record
+        record = self.health.record_parts()
         context = self._context(clip_checked=bad_clip is not None)
         context["step"], context["record"] = self.health.steps, sum(t.numel() for t in record)
-        self._push(torch.cat(parts), context, fresh=True)  # not capturing: checked above
+        if not flags:  # found-inf alone: the record's reason says it; the record is pushed as it is, no cat
+            context["record_only"] = True
+            self._push(record[0] if len(record) == 1 else torch.cat(record), context)  # not capturing: checked above
+        else:
+            self._push(torch.cat([stats.found_inf.reshape(1)] + flags + record), context, fresh=True)
         self.check_last_step(force=False)
 
     def check_now(self, stats: Any) -> None:
@@ -131,7 +132,10 @@ class DeferredChecks:
 
 
 def _raise_if_flagged(values: List[float], context: dict) -> None:
-    """``values``: ``[found_inf, clip invalid (if checked), invalid, mismatch per category...]``."""
+    """``values``: ``[found_inf, clip invalid (if checked), invalid, mismatch per category...]``,
+    then a step's record; a push of the record alone has no flags."""
+    if context.get("record_only"):
+        return
     rest = values[1:]
     if "step" in context:  # a step's record: its health record ends it
         rest = rest[:-context["record"]]

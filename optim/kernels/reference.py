@@ -46,7 +46,7 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
     are converted to ``full``'s dtype). Nothing else in ``full`` is written.
 ``step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out=None,
-raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=None)``
+raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=None, ranks=None)``
     All fp32 on one device (``counters`` fp64). ``coef_out[0] = base * scale`` times, with ``norm`` given,
     ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` formed as torch forms
     it (``(norm + 1e-6).reciprocal() * max_norm``), NaN and infinities read as 1; then
@@ -58,7 +58,9 @@ raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=No
     ``counters`` (fp64 ``[applied, skipped non-finite, skipped spike, consecutive skips]``)
     ``counters += [not skip, found, spike and not found, -]``, ``counters[3] = skip ?
     counters[3] + 1 : 0``; with ``record`` (fp32 [2]) ``record = [reason, unscaled]``, the
-    reason 0 (applied), 1 (found-inf) or 2 (spike).
+    reason 0 (applied), 1 (found-inf) or 2 (spike); a record of 4 elements also holds ``ranks``
+    (fp32 [1], 0 if not given) and ``inv_scale`` (1 if not given): the whole report the host reads
+    back after the step.
 ``nonfinite_flags(full, rows, flags)``
     ``full``: a flat grad buffer (fp32 / bf16 / fp16); ``rows``: int64 ``[k, 3]`` of ``(start,
     length, index)`` on ``full``'s device, sorted by start, not overlapping; ``flags``: fp32 on
@@ -174,7 +176,7 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
                  found_inf: Tensor, steps: Tensor, touched: Tensor, skip_out: Optional[Tensor] = None,
                  raw_norm: Optional[Tensor] = None, inv_scale: Optional[Tensor] = None, avg: float = 1.0,
                  skip_above: float = math.inf, counters: Optional[Tensor] = None,
-                 record: Optional[Tensor] = None) -> None:
+                 record: Optional[Tensor] = None, ranks: Optional[Tensor] = None) -> None:
     coef = base * scale
     if norm is not None:
         coef = coef * clip_coef(max_norm, norm)
@@ -196,7 +198,12 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         counters[3] = (counters[3] + 1.0) * skip.double()
     if record is not None:
         reason = torch.where(found, 1.0, torch.where(spike, 2.0, 0.0)).float()
-        record.copy_(torch.stack([reason, unscaled.float()]))
+        parts = [reason, unscaled.float()]
+        if record.numel() == 4:
+            zero = torch.zeros((), dtype=torch.float32, device=record.device)
+            parts += [zero if ranks is None else ranks.reshape(()).float(),
+                      zero + 1.0 if inv_scale is None else inv_scale.reshape(()).float()]
+        record.copy_(torch.stack(parts))
 
 
 def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:

@@ -116,7 +116,9 @@ class StepHealth:
         # every step costs microseconds of host time
         self._any = {id(t): t[-1:] for t in (self.flags, self.last_flags)}
         self.counters = torch.zeros(4, dtype=torch.float64, device=device)
-        self.record = torch.zeros(2, **f32)  # the last step's [reason, unscaled norm]
+        # the last step's [reason, unscaled norm, ranks whose own grads held inf/NaN, inverse scale
+        # (1 without)]: written whole by the step's scalar launch, read back as it is (deferred.py)
+        self.record = torch.zeros(4, **f32)
         self.skip = torch.zeros((), **f32)  # the step's skip flag: what the step kernel skips on
         self._group_zeros = torch.zeros(self.n_groups, **f32) if self.n_groups > 1 else None
         self._one = torch.ones(1, **f32)  # the pushed inverse scale of an unscaled step
@@ -190,7 +192,8 @@ class StepHealth:
         """``kernels.step_scalars``' ``health`` argument: it decides the skip flag (:attr:`skip`)
         and updates the counters and the record in the step's one scalar launch."""
         return dict(skip_out=self.skip, raw_norm=raw_norm, inv_scale=inv_scale, avg=float(avg),
-                    skip_above=self.skip_above, counters=self.counters, record=self.record)
+                    skip_above=self.skip_above, counters=self.counters, record=self.record,
+                    ranks=self._round.nonfinite_ranks if self._round is not None else None)
 
     def stepped(self, inv_scale: Optional[Tensor]) -> None:
         """The step consumed this round: its norms and flags become the last step's."""
@@ -205,12 +208,10 @@ class StepHealth:
 
     def record_parts(self) -> List[Tensor]:
         """What the last step pushes for the host (deferred.py), float32 ``[reason, unscaled norm,
-        ranks whose own grads held inf/NaN, inverse scale (1 without a scaler)]``: views, no op."""
+        ranks whose own grads held inf/NaN, inverse scale (1 without a scaler)]``: the record the
+        step's scalar launch wrote whole, no op."""
         self._pushed = True
-        last = self._last
-        inv = last.inv_scale if last is not None and last.inv_scale is not None else self._one
-        ranks = last.nonfinite_ranks if last is not None else self._one.mul(0.0)
-        return [self.record, ranks, inv if inv.dim() == 1 else inv.reshape(1)]
+        return [self.record]
 
     def host_skipped(self, unscaled_norm: Tensor, inv_scale: Optional[Tensor]) -> None:
         """A scaler skipped this round's step on the host (``_step_supports_amp_scaling = False``:
@@ -218,8 +219,10 @@ class StepHealth:
         its outcome at once (every rank: the scaler's found-inf is agreed). A host sync, as the
         scaler's own."""
         self.counters.add_(torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=self.device))
-        self.record.copy_(torch.stack([torch.ones((), dtype=torch.float32, device=self.device),
-                                       unscaled_norm.reshape(()).float()]))
+        one = torch.ones((), dtype=torch.float32, device=self.device)
+        ranks = self._round.nonfinite_ranks.reshape(()) if self._round is not None else one * 0.0
+        inv = one if inv_scale is None else inv_scale.reshape(()).to(device=self.device, dtype=torch.float32)
+        self.record.copy_(torch.stack([one, unscaled_norm.reshape(()).float(), ranks, inv]))
         self.stepped(inv_scale)
         self.observe(self.steps, torch.cat(self.record_parts()).tolist(), scaled=inv_scale is not None)
 
@@ -331,7 +334,7 @@ class StepHealth:
         together)."""
         scaler = self._scaler() if self._scaler is not None else None
         scale = _compat.scaler_scale(scaler) if scaler is not None and scaler.is_enabled() else None
-        parts = [self.counters, self.record.double()]
+        parts = [self.counters, self.record[:2].double()]
         if scale is not None:
             parts.append(scale.detach().reshape(1).to(device=self.device, dtype=torch.float64))
         values = torch.cat(parts).tolist()
