@@ -399,13 +399,20 @@ void adam_launch(const AdamLaunch& l) {
 
 // The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
 // launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
-// flag and records (CUDA; None on the CPU). Every launch lets go of its grad afterwards, also
-// when one of them raises: the grad shards are released between steps.
+// flag and records (CUDA; None on the CPU), or with ``prepare`` (CUDA: the segments of every
+// launch, kernels.StepRecords' table) the records formed first by adam_prepare over the step
+// counts and grad coefficient the launches share (the optimizer's). Every launch lets go of its grad afterwards, also when one of
+// them raises: the grad shards are released between steps.
 void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                      const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
-                     const c10::optional<at::Tensor>& records) {
+                     c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
   SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
                  " launches, ", grads.size(), " grads)");
+  if (prepare && !launches.empty()) {
+    SHARDAMP_CHECK(!records, "adam_launch_all: records or prepare, not both");
+    const AdamLaunch& first = *launches.front();
+    records = adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf, first.bias_correction);
+  }
   struct Release {
     const std::vector<AdamLaunch*>& launches;
     ~Release() {
@@ -460,7 +467,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "adam_launch over each prepared launch in turn with its grad and the step's hparams, touched, found_inf and "
         "records; every launch's grad is released afterwards",
         py::arg("launches"), py::arg("grads"), py::arg("hparams"), py::arg("touched"), py::arg("found_inf"),
-        py::arg("records"));
+        py::arg("records"), py::arg("prepare") = py::none());
   m.def("adam_prepare", &shardamp::adam_prepare,
         "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),

@@ -500,17 +500,18 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched,
                              health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor))
         skip = health.skip  # what the step kernels skip on
-        records = self._records.compute(hparams, self._steps, stats.touched, coef, skip, self.bias_correction)
         if self._launches is None:  # built at the first step: the state buffers persist
             self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps, coef,
                                            self.adam_w_mode, self.bias_correction)
         order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
         if self._param_sync.gathers:  # the first layers' params land first, each all-gather overlapping
+            records = self._records.compute(hparams, self._steps, stats.touched, coef, skip, self.bias_correction)
             for i in order:  # the next bucket's step kernel
                 kernels.launch_adam_all(self._launches, (i,), grads, hparams, stats.touched, skip, records)
                 self._param_sync.launch(i)
-        else:  # nothing to gather (one shard rank): every bucket's kernel in one native call
-            kernels.launch_adam_all(self._launches, order, grads, hparams, stats.touched, skip, records)
+        else:  # nothing to gather (one shard rank): the records and every bucket's kernel in one native call
+            kernels.launch_adam_all(self._launches, order, grads, hparams, stats.touched, skip,
+                                    prepare=self._records)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

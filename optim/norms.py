@@ -30,9 +30,9 @@ def reduce_op(norm_type: float):
     return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
 
-def sum_partials(partials: Tensor, out: Tensor) -> None:
-    """``out[:PARTIAL]`` = the sum of the rows of ``partials`` ([k, PARTIAL], finite ``p``)."""
-    torch.sum(partials, dim=0, out=out[:PARTIAL])
+def summed_partials(partials: Tensor) -> Tensor:
+    """The sum of the rows of ``partials`` ([k, PARTIAL], finite ``p``): a new ``[PARTIAL]``."""
+    return torch.sum(partials, dim=0)
 
 
 def root(combined: Tensor, norm_type: float) -> Tensor:

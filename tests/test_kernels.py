@@ -167,13 +167,22 @@ def _launches(device, seeds, grad_dtype=torch.bfloat16):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["native", "reference"])
-def test_launch_adam_all_runs_each_shard_as_its_own_step(device, backend, monkeypatch):
+@pytest.mark.parametrize("prepared", [False, True])
+def test_launch_adam_all_runs_each_shard_as_its_own_step(device, backend, prepared, monkeypatch):
     """kernels.launch_adam_all (the step's launches, one native call where the kernels are
     built) updates each shard as kernels.adam_step alone would, in the given order, skipping
-    none and touching no other; each launch lets go of its grad shard afterwards."""
+    none and touching no other; each launch lets go of its grad shard afterwards. ``prepared``:
+    the per-segment records of all shards are formed in the same call (CUDA; none on the CPU)."""
     ext_for(device)
     set_env(monkeypatch, "SHARDAMP_KERNELS", backend)
     launches, grads, hparams, steps, touched = _launches(device, seeds=(3, 4, 5))
+    records = None
+    if prepared:
+        records = kernels.prepare([launch.segments for launch in launches], [NUMEL] * 3, torch.device(device),
+                                  len(steps), hparams.shape[0])
+        assert (records.table is not None) == (device == "cuda" and backend == "native")
+        for launch, offset in zip(launches, records.offsets):
+            launch.record_offset = offset
     want = []
     for launch, grad in zip(launches, grads):
         ref = {"grad": grad, "master": launch.master.clone(), "exp_avg": launch.exp_avg.clone(),
@@ -191,7 +200,7 @@ def test_launch_adam_all_runs_each_shard_as_its_own_step(device, backend, monkey
         real = ext.adam_launch_all
         monkeypatch.setattr(ext, "adam_launch_all", lambda *a, **k: (calls.append(len(a[0])), real(*a, **k)))
     for _ in range(2):
-        kernels.launch_adam_all(launches, [2, 0], grads, hparams, touched, launches[0].found_inf, None)
+        kernels.launch_adam_all(launches, [2, 0], grads, hparams, touched, launches[0].found_inf, prepare=records)
         assert all(launch.grad is None for launch in launches)
         if backend == "native":  # released by the native launches too
             assert all(launch._native.grad is None for launch in (launches[0], launches[2]))

@@ -260,15 +260,16 @@ class StatsBuffer(NamedTuple):
 
 
 def stats_buffer(view: StepView, norm_type: float, problem: str, lrs: Optional[Any] = None,
-                 extra: Sequence[Tensor] = ()) -> StatsBuffer:
+                 extra: Sequence[Tensor] = (), header: Optional[Tensor] = None) -> StatsBuffer:
     """The step's stats tensor with the touched pattern, ``extra`` (the health entries) and the
-    agreement entries filled in (the norm header, zeros, is the caller's to fill), whether the
-    entries must be checked after the reduction (one rank alone has nothing to disagree with; a
-    tensor lr's value is still checked), and the categories' names."""
+    agreement entries filled in, whether the entries must be checked after the reduction (one
+    rank alone has nothing to disagree with; a tensor lr's value is still checked), and the
+    categories' names. The norm header is ``header`` (float32 ``[2]``) if given, else zeros for
+    the caller to fill."""
     host, dev, names = step_entries(view, norm_type, problem, lrs)
     patterns = view.patterns
     tail = patterns.get_tail(host)
-    parts = [patterns.header, patterns.get(view.local_touched()), *extra]
+    parts = [patterns.header if header is None else header, patterns.get(view.local_touched()), *extra]
     if dev is None:
         parts.append(tail)
     else:  # the device's invalid flag replaces the host's (entry 0 of the tail)

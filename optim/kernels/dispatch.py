@@ -345,14 +345,18 @@ def _prepared(ext: Any, launch: AdamLaunch) -> Any:
 
 
 def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads: Sequence[Tensor],
-                    hparams: Tensor, touched: Tensor, found_inf: Tensor, records: Optional[Tensor]) -> None:
+                    hparams: Tensor, touched: Tensor, found_inf: Tensor, records: Optional[Tensor] = None,
+                    prepare: Optional["StepRecords"] = None) -> None:
     """Run ``launches[i]`` for each ``i`` of ``order`` with ``grads[i]`` and the step's
     ``hparams``, ``touched``, ``found_inf`` (the skip flag) and ``records``, as
     :func:`launch_adam` each: in ONE native call where every launch takes the compiled kernels
     (a launch from Python costs tens of microseconds of host time on a GPU host), else one by
-    one. The launches let go of their grad shards afterwards."""
+    one. ``prepare`` (instead of ``records``): the records are formed first from it, over the
+    step counts and grad coefficient the launches share, in the same native call where it can.
+    The launches let go of their grad shards afterwards."""
     if not order:
         return
+    table = prepare.table if prepare is not None else None
     device = grads[order[0]].device
     ext = _native(device)
     if ext is not None and hasattr(ext, "adam_launch_all"):
@@ -375,14 +379,25 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
             natives.append(native)
             shards.append(grad)
         if natives is not None:
-            if natives:
+            if natives and table is not None and cuda and hasattr(ext, "adam_prepare"):
+                ext.adam_launch_all(natives, shards, hparams, touched, found_inf, None, table)
+            elif natives:
+                if prepare is not None:
+                    records = _prepared_records(prepare, launches[order[0]], hparams, touched, found_inf)
                 ext.adam_launch_all(natives, shards, hparams, touched, found_inf, records if cuda else None)
             return
+    if prepare is not None:
+        records = _prepared_records(prepare, launches[order[0]], hparams, touched, found_inf)
     for i in order:
         launch = launches[i]
         launch.grad, launch.hparams, launch.records = grads[i], hparams, records
         launch.touched, launch.found_inf = touched, found_inf
         launch_adam(launch)
+
+
+def _prepared_records(prepare: "StepRecords", launch: AdamLaunch, hparams: Tensor, touched: Tensor,
+                      found_inf: Tensor) -> Optional[Tensor]:
+    return prepare.compute(hparams, launch.steps, touched, launch.grad_coef, found_inf, launch.bias_correction)
 
 
 def adam_step(

@@ -112,7 +112,7 @@ def reduce_step_stats(
     view: "agreement.StepView",
     problem: str,
     lrs: Optional[Any],
-    landed: Callable[[Tensor], bool],
+    landed: Callable[[], Optional[Tensor]],
     reduce: Callable[[Tensor, Any], None],
 ) -> ReducedStats:
     """The step's one stats all-reduce: fill this rank's entries, reduce them, finish.
@@ -127,14 +127,15 @@ def reduce_step_stats(
         problem: this rank's invalid value ("" if none): flagged in the entries, never raised
             before the all-reduce (the other ranks would wait in it).
         lrs: this step's tensor lrs (hparams.TensorLrs) or None.
-        landed: fills the L2 partials computed as the grads landed, if they are complete
-            (sync/grad_sync.py ``landed_stats``); False: computed here.
+        landed: the L2 partials computed as the grads landed (the stats' header), if they are
+            complete (sync/grad_sync.py ``landed_stats``); None: computed here.
         reduce: the all-reduce (the optimizer's ``_reduce_grad_stats``, a subclass's extension point).
 
     A collective (``reduce``); no host sync.
     """
-    buf, checked, names = agreement.stats_buffer(view, norm_type, problem, lrs, health.entries())
-    if not (norm_type == 2.0 and landed(buf)):
+    header = landed() if norm_type == 2.0 else None
+    buf, checked, names = agreement.stats_buffer(view, norm_type, problem, lrs, health.entries(), header)
+    if header is None:
         partials.partial(list(grad_shards), norm_type, buf, zeroed=True)
     offset = HEADER + n_params  # where the health entries start
     groups = health.group_slice(offset)

@@ -102,7 +102,7 @@ class GradSync:
         self.build_index = 0
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
         # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
-        # backward only the one small all-reduce remains (norms.sum_partials sums them).
+        # backward only the one small all-reduce remains (norms.summed_partials sums them).
         device = buckets[0].device if buckets else torch.device("cpu")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
@@ -343,13 +343,12 @@ class GradSync:
         if work is None:
             self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
 
-    def landed_stats(self, out: Tensor) -> bool:
-        """Write the summed 2-norm partials of all buckets into ``out[:2]`` if every bucket's
-        partial is current (then return True); the caller computes them itself otherwise."""
+    def landed_stats(self) -> Optional[Tensor]:
+        """The summed 2-norm partials of all buckets (a new float32 ``[2]``: the stats' header)
+        if every bucket's partial is current; None otherwise (the caller computes them)."""
         if self.side is None or not all(s.partial_valid for s in self.states):
-            return False
-        norms.sum_partials(self.partials, out)  # a sum of 0/1 flags is still "any" (> 0)
-        return True
+            return None
+        return norms.summed_partials(self.partials)  # a sum of 0/1 flags is still "any" (> 0)
 
     def holds_unreduced(self) -> bool:
         """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
