@@ -17,7 +17,8 @@ Where each piece lives, and when the host sees it:
 * **On the device, written by the step's scalar launch** (``kernels.step_scalars``): the step's
   skip flag (found-inf, or a spike: the unscaled norm above ``skip_grad_norm_above``), fp64
   counters ``[applied, skipped non-finite, skipped spike, consecutive skips]`` and the record
-  ``[reason, unscaled norm]`` (reason 0 applied, 1 non-finite, 2 spike). Nothing is read on the
+  ``[reason, unscaled norm, ranks whose own grads held inf/NaN, inverse scale]`` (reason 0
+  applied, 1 non-finite, 2 spike; the inverse scale 1 without a scaler). Nothing is read on the
   host per step.
 * **On the host**, where a step's flags are read anyway (deferred.py: at once on the CPU, at the
   next step's stats on CUDA; never at world 1 with a scaler and float lrs, nor for steps
