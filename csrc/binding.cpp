@@ -401,11 +401,18 @@ void adam_launch(const AdamLaunch& l) {
 // launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
 // flag and records (CUDA; None on the CPU), or with ``prepare`` (CUDA: the segments of every
 // launch, kernels.StepRecords' table) the records formed first by adam_prepare over the step
-// counts and grad coefficient the launches share (the optimizer's). Every launch lets go of its grad afterwards, also when one of
-// them raises: the grad shards are released between steps.
+// counts, grad coefficient and bias correction the launches share (the optimizer's). Every launch
+// lets go of its grad afterwards, also when a launch or the prepare raises: the grad shards are
+// released between steps.
 void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                      const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
                      c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
+  struct Release {
+    const std::vector<AdamLaunch*>& launches;
+    ~Release() {
+      for (AdamLaunch* l : launches) l->grad = at::Tensor();
+    }
+  } release{launches};
   SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
                  " launches, ", grads.size(), " grads)");
   if (prepare && !launches.empty()) {
@@ -413,12 +420,6 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
     const AdamLaunch& first = *launches.front();
     records = adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf, first.bias_correction);
   }
-  struct Release {
-    const std::vector<AdamLaunch*>& launches;
-    ~Release() {
-      for (AdamLaunch* l : launches) l->grad = at::Tensor();
-    }
-  } release{launches};
   for (size_t i = 0; i < launches.size(); ++i) {
     AdamLaunch& l = *launches[i];
     l.grad = grads[i];

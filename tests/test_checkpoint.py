@@ -174,6 +174,22 @@ def test_torch_state_dict_into_shardamp_continues_like_torch(groups):
     _close(cc.params_of(model), expected, "torch Adam -> world 1")
 
 
+def test_options_loaded_after_steps_take_effect(groups):
+    """A state dict loaded after steps that switches adam_w_mode (torch Adam's: L2 decay) trains
+    as torch continuing: the step launches built at the first step take the loaded option."""
+    tmp, _, _ = groups
+    model, _ = cc.torch_run(cls=torch.optim.Adam, weight_decay=0.01)
+    expected = cc.params_of(model)
+    saved = torch.load(os.path.join(tmp, "torch.pt"), weights_only=True)
+    model, opt = cc.build()
+    cc.train(model, opt, range(2))  # the launches exist, built for AdamW
+    model.load_state_dict(saved["model"])
+    with pytest.warns(UserWarning, match="adam_w_mode=False"):
+        opt.load_state_dict(saved["opt"])
+    cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL))
+    _close(cc.params_of(model), expected, "torch Adam -> after AdamW steps")
+
+
 def test_state_dict_warns_what_torch_cannot_load():
     model, opt = cc.build(bias_correction=False, max_grad_norm=1.0)
     cc.train(model, opt, range(1))

@@ -153,11 +153,15 @@ def test_dispatcher_uses_native_with_cached_chunks(device, monkeypatch):
 
 
 def _launches(device, seeds, grad_dtype=torch.bfloat16):
-    """One kernels.AdamLaunch per seed over shard()'s layout (their own state), and each grad."""
+    """One kernels.AdamLaunch per seed over shard()'s layout (their own state), each shard's
+    segments belonging to other params and groups (the records of each shard differ), and each
+    grad."""
     launches, grads = [], []
-    for seed in seeds:
-        state, table, hparams, steps, touched = shard(device, grad_dtype, torch.bfloat16, seed=seed)
-        segs = SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in SEGMENTS], table)
+    for k, seed in enumerate(seeds):
+        state, _table, hparams, steps, touched = shard(device, grad_dtype, torch.bfloat16, seed=seed)
+        rows = [(s, n, (p + k) % 6, g ^ (k & 1)) for s, n, p, g in SEGMENTS]
+        table = torch.tensor(rows, dtype=torch.int64, device=device)
+        segs = SegmentTable([Segment(s, n, p, g, 0) for s, n, p, g in rows], table)
         launches.append(kernels.AdamLaunch(None, state["master"], state["exp_avg"], state["exp_avg_sq"],
                                            state["model_out"], segs, hparams, steps, touched,
                                            torch.tensor(0.5, device=device), torch.zeros((), device=device), True, True))
@@ -190,9 +194,9 @@ def test_launch_adam_all_runs_each_shard_as_its_own_step(device, backend, prepar
         run_step(reference.adam_step, ref, launch.segments.table.cpu(), hparams, steps, touched, launch.grad_coef,
                  launch.found_inf, True, True)
         want.append(ref)
-    for ref in want:  # two steps: the second runs the launches as the first prepared them
-        run_step(reference.adam_step, ref, launches[0].segments.table.cpu(), hparams, steps, touched,
-                 launches[0].grad_coef, launches[0].found_inf, True, True)
+    for launch, ref in zip(launches, want):  # two steps: the second runs the launches as the first prepared them
+        run_step(reference.adam_step, ref, launch.segments.table.cpu(), hparams, steps, touched,
+                 launch.grad_coef, launch.found_inf, True, True)
     untouched = {k: getattr(launches[1], k).clone() for k in ("master", "exp_avg", "exp_avg_sq")}
     calls = []
     if backend == "native":

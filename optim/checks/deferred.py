@@ -1,8 +1,9 @@
 """Host-side reads of per-step device flags without a host sync on the step path.
 
 After each step the optimizer records ``[found_inf, invalid tensor max_norm, agreement flags...,
-health record]`` here (except a step its scaler unscaled whose only flag is found-inf: the scaler acts on it,
-nothing is left for the host to read). On the CPU the values are read at once (reading is free), and the agreement flags are
+health record]`` here, or the health record alone where found-inf is the only flag (the record's
+reason says it), except a step its scaler unscaled whose only flag is found-inf: the scaler acts
+on it, nothing is left for the host to read. On the CPU the values are read at once (reading is free), and the agreement flags are
 already read right after the stats all-reduce (``check_now``), before anything trains. On CUDA they are copied, non-blocking, into pinned
 memory behind an event, and read at the start of the NEXT step's stats, when that copy finished
 long ago (``event.query()``; only a host that ran a whole step ahead of its GPU waits), and

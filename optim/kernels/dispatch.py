@@ -175,7 +175,9 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
     native = ext is not None and hasattr(ext, "step_scalars") and all(
         t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
-        and touched.numel() == steps.numel() and (h.get("ranks") is None or h["ranks"].numel() == 1)
+        and touched.numel() == steps.numel()
+        and (h.get("ranks") is None or (h["ranks"].numel() == 1 and h.get("record") is not None
+                                        and h["record"].numel() == 4))
         and (h.get("record") is None or h["record"].numel() in (2, 4))) and (
         h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == device
                                       and h["counters"].is_contiguous()))
@@ -251,11 +253,12 @@ class AdamLaunch:
     """One shard's fused Adam/AdamW step, its arguments by name (contract: ``reference.py``).
 
     Built once per bucket (the shard's state, the step counts, the grad coefficient and the
-    hyperparameter table persist across steps); before each step the optimizer assigns what is
-    new that step: ``grad`` (the grad shard is released between steps), ``touched``,
-    ``found_inf`` and ``records`` (:meth:`StepRecords.compute` over
-    several shards, CUDA; this shard's rows start at ``record_offset``; without them the CUDA
-    step forms its scalars itself, one more launch). :func:`launch_adam` runs it.
+    hyperparameter table persist across steps); what is new each step is given to the run:
+    ``grad`` (the grad shard is released between steps), ``hparams``, ``touched``,
+    ``found_inf`` and ``records`` (:meth:`StepRecords.compute` over several shards, CUDA; this
+    shard's rows start at ``record_offset``; without them the CUDA step forms its scalars
+    itself, one more launch). :func:`launch_adam_all` runs several with them (the step does),
+    :func:`launch_adam` one whose fields were assigned.
     """
 
     grad: Optional[Tensor]  # the grad shard, assigned before each launch and dropped after it
@@ -370,9 +373,11 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
                 continue
             native = launch._native
             if native is None or launch._tuned is not tuned or launch._grad_dtype is not grad.dtype:
-                launch.grad = grad  # (re)prepared: the state kinds are checked once, then at a change
-                native = _prepared(ext, launch) if launch.native_state() else None
-                launch.grad = None
+                launch.grad, launch.hparams = grad, hparams  # (re)prepared: the state kinds are checked
+                try:  # once, then at a change
+                    native = _prepared(ext, launch) if launch.native_state() else None
+                finally:
+                    launch.grad = None
                 if native is None:
                     natives = None
                     break

@@ -177,6 +177,8 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
                  raw_norm: Optional[Tensor] = None, inv_scale: Optional[Tensor] = None, avg: float = 1.0,
                  skip_above: float = math.inf, counters: Optional[Tensor] = None,
                  record: Optional[Tensor] = None, ranks: Optional[Tensor] = None) -> None:
+    if ranks is not None and (record is None or record.numel() != 4):
+        raise ValueError("step_scalars: ranks needs a record of 4 elements")
     coef = base * scale
     if norm is not None:
         coef = coef * clip_coef(max_norm, norm)

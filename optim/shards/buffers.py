@@ -202,8 +202,9 @@ def adam_launches(buffers: Sequence[BucketBuffers], buckets: Sequence[Bucket], r
     """Each bucket's step launch over its persistent state (a param re-attached after a broken
     view keeps it), the step counts and the grad coefficient (device tensors written in place
     every step). The grad shard, the hyperparameter table, the records, the touched pattern and
-    the skip flag are the step's: the caller assigns them before each launch (until then the
-    step counts stand in for them)."""
+    the skip flag are the step's: ``kernels.launch_adam_all`` takes them each step (until then
+    the step counts stand in for them). ``adam_w_mode`` and ``bias_correction`` are fixed here:
+    the optimizer builds the launches again when a loaded state dict changes them."""
     return [kernels.AdamLaunch(buf.grad_shard, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
                                bucket.segments, steps, steps, steps, coef, steps, adam_w_mode, bias_correction, None,
                                record_offsets[i])

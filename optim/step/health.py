@@ -122,7 +122,6 @@ class StepHealth:
         self.record = torch.zeros(4, **f32)
         self.skip = torch.zeros((), **f32)  # the step's skip flag: what the step kernel skips on
         self._group_zeros = torch.zeros(self.n_groups, **f32) if self.n_groups > 1 else None
-        self._one = torch.ones(1, **f32)  # the pushed inverse scale of an unscaled step
         # host side
         self._landed = False  # a bucket was checked since the last step (the flags are the next step's)
         self._reset = False  # zero_grad since: the next landing starts the flags from zero
@@ -306,7 +305,7 @@ class StepHealth:
         if self._report_of == self.steps and not self.capturable:
             return list(self._report)
         last = self._last
-        ranks = last.nonfinite_ranks.float() if last is not None else self._one.mul(0.0)
+        ranks = last.nonfinite_ranks.float() if last is not None else self.record.new_zeros(1)
         reason, count = torch.cat([self.record[:1], ranks]).tolist()  # a host read
         report = self._gather() if int(reason) == NONFINITE and count > 0 else []
         if not self.capturable:  # a graph replay rewrites the device values: read them every time
