@@ -248,7 +248,6 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
         self._launches: Optional[List[kernels.AdamLaunch]] = None  # each bucket's step, built at the first step
-        self._launch_options: Tuple[bool, bool] = (adam_w_mode, bias_correction)  # what they were built with
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._view_check = kernels.view_check(self._view_refs)
         # all per-step health state: skip reasons, counters, non-finite flags, per-group norms
@@ -501,9 +500,10 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched,
                              health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor))
         skip = health.skip  # what the step kernels skip on
-        if self._launches is None or self._launch_options != (self.adam_w_mode, self.bias_correction):
+        launches = self._launches
+        if launches is None or (launches[0].adam_w_mode, launches[0].bias_correction) != (
+                self.adam_w_mode, self.bias_correction):
             # built at the first step (the state buffers persist), again after load_state_dict changed an option
-            self._launch_options = (self.adam_w_mode, self.bias_correction)
             self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps, coef,
                                            self.adam_w_mode, self.bias_correction)
         order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]

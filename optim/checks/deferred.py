@@ -98,14 +98,14 @@ class DeferredChecks:
             # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
             # GPU host, per step); the step's health stays on the device (step_stats() reads it)
             return
-        record = self.health.record_parts()
+        record = self.health.pushed_record()
         context = self._context(clip_checked=bad_clip is not None)
-        context["step"], context["record"] = self.health.steps, sum(t.numel() for t in record)
+        context["step"], context["record"] = self.health.steps, record.numel()
         if not flags:  # found-inf alone: the record's reason says it; the record is pushed as it is, no cat
             context["record_only"] = True
-            self._push(record[0] if len(record) == 1 else torch.cat(record), context)  # not capturing: checked above
+            self._push(record, context)  # not capturing: checked above
         else:
-            self._push(torch.cat([stats.found_inf.reshape(1)] + flags + record), context, fresh=True)
+            self._push(torch.cat([stats.found_inf.reshape(1), *flags, record]), context, fresh=True)
         self.check_last_step(force=False)
 
     def check_now(self, stats: Any) -> None:

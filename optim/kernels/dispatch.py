@@ -280,15 +280,17 @@ class AdamLaunch:
     _tuned: Any = field(default=None, repr=False)  # the tuning knobs its chunk map and shape were set for
     _grad_dtype: Any = field(default=None, repr=False)  # the grads' dtype they were set for
 
-    def native_state(self) -> bool:
+    def native_state(self, grad_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether the compiled kernels take this shard's state: an fp32 master (or int16
-        remainders under a bf16 ``model_out``), fp32 or bf16 moments, fp32/bf16/fp16 grads and
-        params. Anything else (fp64 state) takes the reference path: correct, not fused."""
+        remainders under a bf16 ``model_out``), fp32 or bf16 moments, fp32/bf16/fp16 grads
+        (``grad_dtype``, else ``grad``'s) and params. Anything else (fp64 state) takes the
+        reference path: correct, not fused."""
         master, out = self.master, self.model_out
         state = (master.dtype == torch.float32 or (
             master.dtype == torch.int16 and out is not None and out.dtype == torch.bfloat16)) and (
             self.exp_avg.dtype in _MOMENT_DTYPES and self.exp_avg_sq.dtype in _MOMENT_DTYPES)
-        return state and self.grad.dtype in _NATIVE_DTYPES and (out is None or out.dtype in _NATIVE_DTYPES)
+        grad_dtype = self.grad.dtype if grad_dtype is None else grad_dtype
+        return state and grad_dtype in _NATIVE_DTYPES and (out is None or out.dtype in _NATIVE_DTYPES)
 
 
 def launch_adam(launch: AdamLaunch) -> None:
@@ -305,7 +307,8 @@ def _launch_adam(launch: AdamLaunch) -> None:
     if not segments.segments:
         return
     ext = _native(launch.grad.device)
-    if ext is None or not launch.native_state():
+    native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams)
+    if native is None:
         host = segments.extra.get("host")
         if host is None:  # from the host-side segments: no device-to-host copy
             rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
@@ -316,7 +319,6 @@ def _launch_adam(launch: AdamLaunch) -> None:
             launch.bias_correction,
         )
         return
-    native = _prepared(ext, launch)
     native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
         launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
     native.records = launch.records if launch.grad.device.type == "cuda" else None
@@ -326,24 +328,28 @@ def _launch_adam(launch: AdamLaunch) -> None:
         native.grad = _NO_GRAD
 
 
-def _prepared(ext: Any, launch: AdamLaunch) -> Any:
-    """The extension's launch object of ``launch`` (made at its first native launch) with its
-    chunk map and launch shape for the tuning knobs in force (set again only when they change)."""
+def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor) -> Optional[Any]:
+    """The extension's launch object of ``launch`` for a step over ``grad`` (made at its first
+    native launch), its chunk map and launch shape set for the tuning knobs in force and the
+    grads' dtype (again only when either changes); None where the compiled kernels do not take
+    the shard's state (``native_state``)."""
+    tuned = knobs() if grad.device.type == "cuda" else None  # one cached tuple until the settings change
     native = launch._native
+    if native is not None and launch._tuned is tuned and launch._grad_dtype is grad.dtype:
+        return native  # the common case: its state kinds were checked when it was prepared
+    if not launch.native_state(grad.dtype):
+        return None
     if native is None:
         native = launch._native = ext.AdamLaunch(
-            grad=launch.grad, master=launch.master, exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq,
-            model_out=launch.model_out, segments=launch.segments.table, hparams=launch.hparams, steps=launch.steps,
+            grad=_NO_GRAD, master=launch.master, exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq,
+            model_out=launch.model_out, segments=launch.segments.table, hparams=hparams, steps=launch.steps,
             touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
             adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
         native.record_offset = launch.record_offset
-    cuda = launch.grad.device.type == "cuda"
-    tuned = knobs() if cuda else None  # one cached tuple until the settings change
-    if launch._tuned is not tuned or native.chunks is None or launch._grad_dtype != launch.grad.dtype:
-        light = light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, launch.grad.dtype)
-        native.chunks = shard_chunks(ext, launch.segments, launch.grad, launch.steps, launch.hparams, light)
-        native.shape = tuned[0] if cuda else 0
-        launch._tuned, launch._grad_dtype = tuned, launch.grad.dtype
+    light = light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, grad.dtype)
+    native.chunks = shard_chunks(ext, launch.segments, grad, launch.steps, hparams, light)
+    native.shape = tuned[0] if tuned is not None else 0
+    launch._tuned, launch._grad_dtype = tuned, grad.dtype
     return native
 
 
@@ -355,40 +361,33 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
     :func:`launch_adam` each: in ONE native call where every launch takes the compiled kernels
     (a launch from Python costs tens of microseconds of host time on a GPU host), else one by
     one. ``prepare`` (instead of ``records``): the records are formed first from it, over the
-    step counts and grad coefficient the launches share, in the same native call where it can.
-    The launches let go of their grad shards afterwards."""
+    step counts, grad coefficient and bias correction the launches share, in the same native
+    call where it can. The launches let go of their grad shards afterwards."""
     if not order:
         return
-    table = prepare.table if prepare is not None else None
     device = grads[order[0]].device
     ext = _native(device)
     if ext is not None and hasattr(ext, "adam_launch_all"):
         cuda = device.type == "cuda"
-        tuned = knobs() if cuda else None
         natives: Optional[List[Any]] = []
         shards = []
         for i in order:
-            launch, grad = launches[i], grads[i]
-            if not launch.segments.segments:
+            if not launches[i].segments.segments:
                 continue
-            native = launch._native
-            if native is None or launch._tuned is not tuned or launch._grad_dtype is not grad.dtype:
-                launch.grad, launch.hparams = grad, hparams  # (re)prepared: the state kinds are checked
-                try:  # once, then at a change
-                    native = _prepared(ext, launch) if launch.native_state() else None
-                finally:
-                    launch.grad = None
-                if native is None:
-                    natives = None
-                    break
+            native = _prepared(ext, launches[i], grads[i], hparams)
+            if native is None:  # a state the kernels do not take: every launch one by one below
+                natives = None
+                break
             natives.append(native)
-            shards.append(grad)
+            shards.append(grads[i])
         if natives is not None:
+            table = prepare.table if prepare is not None else None
             if natives and table is not None and cuda and hasattr(ext, "adam_prepare"):
                 ext.adam_launch_all(natives, shards, hparams, touched, found_inf, None, table)
-            elif natives:
-                if prepare is not None:
-                    records = _prepared_records(prepare, launches[order[0]], hparams, touched, found_inf)
+                return
+            if prepare is not None:
+                records = _prepared_records(prepare, launches[order[0]], hparams, touched, found_inf)
+            if natives:
                 ext.adam_launch_all(natives, shards, hparams, touched, found_inf, records if cuda else None)
             return
     if prepare is not None:

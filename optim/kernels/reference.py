@@ -202,9 +202,9 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         reason = torch.where(found, 1.0, torch.where(spike, 2.0, 0.0)).float()
         parts = [reason, unscaled.float()]
         if record.numel() == 4:
-            zero = torch.zeros((), dtype=torch.float32, device=record.device)
-            parts += [zero if ranks is None else ranks.reshape(()).float(),
-                      zero + 1.0 if inv_scale is None else inv_scale.reshape(()).float()]
+            f32 = dict(dtype=torch.float32, device=record.device)
+            parts += [torch.zeros((), **f32) if ranks is None else ranks.reshape(()).float(),
+                      torch.ones((), **f32) if inv_scale is None else inv_scale.reshape(()).float()]
         record.copy_(torch.stack(parts))
 
 

@@ -206,12 +206,12 @@ class StepHealth:
         if inv_scale is not None:  # a scaled step: the no-scaler warning counts unscaled skips in a row
             self._unscaled_skips = 0
 
-    def record_parts(self) -> List[Tensor]:
+    def pushed_record(self) -> Tensor:
         """What the last step pushes for the host (deferred.py), float32 ``[reason, unscaled norm,
         ranks whose own grads held inf/NaN, inverse scale (1 without a scaler)]``: the record the
         step's scalar launch wrote whole, no op."""
         self._pushed = True
-        return [self.record]
+        return self.record
 
     def host_skipped(self, unscaled_norm: Tensor, inv_scale: Optional[Tensor]) -> None:
         """A scaler skipped this round's step on the host (``_step_supports_amp_scaling = False``:
@@ -224,11 +224,11 @@ class StepHealth:
         inv = one if inv_scale is None else inv_scale.reshape(()).to(device=self.device, dtype=torch.float32)
         self.record.copy_(torch.stack([one, unscaled_norm.reshape(()).float(), ranks, inv]))
         self.stepped(inv_scale)
-        self.observe(self.steps, torch.cat(self.record_parts()).tolist(), scaled=inv_scale is not None)
+        self.observe(self.steps, self.pushed_record().tolist(), scaled=inv_scale is not None)
 
     # ------------------------------------------------------------------ the host learns the outcome
     def observe(self, step: int, values: Sequence[float], scaled: bool) -> None:
-        """Step ``step``'s pushed record (:meth:`record_parts`) read on the host, on every rank at
+        """Step ``step``'s pushed record (:meth:`pushed_record`) read on the host, on every rank at
         the same point (deferred.py): all-gather the ranks' flags if some rank's own grads held
         inf/NaN in a skipped step (a collective), keep the report, log, warn."""
         reason, norm, ranks, inv = int(values[0]), float(values[1]), float(values[2]), float(values[3])
