@@ -16,8 +16,10 @@ Frameworks (benchmarks/framework_routes.py has the details of each route):
 in each precision as the framework does mixed precision (Lightning ``"bf16-mixed"`` /
 ``"16-mixed"``, accelerate ``mixed_precision``, Trainer ``bf16`` / ``fp16``), on two models: the
 MLP of the framework examples (33.6M params, batch 64) and GPT-2 124M (transformers'
-``GPT2LMHeadModel`` from ``GPT2Config()``, random init, batch 8 x 512 tokens). ``--small``: tiny
-versions of both for a CPU smoke run.
+``GPT2LMHeadModel`` from ``GPT2Config()``, random init, batch 8 x 512 tokens); ``--models gpt2-b2``
+adds GPT-2 124M at batch 2 x 512 (a fine-tuning micro-batch: the same optimizer step over a
+quarter of the tokens, so the step is a larger share of the iteration). ``--small``: tiny
+versions of them for a CPU smoke run.
 
 How: one process per framework (Lightning's launcher exports LOCAL_RANK / WORLD_SIZE even at one
 device, which would turn accelerate's and the Trainer's default route into DDP in the same
@@ -52,7 +54,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from framework_routes import FRAMEWORKS, MODELS, PRECISIONS, Setting, worker  # noqa: E402
+from framework_routes import DEFAULT_MODELS, FRAMEWORKS, MODELS, PRECISIONS, Setting, worker  # noqa: E402
 from host_iteration import paired_ratio  # noqa: E402
 
 WORKER_GRACE_S = 150  # past the budget, a worker may finish the config it started; beyond that it hangs
@@ -70,7 +72,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--frameworks", default=",".join(FRAMEWORKS))
-    p.add_argument("--models", default=",".join(MODELS))
+    p.add_argument("--models", default=",".join(DEFAULT_MODELS),
+                   help=f"comma-separated, from {', '.join(MODELS)} (default: %(default)s)")
     p.add_argument("--precisions", default=",".join(PRECISIONS))
     p.add_argument("--repeats", type=int, default=None, help="pairs per configuration (default: 5 cuda, 2 cpu)")
     p.add_argument("--iters", type=int, default=None, help="timed iterations per run (default: 25 cuda, 3 cpu)")

@@ -49,7 +49,8 @@ from host_iteration import sync  # noqa: E402
 
 FRAMEWORKS = ("lightning", "accelerate", "transformers")
 ROUTES = ("default", "shardamp")
-MODELS = ("mlp", "gpt2")
+MODELS = ("mlp", "gpt2", "gpt2-b2")  # gpt2-b2: GPT-2 124M at micro-batch 2, where the step is a larger share
+DEFAULT_MODELS = ("mlp", "gpt2")
 PRECISIONS = ("bf16", "fp16")
 LR = 1e-4  # lower than the examples' 1e-3: GPT-2 in fp16 would overflow more at that rate
 MAX_GRAD_NORM = 1.0  # the Trainer's default; the accelerate loop clips at the same value
@@ -136,11 +137,13 @@ def workload(name: str, small: bool) -> Workload:
     cfg = (GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
                       use_cache=False) if small else GPT2Config(use_cache=False))
     seq, batch = (32, 4) if small else (512, 8)
+    if name == "gpt2-b2":  # a fine-tuning micro-batch: the same step over a quarter of the tokens
+        batch = 2
 
     def gpt2_data(n: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
         ids = torch.randint(cfg.vocab_size, (n, seq), generator=g)
         return {"input_ids": ids, "labels": ids}  # the model shifts the labels itself
-    return Workload("gpt2", batch, lambda: GPT2LMHeadModel(cfg), gpt2_data)
+    return Workload(name, batch, lambda: GPT2LMHeadModel(cfg), gpt2_data)
 
 
 def make_optimizer(route: str, model: torch.nn.Module, cuda: bool) -> torch.optim.Optimizer:

@@ -30,11 +30,6 @@ def reduce_op(norm_type: float):
     return dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
 
 
-def summed_partials(partials: Tensor) -> Tensor:
-    """The sum of the rows of ``partials`` ([k, PARTIAL], finite ``p``): a new ``[PARTIAL]``."""
-    return torch.sum(partials, dim=0)
-
-
 def root(combined: Tensor, norm_type: float) -> Tensor:
     """The norm from a combined (all-reduced) partial's first entry ``combined`` (0-d)."""
     # one op at most: on a GPU each is a launch the host pays for before the step kernel

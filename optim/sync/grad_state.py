@@ -36,7 +36,7 @@ class BucketGrads:
     buffers: BucketBuffers  # ``grad_shard``: where the reduced shard lands
     expected: int  # params that fire in a backward (those requiring grad)
     flush_bytes: int  # staged bytes that trigger a copy into the buffer
-    partial: Tensor  # its row of GradSync.partials: [sum g^2, non-finite flag] of the shard
+    partial: Tensor  # GradSync.partials, which every bucket adds its shard's [sum g^2, non-finite flag] into
     params: List[ParamGrad] = field(default_factory=list)  # every param of the bucket
     # (its staged grads and the count of params that fired in this backward: the stager's)
     # stager indices of the params whose grad is in the buffer, not reduced yet (a second grad

@@ -101,17 +101,20 @@ class GradSync:
         self.order_group: Optional[backward_order.GroupOrder] = None
         self.build_index = 0
         # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
-        # stream as soon as its reduce-scatter lands, hidden under the rest of backward; after
-        # backward only the one small all-reduce remains (norms.summed_partials sums them).
+        # stream as soon as its reduce-scatter lands, hidden under the rest of backward, and
+        # added into one shared row (zeroed by a round's first bucket): after backward that row
+        # is the stats' header, with no op to combine the buckets' partials before the one
+        # small all-reduce. The buckets add in their launch order, which is the order the
+        # step's own fallback (grad_stats.reduce_step_stats) adds the shards in.
         device = buckets[0].device if buckets else torch.device("cpu")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
-        self.partials = torch.zeros(len(buckets), 2, dtype=torch.float32, device=device)
+        self.partials = torch.zeros(norms.PARTIAL, dtype=torch.float32, device=device)
         self.partials_zeroed = False  # zeroed once per round, not once per bucket
         divisor = 1 if self.in_place else STAGE_FRACTION
         self.states = [
             BucketGrads(i, b, buffers[i], expected=sum(s.requires_grad for s in b.slots),
-                        flush_bytes=b.numel * buffers[i].grad_dtype.itemsize // divisor, partial=self.partials[i])
+                        flush_bytes=b.numel * buffers[i].grad_dtype.itemsize // divisor, partial=self.partials)
             for i, b in enumerate(buckets)
         ]
         # per param, what the hook needs
@@ -344,11 +347,12 @@ class GradSync:
             self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
 
     def landed_stats(self) -> Optional[Tensor]:
-        """The summed 2-norm partials of all buckets (a new float32 ``[2]``: the stats' header)
-        if every bucket's partial is current; None otherwise (the caller computes them)."""
+        """The 2-norm partial of all buckets (float32 ``[2]``: the stats' header, read before the
+        next round's first bucket zeroes it) if every bucket added its current partial; None
+        otherwise (the caller computes it)."""
         if self.side is None or not all(s.partial_valid for s in self.states):
             return None
-        return norms.summed_partials(self.partials)  # a sum of 0/1 flags is still "any" (> 0)
+        return self.partials  # the non-finite flags added up: a count, still "any" where > 0
 
     def holds_unreduced(self) -> bool:
         """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
