@@ -367,10 +367,10 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
         return
     device = grads[order[0]].device
     ext = _native(device)
+    cuda = device.type == "cuda"
+    natives: Optional[List[Any]] = None  # every launch's native object, if all take the compiled kernels
     if ext is not None and hasattr(ext, "adam_launch_all"):
-        cuda = device.type == "cuda"
-        natives: Optional[List[Any]] = []
-        shards = []
+        natives, shards = [], []
         for i in order:
             if not launches[i].segments.segments:
                 continue
@@ -380,28 +380,21 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
                 break
             natives.append(native)
             shards.append(grads[i])
-        if natives is not None:
-            table = prepare.table if prepare is not None else None
-            if natives and table is not None and cuda and hasattr(ext, "adam_prepare"):
-                ext.adam_launch_all(natives, shards, hparams, touched, found_inf, None, table)
-                return
-            if prepare is not None:
-                records = _prepared_records(prepare, launches[order[0]], hparams, touched, found_inf)
-            if natives:
-                ext.adam_launch_all(natives, shards, hparams, touched, found_inf, records if cuda else None)
-            return
+    if natives and prepare is not None and prepare.table is not None and cuda:
+        ext.adam_launch_all(natives, shards, hparams, touched, found_inf, None, prepare.table)
+        return
     if prepare is not None:
-        records = _prepared_records(prepare, launches[order[0]], hparams, touched, found_inf)
+        first = launches[order[0]]
+        records = prepare.compute(hparams, first.steps, touched, first.grad_coef, found_inf, first.bias_correction)
+    if natives is not None:
+        if natives:
+            ext.adam_launch_all(natives, shards, hparams, touched, found_inf, records if cuda else None)
+        return
     for i in order:
         launch = launches[i]
         launch.grad, launch.hparams, launch.records = grads[i], hparams, records
         launch.touched, launch.found_inf = touched, found_inf
         launch_adam(launch)
-
-
-def _prepared_records(prepare: "StepRecords", launch: AdamLaunch, hparams: Tensor, touched: Tensor,
-                      found_inf: Tensor) -> Optional[Tensor]:
-    return prepare.compute(hparams, launch.steps, touched, launch.grad_coef, found_inf, launch.bias_correction)
 
 
 def adam_step(
