@@ -36,6 +36,8 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
                   const StepHealth* health);
 void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);  // grad_stats.cu
+void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out,
+                  bool assign);  // grad_stats.cu
 void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type,
                     const at::Tensor& chunks);  // grad_stats.cu
 int64_t event_query_relaxed(int64_t handle);  // event_query.cu
@@ -307,27 +309,45 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   cpu::step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, h);
 }
 
+void check_flag_args(const at::Tensor& full, const at::Tensor& rows, const at::Tensor& flags, const char* op) {
+  SHARDAMP_CHECK(is_float_type(full.scalar_type()) && full.is_contiguous(), op,
+                 ": full must be a contiguous fp32/bf16/fp16 tensor");
+  SHARDAMP_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 3 &&
+                     rows.device() == full.device(),
+                 op, ": rows must be a contiguous int64 [k, 3] tensor on ", full.device());
+  SHARDAMP_CHECK(flags.scalar_type() == at::kFloat && flags.is_contiguous() && flags.numel() >= 1 &&
+                     flags.device() == full.device(),
+                 op, ": flags must be a contiguous fp32 tensor on ", full.device());
+  SHARDAMP_CHECK(full.is_cpu() || full.is_cuda(), op, ": unsupported device ", full.device());
+#if !defined(SHARDAMP_WITH_CUDA)
+  SHARDAMP_CHECK(!full.is_cuda(), op, ": this build of the shardamp kernels has no CUDA support");
+#endif
+}
+
 // Backward: the per-param non-finite flags of this rank's grads before their reduction
 // (optim/step/health.py). flags[rows[i, 2]] = 1 (and flags[-1] = 1) where the row's elements hold
 // an inf or NaN.
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags) {
-  SHARDAMP_CHECK(is_float_type(full.scalar_type()) && full.is_contiguous(),
-                 "nonfinite_flags: full must be a contiguous fp32/bf16/fp16 tensor");
-  SHARDAMP_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.dim() == 2 && rows.size(1) == 3 &&
-                     rows.device() == full.device(),
-                 "nonfinite_flags: rows must be a contiguous int64 [k, 3] tensor on ", full.device());
-  SHARDAMP_CHECK(flags.scalar_type() == at::kFloat && flags.is_contiguous() && flags.numel() >= 1 &&
-                     flags.device() == full.device(),
-                 "nonfinite_flags: flags must be a contiguous fp32 tensor on ", full.device());
-  if (full.is_cuda()) {
+  check_flag_args(full, rows, flags, "nonfinite_flags");
 #if defined(SHARDAMP_WITH_CUDA)
-    return cuda::nonfinite_flags(full, rows, flags);
-#else
-    SHARDAMP_CHECK(false, "nonfinite_flags: this build of the shardamp kernels has no CUDA support");
+  if (full.is_cuda()) return cuda::nonfinite_flags(full, rows, flags);
 #endif
-  }
-  SHARDAMP_CHECK(full.is_cpu(), "nonfinite_flags: unsupported device ", full.device());
   cpu::nonfinite_flags(full, rows, flags);
+}
+
+// Backward at one process: a landed bucket's flags (as nonfinite_flags) and its L2 partial (as
+// grad_stats with norm_type 2, assigned to out when ``assign``, else added), in one read pass and
+// one launch on CUDA.
+void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out, bool assign) {
+  check_flag_args(full, rows, flags, "bucket_stats");
+  check_stats_args(full, out, 2.0);
+#if defined(SHARDAMP_WITH_CUDA)
+  if (full.is_cuda()) return cuda::bucket_stats(full, rows, flags, out, assign);
+#endif
+  if (assign) out.zero_();
+  if (full.numel() == 0) return;
+  if (rows.size(0) > 0) cpu::nonfinite_flags(full, rows, flags);
+  cpu::grad_stats(full, out, 2.0);
 }
 
 // Each param group's norm partial of a shard (optim/step/health.py: grad_norms_by_group), from
@@ -489,6 +509,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("nonfinite_flags", &shardamp::nonfinite_flags,
         "flags[index] = 1 (and flags[-1] = 1) for each (start, length, index) row of full holding an inf or NaN",
         py::arg("full"), py::arg("rows"), py::arg("flags"));
+  m.def("bucket_stats", &shardamp::bucket_stats,
+        "nonfinite_flags(full, rows, flags) and out (= if assign, else +=) full's L2 partial, in one pass",
+        py::arg("full"), py::arg("rows"), py::arg("flags"), py::arg("out"), py::arg("assign"));
   m.def("group_partials", &shardamp::group_partials,
         "out[group] += each param group's norm partial of a shard (sum |g|^p, max for inf)",
         py::arg("grad"), py::arg("segments"), py::arg("out"), py::arg("norm_type"), py::arg("chunks") = py::none());

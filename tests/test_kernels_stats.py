@@ -204,6 +204,48 @@ def test_nonfinite_flags_match_reference(device, dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", GRAD_DTYPES)
+def test_bucket_stats_is_flags_and_l2_partial(device, dtype):
+    """One pass over a landed bucket: its per-row flags exactly as ``nonfinite_flags`` sets them,
+    and its L2 partial exactly (bitwise) as ``grad_stats`` with norm 2 accumulates it; ``assign``
+    replaces ``out``'s old values (garbage and a set flag included), otherwise they are added to;
+    the reference agrees to fp32 round-off."""
+    ext = ext_for(device)
+    rows = _flag_rows(device)
+    numel = 16480 + 150000 + 7
+    g = torch.Generator().manual_seed(5)
+    for poison in ([], [(40, math.nan)], [(16480 + 149999, math.inf), (16455, -math.inf)], [(numel - 1, math.nan)]):
+        full = (torch.randn(numel, generator=g) * 10).to(dtype).to(device)
+        for at, value in poison:
+            full[at] = value
+        for assign in (True, False):
+            start = torch.tensor([123.0, 1.0 if assign else 0.0], device=device)
+            got_flags, got = torch.zeros(6, device=device), start.clone()
+            got_flags[0] = 1.0  # set by an earlier bucket: stays set
+            ext.bucket_stats(full, rows, got_flags, got, assign)
+            want_flags, want = got_flags.new_zeros(6), (torch.zeros(2, device=device) if assign else start.clone())
+            want_flags[0] = 1.0
+            ext.nonfinite_flags(full, rows, want_flags)
+            ext.grad_stats(full, want, 2.0)
+            assert torch.equal(got_flags.cpu(), want_flags.cpu()), (poison, assign)
+            torch.testing.assert_close(got.cpu(), want.cpu(), rtol=0.0, atol=0.0, equal_nan=True)
+            ref_flags, ref = torch.zeros(6, device=device), start.clone()
+            ref_flags[0] = 1.0
+            reference.bucket_stats(full, rows, ref_flags, ref, assign)
+            assert torch.equal(ref_flags.cpu(), want_flags.cpu())
+            if poison:
+                assert math.isnan(got[0].item()) or math.isinf(got[0].item())
+                assert got[1].item() == 1.0
+            else:
+                assert got[1].item() == 0.0
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=0.0)
+    empty = torch.zeros(0, dtype=dtype, device=device)
+    out = torch.tensor([7.0, 1.0], device=device)
+    ext.bucket_stats(empty, rows[:0], torch.zeros(6, device=device), out, True)
+    assert out.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES)
 @pytest.mark.parametrize("norm_type", [2.0, 1.0, 3.0, math.inf])
 def test_group_partials_match_reference(device, dtype, norm_type):
     """Each param group's partial of a shard (its segments in several groups, interleaved, one

@@ -65,18 +65,37 @@ __device__ __forceinline__ float2 block_reduce(float acc, float bad) {
   return r;
 }
 
-template <typename T, Norm N>
+// Where bucket_stats flags the params holding inf/NaN (nonfinite_flags' rows, sorted by start);
+// unused (all null) for grad_stats.
+struct FlagRows {
+  const int64_t* rows;
+  int64_t n_rows;
+  float* flags;
+  int64_t any_index;
+};
+
+template <typename T, Norm N, bool Flags>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* __restrict__ partials,
-             unsigned int* __restrict__ counter, float* __restrict__ out) {
+             unsigned int* __restrict__ counter, float* __restrict__ out, FlagRows flag_rows, bool assign) {
   constexpr int V = 16 / sizeof(T);  // elements per 16-byte load
   using Lane = float[V];
   float acc = 0.f;
   // x - x is 0 for finite x and NaN for inf/NaN; the running sum stays NaN once it is.
   float bad = 0.f;
-  auto take = [&](float x) {
+  auto take = [&](float x, int64_t j) {
     acc = combine<N>(acc, x, p);
-    bad += x - x;
+    const float d = x - x;
+    bad += d;
+    if constexpr (Flags) {
+      if (d != 0.f) {  // inf/NaN (NaN != 0 too), rare: find the param (as nonfinite_flags_kernel; same benign races)
+        const int64_t row = find_row(flag_rows.rows, flag_rows.n_rows, j);
+        if (row >= 0) {
+          flag_rows.flags[flag_rows.rows[3 * row + 2]] = 1.f;
+          flag_rows.flags[flag_rows.any_index] = 1.f;
+        }
+      }
+    }
   };
 
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
@@ -92,17 +111,17 @@ stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* _
       Lane f;
       unpack(r[u], g, f);
 #pragma unroll
-      for (int k = 0; k < V; ++k) take(f[k]);
+      for (int k = 0; k < V; ++k) take(f[k], (i + u * stride) * V + k);
     }
   }
   for (; i < nvec; i += stride) {
     Lane f;
     unpack(__ldcs(gv + i), g, f);
 #pragma unroll
-    for (int k = 0; k < V; ++k) take(f[k]);
+    for (int k = 0; k < V; ++k) take(f[k], i * V + k);
   }
   for (int64_t j = nvec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < n; j += stride) {
-    take(to_float(g[j]));
+    take(to_float(g[j]), j);
   }
 
   const float2 part = block_reduce<N>(acc, bad);
@@ -123,8 +142,14 @@ stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* _
   }
   const float2 total = block_reduce<N>(a, b);
   if (threadIdx.x == 0) {
-    out[0] = N == Norm::kMax ? nan_max(out[0], total.x) : out[0] + total.x;
-    if (total.y != 0.f) out[1] = fmaxf(out[1], 1.f);  // NaN != 0 as well
+    // assign: the first of a round's accumulations (out's old values are not read: no zeroing launch)
+    const float before = assign ? 0.f : out[0];
+    out[0] = N == Norm::kMax ? nan_max(before, total.x) : before + total.x;
+    if (total.y != 0.f) {
+      out[1] = assign ? 1.f : fmaxf(out[1], 1.f);  // NaN != 0 as well
+    } else if (assign) {
+      out[1] = 0.f;
+    }
     *counter = 0u;
   }
 }
@@ -143,8 +168,9 @@ at::Tensor scratch_for(const at::Tensor& like, cudaStream_t stream) {
   return buf;
 }
 
-template <typename T, Norm N>
-void launch(const at::Tensor& grad, at::Tensor& out, float p) {
+template <typename T, Norm N, bool Flags = false>
+void launch(const at::Tensor& grad, at::Tensor& out, float p, FlagRows flag_rows = {nullptr, 0, nullptr, 0},
+            bool assign = false) {
   const int64_t n = grad.numel();
   const T* g = reinterpret_cast<const T*>(grad.data_ptr());
   const bool vec_ok = reinterpret_cast<uintptr_t>(g) % 16 == 0;
@@ -155,9 +181,9 @@ void launch(const at::Tensor& grad, at::Tensor& out, float p) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor buf = scratch_for(grad, stream);
   float* base = buf.data_ptr<float>();
-  stats_kernel<T, N><<<blocks, kThreads, 0, stream>>>(
+  stats_kernel<T, N, Flags><<<blocks, kThreads, 0, stream>>>(
       g, n, p, vec_ok, reinterpret_cast<float2*>(base), reinterpret_cast<unsigned int*>(base + 2 * kMaxBlocks),
-      out.data_ptr<float>());
+      out.data_ptr<float>(), flag_rows, assign);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -290,6 +316,30 @@ void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor&
     case at::kBFloat16: return launch_flags<__nv_bfloat16>(full, rows, flags);
     case at::kHalf: return launch_flags<__half>(full, rows, flags);
     default: SHARDAMP_CHECK(false, "nonfinite_flags: unsupported dtype ", full.scalar_type());
+  }
+}
+
+// bucket_stats: a landed bucket's L2 partial (into out, assigned or added) and its params' non-finite
+// flags (as nonfinite_flags) in one read pass and one launch: grad_stats' kernel, summing in the
+// same order (so the same result), with the flag writes for the rare inf/NaN element.
+template <typename T>
+void launch_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out,
+                         bool assign) {
+  const FlagRows flag_rows{rows.data_ptr<int64_t>(), rows.size(0), flags.data_ptr<float>(), flags.numel() - 1};
+  launch<T, Norm::kTwo, true>(full, out, 2.f, flag_rows, assign);
+}
+
+void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out, bool assign) {
+  const c10::cuda::CUDAGuard guard(full.device());
+  if (full.numel() == 0) {
+    if (assign) out.zero_();
+    return;
+  }
+  switch (full.scalar_type()) {
+    case at::kFloat: return launch_bucket_stats<float>(full, rows, flags, out, assign);
+    case at::kBFloat16: return launch_bucket_stats<__nv_bfloat16>(full, rows, flags, out, assign);
+    case at::kHalf: return launch_bucket_stats<__half>(full, rows, flags, out, assign);
+    default: SHARDAMP_CHECK(false, "bucket_stats: unsupported dtype ", full.scalar_type());
   }
 }
 

@@ -199,6 +199,19 @@ def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor, host_rows: Option
         ext.nonfinite_flags(full, rows, flags)
 
 
+def bucket_stats(full: Tensor, rows: Tensor, flags: Tensor, out: Tensor, assign: bool,
+                 host_rows: Optional[List[List[int]]] = None) -> None:
+    """``nonfinite_flags(full, rows, flags)`` and ``full``'s L2 partial into ``out`` (float32
+    ``[2]``: assigned if ``assign``, else accumulated as ``grad_stats`` does), in one read pass
+    and one launch where the kernels are built (contract: ``reference.py``)."""
+    ext = _native(full.device)
+    if (ext is None or not hasattr(ext, "bucket_stats") or full.dtype not in _NATIVE_DTYPES
+            or not full.is_contiguous() or flags.dtype != torch.float32):
+        reference.bucket_stats(full, rows if host_rows is None else host_rows, flags, out, assign)
+    else:
+        ext.bucket_stats(full, rows, flags, out, assign)
+
+
 def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> None:
     """Accumulate each param group's partial (``sum |g|^p``, ``max`` for inf) of the shard
     ``grad`` into ``out[group]``, over ``segments`` (contract: ``reference.py``)."""

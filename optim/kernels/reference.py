@@ -220,6 +220,13 @@ def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:
         flags[-1:].copy_(torch.maximum(flags[-1:], torch.cat(hits).amax().reshape(1)))
 
 
+def bucket_stats(full: Tensor, rows: Tensor, flags: Tensor, out: Tensor, assign: bool) -> None:
+    if assign:
+        out.zero_()
+    nonfinite_flags(full, rows, flags)
+    grad_stats(full, out, 2.0)
+
+
 def group_partials(grad: Tensor, segments: Tensor, out: Tensor, norm_type: float) -> None:
     for start, length, _param, group in segments.tolist():  # host-side rows: no device read
         partial = torch.zeros(PARTIAL, dtype=torch.float32, device=grad.device)

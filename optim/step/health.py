@@ -141,10 +141,15 @@ class StepHealth:
         self._summarised = 0.0  # skipped steps already summarised by step_stats()
 
     # ------------------------------------------------------------------ backward
-    def check_landed(self, bucket: int, full: Tensor) -> None:
+    def check_landed(self, bucket: int, full: Tensor, partial: Optional[Tensor] = None, assign: bool = False) -> None:
         """Backward, just before bucket ``bucket``'s buffer ``full`` (this rank's grads, not yet
         reduced; at world 1 the shard itself) is reduce-scattered: flag its params holding inf/NaN.
-        One launch, no host read (grad_sync.py calls it)."""
+        One launch, no host read (grad_sync.py calls it).
+
+        Args:
+            partial: where ``full``'s L2 partial goes in the same read pass (float32 ``[2]``; at
+                one process, where ``full`` is the shard and nothing is reduced), or None.
+            assign: the partial replaces ``partial``'s values instead of adding to them."""
         if not self._landed:  # the first landing after a step: keep that step's flags
             self._landed = True
             if self._reset and not self.capturable:
@@ -158,7 +163,10 @@ class StepHealth:
         elif self._reset:
             self.flags.zero_()
             self._reset = False
-        kernels.nonfinite_flags(full, self.rows[bucket], self.flags, self.host_rows[bucket])
+        if partial is None:
+            kernels.nonfinite_flags(full, self.rows[bucket], self.flags, self.host_rows[bucket])
+        else:
+            kernels.bucket_stats(full, self.rows[bucket], self.flags, partial, assign, self.host_rows[bucket])
 
     def grads_dropped(self) -> None:
         """``zero_grad``: the grads (so their flags) start over; this round's norms are dropped."""

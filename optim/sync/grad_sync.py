@@ -100,12 +100,13 @@ class GradSync:
         self.refusal = ""
         self.order_group: Optional[backward_order.GroupOrder] = None
         self.build_index = 0
-        # On CUDA each bucket's stats partial (sum g^2, non-finite flag) is computed on a side
-        # stream as soon as its reduce-scatter lands, hidden under the rest of backward, and
-        # added into one shared row (zeroed by a round's first bucket): after backward that row
-        # is the stats' header, with no op to combine the buckets' partials before the one
-        # small all-reduce. The buckets add in their launch order, which is the order the
-        # step's own fallback (grad_stats.reduce_step_stats) adds the shards in.
+        # Each bucket's stats partial (sum g^2, non-finite flag) is added into one shared row
+        # (assigned by a round's first bucket): after backward that row is the stats' header,
+        # with no op to combine the buckets' partials before the one small all-reduce. On CUDA
+        # it is computed on a side stream as soon as the bucket's reduce-scatter lands, hidden
+        # under the rest of backward; at one process (nothing reduced) in the flags' pass over
+        # the landed bucket (``check_landed``). The buckets add in their launch order, which is
+        # the order the step's own fallback (grad_stats.reduce_step_stats) adds the shards in.
         device = buckets[0].device if buckets else torch.device("cpu")
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
@@ -292,13 +293,18 @@ class GradSync:
         self._flush(s)
         s.in_buffer.clear()
         full = self._writable_full(s)  # no grad here on this rank: contribute zeros
-        if self.check_landed is not None:
-            self.check_landed(s.index, full)
         if self.in_place:
             s.shard_valid = True
-            if self.side is not None:
+            if self.check_landed is not None:
+                # nothing to reduce: the flags and the L2 partial in one pass over the shard, on
+                # this stream (a side stream would only add a join; the flags pass reads it anyway)
+                self.check_landed(s.index, full, s.partial, not self.partials_zeroed)
+                self.partials_zeroed = s.partial_valid = True
+            elif self.side is not None:
                 self._land_on_side_stream(s, None, None, False)
             return
+        if self.check_landed is not None:
+            self.check_landed(s.index, full)
         accumulate = s.shard_valid
         out = torch.empty_like(s.buffers.grad_shard) if accumulate else s.buffers.grad_shard
         work = self.comm.reduce_scatter(out, full)
@@ -350,7 +356,7 @@ class GradSync:
         """The 2-norm partial of all buckets (float32 ``[2]``: the stats' header, read before the
         next round's first bucket zeroes it) if every bucket added its current partial; None
         otherwise (the caller computes it)."""
-        if self.side is None or not all(s.partial_valid for s in self.states):
+        if not self.states or not all(s.partial_valid for s in self.states):
             return None
         return self.partials  # the non-finite flags added up: a count, still "any" where > 0
 
