@@ -497,7 +497,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Chunk table (int64 [C, 2], host) for adam_step, from a segments table; validates the table",
         py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);
   m.def("land_grads", &shardamp::land_grads, "Copy (or add) grads into their slots of a flat bucket buffer (byte ranges where the layouts match)",
-        py::arg("full"), py::arg("grads"), py::arg("like"), py::arg("offsets"), py::arg("accumulate"));
+        py::arg("full"), py::arg("grads"), py::arg("like"), py::arg("offsets"), py::arg("accumulate"),
+        py::arg("zero_rest") = false);
   m.def("step_scalars", &shardamp::step_scalars,
         "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - skip); with skip_out the "
         "step's skip (found-inf or a norm spike) and the health counters",

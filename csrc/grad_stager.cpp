@@ -229,8 +229,9 @@ class GradStager {
   }
 
   // Copy bucket b's staged grads into their slots of the flat buffer `full` (land_grads: the
-  // param's sizes and strides at its offset); returns the params landed, in staging order.
-  std::vector<int64_t> land(int64_t b, at::Tensor& full) {
+  // param's sizes and strides at its offset; `zero_rest`: the rest of `full` zeroed in the same
+  // pass); returns the params landed, in staging order.
+  std::vector<int64_t> land(int64_t b, at::Tensor& full, bool zero_rest) {
     auto taken = take(b);
     auto& s = *state_;
     std::vector<at::Tensor> like;
@@ -241,7 +242,7 @@ class GradStager {
       like.push_back(s.params[i]);
       offsets.push_back(s.offset[i]);
     }
-    land_grads(full, taken.second, like, offsets, false);
+    land_grads(full, taken.second, like, offsets, false, zero_rest);
     if ((full.is_cuda() || g_release_cpu.load(std::memory_order_relaxed)) && g_release_async.load(std::memory_order_relaxed)) {
       // what Python has seen is freed here (below), the rest on the release thread if it takes it
       std::vector<at::Tensor> later;
@@ -327,7 +328,7 @@ void register_grad_stager(py::module& m) {
       .def("remove", &GradStager::remove, py::arg("erase") = true)
       .def("stage", &GradStager::stage, py::arg("index"))
       .def("take", &GradStager::take, py::arg("bucket"))
-      .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"))
+      .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"), py::arg("zero_rest") = false)
       .def("is_staged", &GradStager::is_staged, py::arg("index"))
       .def("staged_count", &GradStager::staged_count, py::arg("bucket"))
       .def("staged_bytes", &GradStager::staged_bytes, py::arg("bucket"))

@@ -9,7 +9,7 @@
 
 namespace shardamp {
 
-// A byte range to copy: a staged grad into its slot of the flat buffer.
+// A byte range to copy: a staged grad into its slot of the flat buffer; a null ``src`` zeroes it.
 struct CopyRange {
   const void* src;
   void* dst;
@@ -21,9 +21,11 @@ struct CopyRange {
 // (equal sizes, equal strides wherever a size is not 1: autograd's layout contract) and has the
 // buffer's dtype and device, for a dense param (its slot is one range), is a byte range (memcpy
 // on the CPU up to 1 MiB, cuda::batched_copy on CUDA), no view; the others, and every add, go
-// through views and one multi-tensor op. Throws std::runtime_error only.
+// through views and one multi-tensor op. ``zero_rest`` (copies only): every byte of ``full`` no
+// byte range writes is zeroed in the same pass (a buffer allocated uninitialized: the zero fill
+// is not a launch of its own). Throws std::runtime_error only.
 void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
-                const std::vector<int64_t>& offsets, bool accumulate);
+                const std::vector<int64_t>& offsets, bool accumulate, bool zero_rest = false);
 
 #if defined(SHARDAMP_WITH_CUDA)
 namespace cuda {

@@ -226,6 +226,21 @@ def test_native_land_mixed_layouts_and_dtypes(buffer_dtype, device) -> None:
     native.land_grads(fresh, grads, params, offsets, False)
     reference.land_grads(expect.fill_(7.0), grads, params, offsets, accumulate=False)
     assert torch.equal(fresh, expect)
+    # zero_rest through the stager, views included, and a param that is not dense (every other
+    # element of its span written: the others are zeroed); the garbage is NaN
+    sparse_param = torch.zeros(12, device=device)[::2].requires_grad_()
+    params2, grads2 = params + [sparse_param], grads + [torch.randn(6, device=device)]
+    offsets2, n2 = offsets + [off], n + 1
+    stager = native.GradStager(params2, [0] * n2, offsets2, [p.numel() * 4 for p in params2], [n2], [1 << 30],
+                               lambda e, a: None)
+    for i, (p, g) in enumerate(zip(params2, grads2)):
+        p.grad = g.clone()
+        stager.stage(i)
+    garbage = torch.full((off + 12,), float("nan"), dtype=buffer_dtype, device=device)
+    assert stager.land(0, garbage, True) == list(range(n2))
+    expect = torch.zeros(off + 12, dtype=buffer_dtype, device=device)
+    reference.land_grads(expect, grads2, params2, offsets2, accumulate=False)
+    assert torch.equal(garbage, expect)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -258,6 +273,24 @@ def test_native_land_byte_ranges_of_every_size(dtype, device) -> None:
     assert torch.equal(full, expect)
     gaps = int((full == 1000.0).sum())
     assert gaps == sum(i % 3 for i in range(len(sizes)))  # untouched
+    # zero_rest: a buffer of garbage (allocated uninitialized) ends as zeros plus the copies, the
+    # zeroing ranges joining the copies' launches (more ranges than one launch takes here)
+    zeros_then_copies = torch.zeros(off, dtype=dtype, device=device)
+    reference.land_grads(zeros_then_copies, grads, params, offsets, accumulate=False)
+    for land in (native.land_grads, reference.land_grads):
+        garbage = torch.full((off,), 1000.0, dtype=dtype, device=device)
+        land(garbage, grads, params, offsets, False, True)
+        assert torch.equal(garbage, zeros_then_copies), land
+    nothing = torch.full((off,), 1000.0, dtype=dtype, device=device)  # no grad landed: all zeroed
+    native.land_grads(nothing, [], [], [], False, True)
+    assert int(torch.count_nonzero(nothing)) == 0
+    some = torch.full((off,), 1000.0, dtype=dtype, device=device)  # every other grad: the rest zeroed
+    native.land_grads(some, grads[::2], params[::2], offsets[::2], False, True)
+    expect = torch.zeros(off, dtype=dtype, device=device)
+    reference.land_grads(expect, grads[::2], params[::2], offsets[::2], accumulate=False)
+    assert torch.equal(some, expect)
+    with pytest.raises(RuntimeError, match="zero_rest"):
+        native.land_grads(full, grads, params, offsets, True, True)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(

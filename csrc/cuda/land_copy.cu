@@ -3,7 +3,8 @@
 // one batched kernel launch per kBatch (112) grads, whatever their sizes. It replaces, for those grads,
 // an as_strided view and a multi-tensor copy entry each (host work per param is a few pointer
 // reads), and a cudaMemcpyAsync per large grad (~16 us of host time each on an H200 host, against
-// ~10 us for a whole launch). Capturable (no host sync, no allocation).
+// ~10 us for a whole launch). A range without a source is zeroed (the gaps of a buffer allocated
+// uninitialized). Capturable (no host sync, no allocation).
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -38,6 +39,15 @@ struct Batch {
 };
 
 template <typename V>
+__device__ __forceinline__ void zero_span(char* dst, int64_t n) {
+  const int64_t items = n / static_cast<int64_t>(sizeof(V));
+  V* d = reinterpret_cast<V*>(dst);
+  const V zero{};
+  for (int64_t i = threadIdx.x; i < items; i += blockDim.x) d[i] = zero;
+  for (int64_t b = items * static_cast<int64_t>(sizeof(V)) + threadIdx.x; b < n; b += blockDim.x) dst[b] = 0;
+}
+
+template <typename V>
 __device__ __forceinline__ void copy_span(const char* src, char* dst, int64_t n) {
   const int64_t items = n / static_cast<int64_t>(sizeof(V));
   const V* s = reinterpret_cast<const V*>(src);
@@ -64,8 +74,16 @@ __global__ void batched_copy_kernel(Batch batch) {
     const int64_t offset = (c - batch.first_chunk[g]) * kChunk;
     const int64_t left = batch.bytes[g] - offset;
     const int64_t n = left < kChunk ? left : kChunk;
-    const char* src = batch.src[g] + offset;
     char* dst = batch.dst[g] + offset;
+    if (batch.src[g] == nullptr) {  // a gap of a buffer allocated uninitialized (land_grads' zero_rest)
+      if (reinterpret_cast<uintptr_t>(dst) % 16 == 0) {
+        zero_span<int4>(dst, n);
+      } else {
+        zero_span<char>(dst, n);
+      }
+      continue;
+    }
+    const char* src = batch.src[g] + offset;
     const uintptr_t align = reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst);
     if (align % 16 == 0) {
       copy_span<int4>(src, dst, n);

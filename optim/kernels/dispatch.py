@@ -149,14 +149,17 @@ def grad_stats_after(side: Any, grad: Tensor, out: Tensor, zero_first: Optional[
     return True
 
 
-def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:
+def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool,
+               zero_rest: bool = False) -> None:
     """Copy (``accumulate=False``) or add ``grads[i]`` into the view of the flat ``full`` with
-    ``like[i]``'s shape and strides at element ``offsets[i]`` (contract: ``reference.py``)."""
+    ``like[i]``'s shape and strides at element ``offsets[i]`` (contract: ``reference.py``).
+    ``zero_rest`` (copies into a contiguous ``full`` only): the elements no copy writes are
+    zeroed, in the same launch where the kernels are built (``full`` may be uninitialized)."""
     ext = _native(full.device)
     if ext is None or not hasattr(ext, "land_grads"):
-        reference.land_grads(full, grads, like, offsets, accumulate)
+        reference.land_grads(full, grads, like, offsets, accumulate, zero_rest)
     else:
-        ext.land_grads(full, grads, like, offsets, accumulate)
+        ext.land_grads(full, grads, like, offsets, accumulate, zero_rest)
 
 
 def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Tensor], max_norm: float,

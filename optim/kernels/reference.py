@@ -249,7 +249,12 @@ def stats_finish(stats: Tensor, end: int, norm_type: float) -> Tuple[Tensor, Ten
     return raw, found_inf
 
 
-def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool) -> None:
+def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool,
+               zero_rest: bool = False) -> None:
+    if zero_rest:
+        if accumulate or not full.is_contiguous():
+            raise RuntimeError("land_grads: zero_rest is for copies (accumulate=False) into a contiguous buffer")
+        full.zero_()
     base = full.storage_offset()
     views = [full.as_strided(t.shape, t.stride(), base + off) for t, off in zip(like, offsets)]
     if accumulate:

@@ -64,6 +64,16 @@ class BucketBuffers:
             self.grad_store = torch.zeros(n, dtype=self.grad_dtype, device=self.params.device)
         return self.grad_store
 
+    def landing_shard(self) -> Tuple[Tensor, bool]:
+        """The shard for a landing of grads, and True where it was released and is now allocated
+        uninitialized: that landing must zero what it does not write (``land_grads``'
+        ``zero_rest``), so a released shard costs no zero fill of its own."""
+        if self.grad_store is not None:
+            return self.grad_store, False
+        n = self.shard.stop - self.shard.start
+        self.grad_store = torch.empty(n, dtype=self.grad_dtype, device=self.params.device)
+        return self.grad_store, True
+
     def release_grad_shard(self) -> None:
         self.grad_store = None
 

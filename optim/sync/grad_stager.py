@@ -31,8 +31,9 @@ Events (``callback(event, arg)``):
 ``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
 touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
 event it causes (``NONE``, ``FLUSH`` or ``COMPLETE``). ``take(b)`` hands over a bucket's staged
-``(indices, grads)``; ``land(b, full)`` copies them into their slots of the flat buffer ``full``
-(``kernels.land_grads``) and returns their indices. The native ``land`` frees landed CUDA grads on
+``(indices, grads)``; ``land(b, full, zero_rest=False)`` copies them into their slots of the flat
+buffer ``full`` (``kernels.land_grads``; ``zero_rest``: the rest of ``full`` zeroed in the same
+pass) and returns their indices. The native ``land`` frees landed CUDA grads on
 a thread of its own (a free costs the autograd thread ~2 us of host time each, where torch pays
 them in ``zero_grad``), one landing's grads at a time (while one is being freed the next is freed
 inline: backward memory grows by one flush at most); grads Python has seen (staged by
@@ -108,10 +109,10 @@ class PyStager:
             self.staged[i] = False
         return [i for i, _ in staged], [g for _, g in staged]
 
-    def land(self, b: int, full: Tensor) -> List[int]:
+    def land(self, b: int, full: Tensor, zero_rest: bool = False) -> List[int]:
         indices, grads = self.take(b)
         kernels.land_grads(full, grads, [self.params[i] for i in indices], [self.offset[i] for i in indices],
-                           accumulate=False)
+                           accumulate=False, zero_rest=zero_rest)
         return indices
 
     def touched(self) -> bytes:

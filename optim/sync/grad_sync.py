@@ -226,19 +226,40 @@ class GradSync:
         stager = self.stager
         if not stager.staged_count(s.index):
             return
-        full = self._writable_full(s)
         s.partial_valid = False
         # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
         acc_all = self.in_place and s.shard_valid
-        if not acc_all and not s.in_buffer:  # the common case: all copies
-            s.in_buffer.update(stager.land(s.index, full))
+        if not acc_all and not s.in_buffer:  # the common case: all copies, the first into this buffer
+            self._land_first(s)
             return
+        full = self._writable_full(s)
         indices, grads = stager.take(s.index)
         for accumulate in (False, True):  # first grads are copied, later ones added
             pick = [(k, g) for k, g in zip(indices, grads) if (acc_all or k in s.in_buffer) == accumulate]
             if pick:
                 _land_grads(full, self._entries([k for k, _ in pick]), [g for _, g in pick], accumulate)
         s.in_buffer.update(indices)
+
+    def _land_first(self, s: BucketGrads) -> None:
+        """Bucket ``s``'s staged grads copied into a buffer that holds none of this round's: one
+        allocated uninitialized (or holding stale values) has the rest zeroed in the same pass
+        (``land_grads``' ``zero_rest``: no zero fill launch of its own)."""
+        fresh = False
+        if s.full is None:
+            if self.in_place:
+                s.full, fresh = s.buffers.landing_shard()
+            else:
+                s.full, fresh = torch.empty(s.bucket.numel, dtype=s.buffers.grad_dtype, device=s.bucket.device), True
+        stale, s.dirty = fresh or s.dirty, False
+        try:
+            s.in_buffer.update(self.stager.land(s.index, s.full, stale))
+        except BaseException:
+            if fresh and self.in_place:  # released again: read as zeros, as before this landing
+                s.buffers.release_grad_shard()
+                s.full = None
+            elif stale:  # zeroed before its next write
+                s.dirty = True
+            raise
 
     def _entries(self, stager_indices: List[int]) -> List[ParamGrad]:
         return [self.by_stager_index[k] for k in stager_indices]
