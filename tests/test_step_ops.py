@@ -67,9 +67,9 @@ def test_ops_between_backward_and_step_are_few(clip: bool, health: str) -> None:
     for step in range(3):
         _iteration(opt, scaler, model, step, clip, count=False)
     ops = _iteration(opt, scaler, model, 3, clip, count=True).ops
-    # inv scale 3 (torch's double reciprocal), stats buffer 1 (one cat of the zeroed header, the
-    # touched mask and the agreement entries; on CUDA a sum of the partials too), unscale_grads'
-    # found-inf 3, the clip's unscaled norm 1, update 2; one native call each, not counted: the
+    # inv scale 3 (torch's double reciprocal), stats buffer 1 (one cat of the header the landing
+    # formed, the touched mask and the agreement entries), unscale_grads' found-inf 3, the clip's
+    # unscaled norm 1, update 2; one native call each, not counted: the
     # stats' norm, found-inf and touched flags (kernels.stats_finish, was 4 ops) and the
     # coefficient (avg * inv_scale * clip) with the step counts. A scaled step copies nothing
     # back to the host (its flags were 1 op).
