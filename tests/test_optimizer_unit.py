@@ -444,3 +444,32 @@ def test_clean_interpreter_exit_after_training(tmp_path) -> None:
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_landed_norm_over_buckets_and_rounds_is_torchs(set_to_none: bool) -> None:
+    """One process: each bucket's norm partial is formed as it lands (the first bucket of a round
+    replaces the shared row, the others add) and the step reads it. Several buckets, two param
+    groups, two backward rounds before a step (the second leaves one layer without a grad), and
+    zero_grad between steps: every step's norm and the clipped params equal torch's AdamW after
+    ``clip_grad_norm_``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 40), nn.Tanh(), nn.Linear(40, 3))
+    ref = copy.deepcopy(model)
+    groups = lambda m: [{"params": list(m[0].parameters()) + list(m[4].parameters())},  # noqa: E731
+                        {"params": m[2].parameters(), "weight_decay": 0.0}]
+    opt = DistributedFusedAdam(groups(model), lr=0.01, weight_decay=0.02, bucket_cap_mb=0.004, max_grad_norm=0.5)
+    ropt = torch.optim.AdamW(groups(ref), lr=0.01, weight_decay=0.02)
+    assert len(opt._buckets) >= 3  # the per-bucket partials are added, not just one
+    for step in range(4):
+        for m in (model, ref):
+            _loss(m, 10 + step).backward()
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(50 + step))
+            m[2:](m[1](m[0](x)).detach()).square().mean().backward()  # layer 0 gets no grad this round
+        expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        torch.testing.assert_close(opt.grad_norm(), expected, rtol=1e-5, atol=0.0)
+        opt.step()
+        ropt.step()
+        _close(model, ref)
+        opt.zero_grad(set_to_none=set_to_none)
+        ropt.zero_grad(set_to_none=set_to_none)
