@@ -1,7 +1,8 @@
 """How much of the optimizer's work after backward is hidden: the time of ``unscale_ +
-clip_grad_norm`` after backward with the per-bucket grad stats computed as each bucket lands
-(on a side stream, under backward) versus computed after backward, plus a torch.profiler trace
-showing which kernels ran concurrently with backward compute.
+clip_grad_norm`` after backward with each bucket landed (and its grad stats computed) as it
+completes, under backward, versus every bucket landed after backward
+(``overlap_grad_sync=False``), plus a torch.profiler trace showing which kernels ran
+concurrently with backward compute.
 
     python benchmarks/profile_overlap.py --out out/overlap        # one GPU (NCCL world 1)
 
@@ -34,9 +35,9 @@ def _model(width: int, layers: int) -> nn.Module:
 def _time_after_backward(landing: bool, args) -> dict:
     torch.manual_seed(0)
     model = _model(args.width, args.layers)
-    opt = DistributedFusedAdam(model.parameters(), lr=1e-4, bucket_cap_mb=args.bucket_cap_mb)
-    if not landing:
-        opt._grad_sync.side = None  # the stats pass then runs after backward, inside unscale_
+    # without overlap every bucket lands, and its stats pass runs, after backward (inside unscale_)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-4, bucket_cap_mb=args.bucket_cap_mb,
+                               overlap_grad_sync=landing)
     scaler = ShardedGradScaler("cuda")
     x = torch.randn(args.batch, args.width, device="cuda")
     post, total = [], []

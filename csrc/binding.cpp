@@ -20,6 +20,7 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
                   const StepHealth* health);
 void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);
+void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out, bool assign);
 void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type);
 }  // namespace cpu
 
@@ -41,8 +42,6 @@ void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& fl
 void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type,
                     const at::Tensor& chunks);  // grad_stats.cu
 int64_t event_query_relaxed(int64_t handle);  // event_query.cu
-void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor& out,
-                      const c10::optional<at::Tensor>& zero_first, double norm_type);  // grad_stats.cu
 }  // namespace cuda
 #endif
 
@@ -132,21 +131,6 @@ void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
   cpu::grad_stats(grad, out, norm_type);
 }
 
-#if defined(SHARDAMP_WITH_CUDA)
-// grad_stats on the side stream ``side`` (a cudaStream_t as an integer) after it has joined the
-// current one, zeroing ``zero_first`` there first (cuda/grad_stats.cu): CUDA tensors only.
-void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor out, const c10::optional<at::Tensor>& zero_first,
-                      double norm_type) {
-  check_stats_args(grad, out, norm_type);
-  SHARDAMP_CHECK(grad.is_cuda() && side != 0, "grad_stats_after: CUDA tensors and a side stream only");
-  if (zero_first) check_same_device(grad, *zero_first, "zero_first");
-  try {
-    cuda::grad_stats_after(side, grad, out, zero_first, norm_type);
-  } catch (const c10::Error& e) {  // a c10::Error leaving the extension can kill Python (common.h)
-    throw std::runtime_error(e.what_without_backtrace());
-  }
-}
-#endif
 
 // The step's scalar inputs, shared by adam_step and adam_prepare: hparams fp64 [G, 5]; steps,
 // touched (one per param), grad_coef and found_inf (one element) contiguous, of a supported
@@ -336,18 +320,15 @@ void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor 
 }
 
 // Backward at one process: a landed bucket's flags (as nonfinite_flags) and its L2 partial (as
-// grad_stats with norm_type 2, assigned to out when ``assign``, else added), in one read pass and
-// one launch on CUDA.
+// grad_stats with norm_type 2, assigned to out when ``assign``, else added), in one read pass (one
+// launch on CUDA).
 void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out, bool assign) {
   check_flag_args(full, rows, flags, "bucket_stats");
   check_stats_args(full, out, 2.0);
 #if defined(SHARDAMP_WITH_CUDA)
   if (full.is_cuda()) return cuda::bucket_stats(full, rows, flags, out, assign);
 #endif
-  if (assign) out.zero_();
-  if (full.numel() == 0) return;
-  if (rows.size(0) > 0) cpu::nonfinite_flags(full, rows, flags);
-  cpu::grad_stats(full, out, 2.0);
+  cpu::bucket_stats(full, rows, flags, out, assign);
 }
 
 // Each param group's norm partial of a shard (optim/step/health.py: grad_norms_by_group), from
@@ -526,9 +507,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("intact", &shardamp::ViewCheck::intact, py::arg("params"));
   shardamp::register_grad_stager(m);
 #if defined(SHARDAMP_WITH_CUDA)
-  m.def("grad_stats_after", &shardamp::grad_stats_after,
-        "grad_stats on a side stream once it has joined the current one, zeroing zero_first there first",
-        py::arg("side"), py::arg("grad"), py::arg("out"), py::arg("zero_first"), py::arg("norm_type"));
   m.def("event_query_relaxed", &shardamp::cuda::event_query_relaxed,
         "cudaEventQuery in relaxed capture mode (safe while another thread captures): 1 done, 0 not yet, -1 error",
         py::arg("handle"));

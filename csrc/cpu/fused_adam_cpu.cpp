@@ -114,8 +114,9 @@ inline Partial chunk_partial(const T* g, int64_t lo, int64_t hi, float p) {
   return Partial{s, f};
 }
 
+// Every chunk's partial, in parallel, in chunk order.
 template <typename T, Norm N>
-void stats_impl(const T* g, int64_t n, float p, float* out) {
+std::vector<Partial> chunk_partials(const T* g, int64_t n, float p) {
   const int64_t nchunks = (n + kStatsChunk - 1) / kStatsChunk;
   std::vector<Partial> part(nchunks);
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
@@ -123,13 +124,26 @@ void stats_impl(const T* g, int64_t n, float p, float* out) {
       part[c] = chunk_partial<T, N>(g, c * kStatsChunk, std::min(n, (c + 1) * kStatsChunk), p);
     }
   });
-  float s = N == Norm::kMax ? out[0] : 0.f, f = 0.f;
-  for (int64_t c = 0; c < nchunks; ++c) {
-    s = N == Norm::kMax ? nan_max(s, part[c].acc) : s + part[c].acc;
-    f += part[c].bad;
+  return part;
+}
+
+// The chunks' partials folded in chunk order into out (assigned instead of added to if `assign`).
+template <Norm N>
+void fold_partials(const std::vector<Partial>& part, float* out, bool assign) {
+  const float before0 = assign ? 0.f : out[0];
+  float s = N == Norm::kMax ? before0 : 0.f, f = 0.f;
+  for (const Partial& q : part) {
+    s = N == Norm::kMax ? nan_max(s, q.acc) : s + q.acc;
+    f += q.bad;
   }
-  out[0] = N == Norm::kMax ? s : out[0] + s;
-  if (f != 0.f) out[1] = std::fmax(out[1], 1.f);  // NaN != 0 too
+  out[0] = N == Norm::kMax ? s : before0 + s;
+  const float before1 = assign ? 0.f : out[1];
+  out[1] = f != 0.f ? std::fmax(before1, 1.f) : before1;  // NaN != 0 too
+}
+
+template <typename T, Norm N>
+void stats_impl(const T* g, int64_t n, float p, float* out) {
+  fold_partials<N>(chunk_partials<T, N>(g, n, p), out, false);
 }
 
 template <typename T>
@@ -226,6 +240,21 @@ float chunk_bad(const T* x, int64_t lo, int64_t hi) {
   return f;
 }
 
+// Chunk c, known to hold an inf/NaN, read again element by element: each such element's row set.
+template <typename T>
+void flag_chunk(const T* x, int64_t n, int64_t c, const int64_t* rows, int64_t n_rows, float* flags,
+                int64_t any_index) {
+  for (int64_t i = c * kFlagsChunk, hi = std::min(n, (c + 1) * kFlagsChunk); i < hi; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (v - v == 0.f) continue;
+    const int64_t row = find_row(rows, n_rows, i);
+    if (row >= 0) {
+      flags[rows[3 * row + 2]] = 1.f;
+      flags[any_index] = 1.f;
+    }
+  }
+}
+
 template <typename T>
 void flags_impl(const T* x, int64_t n, const int64_t* rows, int64_t n_rows, float* flags, int64_t any_index) {
   const int64_t nchunks = (n + kFlagsChunk - 1) / kFlagsChunk;
@@ -236,16 +265,39 @@ void flags_impl(const T* x, int64_t n, const int64_t* rows, int64_t n_rows, floa
     }
   });
   for (int64_t c = 0; c < nchunks; ++c) {
-    if (!bad[c]) continue;
-    for (int64_t i = c * kFlagsChunk, hi = std::min(n, (c + 1) * kFlagsChunk); i < hi; ++i) {
-      const float v = static_cast<float>(x[i]);
-      if (v - v == 0.f) continue;
-      const int64_t row = find_row(rows, n_rows, i);
-      if (row >= 0) {
-        flags[rows[3 * row + 2]] = 1.f;
-        flags[any_index] = 1.f;
-      }
-    }
+    if (bad[c]) flag_chunk(x, n, c, rows, n_rows, flags, any_index);
+  }
+}
+
+// bucket_stats: grad_stats' chunk partials (norm 2, so its sum exactly), whose non-finite sums
+// also say which chunks to read again for the flags: one pass over the bucket unless it holds an
+// inf/NaN.
+template <typename T>
+void bucket_stats_impl(const T* x, int64_t n, const int64_t* rows, int64_t n_rows, float* flags, int64_t any_index,
+                       float* out, bool assign) {
+  static_assert(kFlagsChunk == kStatsChunk, "a stats chunk is the flags' chunk");
+  const std::vector<Partial> part = chunk_partials<T, Norm::kTwo>(x, n, 2.f);
+  for (int64_t c = 0; c < static_cast<int64_t>(part.size()); ++c) {
+    if (part[c].bad != 0.f) flag_chunk(x, n, c, rows, n_rows, flags, any_index);  // NaN != 0 too
+  }
+  fold_partials<Norm::kTwo>(part, out, assign);
+}
+
+void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out, bool assign) {
+  const int64_t n = full.numel(), n_rows = rows.size(0);
+  float* o = out.data_ptr<float>();
+  if (n == 0) {
+    if (assign) o[0] = o[1] = 0.f;
+    return;
+  }
+  const int64_t* r = rows.data_ptr<int64_t>();
+  float* f = flags.data_ptr<float>();
+  const int64_t any = flags.numel() - 1;
+  switch (full.scalar_type()) {
+    case at::kFloat: return bucket_stats_impl(full.data_ptr<float>(), n, r, n_rows, f, any, o, assign);
+    case at::kBFloat16: return bucket_stats_impl(full.data_ptr<at::BFloat16>(), n, r, n_rows, f, any, o, assign);
+    case at::kHalf: return bucket_stats_impl(full.data_ptr<at::Half>(), n, r, n_rows, f, any, o, assign);
+    default: SHARDAMP_CHECK(false, "bucket_stats: unsupported dtype ", full.scalar_type());
   }
 }
 

@@ -343,33 +343,5 @@ void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& fl
   }
 }
 
-// The side stream's stats of one landed bucket (optim/sync/grad_sync.py): ``side`` waits for what the
-// current stream has issued (the landed grads), then, on ``side``, zeroes ``zero_first`` if given
-// and accumulates ``grad``'s partial into ``out``. What torch's wait_stream, a stream context, a
-// zero_ and a launch cost from Python, in one call (no new event each time: a recorded event
-// can be recorded again once a wait on it has been enqueued). Capturable.
-void grad_stats_after(int64_t side, const at::Tensor& grad, at::Tensor& out,
-                      const c10::optional<at::Tensor>& zero_first, double norm_type) {
-  const c10::cuda::CUDAGuard guard(grad.device());
-  const int device = grad.get_device();
-  static thread_local std::map<int, cudaEvent_t> events;  // one per device and thread
-  cudaEvent_t& event = events[device];
-  if (event == nullptr) {
-    const cudaError_t err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-    SHARDAMP_CHECK(err == cudaSuccess, "grad_stats_after: cudaEventCreate failed: ", cudaGetErrorString(err));
-  }
-  const cudaStream_t current = c10::cuda::getCurrentCUDAStream(device);
-  const c10::cuda::CUDAStream side_stream = c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(side), device);
-  cudaError_t err = cudaEventRecord(event, current);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(side_stream.stream(), event, 0);
-  SHARDAMP_CHECK(err == cudaSuccess, "grad_stats_after: joining the side stream failed: ", cudaGetErrorString(err));
-  const c10::cuda::CUDAStreamGuard on_side(side_stream);
-  if (zero_first) {
-    at::Tensor z = *zero_first;
-    z.zero_();
-  }
-  grad_stats(grad, out, norm_type);
-}
-
 }  // namespace cuda
 }  // namespace shardamp

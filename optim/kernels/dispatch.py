@@ -138,17 +138,6 @@ def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
         ext.grad_stats(grad, out, float(norm_type))
 
 
-def grad_stats_after(side: Any, grad: Tensor, out: Tensor, zero_first: Optional[Tensor], norm_type: float) -> bool:
-    """CUDA with the native kernels: the stream ``side`` joins the current one, then on ``side``
-    ``zero_first`` (if given) is zeroed and ``grad``'s stats accumulated into ``out``, in one
-    call; False (nothing done) where that call does not exist: the caller does it in Python."""
-    ext = _native(grad.device)
-    if ext is None or not hasattr(ext, "grad_stats_after") or grad.dtype not in _NATIVE_DTYPES:
-        return False
-    ext.grad_stats_after(side.cuda_stream, grad, out, zero_first, float(norm_type))
-    return True
-
-
 def land_grads(full: Tensor, grads: List[Tensor], like: List[Tensor], offsets: List[int], accumulate: bool,
                zero_rest: bool = False) -> None:
     """Copy (``accumulate=False``) or add ``grads[i]`` into the view of the flat ``full`` with

@@ -17,12 +17,6 @@ def accumulate_partial(shard: Tensor, out: Tensor, norm_type: float) -> None:
     kernels.grad_stats(shard, out, norm_type)
 
 
-def accumulate_partial_after(side, shard: Tensor, out: Tensor, zero_first: Optional[Tensor], norm_type: float) -> bool:
-    """``accumulate_partial`` on the CUDA stream ``side`` once it has joined the current one
-    (``zero_first`` zeroed there first) in one native call; False where there is none."""
-    return kernels.grad_stats_after(side, shard, out, zero_first, norm_type)
-
-
 def partial(shards: Sequence[Tensor], norm_type: float, out: Optional[Tensor] = None,
             device: Optional[torch.device] = None, zeroed: bool = False) -> Tensor:
     """Fill ``out[:PARTIAL]`` (a new float32 tensor on ``device`` if None) with the partial of

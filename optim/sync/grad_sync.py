@@ -69,12 +69,14 @@ class GradSync:
         native_hooks: bool = True,
         *,
         cycle: "StepCycle",
-        check_landed: Optional[Callable[[int, Tensor], None]] = None,
+        check_landed: Callable[..., None],
     ) -> None:
         self.comm = comm
         # the step cycle: told when a backward begins and a round is launched; read for the rounds
         self.cycle = cycle
-        # called with (bucket, buffer) just before a bucket's grads are reduced (health.py)
+        # health.py's StepHealth.check_landed: called with (bucket, buffer) just before a bucket's
+        # grads are reduced; at one process also with the shared partial row, to form it in the
+        # same pass
         self.check_landed = check_landed
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
         self.in_place = not comm.reduces_grads
@@ -101,17 +103,18 @@ class GradSync:
         self.order_group: Optional[backward_order.GroupOrder] = None
         self.build_index = 0
         # Each bucket's stats partial (sum g^2, non-finite flag) is added into one shared row
-        # (assigned by a round's first bucket): after backward that row is the stats' header,
-        # with no op to combine the buckets' partials before the one small all-reduce. On CUDA
-        # it is computed on a side stream as soon as the bucket's reduce-scatter lands, hidden
-        # under the rest of backward; at one process (nothing reduced) in the flags' pass over
-        # the landed bucket (``check_landed``). The buckets add in their launch order, which is
-        # the order the step's own fallback (grad_stats.reduce_step_stats) adds the shards in.
+        # (the round's first bucket starts it over): after backward that row is the stats'
+        # header, with no op to combine the buckets' partials before the one small all-reduce.
+        # Where grads are reduced on CUDA it is computed on a side stream as soon as the bucket's
+        # reduce-scatter lands, hidden under the rest of backward; at one process (nothing
+        # reduced, on any device) in the flags' pass over the landed bucket (``check_landed``).
+        # The buckets add in their launch order, which is the order the step's own fallback
+        # (grad_stats.reduce_step_stats) adds the shards in.
         device = buckets[0].device if buckets else torch.device("cpu")
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not self.in_place else None
         self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
         self.partials = torch.zeros(norms.PARTIAL, dtype=torch.float32, device=device)
-        self.partials_zeroed = False  # zeroed once per round, not once per bucket
+        self.partials_started = False  # a bucket of this round wrote the row: the next ones add to it
         divisor = 1 if self.in_place else STAGE_FRACTION
         self.states = [
             BucketGrads(i, b, buffers[i], expected=sum(s.requires_grad for s in b.slots),
@@ -249,7 +252,7 @@ class GradSync:
             if self.in_place:
                 s.full, fresh = s.buffers.landing_shard()
             else:
-                s.full, fresh = torch.empty(s.bucket.numel, dtype=s.buffers.grad_dtype, device=s.bucket.device), True
+                s.full, fresh = self._new_full(s, zeroed=False), True
         stale, s.dirty = fresh or s.dirty, False
         try:
             s.in_buffer.update(self.stager.land(s.index, s.full, stale))
@@ -281,8 +284,11 @@ class GradSync:
         for s in self.states:
             self._flush(s)
 
-    def _new_full(self, s: BucketGrads) -> Tensor:
-        return torch.zeros(s.bucket.numel, dtype=s.buffers.grad_shard.dtype, device=s.bucket.device)
+    def _new_full(self, s: BucketGrads, zeroed: bool = True) -> Tensor:
+        """A full-size buffer for bucket ``s``: zeros, or uninitialized for a landing that zeroes
+        what it does not write."""
+        make = torch.zeros if zeroed else torch.empty
+        return make(s.bucket.numel, dtype=s.buffers.grad_dtype, device=s.bucket.device)
 
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
@@ -306,7 +312,7 @@ class GradSync:
         self.next_launch = 0
         self.stager.reset_fired()
         self.cycle.round_launched()
-        self.partials_zeroed = False  # the next round recomputes (and first zeroes) them all
+        self.partials_started = False  # the next round recomputes them all
 
     def _launch(self, s: BucketGrads) -> None:
         """Reduce-scatter bucket ``s`` (every rank calls this for every bucket, in order)."""
@@ -316,16 +322,12 @@ class GradSync:
         full = self._writable_full(s)  # no grad here on this rank: contribute zeros
         if self.in_place:
             s.shard_valid = True
-            if self.check_landed is not None:
-                # nothing to reduce: the flags and the L2 partial in one pass over the shard, on
-                # this stream (a side stream would only add a join; the flags pass reads it anyway)
-                self.check_landed(s.index, full, s.partial, not self.partials_zeroed)
-                self.partials_zeroed = s.partial_valid = True
-            elif self.side is not None:
-                self._land_on_side_stream(s, None, None, False)
+            # nothing to reduce: the flags and the L2 partial in one pass over the shard, on this
+            # stream (a side stream would only add a join; the flags pass reads the shard anyway)
+            self.check_landed(s.index, full, s.partial, not self.partials_started)
+            self.partials_started = s.partial_valid = True
             return
-        if self.check_landed is not None:
-            self.check_landed(s.index, full)
+        self.check_landed(s.index, full)
         accumulate = s.shard_valid
         out = torch.empty_like(s.buffers.grad_shard) if accumulate else s.buffers.grad_shard
         work = self.comm.reduce_scatter(out, full)
@@ -342,36 +344,29 @@ class GradSync:
         s.shard_valid = True
 
     def _land_on_side_stream(
-        self, s: BucketGrads, work, out: Optional[Tensor], accumulate: bool, full: Optional[Tensor] = None
+        self, s: BucketGrads, work, out: Tensor, accumulate: bool, full: Optional[Tensor] = None
     ) -> None:
         """Queue, on the side stream: wait for bucket ``s``'s reduction, accumulate it, and
         compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
         shard = s.buffers.grad_shard
-        zero = None if self.partials_zeroed else self.partials  # every partial is redone this round
-        # one process (nothing reduced): the stats alone, in one native call where there is one
-        # (Python's stream switch and launches cost ~150 us of host time a bucket on an H200 host)
-        if work is not None or accumulate or not partials.accumulate_partial_after(self.side, shard, s.partial, zero, 2.0):
-            self.side.wait_stream(torch.cuda.current_stream(self.side.device))
-            with torch.cuda.stream(self.side):
-                if work is not None:
-                    work.wait()
-                    # issued on the side stream: it starts once the reduce-scatter has landed
-                    replicas = self.comm.reduce_replicas(out)
-                    if replicas is not None:
-                        replicas.wait()
-                if accumulate:
-                    shard.add_(out)
-                if zero is not None:
-                    zero.zero_()
-                partials.accumulate_partial(shard, s.partial, 2.0)
-            for t in (full, out):
-                if t is not None:
-                    # freed by the caller right away: the allocator reuses the memory only once the
-                    # side stream (which waited for the collective) has passed this point
-                    t.record_stream(self.side)
-        self.partials_zeroed = s.partial_valid = True
-        if work is None:
-            self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
+        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
+        with torch.cuda.stream(self.side):
+            work.wait()
+            # issued on the side stream: it starts once the reduce-scatter has landed
+            replicas = self.comm.reduce_replicas(out)
+            if replicas is not None:
+                replicas.wait()
+            if accumulate:
+                shard.add_(out)
+            if not self.partials_started:  # every partial is redone this round
+                self.partials.zero_()
+            partials.accumulate_partial(shard, s.partial, 2.0)
+        for t in (full, out):
+            if t is not None:
+                # freed by the caller right away: the allocator reuses the memory only once the
+                # side stream (which waited for the collective) has passed this point
+                t.record_stream(self.side)
+        self.partials_started = s.partial_valid = True
 
     def landed_stats(self) -> Optional[Tensor]:
         """The 2-norm partial of all buckets (float32 ``[2]``: the stats' header, read before the
@@ -454,7 +449,7 @@ class GradSync:
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
         self.wait()
         self.next_launch = 0
-        self.partials_zeroed = False
+        self.partials_started = False
         self.callback_queued = False  # a backward that raised never ran its callback
         self.defer_launches = self.hold_launches = False
         self.refusal = ""
