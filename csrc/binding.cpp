@@ -4,6 +4,8 @@
 #include <torch/extension.h>
 
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "common.h"
 #include "land_grads.h"
@@ -358,23 +360,35 @@ void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tens
 }
 
 // The reduced stats' header and touched flags in one launch (optim/kernels/dispatch.py checks first;
-// these checks are the backstop): out = [norm, found_inf], stats[2:end] clamped to <= 1.
-void stats_finish(at::Tensor stats, int64_t end, double norm_type, at::Tensor out) {
-  SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && out.scalar_type() == at::kFloat &&
-                     out.is_contiguous() && out.numel() == 2 && out.device() == stats.device(),
-                 "stats_finish: stats and out must be contiguous fp32 tensors on one device, out of 2 elements");
+// these checks are the backstop): [norm, found_inf] (0-d views of one new 2-float tensor), stats[2:end]
+// clamped to <= 1, then stats.narrow(0, start, length) for each of ``views``: the step's views of its
+// stats made here, where each costs no Python call.
+std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_type,
+                                     const std::vector<std::pair<int64_t, int64_t>>& views) {
+  SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && stats.dim() == 1,
+                 "stats_finish: stats must be a contiguous 1-d fp32 tensor");
   SHARDAMP_CHECK(end >= 2 && end <= stats.numel(), "stats_finish: end must lie in [2, stats.numel()]");
   SHARDAMP_CHECK(norm_type == 2.0 || std::isinf(norm_type), "stats_finish: norm_type must be 2 or inf");
+  for (const auto& v : views) {
+    SHARDAMP_CHECK(v.first >= 0 && v.second >= 0 && v.first + v.second <= stats.numel(),
+                   "stats_finish: each view (start, length) must lie within stats");
+  }
   const bool sqrt_root = norm_type == 2.0;
+  at::Tensor out = at::empty({2}, stats.options());
   if (stats.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)
-    return cuda::stats_finish(stats, end, sqrt_root, out);
+    cuda::stats_finish(stats, end, sqrt_root, out);
 #else
     SHARDAMP_CHECK(false, "stats_finish: this build of the shardamp kernels has no CUDA support");
 #endif
+  } else {
+    SHARDAMP_CHECK(stats.is_cpu(), "stats_finish: unsupported device ", stats.device());
+    cpu::stats_finish(stats, end, sqrt_root, out);
   }
-  SHARDAMP_CHECK(stats.is_cpu(), "stats_finish: unsupported device ", stats.device());
-  cpu::stats_finish(stats, end, sqrt_root, out);
+  std::vector<at::Tensor> result{out.select(0, 0), out.select(0, 1)};
+  result.reserve(2 + views.size());
+  for (const auto& v : views) result.push_back(stats.narrow(0, v.first, v.second));
+  return result;
 }
 
 // One bucket's step launch as a named structure (Python: kernels.AdamLaunch builds it once per
@@ -498,8 +512,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[group] += each param group's norm partial of a shard (sum |g|^p, max for inf)",
         py::arg("grad"), py::arg("segments"), py::arg("out"), py::arg("norm_type"), py::arg("chunks") = py::none());
   m.def("stats_finish", &shardamp::stats_finish,
-        "out = [root(stats[0]), found_inf]; stats[2:end] clamped to <= 1 (norm_type 2 or inf)",
-        py::arg("stats"), py::arg("end"), py::arg("norm_type"), py::arg("out"));
+        "[root(stats[0]), found_inf, *views of stats]; stats[2:end] clamped to <= 1 (norm_type 2 or inf)",
+        py::arg("stats"), py::arg("end"), py::arg("norm_type"), py::arg("views"));
   py::class_<shardamp::ViewCheck>(m, "ViewCheck",
                                   "intact(params: list): params still are their buffer views (pointer, dtype, shape, "
                                   "strides) without .grad")

@@ -102,9 +102,14 @@ def test_stats_finish_matches_reference_bitwise(device):
                     stats = torch.cat([torch.tensor([partial, flag]), counts, tail]).to(device)
                     end = 2 + n_touched
                     native, ref = stats.clone(), stats.clone()
-                    out = torch.full((2,), -7.0, device=device)
-                    ext.stats_finish(native, end, norm_type, out)
+                    views = [(0, 2), (end, stats.numel() - end)]
+                    out0, out1, head, rest = ext.stats_finish(native, end, norm_type, views)
+                    out = torch.stack([out0, out1])
                     raw, found = reference.stats_finish(ref, end, norm_type)
+                    # the views asked for are views of the stats, made in the same call
+                    assert head.data_ptr() == native.data_ptr() and rest.data_ptr() == native[end:].data_ptr()
+                    assert head.shape == (2,) and rest.shape == (stats.numel() - end,)
+                    assert out0.dim() == 0 and out0.data_ptr() + 4 == out1.data_ptr()
                     torch.testing.assert_close(native[2:], ref[2:], rtol=0, atol=0, equal_nan=True)
                     torch.testing.assert_close(native[:2], stats[:2], rtol=0, atol=0, equal_nan=True)  # header read only
                     # the norm is the correctly rounded root: torch's CPU sqrt is 1 ulp off for some

@@ -227,17 +227,19 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
     ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
 
 
-def stats_finish(stats: Tensor, end: int, norm_type: float) -> Tuple[Tensor, Tensor]:
-    """``(norm, found_inf)`` from the reduced stats, their touched counts ``stats[2:end]``
-    clamped to 0/1 in place: one launch where the kernels are built (norm types 2 and inf),
-    the reference's four torch ops otherwise (contract: ``reference.py``)."""
+def stats_finish(stats: Tensor, end: int, norm_type: float,
+                 views: Sequence[Tuple[int, int]] = ()) -> List[Tensor]:
+    """``[norm, found_inf, *views]`` from the reduced stats, their touched counts ``stats[2:end]``
+    clamped to 0/1 in place (contract: ``reference.py``), and ``stats[start:start + length]``
+    for each ``(start, length)`` of ``views``: one native call and one launch where the kernels
+    are built (norm types 2 and inf; each view made there costs the host no Python call), the
+    reference's four torch ops otherwise."""
     ext = _native(stats.device)
     if (ext is None or not hasattr(ext, "stats_finish") or stats.dtype != torch.float32
             or not stats.is_contiguous() or not (norm_type == 2.0 or math.isinf(norm_type))):
-        return reference.stats_finish(stats, end, norm_type)
-    out = torch.empty(2, dtype=torch.float32, device=stats.device)
-    ext.stats_finish(stats, int(end), float(norm_type), out)
-    return out[0], out[1]
+        raw, found_inf = reference.stats_finish(stats, end, norm_type)
+        return [raw, found_inf, *(stats[start:start + length] for start, length in views)]
+    return ext.stats_finish(stats, int(end), float(norm_type), views)
 
 
 def view_check(refs: List[Tensor]) -> Optional[Any]:

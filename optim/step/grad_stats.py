@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -36,24 +36,26 @@ class GradStats:
     touched: Tensor  # float32 [P], 1.0 where some rank produced a grad for the param
     # float32 0/1 [invalid value on some rank, ranks disagree on category 0, 1, ...] (agreement.py)
     disagreement: Optional[Tensor] = None
+    views: Sequence[Tensor] = ()  # the views of the stats ``finish`` was asked for, in order
 
 
 def finish(stats: Tensor, norm_type: float, n_params: Optional[int] = None, fingerprint=None,
-           n_health: int = 0) -> GradStats:
+           n_health: int = 0, views: Sequence[Tuple[int, int]] = ()) -> GradStats:
     """Turn the all-reduced ``stats`` into a :class:`GradStats`. The ``n_health`` entries of the
     step's health (health.py) follow the touched flags; with ``fingerprint``
     (agreement.StepFingerprint), ``stats[HEADER + n_params + n_health:]`` holds its entries: a
-    mismatch or an invalid lr sets found-inf, so the kernel skips the step on every rank."""
+    mismatch or an invalid lr sets found-inf, so the kernel skips the step on every rank.
+    ``views``: ``(start, length)`` of more views of ``stats`` the caller keeps (made in the same
+    native call: ``GradStats.views``)."""
     end = stats.numel() if n_params is None else HEADER + n_params
     # one launch (kernels.stats_finish): on a GPU each op is a launch the host pays for before
     # the step kernel; the touched counts (SUM-reduced, or MAX-reduced flags) become 0/1
-    raw, found_inf = kernels.stats_finish(stats, end, norm_type)
-    touched = stats[HEADER:end]
+    raw, found_inf, touched, *more = kernels.stats_finish(stats, end, norm_type, [(HEADER, end - HEADER), *views])
     if fingerprint is None:
-        return GradStats(norm_type, raw, found_inf, touched)
+        return GradStats(norm_type, raw, found_inf, touched, views=more)
     disagreement = fingerprint.check(stats[end + n_health:], math.isinf(norm_type))
     found_inf = torch.maximum(found_inf, disagreement.reshape(()) if disagreement.numel() == 1 else disagreement.amax())
-    return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement)
+    return GradStats(norm_type, raw, found_inf, touched, disagreement=disagreement, views=more)
 
 
 class TouchedPatterns:
@@ -143,8 +145,9 @@ def reduce_step_stats(
         for bucket, shard in zip(buckets, grad_shards):
             kernels.group_partials(shard, bucket.segments, buf[groups], norm_type, n_params)
     reduce(buf, norms.reduce_op(norm_type))
-    stats = finish(buf, norm_type, n_params, view.fingerprint if checked else None, health.n_entries)
-    health.note_stats(buf, offset, norm_type)
+    stats = finish(buf, norm_type, n_params, view.fingerprint if checked else None, health.n_entries,
+                   health.stats_views(offset))
+    health.note_stats(stats.views, norm_type)
     return ReducedStats(stats, checked, names)
 
 

@@ -189,11 +189,17 @@ class StepHealth:
         with one group: its partial is the whole norm's, ``stats[0]``)."""
         return slice(offset + 1, offset + 1 + self.n_groups) if self.n_groups > 1 else None
 
-    def note_stats(self, stats: Tensor, offset: int, norm_type: float) -> None:
-        """The step's stats were all-reduced; its entries start at ``stats[offset]``."""
+    def stats_views(self, offset: int) -> List[Tuple[int, int]]:
+        """``(start, length)`` of the views :meth:`note_stats` takes, in a stats tensor whose
+        entries start at ``offset``: the group partials (the norm's partial with one group),
+        then the count of ranks whose own grads held inf/NaN."""
         groups = self.group_slice(offset)
-        self._round = _StepNorms(stats[groups] if groups is not None else stats[0:1], norm_type,
-                                 stats[offset:offset + 1])
+        return [(0, 1) if groups is None else (groups.start, self.n_groups), (offset, 1)]
+
+    def note_stats(self, views: Sequence[Tensor], norm_type: float) -> None:
+        """The step's stats were all-reduced: ``views`` are those :meth:`stats_views` named."""
+        partials, ranks = views
+        self._round = _StepNorms(partials, norm_type, ranks)
 
     # ------------------------------------------------------------------ the step
     def step_args(self, raw_norm: Tensor, inv_scale: Optional[Tensor], avg: float) -> Dict[str, Any]:
