@@ -240,7 +240,7 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
                   const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
                   const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                   const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
-                  const c10::optional<at::Tensor>& ranks) {
+                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host) {
   auto check = [&](const at::Tensor& t, const char* name, int64_t numel) {
     SHARDAMP_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == coef_out.device(),
                    "step_scalars: ", name, " must be a contiguous fp32 tensor on ", coef_out.device());
@@ -252,7 +252,8 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
   check(found_inf, "found_inf", 1);
   check(steps, "steps", -1);
   check(touched, "touched", steps.numel());
-  StepHealth health{nullptr, nullptr, nullptr, static_cast<float>(avg), skip_above, nullptr, nullptr, nullptr, false};
+  StepHealth health{nullptr, nullptr, nullptr, static_cast<float>(avg), skip_above,
+                    nullptr, nullptr, nullptr, false, nullptr};
   if (skip_out) {
     SHARDAMP_CHECK(raw_norm.has_value(), "step_scalars: skip_out needs raw_norm");
     check(*skip_out, "skip_out", 1);
@@ -280,8 +281,17 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
       check(*ranks, "ranks", 1);
       health.ranks = ranks->data_ptr<float>();
     }
+    if (record_host) {
+      SHARDAMP_CHECK(record.has_value(), "step_scalars: record_host needs a record");
+      // page-locked memory: a CUDA kernel writes it itself; other memory gets a copy after the launch
+      SHARDAMP_CHECK(record_host->scalar_type() == at::kFloat && record_host->is_contiguous() &&
+                         record_host->is_cpu() && record_host->numel() == record->numel(),
+                     "step_scalars: record_host must be a contiguous fp32 CPU tensor of the record's size");
+      health.record_host = record_host->data_ptr<float>();
+    }
   } else {
-    SHARDAMP_CHECK(!counters && !record && !ranks, "step_scalars: counters, record and ranks need skip_out");
+    SHARDAMP_CHECK(!counters && !record && !ranks && !record_host,
+                   "step_scalars: counters, record, ranks and record_host need skip_out");
   }
   const StepHealth* h = skip_out ? &health : nullptr;
   if (coef_out.is_cuda()) {
@@ -501,7 +511,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("found_inf"), py::arg("steps"), py::arg("touched"), py::arg("skip_out") = py::none(),
         py::arg("raw_norm") = py::none(), py::arg("inv_scale") = py::none(), py::arg("avg") = 1.0,
         py::arg("skip_above") = std::numeric_limits<double>::infinity(), py::arg("counters") = py::none(),
-        py::arg("record") = py::none(), py::arg("ranks") = py::none());
+        py::arg("record") = py::none(), py::arg("ranks") = py::none(), py::arg("record_host") = py::none());
   m.def("nonfinite_flags", &shardamp::nonfinite_flags,
         "flags[index] = 1 (and flags[-1] = 1) for each (start, length, index) row of full holding an inf or NaN",
         py::arg("full"), py::arg("rows"), py::arg("flags"));

@@ -45,6 +45,9 @@ struct StepHealth {
   float* record;           // [reason 0 applied / 1 found-inf / 2 spike, unscaled norm(, ranks, inv scale)]
   const float* ranks;      // with a 4-float record: the ranks whose own grads held inf/NaN, or null (0)
   bool full_record;        // the record holds 4 floats: the two above, then ranks and the inverse scale (1 without)
+  // the record written again where the host reads it (page-locked memory the kernel reaches through
+  // its mapped address), or null: no device-to-host copy for the record (optim/checks/deferred.py)
+  float* record_host;
 };
 
 // ``raw * avg * inv_scale`` in that order, as StepRound forms the norm grad_norm() hands out.
@@ -77,6 +80,9 @@ SHARDAMP_HD void update_health(const StepHealth& h, float found_inf) {
     if (h.full_record) {  // the whole step report the host reads back (optim/checks/deferred.py): no concatenation
       h.record[2] = h.ranks != nullptr ? *h.ranks : 0.0f;
       h.record[3] = h.inv_scale != nullptr ? *h.inv_scale : 1.0f;
+    }
+    if (h.record_host != nullptr) {
+      for (int i = 0; i < (h.full_record ? 4 : 2); ++i) h.record_host[i] = h.record[i];
     }
   }
 }

@@ -497,8 +497,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # one launch: the grad coefficient (avg * inv_scale * clip), the step's skip (found-inf or a
         # norm spike), the step counts and the health counters
         health = self._health
+        record_host = self._deferred.record_target(stats, bad_clip, health.record)  # read back without a copy
         kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched,
-                             health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor))
+                             health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host))
         skip = health.skip  # what the step kernels skip on
         launches = self._launches
         if launches is None or (launches[0].adam_w_mode, launches[0].bias_correction) != (

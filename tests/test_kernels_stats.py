@@ -131,16 +131,21 @@ def test_step_scalars_health_match_reference_bitwise(device):
     avg * inv_scale`` above ``skip_above``, never for NaN), the steps advanced by it, the fp64
     counters and the record [reason, unscaled norm], or the whole report [reason, unscaled
     norm, ranks (0 if not given), inverse scale (1 without)]: bit for bit the reference's torch
-    ops, for norms below, at and above the threshold, inf and NaN, with and without a scale."""
+    ops, for norms below, at and above the threshold, inf and NaN, with and without a scale; the
+    record's host copy (``record_host``) equals it, pinned or not."""
     ext = ext_for(device)
     touched = torch.tensor([1.0, 0.0, 1.0, 1.0], device=device)
     cases = [(raw, found, inv, above, 2, None) for raw in (0.0, 0.5, 2.0, 2.0 + 1e-6, 3e38, math.inf, math.nan)
              for found in (0.0, 1.0) for inv in (None, 0.25, 1.0) for above in (math.inf, 1.0, 0.5)]
     cases += [(raw, found, inv, 1.0, 4, ranks) for raw in (0.5, 3.0, math.nan) for found in (0.0, 1.0)
               for inv in (None, 0.25) for ranks in (None, 0.0, 2.0)]
-    for raw_value, found, inv, above, record_len, ranks in cases:
+    for n_case, (raw_value, found, inv, above, record_len, ranks) in enumerate(cases):
         outs = []
         for fn in (ext.step_scalars, reference.step_scalars):
+            # where the host reads the record: on CUDA page-locked memory (the kernel writes it through
+            # its mapped address) or, every third case, pageable memory (copied after the launch)
+            pinned = device == "cuda" and n_case % 3 != 0
+            host = torch.full((record_len,), -5.0, pin_memory=pinned)
             coef, steps = torch.empty((), device=device), torch.arange(4.0, device=device)
             counters = torch.tensor([5.0, 1.0, 2.0, 3.0], dtype=torch.float64, device=device)
             health = dict(skip_out=torch.full((), -1.0, device=device),
@@ -148,9 +153,13 @@ def test_step_scalars_health_match_reference_bitwise(device):
                           inv_scale=None if inv is None else torch.tensor(inv, device=device),
                           avg=0.5, skip_above=above, counters=counters,
                           record=torch.full((record_len,), -1.0, device=device),
-                          ranks=None if ranks is None else torch.tensor([ranks], device=device))
+                          ranks=None if ranks is None else torch.tensor([ranks], device=device),
+                          record_host=host)
             fn(coef, torch.tensor(1.0, device=device), 1.0, None, 0.0,
                torch.tensor(found, device=device), steps, touched, **health)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            torch.testing.assert_close(host, health["record"].cpu(), rtol=0, atol=0, equal_nan=True)
             outs.append((steps, health["skip_out"], counters, health["record"]))
         where = (raw_value, found, inv, above)
         for a, b in zip(*outs):

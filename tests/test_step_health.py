@@ -38,7 +38,8 @@ def _torch_norm(model, step: int, scale: float = 1.0) -> float:
 def _step(model, opt, step: int, poison: float = 0.0, scale: float = 1.0, scaler=None, zero: bool = True):
     if zero:
         opt.zero_grad()
-    x, y = _batch(step, scale)
+    device = next(model.parameters()).device
+    x, y = (t.to(device) for t in _batch(step, scale))
     if poison:
         x = x.clone()
         x[0, 0] = poison
@@ -237,6 +238,29 @@ def test_logger_once_per_burst(caplog) -> None:
                         "not logged",
                         "loss scale backed off from 256 to 128 before step 105; further back-offs in a row are "
                         "not logged"], backoffs
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_no_scaler_skips_reach_the_host_on_cuda(caplog) -> None:
+    """CUDA without a scaler: each step's health record reaches the host at the next step
+    (the step's scalar launch writes it into pinned memory itself; the two slots take turns),
+    so every burst of skipped steps is logged once, naming the param that held the inf, a
+    skipped step leaves the params as they were and step_stats() counts the skips."""
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    opt = DistributedFusedAdam(model.named_parameters(), lr=1e-2)
+    poisoned = {1, 4, 5, 8}  # bursts at steps 2, 5-6 and 9 (counted from 1), in both slots
+    with caplog.at_level(logging.INFO, logger="shardamp"):
+        for step in range(11):
+            before = [p.detach().clone() for p in model.parameters()]
+            _step(model, opt, step, poison=math.inf if step in poisoned else 0.0)
+            changed = [not torch.equal(a, p) for a, p in zip(before, model.parameters())]
+            assert (not any(changed)) if step in poisoned else all(changed), (step, changed)
+    warned = [r.getMessage() for r in caplog.records if r.name == "shardamp" and r.levelname == "WARNING"]
+    assert [m.split(":")[0] for m in warned] == ["step 2 skipped", "step 5 skipped", "step 9 skipped"], warned
+    assert all("non-finite gradients (rank 0: a.weight)" in m for m in warned), warned
+    stats = opt.step_stats()
+    assert stats["steps"] == 7 and stats["skipped_steps"] == 4 and stats["consecutive_skips"] == 0, stats
 
 
 def test_capturable_keeps_flag_addresses() -> None:

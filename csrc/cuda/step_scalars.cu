@@ -54,13 +54,31 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
                   const StepHealth* health) {
   const c10::cuda::CUDAGuard guard(coef_out.device());
   const int64_t count = steps.numel();
-  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr, nullptr, false};
-  step_scalars_kernel<<<blocks_for(count), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr, nullptr, false, nullptr};
+  StepHealth h = health != nullptr ? *health : none;
+  float* host_record = h.record_host;
+  if (host_record != nullptr) {
+    // page-locked memory is mapped into the device's address space (unified addressing): the kernel
+    // writes the record there itself. Memory the device cannot reach gets a copy after the kernel.
+    void* mapped = nullptr;
+    if (cudaHostGetDevicePointer(&mapped, host_record, 0) == cudaSuccess && mapped != nullptr) {
+      h.record_host = static_cast<float*>(mapped);
+      host_record = nullptr;
+    } else {
+      (void)cudaGetLastError();  // the query's error is not the launch's
+      h.record_host = nullptr;
+    }
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  step_scalars_kernel<<<blocks_for(count), kThreads, 0, stream>>>(
       coef_out.data_ptr<float>(), base.data_ptr<float>(), static_cast<float>(scale),
       norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(max_norm), found_inf.data_ptr<float>(),
-      steps.data_ptr<float>(), touched.data_ptr<float>(), count, health != nullptr ? *health : none,
-      health != nullptr);
+      steps.data_ptr<float>(), touched.data_ptr<float>(), count, h, health != nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (host_record != nullptr) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(host_record, h.record, (h.full_record ? 4 : 2) * sizeof(float),
+                                   cudaMemcpyDeviceToHost, stream));
+  }
 }
 
 }  // namespace cuda

@@ -44,6 +44,9 @@ class DeferredChecks:
         # when the flags' shape changes (the checks a step makes changed).
         self.slots: List[Optional[tuple]] = [None, None]
         self.turn = 0
+        # the slot the step's scalar launch writes the health record into itself (record_target),
+        # taken by record_step: (its turn, (pinned buffer, event))
+        self.planned: Optional[tuple] = None
 
     def push(self, flags: Tensor, context: dict) -> None:
         """Record ``flags`` (float32 ``[found_inf, clip invalid, invalid, mismatch per category...]``
@@ -52,21 +55,38 @@ class DeferredChecks:
             return
         self._push(flags, context)
 
+    def _slot(self, turn: int, like: Tensor) -> tuple:
+        """Slot ``turn``'s (pinned buffer, event), made anew if ``like``'s shape or dtype changed."""
+        slot = self.slots[turn]
+        if slot is None or slot[0].shape != like.shape or slot[0].dtype != like.dtype:
+            slot = self.slots[turn] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event())
+        return slot
+
     def _push(self, flags: Tensor, context: dict, fresh: bool = False) -> None:
         """``push`` where the caller knows no CUDA graph is being captured; ``fresh``: ``flags``
         is a new tensor nothing else holds (kept as it is on the CPU, not copied)."""
         if self.device.type == "cuda":
             self.turn ^= 1
-            slot = self.slots[self.turn]
-            if slot is None or slot[0].shape != flags.shape or slot[0].dtype != flags.dtype:
-                slot = self.slots[self.turn] = (torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True),
-                                                torch.cuda.Event())
-            host, event = slot
+            host, event = self._slot(self.turn, flags)
             host.copy_(flags, non_blocking=True)
             event.record(torch.cuda.current_stream(flags.device))  # where the copy ran, whatever device is current
             self.pending = (host, event, context)
         else:
             self.pending = (flags if fresh else flags.detach().clone(), None, context)
+
+    def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor) -> Optional[Tensor]:
+        """Where the step's scalar launch writes the health ``record`` for the host itself, or
+        None. On CUDA, where :meth:`record_step` will push the record alone (found-inf is the only
+        flag and no scaler acts on it), it is the next pinned slot: the kernel writes it through
+        its mapped address, so the push is an event record, no device-to-host copy (~50 us of
+        host time a step on a GPU host). Called before the step's scalar launch."""
+        self.planned = None
+        if (self.device.type != "cuda" or bad_clip is not None or stats.disagreement is not None
+                or self.cycle.scaled or torch.cuda.is_current_stream_capturing()):
+            return None
+        turn = self.turn ^ 1  # the slot read before this step's stats, not the one pending
+        self.planned = (turn, self._slot(turn, record))
+        return self.planned[1][0]
 
     def ready(self, force: bool) -> Optional[tuple]:
         """The recorded ``(values: list of floats, context)`` if they may be read now: always on the CPU; on
@@ -103,7 +123,13 @@ class DeferredChecks:
         context["step"], context["record"] = self.health.steps, record.numel()
         if not flags:  # found-inf alone: the record's reason says it; the record is pushed as it is, no cat
             context["record_only"] = True
-            self._push(record, context)  # not capturing: checked above
+            planned, self.planned = self.planned, None
+            if planned is not None and planned[1][0].shape == record.shape:  # the scalar launch wrote it there
+                self.turn, (host, event) = planned
+                event.record(torch.cuda.current_stream(record.device))
+                self.pending = (host, event, context)
+            else:
+                self._push(record, context)  # not capturing: checked above
         else:
             self._push(torch.cat([stats.found_inf.reshape(1), *flags, record]), context, fresh=True)
         self.check_last_step(force=False)

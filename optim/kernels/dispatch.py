@@ -156,21 +156,25 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
     """``coef_out = base * scale * clip_coef(max_norm, norm)`` (no clip without ``norm``) and
     ``steps += touched * (1 - found_inf)``, in one launch (contract: ``reference.py``). With
     ``health`` (``skip_out``, ``raw_norm``, ``inv_scale``, ``avg``, ``skip_above``, ``counters``,
-    ``record``, ``ranks``: optim/step/health.py), the same launch decides the step's skip
-    (found-inf or a norm spike), advances the steps by it and updates the health counters and
-    record."""
+    ``record``, ``ranks``, ``record_host``: optim/step/health.py), the same launch decides the
+    step's skip (found-inf or a norm spike), advances the steps by it and updates the health
+    counters and record (and its host copy)."""
     ext = _native(coef_out.device)
     h = health or {}
     tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm]) + [
         h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record", "ranks") if h.get(k) is not None]
     device = coef_out.device  # (each .device makes a new object: read once)
+    host = h.get("record_host")
+    if host is not None and not (host.dtype == torch.float32 and host.device.type == "cpu" and host.is_contiguous()):
+        raise ValueError("step_scalars: record_host must be a contiguous float32 CPU tensor")
     native = ext is not None and hasattr(ext, "step_scalars") and all(
         t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
         and touched.numel() == steps.numel()
         and (h.get("ranks") is None or (h["ranks"].numel() == 1 and h.get("record") is not None
                                         and h["record"].numel() == 4))
-        and (h.get("record") is None or h["record"].numel() in (2, 4))) and (
+        and (h.get("record") is None or h["record"].numel() in (2, 4))
+        and (host is None or (h.get("record") is not None and host.numel() == h["record"].numel()))) and (
         h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == device
                                       and h["counters"].is_contiguous()))
     if native:

@@ -46,7 +46,8 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
     are converted to ``full``'s dtype). Nothing else in ``full`` is written.
 ``step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out=None,
-raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=None, ranks=None)``
+raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=None, ranks=None,
+record_host=None)``
     All fp32 on one device (``counters`` fp64). ``coef_out[0] = base * scale`` times, with ``norm`` given,
     ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` formed as torch forms
     it (``(norm + 1e-6).reciprocal() * max_norm``), NaN and infinities read as 1; then
@@ -60,7 +61,9 @@ raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=No
     counters[3] + 1 : 0``; with ``record`` (fp32 [2]) ``record = [reason, unscaled]``, the
     reason 0 (applied), 1 (found-inf) or 2 (spike); a record of 4 elements also holds ``ranks``
     (fp32 [1], 0 if not given) and ``inv_scale`` (1 if not given): the whole report the host reads
-    back after the step.
+    back after the step. ``record_host`` (a CPU fp32 tensor of the record's size): the record is
+    written there too, ordered after the launch on its stream (page-locked memory: the native
+    kernel writes it through its mapped address, no copy of its own; other memory is copied).
 ``nonfinite_flags(full, rows, flags)``
     ``full``: a flat grad buffer (fp32 / bf16 / fp16); ``rows``: int64 ``[k, 3]`` of ``(start,
     length, index)`` on ``full``'s device, sorted by start, not overlapping; ``flags``: fp32 on
@@ -176,9 +179,12 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
                  found_inf: Tensor, steps: Tensor, touched: Tensor, skip_out: Optional[Tensor] = None,
                  raw_norm: Optional[Tensor] = None, inv_scale: Optional[Tensor] = None, avg: float = 1.0,
                  skip_above: float = math.inf, counters: Optional[Tensor] = None,
-                 record: Optional[Tensor] = None, ranks: Optional[Tensor] = None) -> None:
+                 record: Optional[Tensor] = None, ranks: Optional[Tensor] = None,
+                 record_host: Optional[Tensor] = None) -> None:
     if ranks is not None and (record is None or record.numel() != 4):
         raise ValueError("step_scalars: ranks needs a record of 4 elements")
+    if record_host is not None and (record is None or record_host.numel() != record.numel()):
+        raise ValueError("step_scalars: record_host needs a record of its size")
     coef = base * scale
     if norm is not None:
         coef = coef * clip_coef(max_norm, norm)
@@ -206,6 +212,8 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
             parts += [torch.zeros((), **f32) if ranks is None else ranks.reshape(()).float(),
                       torch.ones((), **f32) if inv_scale is None else inv_scale.reshape(()).float()]
         record.copy_(torch.stack(parts))
+        if record_host is not None:  # where the host reads it: a non-blocking copy into page-locked memory
+            record_host.copy_(record, non_blocking=True)
 
 
 def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor) -> None:

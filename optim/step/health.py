@@ -202,12 +202,15 @@ class StepHealth:
         self._round = _StepNorms(partials, norm_type, ranks)
 
     # ------------------------------------------------------------------ the step
-    def step_args(self, raw_norm: Tensor, inv_scale: Optional[Tensor], avg: float) -> Dict[str, Any]:
+    def step_args(self, raw_norm: Tensor, inv_scale: Optional[Tensor], avg: float,
+                  record_host: Optional[Tensor] = None) -> Dict[str, Any]:
         """``kernels.step_scalars``' ``health`` argument: it decides the skip flag (:attr:`skip`)
-        and updates the counters and the record in the step's one scalar launch."""
+        and updates the counters and the record in the step's one scalar launch (and writes the
+        record into ``record_host`` too, where the host reads it: deferred.py)."""
         return dict(skip_out=self.skip, raw_norm=raw_norm, inv_scale=inv_scale, avg=float(avg),
                     skip_above=self.skip_above, counters=self.counters, record=self.record,
-                    ranks=self._round.nonfinite_ranks if self._round is not None else None)
+                    ranks=self._round.nonfinite_ranks if self._round is not None else None,
+                    record_host=record_host)
 
     def stepped(self, inv_scale: Optional[Tensor]) -> None:
         """The step consumed this round: its norms and flags become the last step's."""
