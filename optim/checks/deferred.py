@@ -124,7 +124,7 @@ class DeferredChecks:
         if not flags:  # found-inf alone: the record's reason says it; the record is pushed as it is, no cat
             context["record_only"] = True
             planned, self.planned = self.planned, None
-            if planned is not None and planned[1][0].shape == record.shape:  # the scalar launch wrote it there
+            if planned is not None:  # the scalar launch wrote the record into this slot (record_target)
                 self.turn, (host, event) = planned
                 event.record(torch.cuda.current_stream(record.device))
                 self.pending = (host, event, context)

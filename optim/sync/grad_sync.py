@@ -361,11 +361,11 @@ class GradSync:
             if not self.partials_started:  # every partial is redone this round
                 self.partials.zero_()
             partials.accumulate_partial(shard, s.partial, 2.0)
-        for t in (full, out):
-            if t is not None:
-                # freed by the caller right away: the allocator reuses the memory only once the
-                # side stream (which waited for the collective) has passed this point
-                t.record_stream(self.side)
+        # freed by the caller right away: the allocator reuses the memory only once the side
+        # stream (which waited for the collective) has passed this point
+        out.record_stream(self.side)
+        if full is not None:
+            full.record_stream(self.side)
         self.partials_started = s.partial_valid = True
 
     def landed_stats(self) -> Optional[Tensor]:
