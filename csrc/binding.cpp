@@ -456,6 +456,34 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
   }
 }
 
+// One process (nothing reduces the stats between their assembly and their finish): the stats
+// tensor made from ``parts`` and finished in the same call, ``[stats, norm, found_inf, *views]``
+// (optim/kernels/fused_step.py). One Python-to-C++ call instead of ``torch.cat`` and
+// ``stats_finish``: on a GPU host each costs tens of microseconds.
+std::vector<at::Tensor> stats_cat_finish(const std::vector<at::Tensor>& parts, int64_t end, double norm_type,
+                                         const std::vector<std::pair<int64_t, int64_t>>& views) {
+  SHARDAMP_CHECK(!parts.empty(), "stats_cat_finish: no parts");
+  at::Tensor stats = at::cat(parts);
+  std::vector<at::Tensor> out = stats_finish(stats, end, norm_type, views);
+  out.insert(out.begin(), stats);
+  return out;
+}
+
+// The step's scalar launch and then every bucket's step kernel, skipping on the skip flag the
+// scalar launch wrote (``skip_out``): step_scalars and adam_launch_all in one call (no gathers
+// between the buckets' kernels: one shard rank). ``prepare``: as adam_launch_all's (CUDA).
+void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
+                 double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
+                 const at::Tensor& skip_out, const at::Tensor& raw_norm, const c10::optional<at::Tensor>& inv_scale,
+                 double avg, double skip_above, const at::Tensor& counters, const at::Tensor& record,
+                 const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
+                 const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                 const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare) {
+  step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale, avg,
+               skip_above, counters, record, ranks, record_host);
+  adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
+}
+
 }  // namespace
 }  // namespace shardamp
 
@@ -524,6 +552,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stats_finish", &shardamp::stats_finish,
         "[root(stats[0]), found_inf, *views of stats]; stats[2:end] clamped to <= 1 (norm_type 2 or inf)",
         py::arg("stats"), py::arg("end"), py::arg("norm_type"), py::arg("views"));
+  m.def("stats_cat_finish", &shardamp::stats_cat_finish,
+        "stats_finish over torch.cat(parts) (one process: nothing reduces between): [stats, norm, found_inf, *views]",
+        py::arg("parts"), py::arg("end"), py::arg("norm_type"), py::arg("views"));
+  m.def("step_launch", &shardamp::step_launch,
+        "step_scalars with the step's health, then adam_launch_all skipping on skip_out: the one-shard-rank step in one "
+        "call (positional arguments: step_scalars', then launches, grads, hparams, prepare)");
   py::class_<shardamp::ViewCheck>(m, "ViewCheck",
                                   "intact(params: list): params still are their buffer views (pointer, dtype, shape, "
                                   "strides) without .grad")

@@ -25,6 +25,7 @@ from .checks import agreement
 from .step import torch_scaler, grad_stats
 from .step.cycle import StepCycle
 from . import kernels
+from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
                              reattach_param)
@@ -35,8 +36,8 @@ from .shards.view import ShardView
 from .step.step_round import StepRound
 from .sync.grad_sync import GradSync
 from .checks.deferred import DeferredChecks
-from .hparams import (NO_COPY, HparamTable, check_hparams, check_new_group, check_max_norm, check_norm_type,
-                      check_options, clip_invalid, tensor_lrs)
+from .hparams import (NO_COPY, NO_KEY, HparamTable, check_hparams, check_new_group, check_max_norm, check_norm_type,
+                      check_options, clip_invalid, plain_key, tensor_lrs)
 from .layout import Bucket, build_layout, forward_order, grouped_params, params_device
 from .sync.param_sync import ParamSync
 from .sync.stale_read_guard import StaleReadGuard
@@ -384,22 +385,27 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         groups = self._health.group_slice(HEADER + len(self._params)) if stats.numel() > HEADER else None
         self._comm.all_reduce_stats(stats, op, groups)
 
-    def _ensure_stats(self, norm_type: float) -> GradStats:
+    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY) -> GradStats:
+        """This step's reduced stats, made at the first call (``key``: the groups' plain_key,
+        where the caller computed it)."""
         r = self._current_round()
         if r.stats is None:
             self._deferred.check_last_step(force=True)
             self.grad_sync()
             # A bad value on one rank must not raise before the all-reduce (the others would wait in
             # it): it is flagged in the entries, and every rank raises after it.
-            problem = self._hparam_table.validate(self.param_groups)
+            problem = self._hparam_table.validate(self.param_groups, key)
             # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
             problem = problem or self._grad_sync.refusal
             # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             shards = [b.grad_shard for b in self._buffers]
+            reduce = self._reduce_grad_stats
+            if not self._comm.has_peers and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats:
+                reduce = None  # one process and no subclass reduction: nothing between assembly and finish
             reduced = grad_stats.reduce_step_stats(
                 norm_type, shards, self._buckets, len(self._params), self._health, self._step_view, problem, r.lrs,
-                self._grad_sync.landed_stats, self._reduce_grad_stats)
+                self._grad_sync.landed_stats, reduce)
             r.set_stats(reduced.stats)
             self._cycle.reduced(problem, reduced.names)
             if reduced.checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
@@ -485,10 +491,12 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             self._health.note_scaler(grad_scaler)  # step_stats() reports its scale
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)
         r = self._current_round()
-        stats = self._ensure_stats(r.first_norm_type())
+        key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
+        stats = self._ensure_stats(r.first_norm_type(), key)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
-        hparams = self._hparam_table.table if self._cycle.problem else self._hparam_table.refresh(self.param_groups, r.lrs)
+        table = self._hparam_table
+        hparams = table.table if self._cycle.problem else table.refresh(self.param_groups, r.lrs, key)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         found_inf, coef = stats.found_inf, self._coef
@@ -498,24 +506,24 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # norm spike), the step counts and the health counters
         health = self._health
         record_host = self._deferred.record_target(stats, bad_clip, health.record)  # read back without a copy
-        kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched,
-                             health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host))
-        skip = health.skip  # what the step kernels skip on
+        step_args = health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host)
         launches = self._launches
         if launches is None or (launches[0].adam_w_mode, launches[0].bias_correction) != (
                 self.adam_w_mode, self.bias_correction):
             # built at the first step (the state buffers persist), again after load_state_dict changed an option
-            self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps, coef,
-                                           self.adam_w_mode, self.bias_correction)
+            launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
+                                                      coef, self.adam_w_mode, self.bias_correction)
         order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
         if self._param_sync.gathers:  # the first layers' params land first, each all-gather overlapping
+            kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched, step_args)
+            skip = health.skip  # what the step kernels skip on
             records = self._records.compute(hparams, self._steps, stats.touched, coef, skip, self.bias_correction)
             for i in order:  # the next bucket's step kernel
-                kernels.launch_adam_all(self._launches, (i,), grads, hparams, stats.touched, skip, records)
+                kernels.launch_adam_all(launches, (i,), grads, hparams, stats.touched, skip, records)
                 self._param_sync.launch(i)
-        else:  # nothing to gather (one shard rank): the records and every bucket's kernel in one native call
-            kernels.launch_adam_all(self._launches, order, grads, hparams, stats.touched, skip,
-                                    prepare=self._records)
+        else:  # nothing to gather (one shard rank): the scalars, the records and every bucket's kernel in one call
+            fused_step.step_launch(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
+                                   order, grads, hparams, self._records)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

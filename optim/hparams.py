@@ -163,6 +163,7 @@ def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[T
 
 _PLAIN = (float, int)  # exact types: a bool is refused by the checks, so it never matches a key
 _ABSENT = object()  # an option a group does not set
+NO_KEY = object()  # a caller that has not computed plain_key (None is a key: "not cacheable")
 
 
 def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
@@ -199,20 +200,21 @@ class HparamTable:
         self._host = None
         self._valid_key = self._table_key = None
 
-    def validate(self, param_groups: Sequence[dict]) -> str:
+    def validate(self, param_groups: Sequence[dict], key: Any = NO_KEY) -> str:
         """``validate_groups`` (the first problem, '' if none), skipped while the groups hold the
-        values that validated last time."""
-        key = plain_key(param_groups)
+        values that validated last time. ``key``: ``plain_key(param_groups)`` if the caller has it."""
+        key = plain_key(param_groups) if key is NO_KEY else key
         if key is not None and key == self._valid_key:
             return ""
         problem = validate_groups(param_groups, read_lr=self.device.type != "cuda")
         self._valid_key = None if problem else key
         return problem
 
-    def refresh(self, param_groups: Sequence[dict], lrs: Optional[TensorLrs] = None) -> Tensor:
+    def refresh(self, param_groups: Sequence[dict], lrs: Optional[TensorLrs] = None, key: Any = NO_KEY) -> Tensor:
         """Validate ``param_groups`` and bring the device table up to date; return it. ``lrs``:
-        this step's tensor lrs as already read (``tensor_lrs``); read here if not given."""
-        key = plain_key(param_groups)
+        this step's tensor lrs as already read (``tensor_lrs``); read here if not given.
+        ``key``: ``plain_key(param_groups)`` if the caller has it (the groups unchanged since)."""
+        key = plain_key(param_groups) if key is NO_KEY else key
         if key is not None and key == self._table_key:  # float lrs only: no tensor lr to copy either
             return self.table
         host = []

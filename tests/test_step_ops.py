@@ -111,9 +111,10 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
 def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
     """Per bucket: one pass over the landed grads for their non-finite flags (the step's health)
     and the norm partial (one rank: the bucket is the shard, ``bucket_stats``); with several
-    groups each group's partial too; per step one stats finish, one scalar launch and one call for
-    every bucket's step (one rank: nothing is all-gathered between them). A new pass over the
-    grads shows up here."""
+    groups each group's partial too; per step one call that assembles and finishes the stats (one
+    process: nothing reduces them in between) and one call for the scalar launch and every
+    bucket's step (one rank: nothing is all-gathered between them). A new pass over the grads
+    shows up here."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
@@ -124,8 +125,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
         _iteration(opt, scaler, model, step, clip, count=False)
     buckets = len(opt._buckets)
     assert buckets >= 2  # the per-bucket counts are told apart from the per-step ones
-    want = {"bucket_stats": buckets, "adam_launch_all": 1, "stats_finish": 1,
-            "step_scalars": 1}
+    want = {"bucket_stats": buckets, "stats_cat_finish": 1, "step_launch": 1}
     if groups > 1:
         want["group_partials"] = buckets
     assert dict(_native_calls(opt, scaler, model, clip)) == want

@@ -259,13 +259,18 @@ class StatsBuffer(NamedTuple):
     names: List[str]  # the agreement categories, in entry order
 
 
-def stats_buffer(view: StepView, norm_type: float, problem: str, lrs: Optional[Any] = None,
-                 extra: Sequence[Tensor] = (), header: Optional[Tensor] = None) -> StatsBuffer:
-    """The step's stats tensor with the touched pattern, ``extra`` (the health entries) and the
-    agreement entries filled in, whether the entries must be checked after the reduction (one
-    rank alone has nothing to disagree with; a tensor lr's value is still checked), and the
-    categories' names. The norm header is ``header`` (float32 ``[2]``) if given, else zeros for
-    the caller to fill."""
+class StatsParts(NamedTuple):
+    """``stats_parts``' result: the stats tensor's pieces, in order, before their ``cat``."""
+
+    parts: List[Tensor]
+    checked: bool
+    names: List[str]
+
+
+def stats_parts(view: StepView, norm_type: float, problem: str, lrs: Optional[Any] = None,
+                extra: Sequence[Tensor] = (), header: Optional[Tensor] = None) -> StatsParts:
+    """The pieces of :func:`stats_buffer`'s tensor, for a caller that concatenates them itself
+    (kernels.fused_step.stats_cat_finish: the concatenation and the finish in one native call)."""
     host, dev, names = step_entries(view, norm_type, problem, lrs)
     patterns = view.patterns
     tail = patterns.get_tail(host)
@@ -274,9 +279,19 @@ def stats_buffer(view: StepView, norm_type: float, problem: str, lrs: Optional[A
         parts.append(tail)
     else:  # the device's invalid flag replaces the host's (entry 0 of the tail)
         parts += [dev[0].reshape(1), tail[1:]] + ([] if dev[1] is None else [dev[1].reshape(-1)])
+    return StatsParts(parts, view.comm.has_peers or dev is not None or bool(problem), names)
+
+
+def stats_buffer(view: StepView, norm_type: float, problem: str, lrs: Optional[Any] = None,
+                 extra: Sequence[Tensor] = (), header: Optional[Tensor] = None) -> StatsBuffer:
+    """The step's stats tensor with the touched pattern, ``extra`` (the health entries) and the
+    agreement entries filled in, whether the entries must be checked after the reduction (one
+    rank alone has nothing to disagree with; a tensor lr's value is still checked), and the
+    categories' names. The norm header is ``header`` (float32 ``[2]``) if given, else zeros for
+    the caller to fill."""
+    parts, checked, names = stats_parts(view, norm_type, problem, lrs, extra, header)
     # one launch: on a GPU host each device-to-device copy_ is a cudaMemcpyAsync (~25 us each)
-    buf = torch.cat(parts)
-    return StatsBuffer(buf, view.comm.has_peers or dev is not None or bool(problem), names)
+    return StatsBuffer(torch.cat(parts), checked, names)
 
 
 def raise_if_disagree(invalid: float, categories: List[float], names: List[str], problem: str = "") -> None:

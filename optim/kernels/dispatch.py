@@ -161,13 +161,23 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
     counters and record (and its host copy)."""
     ext = _native(coef_out.device)
     h = health or {}
+    if scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, h):
+        ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, **h)
+    else:
+        reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, **h)
+
+
+def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Optional[Tensor], found_inf: Tensor,
+                   steps: Tensor, touched: Tensor, h: Dict[str, Any]) -> bool:
+    """Whether the compiled ``step_scalars`` takes these arguments (``h``: its health keywords);
+    raises on a ``record_host`` it could never take."""
     tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm]) + [
         h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record", "ranks") if h.get(k) is not None]
     device = coef_out.device  # (each .device makes a new object: read once)
     host = h.get("record_host")
     if host is not None and not (host.dtype == torch.float32 and host.device.type == "cpu" and host.is_contiguous()):
         raise ValueError("step_scalars: record_host must be a contiguous float32 CPU tensor")
-    native = ext is not None and hasattr(ext, "step_scalars") and all(
+    return ext is not None and hasattr(ext, "step_scalars") and all(
         t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
         and touched.numel() == steps.numel()
@@ -177,10 +187,6 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         and (host is None or (h.get("record") is not None and host.numel() == h["record"].numel()))) and (
         h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == device
                                       and h["counters"].is_contiguous()))
-    if native:
-        ext.step_scalars(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, **h)
-    else:
-        reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, **h)
 
 
 def nonfinite_flags(full: Tensor, rows: Tensor, flags: Tensor, host_rows: Optional[List[List[int]]] = None) -> None:
@@ -380,17 +386,9 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
     ext = _native(device)
     cuda = device.type == "cuda"
     natives: Optional[List[Any]] = None  # every launch's native object, if all take the compiled kernels
+    shards: List[Tensor] = []
     if ext is not None and hasattr(ext, "adam_launch_all"):
-        natives, shards = [], []
-        for i in order:
-            if not launches[i].segments.segments:
-                continue
-            native = _prepared(ext, launches[i], grads[i], hparams)
-            if native is None:  # a state the kernels do not take: every launch one by one below
-                natives = None
-                break
-            natives.append(native)
-            shards.append(grads[i])
+        natives, shards = native_launches(ext, launches, order, grads, hparams)
     if natives and prepare is not None and prepare.table is not None and cuda:
         ext.adam_launch_all(natives, shards, hparams, touched, found_inf, None, prepare.table)
         return
@@ -406,6 +404,23 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
         launch.grad, launch.hparams, launch.records = grads[i], hparams, records
         launch.touched, launch.found_inf = touched, found_inf
         launch_adam(launch)
+
+
+def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[int], grads: Sequence[Tensor],
+                    hparams: Tensor) -> Tuple[Optional[List[Any]], List[Tensor]]:
+    """The extension's launch objects of ``launches[i]`` for each ``i`` of ``order`` that has
+    segments, and their grad shards; ``(None, [])`` if some launch does not take the compiled
+    kernels (its state kinds)."""
+    natives, shards = [], []
+    for i in order:
+        if not launches[i].segments.segments:
+            continue
+        native = _prepared(ext, launches[i], grads[i], hparams)
+        if native is None:
+            return None, []
+        natives.append(native)
+        shards.append(grads[i])
+    return natives, shards
 
 
 def adam_step(

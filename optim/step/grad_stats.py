@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels, norms
+from ..kernels import fused_step
 from ..checks import agreement
 from ..kernels import partials
 
@@ -115,7 +116,7 @@ def reduce_step_stats(
     problem: str,
     lrs: Optional[Any],
     landed: Callable[[], Optional[Tensor]],
-    reduce: Callable[[Tensor, Any], None],
+    reduce: Optional[Callable[[Tensor, Any], None]],
 ) -> ReducedStats:
     """The step's one stats all-reduce: fill this rank's entries, reduce them, finish.
 
@@ -131,24 +132,45 @@ def reduce_step_stats(
         lrs: this step's tensor lrs (hparams.TensorLrs) or None.
         landed: the L2 partials computed as the grads landed (the stats' header), if they are
             complete (sync/grad_sync.py ``landed_stats``); None: computed here.
-        reduce: the all-reduce (the optimizer's ``_reduce_grad_stats``, a subclass's extension point).
+        reduce: the all-reduce (the optimizer's ``_reduce_grad_stats``, a subclass's extension
+            point); None where nothing reduces (one process): the stats are assembled and
+            finished in one native call.
 
     A collective (``reduce``); no host sync.
     """
     header = landed() if norm_type == 2.0 else None
-    buf, checked, names = agreement.stats_buffer(view, norm_type, problem, lrs, health.entries(), header)
-    if header is None:
-        partials.partial(list(grad_shards), norm_type, buf, zeroed=True)
     offset = HEADER + n_params  # where the health entries start
     groups = health.group_slice(offset)
+    views = health.stats_views(offset)
+    if reduce is None:
+        parts, checked, names = agreement.stats_parts(view, norm_type, problem, lrs, health.entries(), header)
+        if not checked:  # nothing to compare: the entries need no fingerprint check after the finish
+            if header is None:
+                parts[0] = partials.partial(list(grad_shards), norm_type, device=parts[0].device)
+            buf, raw, found_inf, touched, *more = fused_step.stats_cat_finish(
+                parts, offset, norm_type, [(HEADER, n_params), *views])
+            if groups is not None:  # written after the finish, which reads nothing past the touched flags
+                _group_partials(buckets, grad_shards, buf[groups], norm_type, n_params)
+            health.note_stats(more, norm_type)
+            return ReducedStats(GradStats(norm_type, raw, found_inf, touched, views=more), checked, names)
+        buf = torch.cat(parts)
+    else:
+        buf, checked, names = agreement.stats_buffer(view, norm_type, problem, lrs, health.entries(), header)
+    if header is None:
+        partials.partial(list(grad_shards), norm_type, buf, zeroed=True)
     if groups is not None:  # each group's partial too (one launch per bucket), for grad_norms_by_group
-        for bucket, shard in zip(buckets, grad_shards):
-            kernels.group_partials(shard, bucket.segments, buf[groups], norm_type, n_params)
-    reduce(buf, norms.reduce_op(norm_type))
-    stats = finish(buf, norm_type, n_params, view.fingerprint if checked else None, health.n_entries,
-                   health.stats_views(offset))
+        _group_partials(buckets, grad_shards, buf[groups], norm_type, n_params)
+    if reduce is not None:
+        reduce(buf, norms.reduce_op(norm_type))
+    stats = finish(buf, norm_type, n_params, view.fingerprint if checked else None, health.n_entries, views)
     health.note_stats(stats.views, norm_type)
     return ReducedStats(stats, checked, names)
+
+
+def _group_partials(buckets: Sequence[Any], grad_shards: Sequence[Tensor], out: Tensor, norm_type: float,
+                    n_params: int) -> None:
+    for bucket, shard in zip(buckets, grad_shards):
+        kernels.group_partials(shard, bucket.segments, out, norm_type, n_params)
 
 
 def reduce_norm(norm_type: float, grad_shards: Sequence[Tensor], device: Any,

@@ -1,0 +1,65 @@
+"""The step's native calls merged where nothing has to happen between them.
+
+On a GPU host each Python-to-C++ call costs tens of microseconds before its kernel is even
+launched, and a small model's iteration is bound by that host time. Where the optimizer has one
+shard rank, two pairs of the step's calls have nothing between them and are made as one:
+
+- ``stats_cat_finish``: the stats tensor's assembly (``torch.cat``) and its finish
+  (``stats_finish``), when nothing reduces the stats in between (one process);
+- ``step_launch``: the step's scalar launch (``step_scalars``) and every bucket's step kernel
+  (``launch_adam_all``), when no all-gather runs between the buckets' kernels.
+
+Each falls back to the separate calls (``dispatch.py``) wherever those would not take the
+compiled kernels, so the results are the same bit for bit: the same kernels run in the same
+order on the same stream.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .dispatch import (AdamLaunch, StepRecords, _native, launch_adam_all, native_launches, scalars_native,
+                       stats_finish, step_scalars)
+
+
+def stats_cat_finish(parts: Sequence[Tensor], end: int, norm_type: float,
+                     views: Sequence[Tuple[int, int]] = ()) -> List[Tensor]:
+    """``[stats, norm, found_inf, *views]``: ``stats = torch.cat(parts)`` finished as
+    :func:`stats_finish` finishes it. Only where nothing reduces ``stats`` between the two (one
+    process). No host sync."""
+    device = parts[0].device
+    ext = _native(device)
+    if (ext is not None and hasattr(ext, "stats_cat_finish") and (norm_type == 2.0 or math.isinf(norm_type))
+            and all(p.dtype == torch.float32 for p in parts)):
+        return ext.stats_cat_finish(list(parts), int(end), float(norm_type), list(views))
+    stats = torch.cat(list(parts))
+    return [stats, *stats_finish(stats, end, norm_type, views)]
+
+
+def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float], found_inf: Tensor,
+                steps: Tensor, touched: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch],
+                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords) -> None:
+    """``step_scalars(coef_out, *coef_parts, found_inf, steps, touched, health)`` and then
+    ``launch_adam_all(launches, order, grads, hparams, touched, health["skip_out"],
+    prepare=prepare)``: in one native call where both take the compiled kernels. Only where no
+    all-gather runs between the buckets' kernels (one shard rank). No host sync."""
+    base, scale, norm, max_norm = coef_parts
+    ext = _native(coef_out.device)
+    skip = health["skip_out"]
+    if (ext is not None and hasattr(ext, "step_launch") and skip is not None and health.get("counters") is not None
+            and health.get("record") is not None and order
+            and scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, health)):
+        natives, shards = native_launches(ext, launches, order, grads, hparams)
+        if natives is not None:
+            h = health
+            table = prepare.table if coef_out.device.type == "cuda" else None
+            ext.step_launch(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, skip,
+                            h["raw_norm"], h.get("inv_scale"), float(h.get("avg", 1.0)),
+                            float(h.get("skip_above", math.inf)), h["counters"], h["record"], h.get("ranks"),
+                            h.get("record_host"), natives, shards, hparams, table)
+            return
+    step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
+    launch_adam_all(launches, order, grads, hparams, touched, skip, prepare=prepare)

@@ -1,0 +1,140 @@
+"""The one-process step's merged native calls (optim/kernels/fused_step.py): the stats assembled
+and finished in one call, the scalar launch and every bucket's step kernel in one call. They must
+give what the separate calls give, bit for bit, and a subclass's stats reduction must still run."""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.nn as nn
+
+from kernel_shards import DEVICES, ext_for
+from shardamp.optim import DistributedFusedAdam, kernels
+from shardamp.scaler import ShardedGradScaler
+
+MERGED = ("stats_cat_finish", "step_launch")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_stats_cat_finish_is_cat_then_finish(device, norm_type):
+    ext = ext_for(device)
+    g = torch.Generator().manual_seed(3)
+    parts = [torch.tensor([9.0, 1.0]), (torch.rand(5, generator=g) * 3).round(), torch.rand(1, generator=g),
+             torch.rand(4, generator=g)]
+    parts = [p.to(device) for p in parts]
+    views = [(2, 5), (7, 1), (8, 3)]
+    merged = ext.stats_cat_finish(parts, 7, norm_type, views)
+    stats = torch.cat(parts)
+    separate = ext.stats_finish(stats, 7, norm_type, views)
+    assert len(merged) == 1 + len(separate) == 6
+    assert torch.equal(merged[0], stats)  # the finish clamped the touched counts of both in place
+    for a, b in zip(merged[1:], separate):
+        assert torch.equal(a, b)
+    assert merged[1].item() == (3.0 if norm_type == 2.0 else 9.0)
+    for view, (start, _) in zip(merged[3:], views):  # views of the returned stats, not copies
+        assert view.data_ptr() == merged[0].data_ptr() + 4 * start
+
+
+def test_stats_cat_finish_rejects_non_fp32_and_empty():
+    """(The GPU session leaves this out by name: an error raised inside an extension kills the
+    interpreter on its image.)"""
+    ext = ext_for("cpu")
+    with pytest.raises(RuntimeError, match="no parts"):
+        ext.stats_cat_finish([], 2, 2.0, [])
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.stats_cat_finish([torch.zeros(4, dtype=torch.float64)], 2, 2.0, [])
+
+
+def _train(device: str, monkeypatch, merged: bool, steps: int = 6) -> Dict[str, object]:
+    """Two param groups, several buckets, a scaler (fp16 autocast on CUDA), a clip on odd steps,
+    an inf in one step's grads and a norm spike skipped by ``skip_grad_norm_above``."""
+    ext = kernels.native_module(torch.device(device))
+    if not merged:
+        for name in MERGED:
+            monkeypatch.delattr(ext, name)
+    calls: Counter = Counter()
+    for name in ("stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all"):
+        if hasattr(ext, name):
+            fn = getattr(ext, name)
+            monkeypatch.setattr(ext, name, lambda *a, _fn=fn, _n=name, **k: (calls.update([_n]), _fn(*a, **k))[1])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = DistributedFusedAdam([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                               lr=1e-2, bucket_cap_mb=0.002, skip_grad_norm_above=1e4)
+    scaler = ShardedGradScaler(device, init_scale=2.0 ** 8)
+    norms: List[float] = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(8, 16, generator=g).to(device)
+        opt.zero_grad()
+        with torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16):
+            loss = model(x).float().square().mean()
+        if step == 2:
+            loss = loss * float("inf")  # found-inf: skipped, the scale backs off
+        if step == 4:
+            loss = loss * 1e7  # a spike above skip_grad_norm_above: skipped
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if step % 2:
+            opt.clip_grad_norm(0.5)
+        scaler.step(opt)
+        scaler.update()
+        norms.append(float(opt.grad_norm()))
+    return {"params": [p.detach().cpu().clone() for p in model.parameters()], "norms": norms,
+            "stats": opt.step_stats(), "calls": calls, "buckets": len(opt._buckets)}
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+@pytest.mark.parametrize("device", DEVICES)
+def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, monkeypatch):
+    with monkeypatch.context() as m:
+        separate = _train(device, m, merged=False)
+    with monkeypatch.context() as m:
+        merged = _train(device, m, merged=True)
+    assert merged["buckets"] >= 2
+    # the merged entry points ran, once per step; the separate ones not at all (and vice versa)
+    assert merged["calls"] == Counter({"stats_cat_finish": 6, "step_launch": 6})
+    assert separate["calls"] == Counter({"stats_finish": 6, "step_scalars": 6, "adam_launch_all": 6})
+    for a, b in zip(merged["params"], separate["params"]):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(torch.tensor(merged["norms"]), torch.tensor(separate["norms"]), rtol=0, atol=0,
+                               equal_nan=True)  # the inf step's norm is NaN on both
+    assert merged["stats"] == separate["stats"]
+    assert merged["stats"]["skipped_steps"] == 2 and merged["stats"]["steps"] == 4
+
+
+class _CountingReduction(DistributedFusedAdam):
+    """A subclass reduction (the tensor/pipeline-parallel extension point) at one process."""
+
+    calls = 0
+
+    def _reduce_grad_stats(self, stats, op):
+        type(self).calls += 1
+        super()._reduce_grad_stats(stats, op)
+
+
+def test_a_subclass_reduction_still_runs_at_one_process():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    opt = _CountingReduction(model.parameters(), lr=1e-2, weight_decay=0.02, max_grad_norm=1.0)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        model(x).square().sum().backward()
+        ref(x).square().sum().backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+        torch_opt.step()
+    assert _CountingReduction.calls == 3
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
