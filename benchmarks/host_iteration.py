@@ -45,9 +45,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "python-hooks": {"settings": {"python_grad_hooks": True}},
     "no-overlap": {"opt": {"overlap_grad_sync": False}},  # grads land at the step, not in backward
     "one-bucket": {"opt": {"bucket_cap_mb": 4096.0}},
-    # the one-process step's merged native calls (optim/kernels/fused_step.py) hidden from the
-    # dispatcher while each iteration runs: the separate calls they replace
-    "separate-calls": {"hide": ("stats_cat_finish", "step_launch")},
+    # one process: the step's and each landed bucket's native calls made separately, not merged
+    "separate-calls": {"settings": {"merged_calls": False}},
 }
 
 
@@ -132,21 +131,6 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
                 plain(mark)
             finally:
                 native.set_async_release(on)
-
-    if "hide" in spec:
-        native = kernels.native_module(device)
-        if native is None or not all(hasattr(native, n) for n in spec["hide"]):
-            raise RuntimeError(f"variant {variant!r}: the compiled kernels on {device.type} lack {spec['hide']}")
-        hidden, with_all = {n: getattr(native, n) for n in spec["hide"]}, one
-
-        def one(mark: Callable[[str], None] = lambda _phase: None) -> None:  # noqa: F811
-            for n in hidden:  # module attributes: ~1 us each, against the step's tens
-                delattr(native, n)
-            try:
-                with_all(mark)
-            finally:
-                for n, fn in hidden.items():
-                    setattr(native, n, fn)
 
     one.opt = opt
     return one

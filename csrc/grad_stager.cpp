@@ -37,6 +37,11 @@
 #include "land_grads.h"
 
 namespace shardamp {
+
+// binding.cpp: a landed bucket's non-finite flags and L2 partial in one pass (checked there)
+void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out,
+                          bool assign);
+
 namespace {
 
 namespace ag = torch::autograd;
@@ -255,6 +260,21 @@ class GradStager {
     return std::move(taken.first);
   }
 
+  // One process, a complete bucket whose shard was released: the shard allocated uninitialized
+  // like `like` (land's zero_rest fills what no grad writes), the bucket's grads landed in it,
+  // and its per-param non-finite flags and L2 partial formed (bucket_stats into `flags` and
+  // `partial`, assigned or added): one call from Python instead of an allocation and two calls.
+  std::pair<at::Tensor, std::vector<int64_t>> land_checked(int64_t b, int64_t numel, const at::Tensor& like,
+                                                           const at::Tensor& rows, at::Tensor flags,
+                                                           at::Tensor partial, bool assign) {
+    check_bucket(b);
+    SHARDAMP_CHECK(numel >= 0, "GradStager.land_checked: numel must be >= 0");
+    at::Tensor full = at::empty({numel}, like.options());
+    std::vector<int64_t> landed = land(b, full, true);
+    checked_bucket_stats(full, rows, flags, partial, assign);
+    return {full, std::move(landed)};
+  }
+
   py::bytes touched() {
     std::lock_guard<std::mutex> lock(state_->mu);
     return py::bytes(state_->touched.data(), state_->touched.size());
@@ -329,6 +349,8 @@ void register_grad_stager(py::module& m) {
       .def("stage", &GradStager::stage, py::arg("index"))
       .def("take", &GradStager::take, py::arg("bucket"))
       .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"), py::arg("zero_rest") = false)
+      .def("land_checked", &GradStager::land_checked, py::arg("bucket"), py::arg("numel"), py::arg("like"),
+           py::arg("rows"), py::arg("flags"), py::arg("partial"), py::arg("assign"))
       .def("is_staged", &GradStager::is_staged, py::arg("index"))
       .def("staged_count", &GradStager::staged_count, py::arg("bucket"))
       .def("staged_bytes", &GradStager::staged_bytes, py::arg("bucket"))

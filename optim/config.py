@@ -38,6 +38,10 @@ The variables (``python -m shardamp.report`` prints the ones in force):
                                           native ones (slower; for debugging)
 ``SHARDAMP_ASYNC_GRAD_RELEASE``           ``0``: free landed CUDA grads inline instead of on the
                                           release thread (default ``1``)
+``SHARDAMP_MERGED_CALLS``                 ``0``: at one process, make the step's and each landed
+                                          bucket's native calls separately instead of merged
+                                          (same results; for A/B timing and debugging; default
+                                          ``1``)
 ========================================  =====================================================
 """
 from __future__ import annotations
@@ -75,6 +79,9 @@ class Settings:
         collective_watchdog: ``"on"``, ``"off"`` or ``"force"``.
         python_grad_hooks: land grads through Python hooks even where native ones exist.
         async_grad_release: free landed CUDA grads on the release thread (else inline).
+        merged_calls: at one process, merge the native calls that have nothing between them
+            (optim/kernels/fused_step.py, grad_stager's ``land_checked``); read when an
+            optimizer is built.
     """
 
     kernels: str = "auto"
@@ -89,6 +96,7 @@ class Settings:
     collective_watchdog: str = "on"
     python_grad_hooks: bool = False
     async_grad_release: bool = True
+    merged_calls: bool = True
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -172,6 +180,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_COLLECTIVE_WATCHDOG": ("collective_watchdog", _watchdog),
     "SHARDAMP_PYTHON_GRAD_HOOKS": ("python_grad_hooks", lambda n, v: _flag(n, v, False)),
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
+    "SHARDAMP_MERGED_CALLS": ("merged_calls", lambda n, v: _flag(n, v, True)),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

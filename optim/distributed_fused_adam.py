@@ -24,7 +24,7 @@ from torch import Tensor
 from .checks import agreement
 from .step import torch_scaler, grad_stats
 from .step.cycle import StepCycle
-from . import kernels
+from . import config, kernels
 from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
@@ -258,9 +258,11 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         # the step's phase and every per-step counter (step/cycle.py)
         self._cycle = StepCycle(self._avg_factor, self._avg_tensor)
+        self._merged = config.settings().merged_calls  # one process: merged native calls (fused_step.py)
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
-                                   check_landed=self._health.check_landed)
+                                   check_landed=self._health.check_landed,
+                                   landing_flags=self._health.landing_flags if self._merged else None)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
@@ -401,7 +403,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             shards = [b.grad_shard for b in self._buffers]
             reduce = self._reduce_grad_stats
-            if not self._comm.has_peers and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats:
+            if (self._merged and not self._comm.has_peers
+                    and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
                 reduce = None  # one process and no subclass reduction: nothing between assembly and finish
             reduced = grad_stats.reduce_step_stats(
                 norm_type, shards, self._buckets, len(self._params), self._health, self._step_view, problem, r.lrs,
@@ -521,9 +524,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             for i in order:  # the next bucket's step kernel
                 kernels.launch_adam_all(launches, (i,), grads, hparams, stats.touched, skip, records)
                 self._param_sync.launch(i)
-        else:  # nothing to gather (one shard rank): the scalars, the records and every bucket's kernel in one call
+        else:  # nothing to gather (one shard rank): the scalars, records and every bucket's kernel in one call
             fused_step.step_launch(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
-                                   order, grads, hparams, self._records)
+                                   order, grads, hparams, self._records, merged=self._merged)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

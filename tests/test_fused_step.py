@@ -1,6 +1,8 @@
-"""The one-process step's merged native calls (optim/kernels/fused_step.py): the stats assembled
-and finished in one call, the scalar launch and every bucket's step kernel in one call. They must
-give what the separate calls give, bit for bit, and a subclass's stats reduction must still run."""
+"""The one-process merged native calls (``SHARDAMP_MERGED_CALLS``): the stats assembled and
+finished in one call, the scalar launch and every bucket's step kernel in one call
+(optim/kernels/fused_step.py), each complete bucket allocated, landed and checked in one call (the
+stager's ``land_checked``). They must give what the separate calls give, bit for bit, and a
+subclass's stats reduction must still run."""
 from __future__ import annotations
 
 import math
@@ -11,12 +13,10 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import set_env
 from kernel_shards import DEVICES, ext_for
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.scaler import ShardedGradScaler
-
-MERGED = ("stats_cat_finish", "step_launch")
-
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
@@ -49,36 +49,68 @@ def test_stats_cat_finish_rejects_non_fp32_and_empty():
         ext.stats_cat_finish([torch.zeros(4, dtype=torch.float64)], 2, 2.0, [])
 
 
+class _Residual(nn.Module):
+    """Its buckets complete in launch order (the last layers' first), as a plain MLP's do."""
+
+    def __init__(self, dim: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, dim)
+        self.hidden = nn.ModuleList(nn.Linear(dim, dim) for _ in range(depth))
+        self.out = nn.Linear(dim, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for layer in self.hidden:
+            h = h + torch.tanh(layer(h))
+        return self.out(h)
+
+
+def _last_round(assigned: List[bool]) -> List[bool]:
+    """The assign flags from the last round's first merged landing (the one that assigns) on."""
+    return assigned[len(assigned) - 1 - assigned[::-1].index(True):] if True in assigned else []
+
+
+def _counted(calls: Counter, name: str, fn):
+    return lambda *a, **k: (calls.update([name]), fn(*a, **k))[1]
+
+
 def _train(device: str, monkeypatch, merged: bool, steps: int = 6) -> Dict[str, object]:
     """Two param groups, several buckets, a scaler (fp16 autocast on CUDA), a clip on odd steps,
-    an inf in one step's grads and a norm spike skipped by ``skip_grad_norm_above``."""
+    an inf in one step's grads, a norm spike skipped by ``skip_grad_norm_above``, two backward
+    passes before one step and a ``zero_grad(set_to_none=False)``."""
     ext = kernels.native_module(torch.device(device))
-    if not merged:
-        for name in MERGED:
-            monkeypatch.delattr(ext, name)
+    set_env(monkeypatch, "SHARDAMP_MERGED_CALLS", "1" if merged else "0")
     calls: Counter = Counter()
-    for name in ("stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all"):
-        if hasattr(ext, name):
-            fn = getattr(ext, name)
-            monkeypatch.setattr(ext, name, lambda *a, _fn=fn, _n=name, **k: (calls.update([_n]), _fn(*a, **k))[1])
+    for name in ("stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
+                 "bucket_stats", "land_grads"):
+        monkeypatch.setattr(ext, name, _counted(calls, name, getattr(ext, name)))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4)).to(device)
-    decay = [p for p in model.parameters() if p.dim() == 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    model = _Residual().to(device)
+    params = list(model.parameters())  # two groups of whole layers: the buckets keep the layers' order
+    decay, no_decay = params[:6], params[6:]
     opt = DistributedFusedAdam([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                               lr=1e-2, bucket_cap_mb=0.002, skip_grad_norm_above=1e4)
+                               lr=1e-2, bucket_cap_mb=0.005, skip_grad_norm_above=1e4)
     scaler = ShardedGradScaler(device, init_scale=2.0 ** 8)
+    sync = opt._grad_sync  # the stager's method (not a module function) that merges a bucket's landing
+    assigned: List[bool] = []  # each merged landing's assign flag, in the last round
+    if sync._land_checked is not None:
+        land = _counted(calls, "land_checked", sync._land_checked)
+        sync._land_checked = lambda *a: (assigned.append(a[-1]), land(*a))[1]
     norms: List[float] = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
         x = torch.randn(8, 16, generator=g).to(device)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=step != 5)  # kept as zeros once: the shards are not released
         with torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16):
             loss = model(x).float().square().mean()
         if step == 2:
             loss = loss * float("inf")  # found-inf: skipped, the scale backs off
         if step == 4:
             loss = loss * 1e7  # a spike above skip_grad_norm_above: skipped
+        if step == 3:  # two backward passes: the second adds to the landed shards
+            with torch.autocast(device, dtype=torch.float16 if device == "cuda" else torch.bfloat16):
+                first = model(x.flip(0)).float().square().mean()
+            scaler.scale(first).backward()
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
         if step % 2:
@@ -87,6 +119,7 @@ def _train(device: str, monkeypatch, merged: bool, steps: int = 6) -> Dict[str, 
         scaler.update()
         norms.append(float(opt.grad_norm()))
     return {"params": [p.detach().cpu().clone() for p in model.parameters()], "norms": norms,
+            "assigned": _last_round(assigned),
             "stats": opt.step_stats(), "calls": calls, "buckets": len(opt._buckets)}
 
 
@@ -98,9 +131,23 @@ def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, monkeypatc
     with monkeypatch.context() as m:
         merged = _train(device, m, merged=True)
     assert merged["buckets"] >= 2
-    # the merged entry points ran, once per step; the separate ones not at all (and vice versa)
-    assert merged["calls"] == Counter({"stats_cat_finish": 6, "step_launch": 6})
-    assert separate["calls"] == Counter({"stats_finish": 6, "step_scalars": 6, "adam_launch_all": 6})
+    # the merged entry points ran, once per step; the separate ones not at all (and vice versa).
+    # Seven backward passes of five buckets: step 3's second pass (it adds to the landed shards)
+    # and step 5's (the shards kept as zeros) land the separate way, and so does a bucket whose
+    # grads complete before those of the bucket launched ahead of it (the first layer's weight
+    # here: its launch waits); every other bucket lands merged, the round's first assigning its
+    # norm partial and the rest adding to it.
+    b, calls = merged["buckets"], merged["calls"]
+    assert b == 5 and calls["stats_cat_finish"] == calls["step_launch"] == 6
+    assert calls["land_checked"] >= 5 * (b - 1) and calls["land_checked"] + calls["bucket_stats"] == 7 * b
+    assert merged["assigned"][0] is True and merged["assigned"][1:] == [False] * (len(merged["assigned"]) - 1)
+    assert len(merged["assigned"]) >= b - 1
+    other = separate["calls"]
+    assert other["stats_finish"] == other["step_scalars"] == other["adam_launch_all"] == 6
+    assert other["bucket_stats"] == 7 * b
+    assert calls["land_grads"] == other["land_grads"] > 0  # the second pass's adds: the same either way
+    assert not {"stats_finish", "step_scalars", "adam_launch_all"} & set(calls)
+    assert not {"stats_cat_finish", "step_launch", "land_checked"} & set(other)
     for a, b in zip(merged["params"], separate["params"]):
         assert torch.equal(a, b)
     torch.testing.assert_close(torch.tensor(merged["norms"]), torch.tensor(separate["norms"]), rtol=0, atol=0,

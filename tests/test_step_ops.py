@@ -97,11 +97,16 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
 
     for name, fn in saved.items():
         setattr(ext, name, counted(name, fn))
+    sync = opt._grad_sync  # the stager's landing with its flags' pass: a method, not a module function
+    land_checked = sync._land_checked
+    if land_checked is not None:
+        sync._land_checked = counted("land_checked", land_checked)
     try:
         _iteration(opt, scaler, model, 3, clip, count=False)
     finally:
         for name, fn in saved.items():
             setattr(ext, name, fn)
+        sync._land_checked = land_checked
     return calls
 
 
@@ -109,8 +114,9 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("groups", [1, 2])
 def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
-    """Per bucket: one pass over the landed grads for their non-finite flags (the step's health)
-    and the norm partial (one rank: the bucket is the shard, ``bucket_stats``); with several
+    """Per bucket: one call that lands its grads and passes over them once for their non-finite
+    flags (the step's health) and the norm partial (one rank: the bucket is the shard, the
+    stager's ``land_checked``, which runs ``bucket_stats``); with several
     groups each group's partial too; per step one call that assembles and finishes the stats (one
     process: nothing reduces them in between) and one call for the scalar launch and every
     bucket's step (one rank: nothing is all-gathered between them). A new pass over the grads
@@ -125,7 +131,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
         _iteration(opt, scaler, model, step, clip, count=False)
     buckets = len(opt._buckets)
     assert buckets >= 2  # the per-bucket counts are told apart from the per-step ones
-    want = {"bucket_stats": buckets, "stats_cat_finish": 1, "step_launch": 1}
+    want = {"land_checked": buckets, "stats_cat_finish": 1, "step_launch": 1}
     if groups > 1:
         want["group_partials"] = buckets
     assert dict(_native_calls(opt, scaler, model, clip)) == want

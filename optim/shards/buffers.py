@@ -78,6 +78,16 @@ class BucketBuffers:
         self.grad_store = None
 
     @property
+    def shard_numel(self) -> int:
+        return self.shard.stop - self.shard.start
+
+    def adopt_grad_shard(self, shard: Tensor) -> None:
+        """A released shard allocated (and landed in) elsewhere: grad_stager's ``land_checked``."""
+        if self.grad_store is not None or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:
+            raise RuntimeError("adopt_grad_shard: the shard is held already, or the new one does not fit")
+        self.grad_store = shard
+
+    @property
     def remainders(self) -> bool:
         """The master is stored as int16 low halves under the bf16 param shard."""
         return self.master.dtype == torch.int16

@@ -150,6 +150,17 @@ class StepHealth:
             partial: where ``full``'s L2 partial goes in the same read pass (float32 ``[2]``; at
                 one process, where ``full`` is the shard and nothing is reduced), or None.
             assign: the partial replaces ``partial``'s values instead of adding to them."""
+        rows, flags = self.landing_flags(bucket)
+        if partial is None:
+            kernels.nonfinite_flags(full, rows, flags, self.host_rows[bucket])
+        else:
+            kernels.bucket_stats(full, rows, flags, partial, assign, self.host_rows[bucket])
+
+    def landing_flags(self, bucket: int) -> Tuple[Tensor, Tensor]:
+        """What a pass over landed bucket ``bucket`` flags its params in: its ``(start, length,
+        index)`` rows on the device and the flags of this round, started over (and the last
+        step's kept) at the round's first landing. For a caller that runs the pass itself
+        (grad_stager's ``land_checked``: the landing and the pass in one native call)."""
         if not self._landed:  # the first landing after a step: keep that step's flags
             self._landed = True
             if self._reset and not self.capturable:
@@ -163,10 +174,7 @@ class StepHealth:
         elif self._reset:
             self.flags.zero_()
             self._reset = False
-        if partial is None:
-            kernels.nonfinite_flags(full, self.rows[bucket], self.flags, self.host_rows[bucket])
-        else:
-            kernels.bucket_stats(full, self.rows[bucket], self.flags, partial, assign, self.host_rows[bucket])
+        return self.rows[bucket], self.flags
 
     def grads_dropped(self) -> None:
         """``zero_grad``: the grads (so their flags) start over; this round's norms are dropped."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -50,6 +50,8 @@ MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
 # World > 1: staged (not yet copied) grads a bucket may hold, as a fraction of the bucket, on
 # top of its full-size buffer: ZeRO-2's O(bucket_cap_mb) backward memory grows by at most this.
 STAGE_FRACTION = 4
+# grad dtypes the compiled flags' pass takes (kernels.bucket_stats: others run the reference)
+_NATIVE_GRADS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class GradSync:
@@ -70,6 +72,7 @@ class GradSync:
         *,
         cycle: "StepCycle",
         check_landed: Callable[..., None],
+        landing_flags: Optional[Callable[[int], Tuple[Tensor, Tensor]]] = None,
     ) -> None:
         self.comm = comm
         # the step cycle: told when a backward begins and a round is launched; read for the rounds
@@ -78,6 +81,9 @@ class GradSync:
         # grads are reduced; at one process also with the shared partial row, to form it in the
         # same pass
         self.check_landed = check_landed
+        # health.py's StepHealth.landing_flags: (rows, flags) for a landing that runs the flags'
+        # pass itself (one process: grad_stager's land_checked)
+        self.landing_flags = landing_flags
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
         self.in_place = not comm.reduces_grads
         self.overlap = overlap
@@ -150,6 +156,12 @@ class GradSync:
         # accumulator, which keeps the stream it was made on, and a capture on another stream
         # would then wait on it (grad_stager.py)
         self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
+        # one process, shards released at zero_grad, native stager: a complete bucket's allocation,
+        # landing and flags' pass in one call (``_land_complete``); a zero-element tensor per bucket
+        # gives its grad dtype and device
+        land_checked = getattr(self.stager, "land_checked", None)
+        self._land_checked = land_checked if self.release_shards and landing_flags is not None else None
+        self._like = [torch.empty(0, dtype=s.buffers.grad_dtype, device=device) for s in self.states]
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -188,10 +200,32 @@ class GradSync:
             self._staged(self.states[arg], event)
 
     def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
+        if event == grad_stager.COMPLETE and self._land_complete(s):
+            return
         if event != grad_stager.NONE:
             self._flush(s)
         if event == grad_stager.COMPLETE and self.enabled and self.overlap and not self.defer_launches:
             self._launch_ready()
+
+    def _land_complete(self, s: BucketGrads) -> bool:
+        """One process, the steady state: bucket ``s`` is complete, next to launch and its shard
+        released since zero_grad. Allocate the shard, land its grads and run the flags' and
+        partial's pass in ONE native call, as ``_flush`` and ``_launch`` would in three and an
+        allocation (tens of microseconds of host time each on a GPU host). False: not this case
+        (or no native stager), nothing done."""
+        if (self._land_checked is None or s.index != self.next_launch or s.full is not None or s.in_buffer
+                or s.shard_valid or not self.enabled or not self.overlap or self.defer_launches
+                or s.buffers.grad_dtype not in _NATIVE_GRADS):
+            return False
+        rows, flags = self.landing_flags(s.index)
+        full, _ = self._land_checked(s.index, s.buffers.shard_numel, self._like[s.index], rows, flags, s.partial,
+                                     not self.partials_started)
+        s.buffers.adopt_grad_shard(full)
+        s.full, s.dirty = full, False
+        s.shard_valid = s.partial_valid = self.partials_started = True
+        self.next_launch = s.index + 1
+        self._launch_ready()  # later buckets that completed before this one
+        return True
 
     def raise_hook_error(self) -> None:
         """Raise the error a native hook's callback met (once)."""
