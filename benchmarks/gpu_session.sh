@@ -12,7 +12,9 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # NCCL parity and AMP loops, graphs, checkpoints, FSDP2 wrappers, fault cases), frameworks (the
 # examples/*_train.py scripts on CUDA: FRAMEWORK_TESTS picks them, default all), kernel_tests
 # (kernels only), bench, host (benchmarks/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
-# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), frameworks_bench
+# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), phases
+# (benchmarks/host_phases.py: the MLP's host time per phase, torch against shardamp; PHASES_ARGS
+# adds flags, split on spaces: no quoted values), frameworks_bench
 # (benchmarks/bench_frameworks.py: each framework's default route against its shardamp route, about
 # 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), variants (step
 # chunk sizes side by side), profile, overlap, deepspeed (benchmarks/bench_deepspeed.py: DeepSpeed
@@ -83,6 +85,11 @@ if [[ " $PARTS " == *" frameworks_bench "* ]]; then
   timeout "$fb_limit" python3 benchmarks/bench_frameworks.py --device cuda --budget $((fb_limit > 180 ? fb_limit - 90 : fb_limit / 2)) \
     ${FRAMEWORKS_BENCH_ARGS:-} --out "$OUT/frameworks_bench" >"$OUT/frameworks_bench.log" 2>&1 || status=1
   tail -45 "$OUT/frameworks_bench.log"
+fi
+if [[ " $PARTS " == *" phases "* ]]; then
+  # a host-bound iteration's time phase by phase, torch against shardamp, and shardamp's functions in it
+  timeout "$(left 150)" python3 benchmarks/host_phases.py --device cuda ${PHASES_ARGS:-} >"$OUT/phases.log" 2>&1 || status=1
+  tail -60 "$OUT/phases.log"
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks

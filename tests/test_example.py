@@ -134,6 +134,20 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
             assert r["torch full_ms"] > 0 and r["shardamp full_ms"] > 0, r
 
 
+def test_host_phases_cpu_smoke() -> None:
+    """benchmarks/host_phases.py on the CPU: every phase of both sides timed, and the merged
+    one-process calls (the step's, each bucket's landing) among shardamp's functions."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_phases.py"), "--device", "cpu", "--iters", "2",
+                           "--rounds", "1", "--loops", "plain step"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    for phase in ("zero_grad", "forward", "backward", "step", "total"):
+        assert f"  {phase} " in out, out
+    for fn in ("DistributedFusedAdam.step", "fused_step.step_launch", "GradSync._land_complete"):
+        assert fn in out, out
+
+
 def test_profile_backward_cpu_smoke(tmp_path: Path) -> None:
     """benchmarks/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
     first grad and the bucket events: at least one each per backward), the tables written."""
