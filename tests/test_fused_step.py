@@ -185,3 +185,28 @@ def test_a_subclass_reduction_still_runs_at_one_process():
     assert _CountingReduction.calls == 3
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _train_reading_shards(monkeypatch, merged: bool) -> List[torch.Tensor]:
+    set_env(monkeypatch, "SHARDAMP_MERGED_CALLS", "1" if merged else "0")
+    torch.manual_seed(0)
+    model = _Residual()
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.005)
+    for step in range(3):
+        opt.zero_grad()
+        if step == 1:  # a read between zero_grad and backward allocates the released shard as zeros
+            assert float(opt._buffers[0].grad_shard.abs().sum()) == 0.0
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+def test_a_shard_allocated_before_backward_lands_the_separate_way(monkeypatch):
+    with monkeypatch.context() as m:
+        separate = _train_reading_shards(m, merged=False)
+    with monkeypatch.context() as m:
+        merged = _train_reading_shards(m, merged=True)
+    for a, b in zip(merged, separate):
+        assert torch.equal(a, b)

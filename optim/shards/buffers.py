@@ -81,6 +81,11 @@ class BucketBuffers:
     def shard_numel(self) -> int:
         return self.shard.stop - self.shard.start
 
+    @property
+    def released(self) -> bool:
+        """The grad shard is released (no grads exist; reading ``grad_shard`` would allocate zeros)."""
+        return self.grad_store is None
+
     def adopt_grad_shard(self, shard: Tensor) -> None:
         """A released shard allocated (and landed in) elsewhere: grad_stager's ``land_checked``."""
         if self.grad_store is not None or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:

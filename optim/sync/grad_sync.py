@@ -215,7 +215,7 @@ class GradSync:
         (or no native stager), nothing done."""
         if (self._land_checked is None or s.index != self.next_launch or s.full is not None or s.in_buffer
                 or s.shard_valid or not self.enabled or not self.overlap or self.defer_launches
-                or s.buffers.grad_dtype not in _NATIVE_GRADS):
+                or not s.buffers.released or s.buffers.grad_dtype not in _NATIVE_GRADS):
             return False
         rows, flags = self.landing_flags(s.index)
         full, _ = self._land_checked(s.index, s.buffers.shard_numel, self._like[s.index], rows, flags, s.partial,
