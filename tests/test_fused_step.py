@@ -40,7 +40,7 @@ def test_stats_cat_finish_is_cat_then_finish(device, norm_type):
 
 
 def test_stats_cat_finish_rejects_non_fp32_and_empty():
-    """(The GPU session leaves this out by name: an error raised inside an extension kills the
+    """(benchmarks/gpu_session.sh leaves this out by name: an error raised inside an extension kills the
     interpreter on its image.)"""
     ext = ext_for("cpu")
     with pytest.raises(RuntimeError, match="no parts"):
