@@ -51,8 +51,8 @@ def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
     base, scale, norm, max_norm = coef_parts
     ext = _native(coef_out.device)
     skip = health["skip_out"]
-    if (merged and ext is not None and hasattr(ext, "step_launch") and skip is not None and health.get("counters") is not None
-            and health.get("record") is not None and order
+    if (merged and ext is not None and hasattr(ext, "step_launch") and skip is not None and order
+            and health.get("counters") is not None and health.get("record") is not None
             and scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, health)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
