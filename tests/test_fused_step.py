@@ -188,17 +188,27 @@ def test_a_subclass_reduction_still_runs_at_one_process():
 
 
 def _train_reading_shards(monkeypatch, merged: bool) -> List[torch.Tensor]:
+    """Three steps with a read of a released shard before the second backward, against torch's
+    AdamW on the same batches."""
     set_env(monkeypatch, "SHARDAMP_MERGED_CALLS", "1" if merged else "0")
     torch.manual_seed(0)
     model = _Residual()
-    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, bucket_cap_mb=0.005)
+    ref = _Residual()
+    ref.load_state_dict(model.state_dict())
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.02, bucket_cap_mb=0.005)
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
     for step in range(3):
         opt.zero_grad()
+        torch_opt.zero_grad()
         if step == 1:  # a read between zero_grad and backward allocates the released shard as zeros
             assert float(opt._buffers[0].grad_shard.abs().sum()) == 0.0
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
+        ref(x).square().mean().backward()
         opt.step()
+        torch_opt.step()
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     return [p.detach().clone() for p in model.parameters()]
 
 

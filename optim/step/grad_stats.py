@@ -142,20 +142,17 @@ def reduce_step_stats(
     offset = HEADER + n_params  # where the health entries start
     groups = health.group_slice(offset)
     views = health.stats_views(offset)
-    if reduce is None:
-        parts, checked, names = agreement.stats_parts(view, norm_type, problem, lrs, health.entries(), header)
-        if not checked:  # nothing to compare: the entries need no fingerprint check after the finish
-            if header is None:
-                parts[0] = partials.partial(list(grad_shards), norm_type, device=parts[0].device)
-            buf, raw, found_inf, touched, *more = fused_step.stats_cat_finish(
-                parts, offset, norm_type, [(HEADER, n_params), *views])
-            if groups is not None:  # written after the finish, which reads nothing past the touched flags
-                _group_partials(buckets, grad_shards, buf[groups], norm_type, n_params)
-            health.note_stats(more, norm_type)
-            return ReducedStats(GradStats(norm_type, raw, found_inf, touched, views=more), checked, names)
-        buf = torch.cat(parts)
-    else:
-        buf, checked, names = agreement.stats_buffer(view, norm_type, problem, lrs, health.entries(), header)
+    parts, checked, names = agreement.stats_parts(view, norm_type, problem, lrs, health.entries(), header)
+    if reduce is None and not checked:  # one process, nothing to compare: assembled and finished in one call
+        if header is None:
+            parts[0] = partials.partial(list(grad_shards), norm_type, device=parts[0].device)
+        buf, raw, found_inf, touched, *more = fused_step.stats_cat_finish(
+            parts, offset, norm_type, [(HEADER, n_params), *views])
+        if groups is not None:  # written after the finish, which reads nothing past the touched flags
+            _group_partials(buckets, grad_shards, buf[groups], norm_type, n_params)
+        health.note_stats(more, norm_type)
+        return ReducedStats(GradStats(norm_type, raw, found_inf, touched, views=more), checked, names)
+    buf = torch.cat(parts)  # one launch: each device-to-device copy_ would be a cudaMemcpyAsync
     if header is None:
         partials.partial(list(grad_shards), norm_type, buf, zeroed=True)
     if groups is not None:  # each group's partial too (one launch per bucket), for grad_norms_by_group

@@ -161,7 +161,8 @@ class GradSync:
         # gives its grad dtype and device
         land_checked = getattr(self.stager, "land_checked", None)
         self._land_checked = land_checked if self.release_shards and landing_flags is not None else None
-        self._like = [torch.empty(0, dtype=s.buffers.grad_dtype, device=device) for s in self.states]
+        self._like = ([torch.empty(0, dtype=s.buffers.grad_dtype, device=device) for s in self.states]
+                      if self._land_checked is not None else [])
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
