@@ -47,6 +47,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "one-bucket": {"opt": {"bucket_cap_mb": 4096.0}},
     # one process: the step's and each landed bucket's native calls made separately, not merged
     "separate-calls": {"settings": {"merged_calls": False}},
+    # one process: each complete bucket landed from a Python call, not inside the native grad hook
+    "python-landings": {"settings": {"hook_landings": False}},
 }
 
 

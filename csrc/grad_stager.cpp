@@ -68,6 +68,21 @@ struct StagerState {
   bool dead = false;  // removed while a backward may run its hooks: they do nothing
   py::object callback;  // callback(event, arg): arg is a param index (kSlow) or a bucket
   std::mutex mu;
+  // The landing plan (one process; set_plan / finish_plan): a complete bucket that is the next to
+  // launch and has a plan entry is allocated, landed and passed over here, on the autograd
+  // thread without the GIL, instead of calling Python; Python adopts the landed shards later
+  // (finish_plan). The plan ends at the first event that calls Python.
+  struct PlanEntry {
+    bool on = false;
+    int64_t numel = 0;
+    at::Tensor like, rows, flags, partial;
+  };
+  std::vector<PlanEntry> plan;
+  bool plan_active = false;
+  int64_t plan_next = 0;  // the next bucket to launch, as GradSync.next_launch
+  bool plan_assign = false;  // the next landing's partial replaces the shared row's values
+  std::vector<std::pair<int64_t, at::Tensor>> plan_landed;  // in landing order
+  std::string plan_error;  // a landing that failed after taking its grads: Python raises it
 
   int stage_locked(int64_t i, at::Tensor& grad_slot) {
     const int64_t b = bucket_of[i];
@@ -117,6 +132,7 @@ struct StagerState {
   void hook_body(int64_t i) {
     int event = kNone;
     int64_t arg = i;
+    bool planned = false;
     {
       std::lock_guard<std::mutex> lock(mu);
       at::Tensor& grad = params[i].mutable_grad();
@@ -128,8 +144,96 @@ struct StagerState {
         via_python[i] = 0;
         arg = bucket_of[i];
       }
+      if (event == kComplete && plan_active && arg == plan_next && plan[arg].on) {
+        planned = true;
+      } else if (event != kNone) {
+        plan_active = false;  // Python decides from here on (it adopts what was landed first)
+      }
     }
-    if (event != kNone) call(event, arg);
+    if (planned) {
+      land_planned(arg);
+    } else if (event != kNone) {
+      call(event, arg);
+    }
+  }
+
+  // hook_body's planned landing of complete bucket b (its plan entry is taken here). An
+  // allocation that fails leaves the grads staged and hands the bucket to Python (which raises
+  // it); a failure after the grads were taken is kept for Python to raise (finish_plan).
+  void land_planned(int64_t b) {
+    PlanEntry e;
+    bool assign;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      std::swap(e, plan[b]);
+      assign = plan_assign;
+    }
+    at::Tensor full;
+    try {
+      full = at::empty({e.numel}, e.like.options());
+    } catch (const std::exception&) {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        plan_active = false;
+      }
+      call(kComplete, b);
+      return;
+    }
+    try {
+      land(b, full, true);
+      checked_bucket_stats(full, e.rows, e.flags, e.partial, assign);
+    } catch (const std::exception& ex) {
+      std::lock_guard<std::mutex> lock(mu);
+      plan_active = false;
+      plan_error = std::string("bucket ") + std::to_string(b) + ": " + ex.what();
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    plan_landed.emplace_back(b, std::move(full));
+    plan_next = b + 1;
+    plan_assign = false;
+  }
+
+  std::pair<std::vector<int64_t>, std::vector<at::Tensor>> take(int64_t b) {
+    std::lock_guard<std::mutex> lock(mu);
+    std::vector<int64_t> idx;
+    std::vector<at::Tensor> grads;
+    idx.reserve(pending[b].size());
+    grads.reserve(pending[b].size());
+    for (auto& e : pending[b]) {
+      idx.push_back(e.first);
+      grads.push_back(std::move(e.second));
+      staged[e.first] = 0;
+    }
+    pending[b].clear();
+    staged_bytes[b] = 0;
+    return {std::move(idx), std::move(grads)};
+  }
+
+  // Copy bucket b's staged grads into their slots of the flat buffer `full` (land_grads: the
+  // param's sizes and strides at its offset; `zero_rest`: the rest of `full` zeroed in the same
+  // pass); returns the params landed, in staging order.
+  std::vector<int64_t> land(int64_t b, at::Tensor& full, bool zero_rest) {
+    auto taken = take(b);
+    std::vector<at::Tensor> like;
+    std::vector<int64_t> offsets;
+    like.reserve(taken.first.size());
+    offsets.reserve(taken.first.size());
+    for (int64_t i : taken.first) {
+      like.push_back(params[i]);
+      offsets.push_back(offset[i]);
+    }
+    land_grads(full, taken.second, like, offsets, false, zero_rest);
+    if ((full.is_cuda() || g_release_cpu.load(std::memory_order_relaxed)) && g_release_async.load(std::memory_order_relaxed)) {
+      // what Python has seen is freed here (below), the rest on the release thread if it takes it
+      std::vector<at::Tensor> later;
+      later.reserve(taken.second.size());
+      for (size_t k = 0; k < taken.first.size(); ++k) {
+        if (!via_python[taken.first[k]]) later.push_back(std::move(taken.second[k]));
+      }
+      Releaser::get().push(later);  // declined: `later` is freed on return
+    }
+    return std::move(taken.first);
   }
 };
 
@@ -216,48 +320,13 @@ class GradStager {
   }
 
   std::pair<std::vector<int64_t>, std::vector<at::Tensor>> take(int64_t b) {
-    auto& s = *state_;
     check_bucket(b);
-    std::lock_guard<std::mutex> lock(s.mu);
-    std::vector<int64_t> idx;
-    std::vector<at::Tensor> grads;
-    idx.reserve(s.pending[b].size());
-    grads.reserve(s.pending[b].size());
-    for (auto& e : s.pending[b]) {
-      idx.push_back(e.first);
-      grads.push_back(std::move(e.second));
-      s.staged[e.first] = 0;
-    }
-    s.pending[b].clear();
-    s.staged_bytes[b] = 0;
-    return {std::move(idx), std::move(grads)};
+    return state_->take(b);
   }
 
-  // Copy bucket b's staged grads into their slots of the flat buffer `full` (land_grads: the
-  // param's sizes and strides at its offset; `zero_rest`: the rest of `full` zeroed in the same
-  // pass); returns the params landed, in staging order.
   std::vector<int64_t> land(int64_t b, at::Tensor& full, bool zero_rest) {
-    auto taken = take(b);
-    auto& s = *state_;
-    std::vector<at::Tensor> like;
-    std::vector<int64_t> offsets;
-    like.reserve(taken.first.size());
-    offsets.reserve(taken.first.size());
-    for (int64_t i : taken.first) {
-      like.push_back(s.params[i]);
-      offsets.push_back(s.offset[i]);
-    }
-    land_grads(full, taken.second, like, offsets, false, zero_rest);
-    if ((full.is_cuda() || g_release_cpu.load(std::memory_order_relaxed)) && g_release_async.load(std::memory_order_relaxed)) {
-      // what Python has seen is freed here (below), the rest on the release thread if it takes it
-      std::vector<at::Tensor> later;
-      later.reserve(taken.second.size());
-      for (size_t k = 0; k < taken.first.size(); ++k) {
-        if (!s.via_python[taken.first[k]]) later.push_back(std::move(taken.second[k]));
-      }
-      Releaser::get().push(later);  // declined: `later` is freed on return
-    }
-    return std::move(taken.first);
+    check_bucket(b);
+    return state_->land(b, full, zero_rest);
   }
 
   // One process, a complete bucket whose shard was released: the shard allocated uninitialized
@@ -270,9 +339,53 @@ class GradStager {
     check_bucket(b);
     SHARDAMP_CHECK(numel >= 0, "GradStager.land_checked: numel must be >= 0");
     at::Tensor full = at::empty({numel}, like.options());
-    std::vector<int64_t> landed = land(b, full, true);
+    std::vector<int64_t> landed = state_->land(b, full, true);
     checked_bucket_stats(full, rows, flags, partial, assign);
     return {full, std::move(landed)};
+  }
+
+  // The landing plan (see StagerState): from bucket `next` on, each bucket named in `entries`
+  // ((bucket, numel, like, rows, flags, partial), as land_checked takes them) is landed by the
+  // hook itself once it is complete and the next to launch; `assign`: the first such landing
+  // replaces the shared partial row's values.
+  void set_plan(int64_t next, bool assign, const std::vector<py::tuple>& entries) {
+    auto& s = *state_;
+    std::vector<StagerState::PlanEntry> plan(s.pending.size());
+    for (const auto& t : entries) {
+      SHARDAMP_CHECK(t.size() == 6, "GradStager.set_plan: an entry is (bucket, numel, like, rows, flags, partial)");
+      const auto b = t[0].cast<int64_t>();
+      check_bucket(b);
+      auto& e = plan[b];
+      e.on = true;
+      e.numel = t[1].cast<int64_t>();
+      e.like = t[2].cast<at::Tensor>();
+      e.rows = t[3].cast<at::Tensor>();
+      e.flags = t[4].cast<at::Tensor>();
+      e.partial = t[5].cast<at::Tensor>();
+      SHARDAMP_CHECK(e.numel >= 0, "GradStager.set_plan: numel must be >= 0");
+    }
+    std::lock_guard<std::mutex> lock(s.mu);
+    SHARDAMP_CHECK(s.plan_landed.empty() && s.plan_error.empty(),
+                   "GradStager.set_plan: the last plan's landings were not taken (finish_plan)");
+    s.plan = std::move(plan);
+    s.plan_next = next;
+    s.plan_assign = assign;
+    s.plan_active = !entries.empty();
+  }
+
+  // Ends the plan: the buckets it landed, in order, as (bucket, shard), and the error of a
+  // landing that failed after taking its grads ("" if none).
+  std::pair<std::vector<std::pair<int64_t, at::Tensor>>, std::string> finish_plan() {
+    auto& s = *state_;
+    std::vector<StagerState::PlanEntry> dropped;
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.plan_active = false;
+    std::swap(dropped, s.plan);
+    std::vector<std::pair<int64_t, at::Tensor>> landed;
+    std::swap(landed, s.plan_landed);
+    std::string error;
+    std::swap(error, s.plan_error);
+    return {std::move(landed), std::move(error)};
   }
 
   py::bytes touched() {
@@ -311,6 +424,10 @@ class GradStager {
     std::fill(s.staged.begin(), s.staged.end(), 0);
     std::fill(s.staged_bytes.begin(), s.staged_bytes.end(), 0);
     std::fill(s.fired.begin(), s.fired.end(), 0);
+    s.plan.clear();
+    s.plan_active = false;
+    s.plan_landed.clear();
+    s.plan_error.clear();
   }
   void set_armed(bool armed) {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -351,6 +468,8 @@ void register_grad_stager(py::module& m) {
       .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"), py::arg("zero_rest") = false)
       .def("land_checked", &GradStager::land_checked, py::arg("bucket"), py::arg("numel"), py::arg("like"),
            py::arg("rows"), py::arg("flags"), py::arg("partial"), py::arg("assign"))
+      .def("set_plan", &GradStager::set_plan, py::arg("next"), py::arg("assign"), py::arg("entries"))
+      .def("finish_plan", &GradStager::finish_plan)
       .def("is_staged", &GradStager::is_staged, py::arg("index"))
       .def("staged_count", &GradStager::staged_count, py::arg("bucket"))
       .def("staged_bytes", &GradStager::staged_bytes, py::arg("bucket"))

@@ -42,6 +42,10 @@ The variables (``python -m shardamp.report`` prints the ones in force):
                                           bucket's native calls separately instead of merged
                                           (same results; for A/B timing and debugging; default
                                           ``1``)
+``SHARDAMP_HOOK_LANDINGS``                ``0``: at one process, land each complete bucket from a
+                                          Python call instead of inside the native grad hook
+                                          (same results; for A/B timing and debugging; default
+                                          ``1``; merged calls only)
 ========================================  =====================================================
 """
 from __future__ import annotations
@@ -82,6 +86,9 @@ class Settings:
         merged_calls: at one process, merge the native calls that have nothing between them
             (optim/kernels/fused_step.py, grad_stager's ``land_checked``); read when an
             optimizer is built.
+        hook_landings: at one process, the native grad hook lands a complete bucket itself,
+            calling no Python (grad_sync.py's landing plan; with ``merged_calls`` only); read
+            when an optimizer is built.
     """
 
     kernels: str = "auto"
@@ -97,6 +104,7 @@ class Settings:
     python_grad_hooks: bool = False
     async_grad_release: bool = True
     merged_calls: bool = True
+    hook_landings: bool = True
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -181,6 +189,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_PYTHON_GRAD_HOOKS": ("python_grad_hooks", lambda n, v: _flag(n, v, False)),
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
     "SHARDAMP_MERGED_CALLS": ("merged_calls", lambda n, v: _flag(n, v, True)),
+    "SHARDAMP_HOOK_LANDINGS": ("hook_landings", lambda n, v: _flag(n, v, True)),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

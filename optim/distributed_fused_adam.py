@@ -262,7 +262,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
                                    check_landed=self._health.check_landed,
-                                   landing_flags=self._health.landing_flags if self._merged else None)
+                                   landing_flags=self._health.landing_flags if self._merged else None,
+                                   hook_landings=config.settings().hook_landings)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up

@@ -1,7 +1,7 @@
 """The one-process merged native calls (``SHARDAMP_MERGED_CALLS``): the stats assembled and
 finished in one call, the scalar launch and every bucket's step kernel in one call
 (optim/kernels/fused_step.py), each complete bucket allocated, landed and checked in one call (the
-stager's ``land_checked``). They must give what the separate calls give, bit for bit, and a
+stager's ``land_checked``, or its hook under a landing plan, with no Python call). They must give what the separate calls give, bit for bit, and a
 subclass's stats reduction must still run."""
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from conftest import set_env
 from kernel_shards import DEVICES, ext_for
+from landings import count_landings
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.scaler import ShardedGradScaler
 
@@ -74,12 +75,13 @@ def _counted(calls: Counter, name: str, fn):
     return lambda *a, **k: (calls.update([name]), fn(*a, **k))[1]
 
 
-def _train(device: str, monkeypatch, merged: bool, steps: int = 6) -> Dict[str, object]:
+def _train(device: str, monkeypatch, merged: bool, steps: int = 6, hook_landings: bool = True) -> Dict[str, object]:
     """Two param groups, several buckets, a scaler (fp16 autocast on CUDA), a clip on odd steps,
     an inf in one step's grads, a norm spike skipped by ``skip_grad_norm_above``, two backward
     passes before one step and a ``zero_grad(set_to_none=False)``."""
     ext = kernels.native_module(torch.device(device))
     set_env(monkeypatch, "SHARDAMP_MERGED_CALLS", "1" if merged else "0")
+    set_env(monkeypatch, "SHARDAMP_HOOK_LANDINGS", "1" if hook_landings else "0")
     calls: Counter = Counter()
     for name in ("stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
                  "bucket_stats", "land_grads"):
@@ -91,11 +93,8 @@ def _train(device: str, monkeypatch, merged: bool, steps: int = 6) -> Dict[str, 
     opt = DistributedFusedAdam([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                lr=1e-2, bucket_cap_mb=0.005, skip_grad_norm_above=1e4)
     scaler = ShardedGradScaler(device, init_scale=2.0 ** 8)
-    sync = opt._grad_sync  # the stager's method (not a module function) that merges a bucket's landing
     assigned: List[bool] = []  # each merged landing's assign flag, in the last round
-    if sync._land_checked is not None:
-        land = _counted(calls, "land_checked", sync._land_checked)
-        sync._land_checked = lambda *a: (assigned.append(a[-1]), land(*a))[1]
+    count_landings(opt._grad_sync, calls, assigned)
     norms: List[float] = []
     for step in range(steps):
         g = torch.Generator().manual_seed(step)
@@ -125,11 +124,12 @@ def _train(device: str, monkeypatch, merged: bool, steps: int = 6) -> Dict[str, 
 
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 @pytest.mark.parametrize("device", DEVICES)
-def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, monkeypatch):
+@pytest.mark.parametrize("hook_landings", [True, False], ids=["hook-landings", "python-landings"])
+def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, hook_landings, monkeypatch):
     with monkeypatch.context() as m:
         separate = _train(device, m, merged=False)
     with monkeypatch.context() as m:
-        merged = _train(device, m, merged=True)
+        merged = _train(device, m, merged=True, hook_landings=hook_landings)
     assert merged["buckets"] >= 2
     # the merged entry points ran, once per step; the separate ones not at all (and vice versa).
     # Seven backward passes of five buckets: step 3's second pass (it adds to the landed shards)
@@ -139,7 +139,12 @@ def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, monkeypatc
     # norm partial and the rest adding to it.
     b, calls = merged["buckets"], merged["calls"]
     assert b == 5 and calls["stats_cat_finish"] == calls["step_launch"] == 6
-    assert calls["land_checked"] >= 5 * (b - 1) and calls["land_checked"] + calls["bucket_stats"] == 7 * b
+    merged_landings = calls["land_checked"] + calls["planned"]
+    assert merged_landings >= 5 * (b - 1) and merged_landings + calls["bucket_stats"] == 7 * b
+    # with hook landings all of them in the hook, under the landing plan Python set at the first
+    # grad (and again after the out-of-order bucket's call): no Python call at those landings;
+    # without, all of them from Python
+    assert calls["planned" if hook_landings else "land_checked"] == merged_landings
     assert merged["assigned"][0] is True and merged["assigned"][1:] == [False] * (len(merged["assigned"]) - 1)
     assert len(merged["assigned"]) >= b - 1
     other = separate["calls"]
@@ -147,7 +152,7 @@ def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, monkeypatc
     assert other["bucket_stats"] == 7 * b
     assert calls["land_grads"] == other["land_grads"] > 0  # the second pass's adds: the same either way
     assert not {"stats_finish", "step_scalars", "adam_launch_all"} & set(calls)
-    assert not {"stats_cat_finish", "step_launch", "land_checked"} & set(other)
+    assert not {"stats_cat_finish", "step_launch", "land_checked", "planned"} & set(other)
     for a, b in zip(merged["params"], separate["params"]):
         assert torch.equal(a, b)
     torch.testing.assert_close(torch.tensor(merged["norms"]), torch.tensor(separate["norms"]), rtol=0, atol=0,

@@ -22,7 +22,10 @@ consumed (``sync``). Only the shard, 1/shard_size of the bucket, crosses the rep
 Where nothing is reduced (``Comm.reduces_grads`` False: a single process) there is no separate
 full-size buffer: the bucket buffer IS the shard, and backward sums grads into it in place. It
 exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a staged
-grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's.
+grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There a complete
+bucket that is next to launch is allocated, landed and passed over for its flags and norm partial
+in one native call; with the native stager, inside its hook, under a landing plan Python hands it
+at the backward's first grad (``_arm_plan``), so such a bucket calls no Python at all.
 """
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ class GradSync:
         cycle: "StepCycle",
         check_landed: Callable[..., None],
         landing_flags: Optional[Callable[[int], Tuple[Tensor, Tensor]]] = None,
+        hook_landings: bool = True,
     ) -> None:
         self.comm = comm
         # the step cycle: told when a backward begins and a round is launched; read for the rounds
@@ -163,6 +167,10 @@ class GradSync:
         self._land_checked = land_checked if self.release_shards and landing_flags is not None else None
         self._like = ([torch.empty(0, dtype=s.buffers.grad_dtype, device=device) for s in self.states]
                       if self._land_checked is not None else [])
+        # ... and where the native stager takes a landing plan, those landings run in the hook
+        # itself, without calling Python (``_arm_plan``; adopted by ``_take_planned``)
+        self._plans = hook_landings and self._land_checked is not None and hasattr(self.stager, "set_plan")
+        self._planned = False  # a plan is set: the stager may hold landed shards Python has not adopted
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -195,10 +203,46 @@ class GradSync:
         self._staged(self.states[entry.bucket], self.stager.stage(k))
 
     def on_event(self, event: int, arg: int) -> None:
+        self._take_planned()
         if event == grad_stager.SLOW:
             self.on_grad(self.by_stager_index[arg])
         else:
             self._staged(self.states[arg], event)
+        if self._plans and self.callback_queued:
+            self._arm_plan()
+
+    def _arm_plan(self) -> None:
+        """Hand the native stager the landings it may run itself (one process, inside a
+        backward): each bucket from ``next_launch`` on that ``_land_complete`` would take now.
+        When such a bucket completes in launch order the hook lands it without calling Python
+        (a GIL round trip and this module's bookkeeping, tens of microseconds a bucket on a GPU
+        host); the plan ends at the first event that does call Python."""
+        if not self.enabled or not self.overlap or self.defer_launches or self.hold_launches:
+            return
+        entries = []
+        for s in self.states[self.next_launch:]:
+            if _fresh_shard(s):
+                entries.append((s.index, s.buffers.shard_numel, self._like[s.index], *self.landing_flags(s.index),
+                                s.partial))
+        if entries:
+            self.stager.set_plan(self.next_launch, not self.partials_started, entries)
+            self._planned = True
+
+    def _take_planned(self) -> None:
+        """Adopt the shards the stager landed under its plan (``_arm_plan``), and end the plan:
+        every other entry point calls this first, so Python's state is the stager's again."""
+        if not self._planned:
+            return
+        self._planned = False
+        landed, error = self.stager.finish_plan()
+        for index, full in landed:
+            s = self.states[index]
+            s.buffers.adopt_grad_shard(full)
+            s.full, s.dirty = full, False
+            s.shard_valid = s.partial_valid = self.partials_started = True
+            self.next_launch = index + 1
+        if error:
+            raise RuntimeError(f"DistributedFusedAdam: landing the grads of {error}")
 
     def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
         if event == grad_stager.COMPLETE and self._land_complete(s):
@@ -214,9 +258,8 @@ class GradSync:
         partial's pass in ONE native call, as ``_flush`` and ``_launch`` would in three and an
         allocation (tens of microseconds of host time each on a GPU host). False: not this case
         (or no native stager), nothing done."""
-        if (self._land_checked is None or s.index != self.next_launch or s.full is not None or s.in_buffer
-                or s.shard_valid or not self.enabled or not self.overlap or self.defer_launches
-                or not s.buffers.released or s.buffers.grad_dtype not in _NATIVE_GRADS):
+        if (self._land_checked is None or s.index != self.next_launch or not self.enabled or not self.overlap
+                or self.defer_launches or not _fresh_shard(s)):
             return False
         rows, flags = self.landing_flags(s.index)
         full, _ = self._land_checked(s.index, s.buffers.shard_numel, self._like[s.index], rows, flags, s.partial,
@@ -316,6 +359,7 @@ class GradSync:
         return bytes(out)
 
     def flush_all(self) -> None:
+        self._take_planned()
         for s in self.states:
             self._flush(s)
 
@@ -334,6 +378,7 @@ class GradSync:
 
     def end_of_backward(self) -> None:
         self.callback_queued = False
+        self._take_planned()
         self.stager.set_armed(False)
         self.raise_hook_error()
         self.flush_all()
@@ -407,6 +452,7 @@ class GradSync:
         """The 2-norm partial of all buckets (float32 ``[2]``: the stats' header, read before the
         next round's first bucket zeroes it) if every bucket added its current partial; None
         otherwise (the caller computes it)."""
+        self._take_planned()
         if not self.states or not all(s.partial_valid for s in self.states):
             return None
         return self.partials  # the non-finite flags added up: a count, still "any" where > 0
@@ -414,6 +460,7 @@ class GradSync:
     def holds_unreduced(self) -> bool:
         """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
         round half launched)."""
+        self._take_planned()
         return self.next_launch > 0 or any(s.in_buffer for s in self.states) or any(
             self.stager.staged_count(s.index) for s in self.states)
 
@@ -424,6 +471,7 @@ class GradSync:
         A step always consumes at least one complete round, so a rank whose backward touched
         none of the params still joins the collectives the other ranks issued.
         """
+        self._take_planned()
         self.raise_hook_error()
         self.flush_all()
         if self.next_launch > 0 or self.cycle.rounds_since_step == 0 or any(s.in_buffer for s in self.states):
@@ -471,6 +519,7 @@ class GradSync:
 
     def alive_full_buffers(self) -> List[Tensor]:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
+        self._take_planned()
         shard_ptrs = {s.buffers.grad_store.data_ptr() for s in self.states if s.buffers.grad_store is not None}
         held = [s.full for s in self.states if s.full is not None and s.full.data_ptr() not in shard_ptrs]
         held += [r.full for r in self.pending if r.full is not None]
@@ -482,6 +531,7 @@ class GradSync:
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
+        self._planned = False  # what a plan landed is dropped with the rest (stager.clear)
         self.wait()
         self.next_launch = 0
         self.partials_started = False
@@ -533,6 +583,13 @@ class GradSync:
         stager = getattr(self, "stager", None)
         if stager is not None:  # inside a backward its hooks may be iterated: only disarm them
             stager.remove(not _compat.in_backward())
+
+
+def _fresh_shard(s: BucketGrads) -> bool:
+    """One process: bucket ``s`` holds no grad of this round (nothing landed or added, its shard
+    released since zero_grad) and its grad dtype is one the merged landing's flags pass takes."""
+    return (s.full is None and not s.in_buffer and not s.shard_valid and s.buffers.released
+            and s.buffers.grad_dtype in _NATIVE_GRADS)
 
 
 def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:

@@ -1,0 +1,52 @@
+"""Counting the one-process merged landings (test_fused_step.py, test_step_ops.py): those Python
+makes (``GradSync._land_checked``) and those the native stager makes in its hook under a landing
+plan (``set_plan`` / ``finish_plan``: no Python call at the landing, so they are counted when
+Python adopts them)."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, List, Optional
+
+
+class PlannedLandings:
+    """Stands in for ``sync.stager`` (the hooks keep calling the native stager itself): counts
+    each landing a plan made as ``calls["planned"]`` and appends its assign flag to
+    ``assigned`` (the plan's first landing assigns the shared partial row where the plan said so)."""
+
+    def __init__(self, stager: Any, calls: Counter, assigned: Optional[List[bool]] = None) -> None:
+        self._stager, self._calls, self._assigned = stager, calls, assigned
+        self._assign = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stager, name)
+
+    def set_plan(self, next_bucket: int, assign: bool, entries: list) -> None:
+        self._assign = assign
+        self._stager.set_plan(next_bucket, assign, entries)
+
+    def finish_plan(self):
+        landed, error = self._stager.finish_plan()
+        for k, _ in enumerate(landed):
+            self._calls["planned"] += 1
+            if self._assigned is not None:
+                self._assigned.append(self._assign and k == 0)
+        if landed:
+            self._assign = False
+        return landed, error
+
+
+def count_landings(sync: Any, calls: Counter, assigned: Optional[List[bool]] = None) -> None:
+    """Count ``sync``'s merged landings into ``calls`` ("land_checked": Python's, "planned": the
+    hook's) and their assign flags into ``assigned``, in landing order."""
+    if sync._land_checked is not None:
+        land = sync._land_checked
+
+        def counted(*args):
+            calls["land_checked"] += 1
+            if assigned is not None:
+                assigned.append(args[-1])
+            return land(*args)
+
+        sync._land_checked = counted
+    if hasattr(sync.stager, "set_plan"):
+        sync.stager = PlannedLandings(sync.stager, calls, assigned)
