@@ -38,18 +38,17 @@ import torch
 from torch import Tensor
 
 from .. import _compat, kernels, norms
-from ..kernels import partials
 from . import backward_order, grad_stager
 from ..shards.buffers import BucketBuffers
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
-from .grad_state import BucketGrads, ParamGrad, Reduction
+from .grad_state import BucketGrads, ParamGrad
+from .reductions import Reductions
 
 if TYPE_CHECKING:  # the cycle is handed in; only its type is named here
     from ..step.cycle import StepCycle
 
 
-MAX_IN_FLIGHT = 2  # reductions whose full-size input a CPU rank holds at once
 # World > 1: staged (not yet copied) grads a bucket may hold, as a fraction of the bucket, on
 # top of its full-size buffer: ZeRO-2's O(bucket_cap_mb) backward memory grows by at most this.
 STAGE_FRACTION = 4
@@ -121,8 +120,7 @@ class GradSync:
         # The buckets add in their launch order, which is the order the step's own fallback
         # (grad_stats.reduce_step_stats) adds the shards in.
         device = buckets[0].device if buckets else torch.device("cpu")
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" and not self.in_place else None
-        self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
+        side = torch.cuda.Stream(device) if device.type == "cuda" and not self.in_place else None
         self.partials = torch.zeros(norms.PARTIAL, dtype=torch.float32, device=device)
         self.partials_started = False  # a bucket of this round wrote the row: the next ones add to it
         divisor = 1 if self.in_place else STAGE_FRACTION
@@ -151,7 +149,7 @@ class GradSync:
                     s.full = s.buffers.grad_shard  # the shard is the whole bucket
             elif keep_buffers:
                 s.full = self._new_full(s)
-        self.pending: List[Reduction] = []
+        self.reductions = Reductions(comm, side, self.partials)
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
         self.hook_error: Optional[BaseException] = None  # met by a native hook's callback
@@ -408,45 +406,14 @@ class GradSync:
             self.partials_started = s.partial_valid = True
             return
         self.check_landed(s.index, full)
-        accumulate = s.shard_valid
-        out = torch.empty_like(s.buffers.grad_shard) if accumulate else s.buffers.grad_shard
-        work = self.comm.reduce_scatter(out, full)
-        if self.side is not None:
-            self._land_on_side_stream(s, work, out, accumulate, None if self.keep_buffers else full)
-            self.pending.append(Reduction(s, work=None, full=None, out=None, accumulate=False, scattered=True))
-        else:
-            self.pending.append(Reduction(s, work=work, full=full, out=out, accumulate=accumulate, scattered=False))
-            self._retire(MAX_IN_FLIGHT)
+        if self.reductions.launch(s, full, accumulate=s.shard_valid, free_full=not self.keep_buffers,
+                                  first_partial=not self.partials_started):
+            self.partials_started = s.partial_valid = True
         if self.keep_buffers:
             s.dirty = True  # holds this round's grads until the next round overwrites them
         else:
             s.full = None  # freed once the reduction has been waited for
         s.shard_valid = True
-
-    def _land_on_side_stream(
-        self, s: BucketGrads, work, out: Tensor, accumulate: bool, full: Optional[Tensor] = None
-    ) -> None:
-        """Queue, on the side stream: wait for bucket ``s``'s reduction, accumulate it, and
-        compute its stats partial. The host does not wait; ``wait()`` joins the streams."""
-        shard = s.buffers.grad_shard
-        self.side.wait_stream(torch.cuda.current_stream(self.side.device))
-        with torch.cuda.stream(self.side):
-            work.wait()
-            # issued on the side stream: it starts once the reduce-scatter has landed
-            replicas = self.comm.reduce_replicas(out)
-            if replicas is not None:
-                replicas.wait()
-            if accumulate:
-                shard.add_(out)
-            if not self.partials_started:  # every partial is redone this round
-                self.partials.zero_()
-            partials.accumulate_partial(shard, s.partial, 2.0)
-        # freed by the caller right away: the allocator reuses the memory only once the side
-        # stream (which waited for the collective) has passed this point
-        out.record_stream(self.side)
-        if full is not None:
-            full.record_stream(self.side)
-        self.partials_started = s.partial_valid = True
 
     def landed_stats(self) -> Optional[Tensor]:
         """The 2-norm partial of all buckets (float32 ``[2]``: the stats' header, read before the
@@ -478,51 +445,16 @@ class GradSync:
             self._finish_round()
         self.wait()
 
-    def _retire(self, keep: int) -> None:
-        """Wait (on the host: CPU/gloo) for the oldest reduce-scatters until at most ``keep``
-        hold a full-size buffer, so backward keeps O(bucket_cap_mb) of unreduced grads, not the
-        model's. A landed shard's all-reduce over the replicas is launched here, waited in ``wait``."""
-        held = [r for r in self.pending if not r.scattered]
-        for r in held[: max(len(held) - keep, 0)]:
-            r.work.wait()
-            r.full, r.scattered = None, True
-            r.work = self.comm.reduce_replicas(r.out)
-            if r.work is None:
-                self._land(r)
-
-    def _land(self, r: Reduction) -> None:
-        if r.accumulate:
-            r.bucket.buffers.grad_shard.add_(r.out)
-        r.work, r.out, r.accumulate = None, None, False
-
     def wait(self) -> None:
-        self._retire(0)
-        for r in self.pending:
-            if r.work is not None:
-                r.work.wait()
-                self._land(r)
-        if self.side is not None and self.pending:
-            # join: the compute stream resumes after every landing; only then may the
-            # buffers the side stream read be freed (they are dropped with ``pending``)
-            self._join_side()
-        self.pending.clear()
-
-    def _join_side(self) -> None:
-        """The compute stream waits for everything queued on the side stream so far. One event,
-        recorded again at each join (a wait takes the record made before it), and the streams
-        named by device: ``wait_stream`` and ``current_stream()`` create an event and resolve the
-        current device in Python, tens of microseconds of host time a step on a GPU host."""
-        if self._joined is None:
-            self._joined = torch.cuda.Event()
-        self._joined.record(self.side)
-        torch.cuda.current_stream(self.side.device).wait_event(self._joined)
+        """Every reduction in flight has landed (``Reductions.wait``)."""
+        self.reductions.wait()
 
     def alive_full_buffers(self) -> List[Tensor]:
         """The full-size bucket buffers alive now (not counting a shard that IS its bucket)."""
         self._take_planned()
         shard_ptrs = {s.buffers.grad_store.data_ptr() for s in self.states if s.buffers.grad_store is not None}
         held = [s.full for s in self.states if s.full is not None and s.full.data_ptr() not in shard_ptrs]
-        held += [r.full for r in self.pending if r.full is not None]
+        held += self.reductions.held_inputs()
         return list({id(t): t for t in held}.values())
 
     def step_done(self) -> None:
