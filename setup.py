@@ -82,10 +82,16 @@ def _kernel_extensions():
     include = [str(src)]
     exts, modules, skipped = [], {}, {}
     # -g0: no debug info in the shipped modules (the Python's own CFLAGS may carry -g).
-    for cap in variants.prebuilt_cpu_capabilities():
+    # The first CPU module (baseline) compiles every source; the others only those a vector ISA
+    # changes, and link the first one's objects of the shared ones (variants.SHARED_CPP_SOURCES).
+    shared = [f"csrc/{s}" for s in variants.SHARED_CPP_SOURCES]
+    for k, cap in enumerate(variants.prebuilt_cpu_capabilities()):
         var = variants.variant(False, cap, src)
-        exts.append(CppExtension(f"shardamp._kernels.{var.base}", [f"csrc/{s}" for s in var.sources],
-                                 include_dirs=include, extra_compile_args={"cxx": [*var.cflags, "-g0"]}))
+        sources = [f"csrc/{s}" for s in var.sources]
+        ext = CppExtension(f"shardamp._kernels.{var.base}", sources if k == 0 else [s for s in sources if s not in shared],
+                           include_dirs=include, extra_compile_args={"cxx": [*var.cflags, "-g0"]})
+        ext.shares_objects_of = None if k == 0 else exts[0].name  # read by BuildKernels
+        exts.append(ext)
         modules[var.base] = {"cuda": False, "cpu_capability": cap}
     nvcc = archs.nvcc_path()
     if not torch.version.cuda:
@@ -124,11 +130,20 @@ def _kernel_extensions():
 
     class BuildKernels(BuildExtension):
         """torch's BuildExtension, each module in its own temp folder (the CPU variants compile
-        the same sources with other flags), then build_info.json beside the modules."""
+        the same sources with other flags), the CPU modules after the first linking its objects
+        of the shared sources, then build_info.json beside the modules."""
 
         def build_extension(self, ext):
             temp = self.build_temp
             self.build_temp = os.path.join(temp, ext.name.rsplit(".", 1)[-1])
+            owner = getattr(ext, "shares_objects_of", None)
+            if owner is not None:
+                objects = self.compiler.object_filenames(
+                    shared, output_dir=os.path.abspath(os.path.join(temp, owner.rsplit(".", 1)[-1])))
+                missing = [o for o in objects if not os.path.exists(o)]
+                if missing:
+                    _fail(f"building {ext.name}: the shared objects of {owner} are missing ({', '.join(missing)})")
+                ext.extra_objects = [*ext.extra_objects, *objects]
             try:
                 super().build_extension(ext)
             finally:

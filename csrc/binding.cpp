@@ -24,6 +24,7 @@ void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& ou
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);
 void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out, bool assign);
 void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type);
+const char* capability();  // fused_adam_cpu.cpp: the vector ISA the module's CPU kernels were built for
 }  // namespace cpu
 
 #if defined(SHARDAMP_WITH_CUDA)
@@ -50,14 +51,6 @@ int64_t event_query_relaxed(int64_t handle);  // event_query.cu
 void register_grad_stager(py::module& m);  // grad_stager.cpp
 
 namespace {
-
-#define SHARDAMP_STR2(x) #x
-#define SHARDAMP_STR(x) SHARDAMP_STR2(x)
-#if defined(CPU_CAPABILITY)
-const char* cpu_capability() { return SHARDAMP_STR(CPU_CAPABILITY); }
-#else
-const char* cpu_capability() { return "DEFAULT"; }
-#endif
 
 void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name) {
   SHARDAMP_CHECK(t.device() == ref.device(), "adam_step: ", name, " is on ", t.device(), ", grad on ", ref.device());
@@ -491,9 +484,10 @@ void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Te
                           bool assign) {
   bucket_stats(full, rows, flags, out, assign);
 }
+void register_bindings(py::module& m);
 }  // namespace shardamp
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODULE calls it
   m.doc() = "shardamp fused kernels: grad_stats and adam_step (contract: shardamp/optim/kernels/reference.py)";
   m.def("grad_stats", &shardamp::grad_stats, "Accumulate sum|g|^p (or max|g|) and a non-finite flag into out[2]",
         py::arg("grad"), py::arg("out"), py::arg("norm_type"));
@@ -577,7 +571,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("CHUNK") = shardamp::kChunk;
   m.attr("CUDA_CHUNK") = shardamp::kCudaChunk;
-  m.def("cpu_capability", &shardamp::cpu_capability, "Which CPU kernel build runs here");
+  m.def("cpu_capability", &shardamp::cpu::capability, "Which CPU kernel build runs here");
   m.attr("WITH_CUDA") =
 #if defined(SHARDAMP_WITH_CUDA)
       true;

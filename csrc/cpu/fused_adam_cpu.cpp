@@ -448,5 +448,15 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunk_table) {
   });
 }
 
+#define SHARDAMP_STR2(x) #x
+#define SHARDAMP_STR(x) SHARDAMP_STR2(x)
+// Defined here, with the kernels, not in binding.cpp: this file is compiled for each vector ISA,
+// binding.cpp once for every CPU module of an ahead-of-time build (setup.py).
+#if defined(CPU_CAPABILITY)
+const char* capability() { return SHARDAMP_STR(CPU_CAPABILITY); }
+#else
+const char* capability() { return "DEFAULT"; }
+#endif
+
 }  // namespace cpu
 }  // namespace shardamp

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
-__all__ = ["Variant", "CPU_CAPABILITIES", "CPU_FLAGS", "variant", "prebuilt_cpu_capabilities", "x86_64",
-           "source_hash", "nvcc_parallel_flags"]
+__all__ = ["Variant", "CPU_CAPABILITIES", "CPU_FLAGS", "CPP_SOURCES", "SHARED_CPP_SOURCES", "variant",
+           "prebuilt_cpu_capabilities", "x86_64", "source_hash", "nvcc_parallel_flags"]
 
 CPU_CAPABILITIES = ("generic", "avx2", "avx512")
 
@@ -35,8 +35,11 @@ CPU_FLAGS: Dict[str, Tuple[str, ...]] = {
     "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"),
 }
-CPP_SOURCES = ("binding.cpp", "grad_stager.cpp", "land_grads.cpp", "cpu/fused_adam_cpu.cpp",
-               "cpu/step_scalars_cpu.cpp")
+# The C++ sources no vector ISA changes (nothing in them is vectorized by hand; the module's
+# name is compiled into module.cpp only): an ahead-of-time build compiles them once, with the
+# baseline flags, and links those objects into every CPU module (setup.py).
+SHARED_CPP_SOURCES = ("binding.cpp", "grad_stager.cpp", "land_grads.cpp")
+CPP_SOURCES = SHARED_CPP_SOURCES + ("module.cpp", "cpu/fused_adam_cpu.cpp", "cpu/step_scalars_cpu.cpp")
 # Plain -O3, no --use_fast_math: sqrt and division must stay IEEE-rounded so the kernels agree
 # with the reference to fp32 round-off. The -gencode flags are added per build (archs.py).
 CUDA_CFLAGS = ("-O3", "-lineinfo")
