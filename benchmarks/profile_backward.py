@@ -28,7 +28,7 @@ from host_iteration import sync  # noqa: E402
 from host_models import SmallResNet  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
-from shardamp.optim.sync import grad_sync
+from shardamp.optim.sync import grad_sync, reductions
 
 
 def main() -> None:
@@ -77,7 +77,12 @@ def main() -> None:
         grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
         grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
         grad_sync.GradSync._writable_full = timed("  of which buffer alloc/zero", grad_sync.GradSync._writable_full)
-        grad_sync.GradSync._land_on_side_stream = timed("  of which side stream + stats", grad_sync.GradSync._land_on_side_stream)
+        grad_sync.GradSync._land_complete = timed("  of which merged landings from Python (one process)",
+                                                  grad_sync.GradSync._land_complete)
+        grad_sync.GradSync._arm_plan = timed("  of which the landing plan handed to the hook (one process)",
+                                             grad_sync.GradSync._arm_plan)
+        reductions.Reductions._land_on_side_stream = timed("  of which side stream + stats",
+                                                          reductions.Reductions._land_on_side_stream)
         grad_sync.GradSync.end_of_backward = timed("end of backward", grad_sync.GradSync.end_of_backward)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -376,8 +376,8 @@ class GradSync:
 
     def end_of_backward(self) -> None:
         self.callback_queued = False
+        self.stager.set_armed(False)  # first: the next backward's first grad calls Python even if this raises
         self._take_planned()
-        self.stager.set_armed(False)
         self.raise_hook_error()
         self.flush_all()
         if self.overlap and self.enabled and not self.hold_launches:
