@@ -180,8 +180,7 @@ struct StagerState {
       return;
     }
     try {
-      land(b, full, true);
-      checked_bucket_stats(full, e.rows, e.flags, e.partial, assign);
+      land_checked_into(b, full, e.rows, e.flags, e.partial, assign);
     } catch (const std::exception& ex) {
       std::lock_guard<std::mutex> lock(mu);
       plan_active = false;
@@ -192,6 +191,21 @@ struct StagerState {
     plan_landed.emplace_back(b, std::move(full));
     plan_next = b + 1;
     plan_assign = false;
+  }
+
+  // land() into `full` (allocated uninitialized: zero_rest) and the flags' and partial's pass
+  // over it: the merged landing, from Python (GradStager.land_checked) or the hook (land_planned)
+  std::vector<int64_t> land_checked_into(int64_t b, at::Tensor& full, const at::Tensor& rows, at::Tensor flags,
+                                         at::Tensor partial, bool assign) {
+    std::vector<int64_t> landed = land(b, full, true);
+    checked_bucket_stats(full, rows, flags, partial, assign);
+    return landed;
+  }
+
+  // Ends the plan (the caller holds `mu`): the entries dropped, nothing active.
+  void reset_plan_locked() {
+    plan.clear();
+    plan_active = false;
   }
 
   std::pair<std::vector<int64_t>, std::vector<at::Tensor>> take(int64_t b) {
@@ -339,8 +353,7 @@ class GradStager {
     check_bucket(b);
     SHARDAMP_CHECK(numel >= 0, "GradStager.land_checked: numel must be >= 0");
     at::Tensor full = at::empty({numel}, like.options());
-    std::vector<int64_t> landed = state_->land(b, full, true);
-    checked_bucket_stats(full, rows, flags, partial, assign);
+    std::vector<int64_t> landed = state_->land_checked_into(b, full, rows, flags, partial, assign);
     return {full, std::move(landed)};
   }
 
@@ -377,10 +390,8 @@ class GradStager {
   // landing that failed after taking its grads ("" if none).
   std::pair<std::vector<std::pair<int64_t, at::Tensor>>, std::string> finish_plan() {
     auto& s = *state_;
-    std::vector<StagerState::PlanEntry> dropped;
     std::lock_guard<std::mutex> lock(s.mu);
-    s.plan_active = false;
-    std::swap(dropped, s.plan);
+    s.reset_plan_locked();
     std::vector<std::pair<int64_t, at::Tensor>> landed;
     std::swap(landed, s.plan_landed);
     std::string error;
@@ -424,8 +435,7 @@ class GradStager {
     std::fill(s.staged.begin(), s.staged.end(), 0);
     std::fill(s.staged_bytes.begin(), s.staged_bytes.end(), 0);
     std::fill(s.fired.begin(), s.fired.end(), 0);
-    s.plan.clear();
-    s.plan_active = false;
+    s.reset_plan_locked();
     s.plan_landed.clear();
     s.plan_error.clear();
   }

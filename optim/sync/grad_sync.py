@@ -234,11 +234,7 @@ class GradSync:
         self._planned = False
         landed, error = self.stager.finish_plan()
         for index, full in landed:
-            s = self.states[index]
-            s.buffers.adopt_grad_shard(full)
-            s.full, s.dirty = full, False
-            s.shard_valid = s.partial_valid = self.partials_started = True
-            self.next_launch = index + 1
+            self._adopt_landed(self.states[index], full)
         if error:
             raise RuntimeError(f"DistributedFusedAdam: landing the grads of {error}")
 
@@ -262,12 +258,17 @@ class GradSync:
         rows, flags = self.landing_flags(s.index)
         full, _ = self._land_checked(s.index, s.buffers.shard_numel, self._like[s.index], rows, flags, s.partial,
                                      not self.partials_started)
+        self._adopt_landed(s, full)
+        self._launch_ready()  # later buckets that completed before this one
+        return True
+
+    def _adopt_landed(self, s: BucketGrads, full: Tensor) -> None:
+        """Bucket ``s`` was allocated, landed and checked as ``full`` by one merged call (its
+        flags and partial formed): it is launched, its shard is ``full``."""
         s.buffers.adopt_grad_shard(full)
         s.full, s.dirty = full, False
         s.shard_valid = s.partial_valid = self.partials_started = True
         self.next_launch = s.index + 1
-        self._launch_ready()  # later buckets that completed before this one
-        return True
 
     def raise_hook_error(self) -> None:
         """Raise the error a native hook's callback met (once)."""
