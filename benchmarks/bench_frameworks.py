@@ -18,8 +18,10 @@ in each precision as the framework does mixed precision (Lightning ``"bf16-mixed
 MLP of the framework examples (33.6M params, batch 64) and GPT-2 124M (transformers'
 ``GPT2LMHeadModel`` from ``GPT2Config()``, random init, batch 8 x 512 tokens); ``--models gpt2-b2``
 adds GPT-2 124M at batch 2 x 512 (a fine-tuning micro-batch: the same optimizer step over a
-quarter of the tokens, so the step is a larger share of the iteration). ``--small``: tiny
-versions of them for a CPU smoke run.
+quarter of the tokens, so the step is a larger share of the iteration); ``--models gpt2-large``
+GPT-2 large (774M params: 36 layers of width 1280) at batch 8 x 512, whose iteration is bound by
+the GPU rather than by the host's launches, with an optimizer step over six times the bytes.
+``--small``: tiny versions of them for a CPU smoke run.
 
 How: one process per framework (Lightning's launcher exports LOCAL_RANK / WORLD_SIZE even at one
 device, which would turn accelerate's and the Trainer's default route into DDP in the same

@@ -49,7 +49,9 @@ from host_iteration import sync  # noqa: E402
 
 FRAMEWORKS = ("lightning", "accelerate", "transformers")
 ROUTES = ("default", "shardamp")
-MODELS = ("mlp", "gpt2", "gpt2-b2")  # gpt2-b2: GPT-2 124M at micro-batch 2, where the step is a larger share
+# gpt2-b2: GPT-2 124M at micro-batch 2 (the step a larger share of a host-bound iteration);
+# gpt2-large: GPT-2 large, 774M, at batch 8 (a GPU-bound iteration whose step moves 6x the bytes)
+MODELS = ("mlp", "gpt2", "gpt2-b2", "gpt2-large")
 DEFAULT_MODELS = ("mlp", "gpt2")
 PRECISIONS = ("bf16", "fp16")
 LR = 1e-4  # lower than the examples' 1e-3: GPT-2 in fp16 would overflow more at that rate
@@ -133,9 +135,10 @@ def workload(name: str, small: bool) -> Workload:
         return Workload("mlp", batch, lambda: MLP(dim, depth), mlp_data)
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    # GPT-2 124M from its config (random init, nothing downloaded); no KV cache in training
+    # GPT-2 124M (or large, 774M) from its config (random init, nothing downloaded); no KV cache in training
+    large = dict(n_embd=1280, n_layer=36, n_head=20) if name == "gpt2-large" else {}
     cfg = (GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
-                      use_cache=False) if small else GPT2Config(use_cache=False))
+                      use_cache=False) if small else GPT2Config(use_cache=False, **large))
     seq, batch = (32, 4) if small else (512, 8)
     if name == "gpt2-b2":  # a fine-tuning micro-batch: the same step over a quarter of the tokens
         batch = 2
@@ -432,7 +435,7 @@ def _skip_reason(s: Setting, model: str, precision: str, deadline: Optional[floa
         # accelerate and the Trainer have no fp16 autocast or scaler on the CPU; Lightning's
         # "16-mixed" silently becomes bf16 there
         return "fp16 needs --device cuda"
-    if model == "gpt2":
+    if model.startswith("gpt2"):
         try:
             import transformers  # noqa: F401
         except ImportError as exc:

@@ -149,6 +149,25 @@ def test_host_phases_cpu_smoke() -> None:
         assert fn in out, out
 
 
+def test_bench_frameworks_cpu_smoke(tmp_path: Path) -> None:
+    """benchmarks/bench_frameworks.py on the CPU (accelerate, the tiny GPT-2 large stand-in): two
+    pairs run in the framework's loop, summarised as a row with a paired ratio and its interval,
+    each route resolved to the optimizer it names."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_frameworks.py"), "--device", "cpu", "--small",
+                           "--frameworks", "accelerate", "--models", "gpt2-large", "--precisions", "bf16",
+                           "--repeats", "2", "--iters", "2", "--warmup", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "bench_frameworks.json").read_text())["rows"]
+    assert [(r["framework"], r["model"], r["status"], r["pairs"]) for r in rows] == [
+        ("accelerate", "gpt2-large", "ok", 2)], rows
+    row = rows[0]
+    assert row["default_ms"] > 0 and row["shardamp_ms"] > 0 and row["ratio_lo"] <= row["ratio"] <= row["ratio_hi"], row
+    assert "DistributedFusedAdam" in row["routes"]["shardamp"] and "AdamW" in row["routes"]["default"], row
+    assert "| accelerate | gpt2-large" in (tmp_path / "bench_frameworks.md").read_text()
+
+
 def test_profile_backward_cpu_smoke(tmp_path: Path) -> None:
     """benchmarks/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
     first grad and the bucket events: at least one each per backward), the tables written."""
