@@ -49,6 +49,8 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "separate-calls": {"settings": {"merged_calls": False}},
     # one process: each complete bucket landed from a Python call, not inside the native grad hook
     "python-landings": {"settings": {"hook_landings": False}},
+    # one process: the landing plan armed at each backward's first grad (a Python call), not at zero_grad
+    "first-grad-plan": {"settings": {"zero_grad_plan": False}},
 }
 
 

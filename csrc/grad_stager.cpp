@@ -33,223 +33,16 @@
 #include <vector>
 
 #include "common.h"
+#include "grad_stager.h"
 #include "grad_release.h"
-#include "land_grads.h"
 
 namespace shardamp {
 
-// binding.cpp: a landed bucket's non-finite flags and L2 partial in one pass (checked there)
-void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out,
-                          bool assign);
-
 namespace {
 
+using namespace stager;  // this file binds StagerState to Python, nothing else
 namespace ag = torch::autograd;
 using AccPtr = decltype(ag::impl::grad_accumulator(std::declval<const at::Tensor&>()));
-
-enum Event : int { kNone = 0, kSlow = 1, kFlush = 2, kComplete = 3 };
-
-std::atomic<bool> g_release_async{true};  // set_async_release: for A/B measurements and tests
-// Tests only (_release_cpu_too): CPU grads take the release thread too, so the CPU suite runs its
-// logic (a CPU landing is synchronous: freeing later is trivially safe there).
-std::atomic<bool> g_release_cpu{false};
-
-struct StagerState {
-  // per param (the optimizer's order)
-  std::vector<at::Tensor> params;
-  std::vector<int64_t> bucket_of, offset, nbytes;
-  std::vector<char> staged, owned;
-  std::vector<char> touched;  // got a grad since clear_touched (zero_grad)
-  std::vector<char> via_python;  // staged by stage() (Python saw the grad), not by the hook
-  // per bucket
-  std::vector<int64_t> expected, fired, flush_bytes, staged_bytes;
-  std::vector<std::vector<std::pair<int64_t, at::Tensor>>> pending;  // staged (param, grad)
-  bool armed = false;  // this backward's first grad went through Python
-  bool dead = false;  // removed while a backward may run its hooks: they do nothing
-  py::object callback;  // callback(event, arg): arg is a param index (kSlow) or a bucket
-  std::mutex mu;
-  // The landing plan (one process; set_plan / finish_plan): a complete bucket that is the next to
-  // launch and has a plan entry is allocated, landed and passed over here, on the autograd
-  // thread without the GIL, instead of calling Python; Python adopts the landed shards later
-  // (finish_plan). The plan ends at the first event that calls Python.
-  struct PlanEntry {
-    bool on = false;
-    int64_t numel = 0;
-    at::Tensor like, rows, flags, partial;
-  };
-  std::vector<PlanEntry> plan;
-  bool plan_active = false;
-  int64_t plan_next = 0;  // the next bucket to launch, as GradSync.next_launch
-  bool plan_assign = false;  // the next landing's partial replaces the shared row's values
-  std::vector<std::pair<int64_t, at::Tensor>> plan_landed;  // in landing order
-  std::string plan_error;  // a landing that failed after taking its grads: Python raises it
-
-  int stage_locked(int64_t i, at::Tensor& grad_slot) {
-    const int64_t b = bucket_of[i];
-    pending[b].emplace_back(i, grad_slot);
-    grad_slot.reset();
-    staged[i] = 1;
-    touched[i] = 1;
-    staged_bytes[b] += nbytes[i];
-    fired[b] += 1;
-    if (fired[b] >= expected[b]) return kComplete;
-    if (staged_bytes[b] >= flush_bytes[b]) return kFlush;
-    return kNone;
-  }
-
-  void call(int event, int64_t arg) {
-    py::gil_scoped_acquire gil;
-    try {
-      callback(event, arg);
-    } catch (py::error_already_set& e) {
-      e.discard_as_unraisable("shardamp grad hook");
-    } catch (const std::exception& e) {
-      PyErr_SetString(PyExc_RuntimeError, e.what());
-      PyErr_WriteUnraisable(nullptr);
-    } catch (...) {
-      PyErr_SetString(PyExc_RuntimeError, "shardamp grad hook: unknown C++ error");
-      PyErr_WriteUnraisable(nullptr);
-    }
-  }
-
-  // Runs on the autograd thread, without the GIL, after AccumulateGrad stored param i's grad.
-  void hook(int64_t i) noexcept {
-    try {
-      hook_body(i);
-    } catch (const std::exception& e) {
-      report(e.what());
-    } catch (...) {
-      report("unknown C++ error");
-    }
-  }
-
-  static void report(const char* what) {
-    py::gil_scoped_acquire gil;
-    PyErr_SetString(PyExc_RuntimeError, (std::string("shardamp grad hook: ") + what).c_str());
-    PyErr_WriteUnraisable(nullptr);
-  }
-
-  void hook_body(int64_t i) {
-    int event = kNone;
-    int64_t arg = i;
-    bool planned = false;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      at::Tensor& grad = params[i].mutable_grad();
-      if (dead || !grad.defined() || !owned[i]) return;
-      if (!armed || grad.layout() != at::kStrided || staged[i]) {
-        event = kSlow;
-      } else {
-        event = stage_locked(i, grad);
-        via_python[i] = 0;
-        arg = bucket_of[i];
-      }
-      if (event == kComplete && plan_active && arg == plan_next && plan[arg].on) {
-        planned = true;
-      } else if (event != kNone) {
-        plan_active = false;  // Python decides from here on (it adopts what was landed first)
-      }
-    }
-    if (planned) {
-      land_planned(arg);
-    } else if (event != kNone) {
-      call(event, arg);
-    }
-  }
-
-  // hook_body's planned landing of complete bucket b (its plan entry is taken here). An
-  // allocation that fails leaves the grads staged and hands the bucket to Python (which raises
-  // it); a failure after the grads were taken is kept for Python to raise (finish_plan).
-  void land_planned(int64_t b) {
-    PlanEntry e;
-    bool assign;
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      std::swap(e, plan[b]);
-      assign = plan_assign;
-    }
-    at::Tensor full;
-    try {
-      full = at::empty({e.numel}, e.like.options());
-    } catch (const std::exception&) {
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        plan_active = false;
-      }
-      call(kComplete, b);
-      return;
-    }
-    try {
-      land_checked_into(b, full, e.rows, e.flags, e.partial, assign);
-    } catch (const std::exception& ex) {
-      std::lock_guard<std::mutex> lock(mu);
-      plan_active = false;
-      plan_error = std::string("bucket ") + std::to_string(b) + ": " + ex.what();
-      return;
-    }
-    std::lock_guard<std::mutex> lock(mu);
-    plan_landed.emplace_back(b, std::move(full));
-    plan_next = b + 1;
-    plan_assign = false;
-  }
-
-  // land() into `full` (allocated uninitialized: zero_rest) and the flags' and partial's pass
-  // over it: the merged landing, from Python (GradStager.land_checked) or the hook (land_planned)
-  std::vector<int64_t> land_checked_into(int64_t b, at::Tensor& full, const at::Tensor& rows, at::Tensor flags,
-                                         at::Tensor partial, bool assign) {
-    std::vector<int64_t> landed = land(b, full, true);
-    checked_bucket_stats(full, rows, flags, partial, assign);
-    return landed;
-  }
-
-  // Ends the plan (the caller holds `mu`): the entries dropped, nothing active.
-  void reset_plan_locked() {
-    plan.clear();
-    plan_active = false;
-  }
-
-  std::pair<std::vector<int64_t>, std::vector<at::Tensor>> take(int64_t b) {
-    std::lock_guard<std::mutex> lock(mu);
-    std::vector<int64_t> idx;
-    std::vector<at::Tensor> grads;
-    idx.reserve(pending[b].size());
-    grads.reserve(pending[b].size());
-    for (auto& e : pending[b]) {
-      idx.push_back(e.first);
-      grads.push_back(std::move(e.second));
-      staged[e.first] = 0;
-    }
-    pending[b].clear();
-    staged_bytes[b] = 0;
-    return {std::move(idx), std::move(grads)};
-  }
-
-  // Copy bucket b's staged grads into their slots of the flat buffer `full` (land_grads: the
-  // param's sizes and strides at its offset; `zero_rest`: the rest of `full` zeroed in the same
-  // pass); returns the params landed, in staging order.
-  std::vector<int64_t> land(int64_t b, at::Tensor& full, bool zero_rest) {
-    auto taken = take(b);
-    std::vector<at::Tensor> like;
-    std::vector<int64_t> offsets;
-    like.reserve(taken.first.size());
-    offsets.reserve(taken.first.size());
-    for (int64_t i : taken.first) {
-      like.push_back(params[i]);
-      offsets.push_back(offset[i]);
-    }
-    land_grads(full, taken.second, like, offsets, false, zero_rest);
-    if ((full.is_cuda() || g_release_cpu.load(std::memory_order_relaxed)) && g_release_async.load(std::memory_order_relaxed)) {
-      // what Python has seen is freed here (below), the rest on the release thread if it takes it
-      std::vector<at::Tensor> later;
-      later.reserve(taken.second.size());
-      for (size_t k = 0; k < taken.first.size(); ++k) {
-        if (!via_python[taken.first[k]]) later.push_back(std::move(taken.second[k]));
-      }
-      Releaser::get().push(later);  // declined: `later` is freed on return
-    }
-    return std::move(taken.first);
-  }
-};
 
 class GradStager {
  public:
@@ -386,6 +179,47 @@ class GradStager {
     s.plan_active = !entries.empty();
   }
 
+  // The standing plan's entries ((bucket, numel, like, rows, partial): set_plan's without the
+  // flags), set once; prearm(flags) starts a plan from them.
+  void set_standing(const std::vector<py::tuple>& entries) {
+    auto& s = *state_;
+    std::vector<StagerState::PlanEntry> standing(s.pending.size());
+    for (const auto& t : entries) {
+      SHARDAMP_CHECK(t.size() == 5, "GradStager.set_standing: an entry is (bucket, numel, like, rows, partial)");
+      const auto b = t[0].cast<int64_t>();
+      check_bucket(b);
+      auto& e = standing[b];
+      e.on = true;
+      e.numel = t[1].cast<int64_t>();
+      e.like = t[2].cast<at::Tensor>();
+      e.rows = t[3].cast<at::Tensor>();
+      e.partial = t[4].cast<at::Tensor>();
+      SHARDAMP_CHECK(e.numel >= 0, "GradStager.set_standing: numel must be >= 0");
+    }
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.standing = std::move(standing);
+  }
+
+  // Arms the stager for the next backward with the standing plan from bucket 0 (its first
+  // landing assigns the partial row), every entry flagging into `flags`; the backward's first
+  // grad then calls Python only with kBegan. Undone by set_armed(false), clear and finish_plan.
+  void prearm(const at::Tensor& flags) {
+    auto& s = *state_;
+    std::lock_guard<std::mutex> lock(s.mu);
+    SHARDAMP_CHECK(!s.standing.empty(), "GradStager.prearm: no standing plan (set_standing first)");
+    SHARDAMP_CHECK(s.plan_landed.empty() && s.plan_error.empty(),
+                   "GradStager.prearm: the last plan's landings were not taken (finish_plan)");
+    s.plan = s.standing;
+    for (auto& e : s.plan) {
+      if (e.on) e.flags = flags;
+    }
+    s.plan_next = 0;
+    s.plan_assign = true;
+    s.plan_active = true;
+    s.armed = true;
+    s.prearmed = true;
+  }
+
   // Ends the plan: the buckets it landed, in order, as (bucket, shard), and the error of a
   // landing that failed after taking its grads ("" if none).
   std::pair<std::vector<std::pair<int64_t, at::Tensor>>, std::string> finish_plan() {
@@ -442,6 +276,7 @@ class GradStager {
   void set_armed(bool armed) {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->armed = armed;
+    state_->prearmed = false;
   }
   void disown(int64_t i) {
     check_param(i);
@@ -480,6 +315,8 @@ void register_grad_stager(py::module& m) {
            py::arg("rows"), py::arg("flags"), py::arg("partial"), py::arg("assign"))
       .def("set_plan", &GradStager::set_plan, py::arg("next"), py::arg("assign"), py::arg("entries"))
       .def("finish_plan", &GradStager::finish_plan)
+      .def("set_standing", &GradStager::set_standing, py::arg("entries"))
+      .def("prearm", &GradStager::prearm, py::arg("flags"))
       .def("is_staged", &GradStager::is_staged, py::arg("index"))
       .def("staged_count", &GradStager::staged_count, py::arg("bucket"))
       .def("staged_bytes", &GradStager::staged_bytes, py::arg("bucket"))

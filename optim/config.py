@@ -46,6 +46,11 @@ The variables (``python -m shardamp.report`` prints the ones in force):
                                           Python call instead of inside the native grad hook
                                           (same results; for A/B timing and debugging; default
                                           ``1``; merged calls only)
+``SHARDAMP_ZERO_GRAD_PLAN``               ``0``: at one process, arm the native hook's landing
+                                          plan at each backward's first grad, from Python,
+                                          instead of at ``zero_grad`` (same results; for A/B
+                                          timing and debugging; default ``1``; hook landings
+                                          only)
 ========================================  =====================================================
 """
 from __future__ import annotations
@@ -89,6 +94,9 @@ class Settings:
         hook_landings: at one process, the native grad hook lands a complete bucket itself,
             calling no Python (grad_sync.py's landing plan; with ``merged_calls`` only); read
             when an optimizer is built.
+        zero_grad_plan: at one process, ``zero_grad`` sets the next backward's landing plan,
+            whose first grad then only tells Python that the backward began (``GradSync.prearm``;
+            with ``hook_landings`` only); read when an optimizer is built.
     """
 
     kernels: str = "auto"
@@ -105,6 +113,7 @@ class Settings:
     async_grad_release: bool = True
     merged_calls: bool = True
     hook_landings: bool = True
+    zero_grad_plan: bool = True
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -190,6 +199,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
     "SHARDAMP_MERGED_CALLS": ("merged_calls", lambda n, v: _flag(n, v, True)),
     "SHARDAMP_HOOK_LANDINGS": ("hook_landings", lambda n, v: _flag(n, v, True)),
+    "SHARDAMP_ZERO_GRAD_PLAN": ("zero_grad_plan", lambda n, v: _flag(n, v, True)),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

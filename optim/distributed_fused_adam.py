@@ -259,11 +259,13 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # the step's phase and every per-step counter (step/cycle.py)
         self._cycle = StepCycle(self._avg_factor, self._avg_tensor)
         self._merged = config.settings().merged_calls  # one process: merged native calls (fused_step.py)
+        settings = config.settings()
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
                                    check_landed=self._health.check_landed,
                                    landing_flags=self._health.landing_flags if self._merged else None,
-                                   hook_landings=config.settings().hook_landings)
+                                   landing_rows=self._health.landing_rows if settings.zero_grad_plan else None,
+                                   hook_landings=settings.hook_landings)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
@@ -370,6 +372,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._cycle.grads_dropped(set_to_none)  # the last step's norms stay readable until the next backward
         self._health.grads_dropped()
         self._grads_view.dropped()
+        self._grad_sync.prearm()  # last: it starts the next round's flags (health.landing_flags)
 
     # ------------------------------------------------------------------ stats, unscale, clip
     def _reduce_grad_stats(self, stats: Tensor, op: Any) -> None:

@@ -1,6 +1,6 @@
 """Counting the one-process merged landings (test_fused_step.py, test_step_ops.py): those Python
 makes (``GradSync._land_checked``) and those the native stager makes in its hook under a landing
-plan (``set_plan`` / ``finish_plan``: no Python call at the landing, so they are counted when
+plan (``set_plan`` or ``prearm``, then ``finish_plan``: no Python call at the landing, so they are counted when
 Python adopts them)."""
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ class PlannedLandings:
     def set_plan(self, next_bucket: int, assign: bool, entries: list) -> None:
         self._assign = assign
         self._stager.set_plan(next_bucket, assign, entries)
+
+    def prearm(self, flags: Any) -> None:
+        self._assign = True  # a plan set at zero_grad starts at the round's first bucket: it assigns
+        self._stager.prearm(flags)
 
     def finish_plan(self):
         landed, error = self._stager.finish_plan()

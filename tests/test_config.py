@@ -34,6 +34,7 @@ def test_defaults_without_environment() -> None:
     ("SHARDAMP_ASYNC_GRAD_RELEASE", "0", "async_grad_release", False),
     ("SHARDAMP_MERGED_CALLS", "0", "merged_calls", False),
     ("SHARDAMP_HOOK_LANDINGS", "0", "hook_landings", False),
+    ("SHARDAMP_ZERO_GRAD_PLAN", "0", "zero_grad_plan", False),
 ])
 def test_each_variable_parses_into_its_field(var, raw, field, value) -> None:
     assert getattr(config.from_environment({var: raw}), field) == value

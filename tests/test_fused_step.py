@@ -240,6 +240,14 @@ class _SpoiledPlan:
     def set_plan(self, next_bucket: int, assign: bool, entries: list) -> None:
         self._stager.set_plan(next_bucket, assign, [self._spoil(e) for e in entries])
 
+    # the plan set at zero_grad: the standing entries (set_plan's without the flags) and the flags
+    def set_standing(self, entries: list) -> None:
+        spoiled = [self._spoil((b, n, like, rows, torch.empty(0), partial)) for b, n, like, rows, partial in entries]
+        self._stager.set_standing([(b, n, like, rows, partial) for b, n, like, rows, _, partial in spoiled])
+
+    def prearm(self, flags) -> None:
+        self._stager.prearm(self._spoil((0, 0, None, None, flags, None))[4])
+
 
 def _residual_with_plan(spoil):
     torch.manual_seed(0)
@@ -250,6 +258,7 @@ def _residual_with_plan(spoil):
     calls: Counter = Counter()
     count_landings(sync, calls)
     sync.stager = _SpoiledPlan(sync.stager, spoil)
+    sync.stager.set_standing(sync.standing_entries())
     return model, ref, opt, calls
 
 
@@ -275,14 +284,19 @@ def test_a_hook_landing_that_cannot_allocate_lands_from_python():
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 def test_a_hook_landing_failing_after_taking_the_grads_raises_rejects_non_fp32_flags():
     """The hook's flags pass fails once the grads were taken (flags of the wrong dtype): the
-    backward raises, naming the bucket, instead of stepping on a bucket of missing grads.
+    backward raises, naming the bucket, instead of stepping on a bucket of missing grads; under a
+    plan armed at the first grad and under one set at zero_grad alike.
     (benchmarks/gpu_session.sh leaves it out by name: the error is raised inside an extension.)"""
     model, _, opt, _ = _residual_with_plan(lambda e: (*e[:4], e[4].double(), e[5]))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match=r"landing the grads of bucket \d+: .*flags"):
-        model(x).square().mean().backward()
+    for _ in range(2):  # no zero_grad before the first backward: armed at its first grad; then at zero_grad
+        with pytest.raises(RuntimeError, match=r"landing the grads of bucket \d+: .*flags"):
+            model(x).square().mean().backward()
+        opt.zero_grad()
+    spoiled = opt._grad_sync.stager
+    opt._grad_sync.stager = spoiled._stager
+    opt._grad_sync.stager.set_standing(opt._grad_sync.standing_entries())
     opt.zero_grad()  # and the optimizer recovers: the next backward (a plan that works) trains
-    opt._grad_sync.stager = opt._grad_sync.stager._stager
     before = [p.detach().clone() for p in model.parameters()]
     model(x).square().mean().backward()
     opt.step()

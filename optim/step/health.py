@@ -176,6 +176,11 @@ class StepHealth:
             self._reset = False
         return self.rows[bucket], self.flags
 
+    def landing_rows(self, bucket: int) -> Tensor:
+        """Bucket ``bucket``'s ``(start, length, index)`` rows on the device (what
+        :meth:`landing_flags` returns first, without starting the round's flags)."""
+        return self.rows[bucket]
+
     def grads_dropped(self) -> None:
         """``zero_grad``: the grads (so their flags) start over; this round's norms are dropped."""
         self._reset = True

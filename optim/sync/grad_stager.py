@@ -27,6 +27,9 @@ Events (``callback(event, arg)``):
   bucket was copied. The grad is still in ``param.grad``; Python calls ``stage(index)``.
 * ``FLUSH`` (arg: bucket): the bucket's staged bytes reached its flush size: copy it (``land``).
 * ``COMPLETE`` (arg: bucket): every param of the bucket produced its grad in this backward.
+* ``BEGAN`` (arg: 0): the first grad of a backward the stager was pre-armed for
+  (``prearm(flags)``, from a standing plan set once with ``set_standing``) was staged: Python
+  records that a backward began, nothing else. Sent before any other event of that backward.
 
 ``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
 touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
@@ -50,7 +53,7 @@ from torch import Tensor
 
 from .. import config, kernels
 
-NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
+NONE, SLOW, FLUSH, COMPLETE, BEGAN = 0, 1, 2, 3, 4
 
 
 class PyStager:
@@ -229,4 +232,4 @@ def _python_hooks_forced() -> bool:
     return config.settings().python_grad_hooks
 
 
-__all__ = ["PyStager", "make_stager", "for_grad_sync", "NONE", "SLOW", "FLUSH", "COMPLETE"]
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "NONE", "SLOW", "FLUSH", "COMPLETE", "BEGAN"]

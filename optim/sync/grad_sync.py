@@ -24,14 +24,17 @@ full-size buffer: the bucket buffer IS the shard, and backward sums grads into i
 exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a staged
 grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There a complete
 bucket that is next to launch is allocated, landed and passed over for its flags and norm partial
-in one native call; with the native stager, inside its hook, under a landing plan Python hands it
-at the backward's first grad (``_arm_plan``), so such a bucket calls no Python at all.
+in one native call; with the native stager, inside its hook, under a landing plan, so such a
+bucket calls no Python at all. The plan is set at ``zero_grad`` for the whole next backward
+(``prearm``: its first grad only tells Python the backward began), or by Python inside a backward
+after any event that called it (``_arm_plan``).
 """
 from __future__ import annotations
 
 import contextlib
 import sys
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -75,6 +78,7 @@ class GradSync:
         cycle: "StepCycle",
         check_landed: Callable[..., None],
         landing_flags: Optional[Callable[[int], Tuple[Tensor, Tensor]]] = None,
+        landing_rows: Optional[Callable[[int], Tensor]] = None,
         hook_landings: bool = True,
     ) -> None:
         self.comm = comm
@@ -169,6 +173,18 @@ class GradSync:
         # itself, without calling Python (``_arm_plan``; adopted by ``_take_planned``)
         self._plans = hook_landings and self._land_checked is not None and hasattr(self.stager, "set_plan")
         self._planned = False  # a plan is set: the stager may hold landed shards Python has not adopted
+        # ... and its plan for a whole backward is set from a standing one at zero_grad (``prearm``):
+        # that backward's first grad then calls Python only to say it began (``_begin``), where it
+        # would otherwise decide the grad and arm the plan there (tens of microseconds a backward)
+        self._prearms = (self._plans and landing_rows is not None and hasattr(self.stager, "prearm")
+                         and all(s.buffers.grad_dtype in _NATIVE_GRADS for s in self.states))
+        self._landing_rows = landing_rows
+        if self._prearms:
+            self.stager.set_standing(self.standing_entries())
+        if self._plans:  # a read allocating a released shard ends the plan first (the hook would land beside it)
+            take = weakref.WeakMethod(self._take_planned)
+            for s in self.states:
+                s.buffers.before_allocate = lambda take=take: _call_alive(take)
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -187,12 +203,8 @@ class GradSync:
         if getattr(param, "_shardamp_owner", None) is not self.owner_token:
             return  # a newer optimizer took this param over; its own hook handles the grad
         if not self.callback_queued:  # first grad of this backward
-            self.callback_queued = True
-            stepped = self.cycle.backward_began()
-            backward_order.begin(self)  # queues the end of this backward (the group's, if shared)
+            self._begin()
             self.stager.set_armed(True)
-            if stepped:
-                self._warn_no_zero_grad()
         if grad.is_sparse:
             raise RuntimeError("DistributedFusedAdam does not support sparse gradients")
         k = self.stager_index[entry.index]
@@ -200,7 +212,18 @@ class GradSync:
             self._flush(self.states[entry.bucket])
         self._staged(self.states[entry.bucket], self.stager.stage(k))
 
+    def _begin(self) -> None:
+        """A backward's first grad reached this optimizer: count the backward, queue its end."""
+        self.callback_queued = True
+        stepped = self.cycle.backward_began()
+        backward_order.begin(self)  # queues the end of this backward (the group's, if shared)
+        if stepped:
+            self._warn_no_zero_grad()
+
     def on_event(self, event: int, arg: int) -> None:
+        if event == grad_stager.BEGAN:  # a pre-armed backward's first grad: staged, its plan set
+            self._begin()
+            return
         self._take_planned()
         if event == grad_stager.SLOW:
             self.on_grad(self.by_stager_index[arg])
@@ -225,6 +248,27 @@ class GradSync:
         if entries:
             self.stager.set_plan(self.next_launch, not self.partials_started, entries)
             self._planned = True
+
+    def prearm(self) -> None:
+        """``zero_grad`` released every shard (one process): set the next backward's landing plan
+        now, for every bucket from the first, so that backward's grads are staged and its
+        complete buckets landed in the native hook without Python deciding its first grad or
+        arming a plan there. Any Python entry point before that backward undoes it
+        (``_take_planned``), and the first grad then arms as without it."""
+        if not self._prearms or not self.enabled or not self.overlap or self.callback_queued or self.next_launch:
+            return
+        if self.partials_started or not all(_fresh_shard(s) for s in self.states):
+            return
+        _, flags = self.landing_flags(0)  # the round's flags, started over now as at its first landing
+        self.stager.prearm(flags)
+        self._planned = True
+
+    def standing_entries(self) -> List[Tuple[int, int, Tensor, Tensor, Tensor]]:
+        """The native stager's standing plan (``set_standing``): each bucket's ``(index, numel,
+        like, rows, partial)``, the landing plan's entries without the round's flags."""
+        rows = self._landing_rows
+        assert rows is not None
+        return [(s.index, s.buffers.shard_numel, self._like[s.index], rows(s.index), s.partial) for s in self.states]
 
     def _take_planned(self) -> None:
         """Adopt the shards the stager landed under its plan (``_arm_plan``), and end the plan:
@@ -501,14 +545,15 @@ class GradSync:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
+        self._take_planned()  # a plan set at zero_grad launches what no_sync holds back: undone
         previous, self.enabled = self.enabled, False
         try:
             yield
         finally:
             self.enabled = previous
 
-    def __del__(self) -> None:
-        if sys.is_finalizing():  # module globals are being torn down; the hooks go with the params
+    def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
+        if _finalizing():  # module globals are being torn down (``sys`` too); the hooks go with the params
             return
         self.remove_hooks()
 
@@ -516,6 +561,12 @@ class GradSync:
         stager = getattr(self, "stager", None)
         if stager is not None:  # inside a backward its hooks may be iterated: only disarm them
             stager.remove(not _compat.in_backward())
+
+
+def _call_alive(method: "weakref.WeakMethod") -> None:
+    fn = method()
+    if fn is not None:
+        fn()
 
 
 def _fresh_shard(s: BucketGrads) -> bool:

@@ -1,0 +1,97 @@
+// The state behind the native grad hook (csrc/grad_stager.cpp binds it to Python as GradStager;
+// contract: shardamp/optim/sync/grad_stager.py): the staging lists and counts, the hook's body,
+// the bucket landings and the landing plan. Its methods are in stager_state.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace shardamp {
+// hidden, as pybind11's own types (StagerState holds a py::object): nothing here leaves the module
+namespace stager __attribute__((visibility("hidden"))) {
+
+enum Event : int { kNone = 0, kSlow = 1, kFlush = 2, kComplete = 3, kBegan = 4 };
+
+extern std::atomic<bool> g_release_async;  // set_async_release: for A/B measurements and tests
+// Tests only (_release_cpu_too): CPU grads take the release thread too, so the CPU suite runs its
+// logic (a CPU landing is synchronous: freeing later is trivially safe there).
+extern std::atomic<bool> g_release_cpu;
+
+struct StagerState {
+  // per param (the optimizer's order)
+  std::vector<at::Tensor> params;
+  std::vector<int64_t> bucket_of, offset, nbytes;
+  std::vector<char> staged, owned;
+  std::vector<char> touched;  // got a grad since clear_touched (zero_grad)
+  std::vector<char> via_python;  // staged by stage() (Python saw the grad), not by the hook
+  // per bucket
+  std::vector<int64_t> expected, fired, flush_bytes, staged_bytes;
+  std::vector<std::vector<std::pair<int64_t, at::Tensor>>> pending;  // staged (param, grad)
+  bool armed = false;  // this backward's first grad went through Python
+  bool dead = false;  // removed while a backward may run its hooks: they do nothing
+  py::object callback;  // callback(event, arg): arg is a param index (kSlow) or a bucket
+  std::mutex mu;
+  // The landing plan (one process; set_plan / finish_plan): a complete bucket that is the next to
+  // launch and has a plan entry is allocated, landed and passed over here, on the autograd
+  // thread without the GIL, instead of calling Python; Python adopts the landed shards later
+  // (finish_plan). The plan ends at the first event that calls Python.
+  struct PlanEntry {
+    bool on = false;
+    int64_t numel = 0;
+    at::Tensor like, rows, flags, partial;
+  };
+  std::vector<PlanEntry> plan;
+  bool plan_active = false;
+  int64_t plan_next = 0;  // the next bucket to launch, as GradSync.next_launch
+  bool plan_assign = false;  // the next landing's partial replaces the shared row's values
+  std::vector<std::pair<int64_t, at::Tensor>> plan_landed;  // in landing order
+  std::string plan_error;  // a landing that failed after taking its grads: Python raises it
+  // The standing plan (set_standing): the entries every pre-armed backward starts from, without
+  // their flags. prearm(flags) (zero_grad, every bucket released) arms the stager and sets the
+  // plan from it, so the next backward's first grad is staged here and Python is only told that
+  // the backward began (kBegan), instead of deciding the first grad and arming the plan itself.
+  std::vector<PlanEntry> standing;
+  bool prearmed = false;  // armed by prearm, no grad seen since
+
+
+  int stage_locked(int64_t i, at::Tensor& grad_slot);
+
+  void call(int event, int64_t arg);
+
+  // Runs on the autograd thread, without the GIL, after AccumulateGrad stored param i's grad.
+  void hook(int64_t i) noexcept;
+
+  static void report(const char* what);
+
+  void hook_body(int64_t i);
+
+  // hook_body's planned landing of complete bucket b (its plan entry is taken here). An
+  // allocation that fails leaves the grads staged and hands the bucket to Python (which raises
+  // it); a failure after the grads were taken is kept for Python to raise (finish_plan).
+  void land_planned(int64_t b);
+
+  // land() into `full` (allocated uninitialized: zero_rest) and the flags' and partial's pass
+  // over it: the merged landing, from Python (GradStager.land_checked) or the hook (land_planned)
+  std::vector<int64_t> land_checked_into(int64_t b, at::Tensor& full, const at::Tensor& rows, at::Tensor flags,
+                                         at::Tensor partial, bool assign);
+
+  // Ends the plan (the caller holds `mu`): the entries dropped, nothing active; a pre-arming no
+  // grad has used yet is undone (the next first grad goes to Python, which arms again).
+  void reset_plan_locked();
+
+  std::pair<std::vector<int64_t>, std::vector<at::Tensor>> take(int64_t b);
+
+  // Copy bucket b's staged grads into their slots of the flat buffer `full` (land_grads: the
+  // param's sizes and strides at its offset; `zero_rest`: the rest of `full` zeroed in the same
+  // pass); returns the params landed, in staging order.
+  std::vector<int64_t> land(int64_t b, at::Tensor& full, bool zero_rest);
+};
+
+}  // namespace stager
+}  // namespace shardamp

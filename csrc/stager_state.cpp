@@ -1,0 +1,187 @@
+// StagerState's methods (grad_stager.h): staging a grad, the hook's body and its calls into
+// Python, the bucket landings (land_grads.h) and the landing plan's landings in the hook.
+#include "grad_stager.h"
+
+#include <algorithm>
+#include <memory>
+
+#include "common.h"
+#include "grad_release.h"
+#include "land_grads.h"
+
+namespace shardamp {
+
+// binding.cpp: a landed bucket's non-finite flags and L2 partial in one pass (checked there)
+void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out,
+                          bool assign);
+
+namespace stager {
+
+std::atomic<bool> g_release_async{true};
+std::atomic<bool> g_release_cpu{false};
+
+int StagerState::stage_locked(int64_t i, at::Tensor& grad_slot) {
+  const int64_t b = bucket_of[i];
+  pending[b].emplace_back(i, grad_slot);
+  grad_slot.reset();
+  staged[i] = 1;
+  touched[i] = 1;
+  staged_bytes[b] += nbytes[i];
+  fired[b] += 1;
+  if (fired[b] >= expected[b]) return kComplete;
+  if (staged_bytes[b] >= flush_bytes[b]) return kFlush;
+  return kNone;
+}
+
+void StagerState::call(int event, int64_t arg) {
+  py::gil_scoped_acquire gil;
+  try {
+    callback(event, arg);
+  } catch (py::error_already_set& e) {
+    e.discard_as_unraisable("shardamp grad hook");
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    PyErr_WriteUnraisable(nullptr);
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "shardamp grad hook: unknown C++ error");
+    PyErr_WriteUnraisable(nullptr);
+  }
+}
+
+void StagerState::hook(int64_t i) noexcept {
+  try {
+    hook_body(i);
+  } catch (const std::exception& e) {
+    report(e.what());
+  } catch (...) {
+    report("unknown C++ error");
+  }
+}
+
+void StagerState::report(const char* what) {
+  py::gil_scoped_acquire gil;
+  PyErr_SetString(PyExc_RuntimeError, (std::string("shardamp grad hook: ") + what).c_str());
+  PyErr_WriteUnraisable(nullptr);
+}
+
+void StagerState::hook_body(int64_t i) {
+  int event = kNone;
+  int64_t arg = i;
+  bool planned = false, began = false;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    at::Tensor& grad = params[i].mutable_grad();
+    if (dead || !grad.defined() || !owned[i]) return;
+    if (!armed || grad.layout() != at::kStrided || staged[i]) {
+      event = kSlow;
+    } else {
+      event = stage_locked(i, grad);
+      via_python[i] = 0;
+      arg = bucket_of[i];
+    }
+    began = prearmed;  // the first grad of a pre-armed backward
+    prearmed = false;
+    if (event == kComplete && plan_active && arg == plan_next && plan[arg].on) {
+      planned = true;
+    } else if (event != kNone) {
+      plan_active = false;  // Python decides from here on (it adopts what was landed first)
+    }
+  }
+  if (began) call(kBegan, 0);  // before any other event of this backward reaches Python
+  if (planned) {
+    land_planned(arg);
+  } else if (event != kNone) {
+    call(event, arg);
+  }
+}
+
+void StagerState::land_planned(int64_t b) {
+  PlanEntry e;
+  bool assign;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    std::swap(e, plan[b]);
+    assign = plan_assign;
+  }
+  at::Tensor full;
+  try {
+    full = at::empty({e.numel}, e.like.options());
+  } catch (const std::exception&) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      plan_active = false;
+    }
+    call(kComplete, b);
+    return;
+  }
+  try {
+    land_checked_into(b, full, e.rows, e.flags, e.partial, assign);
+  } catch (const std::exception& ex) {
+    std::lock_guard<std::mutex> lock(mu);
+    plan_active = false;
+    plan_error = std::string("bucket ") + std::to_string(b) + ": " + ex.what();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  plan_landed.emplace_back(b, std::move(full));
+  plan_next = b + 1;
+  plan_assign = false;
+}
+
+std::vector<int64_t> StagerState::land_checked_into(int64_t b, at::Tensor& full, const at::Tensor& rows, at::Tensor flags,
+                                       at::Tensor partial, bool assign) {
+  std::vector<int64_t> landed = land(b, full, true);
+  checked_bucket_stats(full, rows, flags, partial, assign);
+  return landed;
+}
+
+void StagerState::reset_plan_locked() {
+  plan.clear();
+  plan_active = false;
+  if (prearmed) {
+    prearmed = false;
+    armed = false;
+  }
+}
+
+std::pair<std::vector<int64_t>, std::vector<at::Tensor>> StagerState::take(int64_t b) {
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<int64_t> idx;
+  std::vector<at::Tensor> grads;
+  idx.reserve(pending[b].size());
+  grads.reserve(pending[b].size());
+  for (auto& e : pending[b]) {
+    idx.push_back(e.first);
+    grads.push_back(std::move(e.second));
+    staged[e.first] = 0;
+  }
+  pending[b].clear();
+  staged_bytes[b] = 0;
+  return {std::move(idx), std::move(grads)};
+}
+
+std::vector<int64_t> StagerState::land(int64_t b, at::Tensor& full, bool zero_rest) {
+  auto taken = take(b);
+  std::vector<at::Tensor> like;
+  std::vector<int64_t> offsets;
+  like.reserve(taken.first.size());
+  offsets.reserve(taken.first.size());
+  for (int64_t i : taken.first) {
+    like.push_back(params[i]);
+    offsets.push_back(offset[i]);
+  }
+  land_grads(full, taken.second, like, offsets, false, zero_rest);
+  if ((full.is_cuda() || g_release_cpu.load(std::memory_order_relaxed)) && g_release_async.load(std::memory_order_relaxed)) {
+    // what Python has seen is freed here (below), the rest on the release thread if it takes it
+    std::vector<at::Tensor> later;
+    later.reserve(taken.second.size());
+    for (size_t k = 0; k < taken.first.size(); ++k) {
+      if (!via_python[taken.first[k]]) later.push_back(std::move(taken.second[k]));
+    }
+    Releaser::get().push(later);  // declined: `later` is freed on return
+  }
+  return std::move(taken.first);
+}
+
+}  // namespace stager
+}  // namespace shardamp
