@@ -11,6 +11,9 @@ millisecond, so an iteration is the host's time) and each AMP loop asked for:
    iteration, timed by wrapping them for one more run (the wrappers cost ~1 us a call: the
    numbers attribute the time, the rounds above measure it).
 
+``--variant NAME`` (one of host_iteration.VARIANTS, e.g. ``first-grad-plan``) adds that shardamp
+variant as a third side of the same rounds, with its difference from the default per phase.
+
 Run: ``python benchmarks/host_phases.py --device cuda`` (``--loops "plain step"``, ``--iters``,
 ``--rounds``; ``--device cpu`` is a smoke run on bench_host's small models).
 """
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))
-from host_iteration import host_pieces, make_iteration  # noqa: E402
+from host_iteration import VARIANTS, host_pieces, make_iteration  # noqa: E402
 from host_models import build_model, model_specs  # noqa: E402
 
 # shardamp's functions timed in part 2: (module path, owner or None for a module function, name)
@@ -103,6 +106,8 @@ def main() -> None:
     ap.add_argument("--loops", default="plain step|scaler+unscale_+clip", help="AMP loops, '|'-separated")
     ap.add_argument("--iters", type=int, default=200, help="iterations a round")
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (median)")
+    ap.add_argument("--variant", default="", choices=("",) + tuple(VARIANTS),
+                    help="also this shardamp variant, a third side of the rounds")
     args = ap.parse_args()
     device = torch.device(args.device)
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,6 +126,9 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
     for loop in args.loops.split("|"):
         fns = {impl: make_iteration(impl, build_model(spec, device), spec["batch"], spec["loss"], loop, device,
                                     spec["amp"]) for impl in ("torch", "shardamp")}
+        if args.variant:
+            fns[args.variant] = make_iteration("shardamp", build_model(spec, device), spec["batch"], spec["loss"],
+                                               loop, device, spec["amp"], variant=args.variant)
         for fn in fns.values():
             for _ in range(30):
                 fn()
@@ -128,7 +136,11 @@ def run(args: argparse.Namespace, device: torch.device) -> None:
         print(f"{loop}: host us per phase (median of {args.rounds} interleaved rounds of {args.iters} iterations)")
         for ph in got["torch"]:
             t, s = got["torch"][ph], got["shardamp"][ph]
-            print(f"  {ph:10s} torch {t:8.1f}  shardamp {s:8.1f}  difference {s - t:+8.1f}")
+            line = f"  {ph:10s} torch {t:8.1f}  shardamp {s:8.1f}  difference {s - t:+8.1f}"
+            if args.variant:
+                v = got[args.variant][ph]
+                line += f"  |  {args.variant} {v:8.1f}  variant - shardamp {v - s:+8.1f}"
+            print(line)
         acc: Dict[str, List[float]] = {}
         saved = _wrap_all(acc)
         try:
