@@ -11,20 +11,22 @@ import torch
 import torch.nn as nn
 
 from conftest import set_env
+from kernel_shards import DEVICES
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.sync import grad_stager
 from shardamp.optim.sync.grad_sync import GradSync
 
 native = pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+devices = pytest.mark.parametrize("device", DEVICES)
 BEGAN, SLOW, COMPLETE = grad_stager.BEGAN, grad_stager.SLOW, grad_stager.COMPLETE
 
 
-def _pair(**kw):
+def _pair(device: str, **kw):
     """A three-layer MLP whose buckets complete in launch order, with DistributedFusedAdam (small
     buckets: several), and the same model with torch's AdamW."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
-    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)).to(device)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)).to(device)
     ref.load_state_dict(model.state_dict())
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.02, bucket_cap_mb=0.0005, **kw)
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
@@ -45,8 +47,8 @@ def _events(monkeypatch) -> List[int]:
     return seen
 
 
-def _x(step: int, k: int = 0) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + k))
+def _x(step: int, k: int = 0, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + k)).to(device)
 
 
 def _assert_same(model, ref) -> None:
@@ -55,8 +57,9 @@ def _assert_same(model, ref) -> None:
 
 
 @native
+@devices
 @pytest.mark.parametrize("mode", ["zero-grad-plan", "first-grad-plan", "python-landings"])
-def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, monkeypatch):
+def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, device, monkeypatch):
     """With hook landings, a backward after ``zero_grad`` sends Python one event, ``BEGAN``; a
     second backward before the step (no zero_grad between) is decided by Python at its first grad
     (``SLOW``) and arms a plan there, as every backward does with ``SHARDAMP_ZERO_GRAD_PLAN=0``.
@@ -65,7 +68,7 @@ def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, monkey
     hook_landings = mode != "python-landings"
     set_env(monkeypatch, "SHARDAMP_HOOK_LANDINGS", "1" if hook_landings else "0")
     set_env(monkeypatch, "SHARDAMP_ZERO_GRAD_PLAN", "0" if mode == "first-grad-plan" else "1")
-    model, ref, opt, torch_opt = _pair()
+    model, ref, opt, torch_opt = _pair(device)
     seen = _events(monkeypatch)
     per_backward = []
     for step in range(4):
@@ -73,8 +76,8 @@ def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, monkey
         torch_opt.zero_grad()
         for k in range(2 if step == 2 else 1):  # step 2: two backward passes, the grads added up
             del seen[:]
-            model(_x(step, k)).square().mean().backward()
-            ref(_x(step, k)).square().mean().backward()
+            model(_x(step, k, device)).square().mean().backward()
+            ref(_x(step, k, device)).square().mean().backward()
             per_backward.append(list(seen))
         opt.step()
         torch_opt.step()
@@ -94,33 +97,35 @@ def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, monkey
 
 
 @native
-def test_no_sync_after_zero_grad_undoes_the_plan(monkeypatch):
+@devices
+def test_no_sync_after_zero_grad_undoes_the_plan(device, monkeypatch):
     """``no_sync`` entered after ``zero_grad``: its backward must hold the grads back, which the
     plan set at zero_grad would have landed and launched. Python decides that backward's first
     grad; the backward after it reduces everything; training equals torch's over the summed grads."""
-    model, ref, opt, torch_opt = _pair()
+    model, ref, opt, torch_opt = _pair(device)
     seen = _events(monkeypatch)
     for step in range(3):
         opt.zero_grad()
         torch_opt.zero_grad()
         del seen[:]
         with opt.no_sync():
-            model(_x(step, 0)).square().mean().backward()
+            model(_x(step, 0, device)).square().mean().backward()
         assert seen and seen[0] == SLOW and BEGAN not in seen, seen
-        model(_x(step, 1)).square().mean().backward()
-        ref(_x(step, 0)).square().mean().backward()
-        ref(_x(step, 1)).square().mean().backward()
+        model(_x(step, 1, device)).square().mean().backward()
+        ref(_x(step, 0, device)).square().mean().backward()
+        ref(_x(step, 1, device)).square().mean().backward()
         opt.step()
         torch_opt.step()
     _assert_same(model, ref)
 
 
 @native
-def test_a_shard_read_inside_backward_ends_the_plan_first():
+@devices
+def test_a_shard_read_inside_backward_ends_the_plan_first(device):
     """A hook reads a released shard in the middle of a backward whose plan was set at zero_grad
     (a bucket not landed yet: reading it allocates zeros): the plan ends first, the bucket lands
     into the shard that was read (its reader sees the grads), and training equals torch's."""
-    model, ref, opt, torch_opt = _pair()
+    model, ref, opt, torch_opt = _pair(device)
     last = len(opt._buckets) - 1  # the first layers' bucket: launched last, released until then
     held = []
 
@@ -132,10 +137,10 @@ def test_a_shard_read_inside_backward_ends_the_plan_first():
         opt.zero_grad()
         torch_opt.zero_grad()
         held.clear()
-        h = model[1](model[0](_x(step)))
+        h = model[1](model[0](_x(step, 0, device)))
         h.register_hook(read_shard)  # runs before the first layer's grads exist
         model[4](model[3](model[2](h))).square().mean().backward()
-        ref(_x(step)).square().mean().backward()
+        ref(_x(step, 0, device)).square().mean().backward()
         assert len(held) == 1 and held[0] is opt._buffers[last].grad_shard
         assert float(held[0].abs().sum()) > 0  # the grads landed into the shard that was read
         opt.step()
