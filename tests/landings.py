@@ -9,7 +9,7 @@ from typing import Any, List, Optional
 
 
 class PlannedLandings:
-    """Stands in for ``sync.stager`` (the hooks keep calling the native stager itself): counts
+    """Stands in for ``sync.landings.stager`` (the hooks keep calling the native stager itself): counts
     each landing a plan made as ``calls["planned"]`` and appends its assign flag to
     ``assigned`` (the plan's first landing assigns the shared partial row where the plan said so)."""
 
@@ -42,8 +42,9 @@ class PlannedLandings:
 def count_landings(sync: Any, calls: Counter, assigned: Optional[List[bool]] = None) -> None:
     """Count ``sync``'s merged landings into ``calls`` ("land_checked": Python's, "planned": the
     hook's) and their assign flags into ``assigned``, in landing order."""
-    if sync._land_checked is not None:
-        land = sync._land_checked
+    landings = sync.landings
+    if landings.land_checked is not None:
+        land = landings.land_checked
 
         def counted(*args):
             calls["land_checked"] += 1
@@ -51,6 +52,6 @@ def count_landings(sync: Any, calls: Counter, assigned: Optional[List[bool]] = N
                 assigned.append(args[-1])
             return land(*args)
 
-        sync._land_checked = counted
-    if hasattr(sync.stager, "set_plan"):
-        sync.stager = PlannedLandings(sync.stager, calls, assigned)
+        landings.land_checked = counted
+    if hasattr(landings.stager, "set_plan"):
+        landings.stager = PlannedLandings(landings.stager, calls, assigned)

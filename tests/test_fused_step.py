@@ -228,7 +228,7 @@ def test_a_shard_allocated_before_backward_lands_the_separate_way(monkeypatch):
 
 
 class _SpoiledPlan:
-    """Stands in for ``sync.stager`` (the hooks keep calling the native stager): each landing plan
+    """Stands in for ``sync.landings.stager`` (the hooks keep calling the native stager): each landing plan
     Python hands it is spoiled by ``spoil(entry) -> entry`` first."""
 
     def __init__(self, stager, spoil) -> None:
@@ -257,8 +257,8 @@ def _residual_with_plan(spoil):
     sync = opt._grad_sync
     calls: Counter = Counter()
     count_landings(sync, calls)
-    sync.stager = _SpoiledPlan(sync.stager, spoil)
-    sync.stager.set_standing(sync.standing_entries())
+    sync.landings.stager = _SpoiledPlan(sync.landings.stager, spoil)
+    sync.landings.stager.set_standing(sync.landings.standing_entries())
     return model, ref, opt, calls
 
 
@@ -293,9 +293,9 @@ def test_a_hook_landing_failing_after_taking_the_grads_raises_rejects_non_fp32_f
         with pytest.raises(RuntimeError, match=r"landing the grads of bucket \d+: .*flags"):
             model(x).square().mean().backward()
         opt.zero_grad()
-    spoiled = opt._grad_sync.stager
-    opt._grad_sync.stager = spoiled._stager
-    opt._grad_sync.stager.set_standing(opt._grad_sync.standing_entries())
+    landings = opt._grad_sync.landings
+    landings.stager = landings.stager._stager
+    landings.stager.set_standing(landings.standing_entries())
     opt.zero_grad()  # and the optimizer recovers: the next backward (a plan that works) trains
     before = [p.detach().clone() for p in model.parameters()]
     model(x).square().mean().backward()

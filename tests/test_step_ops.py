@@ -100,14 +100,14 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
     for name, fn in saved.items():
         setattr(ext, name, counted(name, fn))
     sync = opt._grad_sync  # the merged landings: the stager's method, or its hook under a landing plan
-    land_checked, stager = sync._land_checked, sync.stager
+    land_checked, stager = sync.landings.land_checked, sync.landings.stager
     count_landings(sync, calls)
     try:
         _iteration(opt, scaler, model, 3, clip, count=False)
     finally:
         for name, fn in saved.items():
             setattr(ext, name, fn)
-        sync._land_checked, sync.stager = land_checked, stager
+        sync.landings.land_checked, sync.landings.stager = land_checked, stager
     return calls
 
 

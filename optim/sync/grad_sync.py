@@ -46,6 +46,7 @@ from ..shards.buffers import BucketBuffers
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
 from .grad_state import BucketGrads, ParamGrad
+from .merged_landings import MergedLandings, fresh_shard
 from .reductions import Reductions
 
 if TYPE_CHECKING:  # the cycle is handed in; only its type is named here
@@ -55,8 +56,6 @@ if TYPE_CHECKING:  # the cycle is handed in; only its type is named here
 # World > 1: staged (not yet copied) grads a bucket may hold, as a fraction of the bucket, on
 # top of its full-size buffer: ZeRO-2's O(bucket_cap_mb) backward memory grows by at most this.
 STAGE_FRACTION = 4
-# grad dtypes the compiled flags' pass takes (kernels.bucket_stats: others run the reference)
-_NATIVE_GRADS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class GradSync:
@@ -88,9 +87,6 @@ class GradSync:
         # grads are reduced; at one process also with the shared partial row, to form it in the
         # same pass
         self.check_landed = check_landed
-        # health.py's StepHealth.landing_flags: (rows, flags) for a landing that runs the flags'
-        # pass itself (one process: grad_stager's land_checked)
-        self.landing_flags = landing_flags
         # nothing to reduce (one process, comm.py): the bucket buffer is the shard, grads land in it
         self.in_place = not comm.reduces_grads
         self.overlap = overlap
@@ -163,25 +159,13 @@ class GradSync:
         # would then wait on it (grad_stager.py)
         self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
         # one process, shards released at zero_grad, native stager: a complete bucket's allocation,
-        # landing and flags' pass in one call (``_land_complete``); a zero-element tensor per bucket
-        # gives its grad dtype and device
-        land_checked = getattr(self.stager, "land_checked", None)
-        self._land_checked = land_checked if self.release_shards and landing_flags is not None else None
-        self._like = ([torch.empty(0, dtype=s.buffers.grad_dtype, device=device) for s in self.states]
-                      if self._land_checked is not None else [])
-        # ... and where the native stager takes a landing plan, those landings run in the hook
-        # itself, without calling Python (``_arm_plan``; adopted by ``_take_planned``)
-        self._plans = hook_landings and self._land_checked is not None and hasattr(self.stager, "set_plan")
-        self._planned = False  # a plan is set: the stager may hold landed shards Python has not adopted
-        # ... and its plan for a whole backward is set from a standing one at zero_grad (``prearm``):
-        # that backward's first grad then calls Python only to say it began (``_begin``), where it
-        # would otherwise decide the grad and arm the plan there (tens of microseconds a backward)
-        self._prearms = (self._plans and landing_rows is not None and hasattr(self.stager, "prearm")
-                         and all(s.buffers.grad_dtype in _NATIVE_GRADS for s in self.states))
-        self._landing_rows = landing_rows
-        if self._prearms:
-            self.stager.set_standing(self.standing_entries())
-        if self._plans:  # a read allocating a released shard ends the plan first (the hook would land beside it)
+        # landing and flags' pass in one call, from Python (``_land_complete``) or in the grad hook
+        # under a landing plan (``_arm_plan``, ``prearm``; adopted by ``_take_planned``).
+        # landing_flags / landing_rows: health.py's StepHealth methods (None: no merged landings /
+        # no plan set at zero_grad)
+        self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
+                                       hook_landings, device)
+        if self.landings.plans:  # a read allocating a released shard ends the plan first (the hook would land beside it)
             take = weakref.WeakMethod(self._take_planned)
             for s in self.states:
                 s.buffers.before_allocate = lambda take=take: _call_alive(take)
@@ -229,7 +213,7 @@ class GradSync:
             self.on_grad(self.by_stager_index[arg])
         else:
             self._staged(self.states[arg], event)
-        if self._plans and self.callback_queued:
+        if self.landings.plans and self.callback_queued:
             self._arm_plan()
 
     def _arm_plan(self) -> None:
@@ -240,14 +224,7 @@ class GradSync:
         host); the plan ends at the first event that does call Python."""
         if not self.enabled or not self.overlap or self.defer_launches or self.hold_launches:
             return
-        entries = []
-        for s in self.states[self.next_launch:]:
-            if _fresh_shard(s):
-                entries.append((s.index, s.buffers.shard_numel, self._like[s.index], *self.landing_flags(s.index),
-                                s.partial))
-        if entries:
-            self.stager.set_plan(self.next_launch, not self.partials_started, entries)
-            self._planned = True
+        self.landings.arm(self.next_launch, not self.partials_started)
 
     def prearm(self) -> None:
         """``zero_grad`` released every shard (one process): set the next backward's landing plan
@@ -255,28 +232,17 @@ class GradSync:
         complete buckets landed in the native hook without Python deciding its first grad or
         arming a plan there. Any Python entry point before that backward undoes it
         (``_take_planned``), and the first grad then arms as without it."""
-        if not self._prearms or not self.enabled or not self.overlap or self.callback_queued or self.next_launch:
+        if (not self.landings.prearms or not self.enabled or not self.overlap or self.callback_queued
+                or self.next_launch or self.partials_started or not all(fresh_shard(s) for s in self.states)):
             return
-        if self.partials_started or not all(_fresh_shard(s) for s in self.states):
-            return
-        _, flags = self.landing_flags(0)  # the round's flags, started over now as at its first landing
-        self.stager.prearm(flags)
-        self._planned = True
-
-    def standing_entries(self) -> List[Tuple[int, int, Tensor, Tensor, Tensor]]:
-        """The native stager's standing plan (``set_standing``): each bucket's ``(index, numel,
-        like, rows, partial)``, the landing plan's entries without the round's flags."""
-        rows = self._landing_rows
-        assert rows is not None
-        return [(s.index, s.buffers.shard_numel, self._like[s.index], rows(s.index), s.partial) for s in self.states]
+        self.landings.prearm()
 
     def _take_planned(self) -> None:
-        """Adopt the shards the stager landed under its plan (``_arm_plan``), and end the plan:
-        every other entry point calls this first, so Python's state is the stager's again."""
-        if not self._planned:
+        """Adopt the shards the stager landed under its plan (``_arm_plan``, ``prearm``), and end
+        the plan: every other entry point calls this first, so Python's state is the stager's again."""
+        if not self.landings.planned:
             return
-        self._planned = False
-        landed, error = self.stager.finish_plan()
+        landed, error = self.landings.take()
         for index, full in landed:
             self._adopt_landed(self.states[index], full)
         if error:
@@ -296,13 +262,10 @@ class GradSync:
         partial's pass in ONE native call, as ``_flush`` and ``_launch`` would in three and an
         allocation (tens of microseconds of host time each on a GPU host). False: not this case
         (or no native stager), nothing done."""
-        if (self._land_checked is None or s.index != self.next_launch or not self.enabled or not self.overlap
-                or self.defer_launches or not _fresh_shard(s)):
+        if (self.landings.land_checked is None or s.index != self.next_launch or not self.enabled
+                or not self.overlap or self.defer_launches or not fresh_shard(s)):
             return False
-        rows, flags = self.landing_flags(s.index)
-        full, _ = self._land_checked(s.index, s.buffers.shard_numel, self._like[s.index], rows, flags, s.partial,
-                                     not self.partials_started)
-        self._adopt_landed(s, full)
+        self._adopt_landed(s, self.landings.land(s, not self.partials_started))
         self._launch_ready()  # later buckets that completed before this one
         return True
 
@@ -508,7 +471,7 @@ class GradSync:
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
-        self._planned = False  # what a plan landed is dropped with the rest (stager.clear)
+        self.landings.dropped()  # what a plan landed is dropped with the rest (stager.clear below)
         self.wait()
         self.next_launch = 0
         self.partials_started = False
@@ -567,13 +530,6 @@ def _call_alive(method: "weakref.WeakMethod") -> None:
     fn = method()
     if fn is not None:
         fn()
-
-
-def _fresh_shard(s: BucketGrads) -> bool:
-    """One process: bucket ``s`` holds no grad of this round (nothing landed or added, its shard
-    released since zero_grad) and its grad dtype is one the merged landing's flags pass takes."""
-    return (s.full is None and not s.in_buffer and not s.shard_valid and s.buffers.released
-            and s.buffers.grad_dtype in _NATIVE_GRADS)
 
 
 def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:
