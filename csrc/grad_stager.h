@@ -33,7 +33,7 @@ struct StagerState {
   // per bucket
   std::vector<int64_t> expected, fired, flush_bytes, staged_bytes;
   std::vector<std::vector<std::pair<int64_t, at::Tensor>>> pending;  // staged (param, grad)
-  bool armed = false;  // this backward's first grad went through Python
+  bool armed = false;  // the hook stages grads itself: Python saw this backward's first grad, or prearm
   bool dead = false;  // removed while a backward may run its hooks: they do nothing
   py::object callback;  // callback(event, arg): arg is a param index (kSlow) or a bucket
   std::mutex mu;
@@ -58,7 +58,6 @@ struct StagerState {
   // the backward began (kBegan), instead of deciding the first grad and arming the plan itself.
   std::vector<PlanEntry> standing;
   bool prearmed = false;  // armed by prearm, no grad seen since
-
 
   int stage_locked(int64_t i, at::Tensor& grad_slot);
 

@@ -389,8 +389,9 @@ class GradSync:
         self.raise_hook_error()
         self.flush_all()
         if self.overlap and self.enabled and not self.hold_launches:
-            self._finish_round()
-        self.stager.reset_fired()
+            self._finish_round()  # resets the fired counts too
+        else:
+            self.stager.reset_fired()
 
     def _finish_round(self) -> None:
         while self.next_launch < len(self.states):
