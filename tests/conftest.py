@@ -16,10 +16,12 @@ os.environ.setdefault(
 SLOW_FIRST = ("test_wheel", "test_docs")
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests that share one spawned process group (same module, same world size) must run on
     the same xdist worker, or each worker would spawn the group again; the slowest modules are
-    scheduled first."""
+    scheduled first. First among the plugins' hooks: pytest-xdist's own turns the group marks into
+    the node ids ``--dist loadgroup`` schedules by, so a mark added after it is ignored."""
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and "world" in callspec.params:
