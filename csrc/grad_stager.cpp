@@ -155,49 +155,17 @@ class GradStager {
   // hook itself once it is complete and the next to launch; `assign`: the first such landing
   // replaces the shared partial row's values.
   void set_plan(int64_t next, bool assign, const std::vector<py::tuple>& entries) {
-    auto& s = *state_;
-    std::vector<StagerState::PlanEntry> plan(s.pending.size());
-    for (const auto& t : entries) {
-      SHARDAMP_CHECK(t.size() == 6, "GradStager.set_plan: an entry is (bucket, numel, like, rows, flags, partial)");
-      const auto b = t[0].cast<int64_t>();
-      check_bucket(b);
-      auto& e = plan[b];
-      e.on = true;
-      e.numel = t[1].cast<int64_t>();
-      e.like = t[2].cast<at::Tensor>();
-      e.rows = t[3].cast<at::Tensor>();
-      e.flags = t[4].cast<at::Tensor>();
-      e.partial = t[5].cast<at::Tensor>();
-      SHARDAMP_CHECK(e.numel >= 0, "GradStager.set_plan: numel must be >= 0");
-    }
-    std::lock_guard<std::mutex> lock(s.mu);
-    SHARDAMP_CHECK(s.plan_landed.empty() && s.plan_error.empty(),
-                   "GradStager.set_plan: the last plan's landings were not taken (finish_plan)");
-    s.plan = std::move(plan);
-    s.plan_next = next;
-    s.plan_assign = assign;
-    s.plan_active = !entries.empty();
+    auto plan = plan_entries(entries, true, "GradStager.set_plan");
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->start_plan_locked(std::move(plan), next, assign, !entries.empty());
   }
 
   // The standing plan's entries ((bucket, numel, like, rows, partial): set_plan's without the
   // flags), set once; prearm(flags) starts a plan from them.
   void set_standing(const std::vector<py::tuple>& entries) {
-    auto& s = *state_;
-    std::vector<StagerState::PlanEntry> standing(s.pending.size());
-    for (const auto& t : entries) {
-      SHARDAMP_CHECK(t.size() == 5, "GradStager.set_standing: an entry is (bucket, numel, like, rows, partial)");
-      const auto b = t[0].cast<int64_t>();
-      check_bucket(b);
-      auto& e = standing[b];
-      e.on = true;
-      e.numel = t[1].cast<int64_t>();
-      e.like = t[2].cast<at::Tensor>();
-      e.rows = t[3].cast<at::Tensor>();
-      e.partial = t[4].cast<at::Tensor>();
-      SHARDAMP_CHECK(e.numel >= 0, "GradStager.set_standing: numel must be >= 0");
-    }
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.standing = std::move(standing);
+    auto standing = plan_entries(entries, false, "GradStager.set_standing");
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->standing = std::move(standing);
   }
 
   // Arms the stager for the next backward with the standing plan from bucket 0 (its first
@@ -207,15 +175,11 @@ class GradStager {
     auto& s = *state_;
     std::lock_guard<std::mutex> lock(s.mu);
     SHARDAMP_CHECK(!s.standing.empty(), "GradStager.prearm: no standing plan (set_standing first)");
-    SHARDAMP_CHECK(s.plan_landed.empty() && s.plan_error.empty(),
-                   "GradStager.prearm: the last plan's landings were not taken (finish_plan)");
-    s.plan = s.standing;
-    for (auto& e : s.plan) {
+    std::vector<StagerState::PlanEntry> plan = s.standing;
+    for (auto& e : plan) {
       if (e.on) e.flags = flags;
     }
-    s.plan_next = 0;
-    s.plan_assign = true;
-    s.plan_active = true;
+    s.start_plan_locked(std::move(plan), 0, true, true);
     s.armed = true;
     s.prearmed = true;
   }
@@ -291,6 +255,29 @@ class GradStager {
   }
   void check_bucket(int64_t b) const {
     SHARDAMP_CHECK(b >= 0 && b < static_cast<int64_t>(state_->pending.size()), "GradStager: no bucket ", b);
+  }
+
+  // Python's plan entries, one slot per bucket: (bucket, numel, like, rows, flags, partial), or
+  // without the flags where `with_flags` is false (the standing plan's); `method` names the caller.
+  std::vector<StagerState::PlanEntry> plan_entries(const std::vector<py::tuple>& entries, bool with_flags,
+                                                   const char* method) const {
+    std::vector<StagerState::PlanEntry> plan(state_->pending.size());
+    const size_t width = with_flags ? 6 : 5;
+    for (const auto& t : entries) {
+      SHARDAMP_CHECK(t.size() == width, method, ": an entry is (bucket, numel, like, rows, ", with_flags ? "flags, " : "",
+                     "partial)");
+      const auto b = t[0].cast<int64_t>();
+      check_bucket(b);
+      auto& e = plan[b];
+      e.on = true;
+      e.numel = t[1].cast<int64_t>();
+      e.like = t[2].cast<at::Tensor>();
+      e.rows = t[3].cast<at::Tensor>();
+      if (with_flags) e.flags = t[4].cast<at::Tensor>();
+      e.partial = t[width - 1].cast<at::Tensor>();
+      SHARDAMP_CHECK(e.numel >= 0, method, ": numel must be >= 0");
+    }
+    return plan;
   }
 
   std::shared_ptr<StagerState> state_;

@@ -80,6 +80,10 @@ struct StagerState {
   std::vector<int64_t> land_checked_into(int64_t b, at::Tensor& full, const at::Tensor& rows, at::Tensor flags,
                                          at::Tensor partial, bool assign);
 
+  // Starts `p` as the plan (the caller holds `mu`): from bucket `next` on, `assign` for its first
+  // landing, `active` if it names any bucket. The last plan's landings must have been taken.
+  void start_plan_locked(std::vector<PlanEntry> p, int64_t next, bool assign, bool active);
+
   // Ends the plan (the caller holds `mu`): the entries dropped, nothing active; a pre-arming no
   // grad has used yet is undone (the next first grad goes to Python, which arms again).
   void reset_plan_locked();

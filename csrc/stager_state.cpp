@@ -135,6 +135,15 @@ std::vector<int64_t> StagerState::land_checked_into(int64_t b, at::Tensor& full,
   return landed;
 }
 
+void StagerState::start_plan_locked(std::vector<PlanEntry> p, int64_t next, bool assign, bool active) {
+  SHARDAMP_CHECK(plan_landed.empty() && plan_error.empty(),
+                 "GradStager: the last plan's landings were not taken (finish_plan)");
+  plan = std::move(p);
+  plan_next = next;
+  plan_assign = assign;
+  plan_active = active;
+}
+
 void StagerState::reset_plan_locked() {
   plan.clear();
   plan_active = false;
