@@ -1,9 +1,11 @@
-"""Each framework's default route against its shardamp route, at world 1, in the framework's own
-loop: iteration time with a paired ratio and its 95% interval, and peak memory.
+"""Each framework's default route against its shardamp route, at world 1 or on ``--nproc`` GPUs
+of one host, in the framework's own loop: iteration time with a paired ratio and its 95%
+interval, and peak memory.
 
     python benchmarks/bench_frameworks.py --device cuda --out out/frameworks_bench      # under 6 min (--budget)
     python benchmarks/bench_frameworks.py --device cpu --small --repeats 2 --iters 3 --out out/fw_cpu
     python benchmarks/bench_frameworks.py --device cuda --frameworks lightning --models gpt2 --precisions fp16
+    python benchmarks/bench_frameworks.py --device cuda --nproc 8 --models gpt2-large   # 8 GPUs: DDP against ZeRO-2
 
 Frameworks (benchmarks/framework_routes.py has the details of each route):
 
@@ -20,13 +22,19 @@ MLP of the framework examples (33.6M params, batch 64) and GPT-2 124M (transform
 adds GPT-2 124M at batch 2 x 512 (a fine-tuning micro-batch: the same optimizer step over a
 quarter of the tokens, so the step is a larger share of the iteration); ``--models gpt2-large``
 GPT-2 large (774M params: 36 layers of width 1280) at batch 8 x 512, whose iteration is bound by
-the GPU rather than by the host's launches, with an optimizer step over six times the bytes.
-``--small``: tiny versions of them for a CPU smoke run.
+the GPU rather than by the host's launches, with an optimizer step over six times the bytes;
+``--models gpt2-large-b2`` the same at batch 2 x 512. ``--small``: tiny versions of them for a CPU
+smoke run.
 
 How: one process per framework (Lightning's launcher exports LOCAL_RANK / WORLD_SIZE even at one
 device, which would turn accelerate's and the Trainer's default route into DDP in the same
 process), one GPU (``CUDA_VISIBLE_DEVICES=0`` unless set: the Trainer would take every visible
-GPU with DataParallel). Per (framework, model, precision): ``--repeats`` pairs, default and
+GPU with DataParallel). ``--nproc N``: the worker is started with ``torch.distributed.run
+--standalone --nproc_per_node N`` (the first N GPUs, or N gloo ranks on the CPU), each rank
+trains its own micro-batch of the model's batch size, so the default routes are each framework's
+DDP (Lightning's ``"ddp"``, accelerate's and the Trainer's MULTI_GPU) and the shardamp routes
+shard the step ZeRO-2 style; rank 0 times and reports, and what a rank decides from its own clock
+(``--budget``) is rank 0's decision on every rank. Per (framework, model, precision): ``--repeats`` pairs, default and
 shardamp alternating with the order flipped every repeat (AB BA AB ...), each run a fresh
 model, optimizer and trainer / accelerator; ``--warmup`` iterations, then ``--iters`` timed
 between two device synchronizations. Reported: the median ms per iteration of each route, the
@@ -81,19 +89,30 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed iterations per run (default: 25 cuda, 3 cpu)")
     p.add_argument("--warmup", type=int, default=None, help="iterations before the timed ones (default: 5 cuda, 2 cpu)")
     p.add_argument("--small", action="store_true", help="tiny MLP and GPT-2 (a CPU smoke run)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes (GPUs, or gloo CPU ranks) per run, started with torch.distributed.run; "
+                        "each trains its own micro-batch, so the default routes wrap the model in DDP")
     p.add_argument("--budget", type=float, default=330.0, help="seconds; no new configuration starts past it (0: none)")
     p.add_argument("--out", default="out/frameworks_bench")
     # the worker's own flags (bench_frameworks.py starts itself once per framework)
     p.add_argument("--worker", choices=FRAMEWORKS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
+    # the worker's --nproc (torch.distributed.run would take "--nproc" for its own --nproc-per-node)
+    p.add_argument("--ranks", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.ranks is not None:
+        args.nproc = args.ranks
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is visible")
     for key, gpu, cpu in (("repeats", 5, 2), ("iters", 25, 3), ("warmup", 5, 2)):
         if getattr(args, key) is None:
             setattr(args, key, gpu if cuda else cpu)
+    if args.nproc < 1:
+        p.error("--nproc must be at least 1")
+    if cuda and args.nproc > torch.cuda.device_count():
+        p.error(f"--nproc {args.nproc}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     if args.repeats < 1 or args.iters < 1 or args.warmup < 1:
         p.error("--repeats, --iters and --warmup must be at least 1 (the timer starts at the end of the warm-up)")
     args.framework_list = _names(args.frameworks, FRAMEWORKS, "--frameworks", p)
@@ -115,13 +134,15 @@ def run_worker(framework: str, args: argparse.Namespace, deadline: Optional[floa
     """Start this script as ``--worker framework`` and wait for it; its result (maybe partial)."""
     path = out / f"worker_{framework}.json"
     path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", framework, "--result", str(path),
+    launch = [sys.executable] if args.nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}"]
+    cmd = launch + [str(Path(__file__).resolve()), "--worker", framework, "--result", str(path), "--ranks", str(args.nproc),
            "--deadline", str(deadline or 0.0), "--device", args.device, "--models", args.models,
            "--precisions", args.precisions, "--repeats", str(args.repeats), "--iters", str(args.iters),
            "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
     env = dict(os.environ)
-    if args.device == "cuda":
-        env.setdefault("CUDA_VISIBLE_DEVICES", "0")
+    if args.device == "cuda":  # the Trainer takes every visible GPU (DataParallel) unless launched per rank
+        env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.nproc)))
     # its own process group, so that stopping it stops anything it started too
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     note = None
@@ -220,8 +241,10 @@ def table(rows: List[Dict[str, Any]], head: str, notes: Dict[str, List[str]]) ->
 def main() -> None:
     args = parse_args()
     if args.worker:
-        s = Setting(torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu"), args.small,
-                    args.warmup, args.iters)
+        local = int(os.environ.get("LOCAL_RANK", 0)) if args.nproc > 1 else 0
+        s = Setting(torch.device(args.device, local) if args.device == "cuda" else torch.device("cpu"), args.small,
+                    args.warmup, args.iters, world=args.nproc,
+                    rank=int(os.environ.get("RANK", 0)) if args.nproc > 1 else 0)
         if args.device == "cpu":
             torch.set_num_threads(min(2, os.cpu_count() or 1))
         worker(args.worker, args.result, args.deadline or None, args.model_list, args.precision_list, args.repeats, s)
@@ -260,12 +283,12 @@ def main() -> None:
         rows += [summarise(result, c) for c in result.get("configs", [])]
     versions = ", ".join(f"{k} {v}" for k, v in info.get("versions", {"torch": torch.__version__}).items())
     head = (f"bench_frameworks on {info.get('device_name', args.device)}, {versions}, {time.strftime('%Y-%m-%d')}: "
-            f"world 1, ms per iteration (median of the repeats; {args.warmup} warm-up + {args.iters} timed iterations "
+            f"world {args.nproc}, ms per iteration (median of the repeats; {args.warmup} warm-up + {args.iters} timed iterations "
             f"per run), ratio = geometric mean of the paired runs' default / shardamp (> 1: shardamp faster), "
             f"{time.time() - started:.0f} s")
     text = table(rows, head, notes)
     summary = dict(command=" ".join(sys.argv), date=time.strftime("%Y-%m-%d"), seconds=time.time() - started,
-                   settings={k: getattr(args, k) for k in ("device", "repeats", "iters", "warmup", "small", "budget")},
+                   settings={k: getattr(args, k) for k in ("device", "repeats", "iters", "warmup", "small", "budget", "nproc")},
                    **info, rows=rows, workers=results, notes=notes)
     (out / "bench_frameworks.json").write_text(json.dumps(summary, indent=1))
     (out / "bench_frameworks.md").write_text(text)

@@ -50,8 +50,9 @@ from host_iteration import sync  # noqa: E402
 FRAMEWORKS = ("lightning", "accelerate", "transformers")
 ROUTES = ("default", "shardamp")
 # gpt2-b2: GPT-2 124M at micro-batch 2 (the step a larger share of a host-bound iteration);
-# gpt2-large: GPT-2 large, 774M, at batch 8 (a GPU-bound iteration whose step moves 6x the bytes)
-MODELS = ("mlp", "gpt2", "gpt2-b2", "gpt2-large")
+# gpt2-large: GPT-2 large, 774M, at batch 8 (a GPU-bound iteration whose step moves 6x the bytes);
+# gpt2-large-b2: the same at micro-batch 2 (the step about a fifth of the iteration, not a twentieth)
+MODELS = ("mlp", "gpt2", "gpt2-b2", "gpt2-large", "gpt2-large-b2")
 DEFAULT_MODELS = ("mlp", "gpt2")
 PRECISIONS = ("bf16", "fp16")
 LR = 1e-4  # lower than the examples' 1e-3: GPT-2 in fp16 would overflow more at that rate
@@ -71,6 +72,8 @@ class Setting:
     small: bool
     warmup: int
     iters: int
+    world: int = 1  # processes under torchrun (--nproc): each trains work.batch per step on its own device
+    rank: int = 0
 
     @property
     def cuda(self) -> bool:
@@ -79,6 +82,12 @@ class Setting:
     @property
     def steps(self) -> int:
         return self.warmup + self.iters
+
+    @property
+    def samples(self) -> int:
+        """Rows of one run's data: ``steps`` micro-batches for every rank (each framework's
+        distributed sampler gives each rank its share)."""
+        return self.steps * self.world
 
 
 # ------------------------------------------------------------------------------ models and data
@@ -121,8 +130,8 @@ class Workload:
     def params(self) -> int:
         return sum(p.numel() for p in self.model(torch.device("meta")).parameters())  # tied weights once
 
-    def dataset(self, steps: int) -> Samples:
-        return Samples(self.data(steps * self.batch, torch.Generator().manual_seed(1)))
+    def dataset(self, batches: int) -> Samples:
+        return Samples(self.data(batches * self.batch, torch.Generator().manual_seed(1)))
 
 
 def workload(name: str, small: bool) -> Workload:
@@ -136,11 +145,11 @@ def workload(name: str, small: bool) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # GPT-2 124M (or large, 774M) from its config (random init, nothing downloaded); no KV cache in training
-    large = dict(n_embd=1280, n_layer=36, n_head=20) if name == "gpt2-large" else {}
+    large = dict(n_embd=1280, n_layer=36, n_head=20) if name.startswith("gpt2-large") else {}
     cfg = (GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0,
                       use_cache=False) if small else GPT2Config(use_cache=False, **large))
     seq, batch = (32, 4) if small else (512, 8)
-    if name == "gpt2-b2":  # a fine-tuning micro-batch: the same step over a quarter of the tokens
+    if name.endswith("-b2"):  # a fine-tuning micro-batch: the same step over a quarter of the tokens
         batch = 2
 
     def gpt2_data(n: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
@@ -231,19 +240,22 @@ def run_lightning(route: str, work: Workload, s: Setting, precision: str, timer:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(route, self.net, s.cuda)
 
+    wrapped: List[str] = []  # the strategy's model while it trains (teardown unwraps DDP)
+
     class Timer(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            wrapped[:] = wrapped or [describe_wrapper(trainer.strategy.model)]
             timer.step_done(batch_idx + 1, outputs["loss"])  # one micro-batch per optimizer step
 
     trainer = pl.Trainer(
-        strategy="shardamp" if route == "shardamp" else "auto", accelerator="gpu" if s.cuda else "cpu", devices=1,
+        strategy="shardamp" if route == "shardamp" else "auto", accelerator="gpu" if s.cuda else "cpu", devices=s.world,
         precision={"bf16": "bf16-mixed", "fp16": "16-mixed"}[precision], max_steps=s.steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
     )
     module = Module()
-    trainer.fit(module, DataLoader(work.dataset(s.steps), batch_size=work.batch, shuffle=False))
+    trainer.fit(module, DataLoader(work.dataset(s.samples), batch_size=work.batch, shuffle=False))
     return {"resolved": f"Trainer(strategy={type(trainer.strategy).__name__}), "
-                        f"{describe_optimizer(trainer.optimizers[0])}, {describe_wrapper(trainer.strategy.model)}",
+                        f"{describe_optimizer(trainer.optimizers[0])}, {wrapped[0]}",
             "loss_scale": _loss_scale(getattr(trainer.precision_plugin, "scaler", None))}
 
 
@@ -259,7 +271,7 @@ def run_accelerate(route: str, work: Workload, s: Setting, precision: str, timer
     acc = cls(mixed_precision=precision, cpu=not s.cuda)
     model = work.model(acc.device)
     opt = make_optimizer(route, model, s.cuda)
-    loader = DataLoader(work.dataset(s.steps), batch_size=work.batch, shuffle=False)
+    loader = DataLoader(work.dataset(s.samples), batch_size=work.batch, shuffle=False)
     model, opt, loader = acc.prepare(model, opt, loader)
     steps = 0
     for batch in loader:
@@ -296,9 +308,13 @@ def run_transformers(route: str, work: Workload, s: Setting, precision: str, tim
             weight_decay=common.WD, max_grad_norm=MAX_GRAD_NORM, bf16=precision == "bf16", fp16=precision == "fp16",
             optim="adamw_torch_fused" if s.cuda else "adamw_torch", use_cpu=not s.cuda, report_to="none",
             save_strategy="no", disable_tqdm=True, seed=0,
+            # the Trainer's DDP would otherwise search the graph for unused params every step
+            # (its default for any model without gradient checkpointing); Lightning's and
+            # accelerate's DDP do not, and the comparison is with DDP at its fastest
+            ddp_find_unused_parameters=False,
         )
         cls = ShardampTrainer if route == "shardamp" else Trainer
-        trainer = cls(model=work.model(s.device), args=targs, train_dataset=work.dataset(s.steps), callbacks=[Timer()])
+        trainer = cls(model=work.model(s.device), args=targs, train_dataset=work.dataset(s.samples), callbacks=[Timer()])
         trainer.remove_callback(PrinterCallback)  # disable_tqdm's stand-in prints the final metrics: log noise
         result = trainer.train()
     return {"resolved": f"{cls.__name__}(optim={getattr(targs.optim, 'value', targs.optim)}, "
@@ -358,25 +374,43 @@ def _quiet() -> None:
         warnings.filterwarnings("ignore", message=pattern)
 
 
+def _agreed(s: Setting, value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (a broadcast; at world 1 the value itself): what each rank
+    decides from its own clock (the budget) must be one decision, or the ranks would run
+    different configs and wait for each other in their first collective."""
+    if s.world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def worker(framework: str, result_path: str, deadline: Optional[float], models: List[str], precisions: List[str],
            repeats: int, s: Setting) -> None:
-    """Every (precision, model) of one framework, into ``result_path`` (JSON)."""
+    """Every (precision, model) of one framework, into ``result_path`` (JSON, written by rank 0).
+    At ``s.world`` > 1 every rank of the torchrun job runs this; rank 0 times and reports."""
     import importlib
     import signal
 
     # the parent stops a worker with SIGTERM: exit through the finally below (process group, temp dir)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    result: Dict[str, Any] = dict(framework=framework, status="ok", configs=[])
+    result: Dict[str, Any] = dict(framework=framework, status="ok", configs=[], world=s.world)
+    lead = s.rank == 0
 
     def write() -> None:
-        Path(result_path).write_text(json.dumps(result, indent=1))
+        if lead:
+            Path(result_path).write_text(json.dumps(result, indent=1))
+
+    def say(text: str) -> None:
+        if lead:
+            print(text, flush=True)
 
     try:
         for name in IMPORTS[framework]:
             importlib.import_module(name)
     except ImportError as exc:
         result.update(status="skipped", reason=f"not importable ({type(exc).__name__}: {exc})")
-        print(f"{framework}: skipped, not importable ({exc})", flush=True)
+        say(f"{framework}: skipped, not importable ({exc})")
         write()
         return
     _quiet()
@@ -385,12 +419,14 @@ def worker(framework: str, result_path: str, deadline: Optional[float], models: 
     result.update(versions=_versions(), kernels=kernels.backend(s.device),
                   device_name=torch.cuda.get_device_name(s.device) if s.cuda else "cpu")
     tmp = tempfile.mkdtemp(prefix="shardamp-bench-pg-")
-    if framework == "lightning":
-        # strategy="shardamp" is DDPStrategy without DDP: it wants a process group. One rank,
-        # file rendezvous, made here once (Lightning reuses it and never destroys it)
-        if s.cuda:
-            torch.cuda.set_device(s.device)
-        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{tmp}/pg", rank=0, world_size=1,
+    if s.cuda:
+        torch.cuda.set_device(s.device)
+    if framework == "lightning" or s.world > 1:
+        # strategy="shardamp" is DDPStrategy without DDP: it wants a process group, at world 1 too
+        # (one rank, file rendezvous); under torchrun every framework's would be made from the
+        # same environment. Made here once: the frameworks reuse it and never destroy it
+        init = "env://" if s.world > 1 else f"file://{tmp}/pg"
+        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=init, rank=s.rank, world_size=s.world,
                                 device_id=s.device if s.cuda else None)
     took: Dict[str, float] = {}  # model -> seconds its last config took: whether the next fits the budget
     try:
@@ -399,10 +435,10 @@ def worker(framework: str, result_path: str, deadline: Optional[float], models: 
                 config: Dict[str, Any] = dict(model=model, precision=precision, runs=[])
                 result["configs"].append(config)
                 label = f"{framework} {model} {precision}"
-                reason = _skip_reason(s, model, precision, deadline, took.get(model))
+                reason = _agreed(s, _skip_reason(s, model, precision, deadline, took.get(model)))
                 if reason:
                     config.update(status="skipped", reason=reason)
-                    print(f"{label}: skipped, {reason}", flush=True)
+                    say(f"{label}: skipped, {reason}")
                     write()
                     continue
                 started = time.time()
@@ -415,12 +451,12 @@ def worker(framework: str, result_path: str, deadline: Optional[float], models: 
                             config["runs"].append(run)
                             write()  # a worker stopped midway still leaves its finished runs
                             peak = "" if run["peak_bytes"] is None else f", peak {run['peak_bytes'] / 2**30:.2f} GiB"
-                            print(f"{label} repeat {r} {route}: {run['ms']:.2f} ms/iter{peak}", flush=True)
+                            say(f"{label} repeat {r} {route}: {run['ms']:.2f} ms/iter{peak}")
                     config["status"] = "ok"
                 except Exception as exc:  # noqa: BLE001 - one config failing must not cost the others
                     config.update(status="error", reason=f"{type(exc).__name__}: {exc}",
                                   traceback=traceback.format_exc()[-4000:])
-                    print(f"{label}: ERROR {type(exc).__name__}: {exc}", flush=True)
+                    print(f"{label}: ERROR on rank {s.rank}: {type(exc).__name__}: {exc}", flush=True)
                 config["seconds"] = took[model] = time.time() - started
                 write()
     finally:

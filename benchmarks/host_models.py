@@ -214,6 +214,11 @@ def model_specs(device: torch.device, small: bool) -> Dict[str, dict]:
     idx = torch.randint(0, cfg.vocab_size, (gb, cfg.seq_len + 1), generator=gen).to(device)
     specs["gpt2 bf16"] = dict(make=lambda: GPT(cfg), batch=lambda: ((idx[:, :-1],), idx[:, 1:]), loss=gpt_loss,
                               amp=bf16, cl=False, loops=["max_grad_norm in step", "max_grad_norm in step, two groups"])
+    if not small:  # GPT-2 large (774M), 4 x 1024 tokens: a GPU-bound iteration whose step moves 6x the bytes
+        big = GPTConfig(vocab_size=50257, seq_len=1024, dim=1280, layers=36, heads=20)
+        lidx = idx[:4]
+        specs["gpt2 large bf16"] = dict(make=lambda: GPT(big), batch=lambda: ((lidx[:, :-1],), lidx[:, 1:]),
+                                        loss=gpt_loss, amp=bf16, cl=False, loops=["max_grad_norm in step"])
     # the examples' MLP (33.6M params in 20 tensors, batch 64): the GPU finishes an iteration in
     # well under a millisecond, so the loop measures the host's fixed cost per step
     from framework_common import Net, loss_fn as mlp_loss
