@@ -171,25 +171,24 @@ def test_bench_frameworks_cpu_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_frameworks_two_ranks_cpu_smoke(tmp_path: Path) -> None:
-    """bench_frameworks.py --nproc 2 on the CPU (Lightning and accelerate, the tiny MLP): each
-    worker runs as two gloo ranks under torch.distributed.run, the default routes wrap the model
-    in DDP (each framework's data parallelism) and the shardamp routes do not, rank 0 reports,
-    and both routes end at the same loss (the same data and math over two ranks)."""
+    """bench_frameworks.py --nproc 2 on the CPU (Lightning, the tiny MLP): the worker runs as two
+    gloo ranks under torch.distributed.run, the default route wraps the model in DDP (Lightning's
+    "ddp") and the shardamp route does not, rank 0 reports, and both routes end at the same loss
+    (the same data and math over two ranks; the shardamp route at lr 0 is 5e-3 off). One framework:
+    the launch, the budget's broadcast and the report are the worker's, the same for all three."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_frameworks.py"), "--device", "cpu", "--small",
-                           "--nproc", "2", "--frameworks", "lightning,accelerate", "--models", "mlp",
+                           "--nproc", "2", "--frameworks", "lightning", "--models", "mlp",
                            "--precisions", "bf16", "--repeats", "2", "--iters", "2", "--warmup", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "bench_frameworks.json").read_text())
-    assert summary["settings"]["nproc"] == 2 and [w["world"] for w in summary["workers"]] == [2, 2], summary
+    assert summary["settings"]["nproc"] == 2 and [w["world"] for w in summary["workers"]] == [2], summary
     rows = summary["rows"]
-    assert [(r["framework"], r["status"], r["pairs"]) for r in rows] == [("lightning", "ok", 2), ("accelerate", "ok", 2)]
-    routes = {r["framework"]: r["routes"] for r in rows}
-    assert "DDPStrategy" in routes["lightning"]["default"] and "ShardampStrategy" in routes["lightning"]["shardamp"]
-    assert "MULTI_CPU" in routes["accelerate"]["default"] and "MULTI_CPU" in routes["accelerate"]["shardamp"]
-    for r in routes.values():
-        assert "model in DistributedDataParallel" in r["default"] and "no DDP wrapper" in r["shardamp"], r
+    assert [(r["framework"], r["status"], r["pairs"]) for r in rows] == [("lightning", "ok", 2)], rows
+    routes = rows[0]["routes"]
+    assert "DDPStrategy" in routes["default"] and "model in DistributedDataParallel" in routes["default"], routes
+    assert "ShardampStrategy" in routes["shardamp"] and "no DDP wrapper" in routes["shardamp"], routes
     for worker in summary["workers"]:
         for run in worker["configs"][0]["runs"]:
             first = worker["configs"][0]["runs"][0]["loss"]
