@@ -23,7 +23,8 @@ adds GPT-2 124M at batch 2 x 512 (a fine-tuning micro-batch: the same optimizer 
 quarter of the tokens, so the step is a larger share of the iteration); ``--models gpt2-large``
 GPT-2 large (774M params: 36 layers of width 1280) at batch 8 x 512, whose iteration is bound by
 the GPU rather than by the host's launches, with an optimizer step over six times the bytes;
-``--models gpt2-large-b2`` the same at batch 2 x 512. ``--small``: tiny versions of them for a CPU
+``--models gpt2-large-b2`` the same at batch 2 x 512; ``--models mlp-wide`` the MLP at width 8192
+(537M params, batch 64), an iteration that is mostly its optimizer step. ``--small``: tiny versions of them for a CPU
 smoke run.
 
 How: one process per framework (Lightning's launcher exports LOCAL_RANK / WORLD_SIZE even at one

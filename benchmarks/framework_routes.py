@@ -52,7 +52,8 @@ ROUTES = ("default", "shardamp")
 # gpt2-b2: GPT-2 124M at micro-batch 2 (the step a larger share of a host-bound iteration);
 # gpt2-large: GPT-2 large, 774M, at batch 8 (a GPU-bound iteration whose step moves 6x the bytes);
 # gpt2-large-b2: the same at micro-batch 2 (the step about a fifth of the iteration, not a twentieth)
-MODELS = ("mlp", "gpt2", "gpt2-b2", "gpt2-large", "gpt2-large-b2")
+# mlp-wide: the MLP at width 8192 (537M params), an iteration that is mostly its optimizer step
+MODELS = ("mlp", "mlp-wide", "gpt2", "gpt2-b2", "gpt2-large", "gpt2-large-b2")
 DEFAULT_MODELS = ("mlp", "gpt2")
 PRECISIONS = ("bf16", "fp16")
 LR = 1e-4  # lower than the examples' 1e-3: GPT-2 in fp16 would overflow more at that rate
@@ -135,13 +136,15 @@ class Workload:
 
 
 def workload(name: str, small: bool) -> Workload:
-    if name == "mlp":  # the examples' CUDA default: 33.6M params
-        dim, depth, batch = (32, 2, 8) if small else (2048, 8, 64)
+    if name.startswith("mlp"):
+        # mlp: the examples' CUDA default, 33.6M params; mlp-wide: the same at width 8192, 537M
+        # params, whose optimizer step (about 20 GB of traffic) is most of a batch-64 iteration
+        dim, depth, batch = (32, 2, 8) if small else (8192 if name == "mlp-wide" else 2048, 8, 64)
 
         def mlp_data(n: int, g: torch.Generator) -> Dict[str, torch.Tensor]:
             x = torch.randn(n, 16, generator=g)
             return {"x": x, "labels": torch.tanh(x[:, :4] * 2) + 0.1 * torch.randn(n, 4, generator=g)}
-        return Workload("mlp", batch, lambda: MLP(dim, depth), mlp_data)
+        return Workload(name, batch, lambda: MLP(dim, depth), mlp_data)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     # GPT-2 124M (or large, 774M) from its config (random init, nothing downloaded); no KV cache in training
