@@ -40,7 +40,9 @@ shardamp alternating with the order flipped every repeat (AB BA AB ...), each ru
 model, optimizer and trainer / accelerator; ``--warmup`` iterations, then ``--iters`` timed
 between two device synchronizations. Reported: the median ms per iteration of each route, the
 ratio default / shardamp (> 1: shardamp is faster) as the geometric mean of the pairs' ratios
-with its 95% t-interval (``host_iteration.paired_ratio``, as bench_host.py), and the median peak
+with its 95% t-interval (``host_iteration.paired_ratio``, as bench_host.py), the same ratio of
+each run's median iteration (CUDA events at each step's end, no sync inside the block: a run's
+few iterations lost to something else on the machine do not move it), and the median peak
 ``torch.cuda.max_memory_allocated`` of a run above what was allocated before it.
 
 ``--budget SECONDS`` (default 330): no new (framework, model, precision) starts once it is spent
@@ -193,6 +195,10 @@ def summarise(result: Dict[str, Any], config: Dict[str, Any]) -> Dict[str, Any]:
                default_peak=statistics.median(peaks["default"]) if peaks["default"] else None,
                shardamp_peak=statistics.median(peaks["shardamp"]) if peaks["shardamp"] else None,
                routes={route: by[route][pairs[0]]["resolved"] for route in by})
+    md = [by["default"][i].get("median_ms", float("nan")) for i in pairs]
+    ms = [by["shardamp"][i].get("median_ms", float("nan")) for i in pairs]
+    if all(v == v and v > 0 for v in md + ms):  # runs of an older worker have no per-iteration times
+        row["median_ratio"], row["median_lo"], row["median_hi"] = paired_ratio(md, ms)
     return row
 
 
@@ -209,24 +215,35 @@ def _x(v: float) -> str:
 
 
 def _ratio(row: Dict[str, Any]) -> str:
-    if row["pairs"] < 2:
-        return f"{_x(row['ratio'])}x (one pair: no interval)"
-    return f"{_x(row['ratio'])}x [{_x(row['ratio_lo'])}-{_x(row['ratio_hi'])}]"
+    return _interval(row["ratio"], row["ratio_lo"], row["ratio_hi"], row["pairs"])
+
+
+def _median_ratio(row: Dict[str, Any]) -> str:
+    if "median_ratio" not in row:
+        return "-"
+    return _interval(row["median_ratio"], row["median_lo"], row["median_hi"], row["pairs"])
+
+
+def _interval(mean: float, lo: float, hi: float, pairs: int) -> str:
+    if pairs < 2:
+        return f"{_x(mean)}x (one pair: no interval)"
+    return f"{_x(mean)}x [{_x(lo)}-{_x(hi)}]"
 
 
 def table(rows: List[Dict[str, Any]], head: str, notes: Dict[str, List[str]]) -> str:
     """The markdown table, the routes each framework resolved to, and ``notes`` (reason -> what
     it concerns: one line per reason)."""
     lines = [head, "",
-             "| framework | model | precision | default ms | shardamp ms | default / shardamp [95% t] | pairs "
-             "| peak GiB default | peak GiB shardamp |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| framework | model | precision | default ms | shardamp ms | default / shardamp [95% t] "
+             "| median iterations: default / shardamp [95% t] | pairs | peak GiB default | peak GiB shardamp |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     routes: Dict[str, Dict[str, str]] = {}
     for row in rows:
         model = row["model"] + (f" ({_count(row['params'])})" if row.get("params") else "")
         if "pairs" in row:
             lines.append(f"| {row['framework']} | {model} | {row['precision']} | {row['default_ms']:.2f} | "
-                         f"{row['shardamp_ms']:.2f} | {_ratio(row)} | {row['pairs']} | {_gib(row['default_peak'])} | "
+                         f"{row['shardamp_ms']:.2f} | {_ratio(row)} | {_median_ratio(row)} | {row['pairs']} | "
+                         f"{_gib(row['default_peak'])} | "
                          f"{_gib(row['shardamp_peak'])} |")
             routes.setdefault(row["framework"], row["routes"])
         if row["status"] != "ok":

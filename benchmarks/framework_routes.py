@@ -29,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -190,13 +191,27 @@ class BlockTimer:
     """Milliseconds per iteration over iterations ``(warmup, warmup + iters]``, the device
     synchronized at both ends. Python's cyclic collector runs just before the block and is off
     inside it, as in host_iteration.interleaved: a full collection over a heap of three
-    frameworks' objects lands in whichever repeat triggers it and scatters that one."""
+    frameworks' objects lands in whichever repeat triggers it and scatters that one.
+
+    Each iteration's own time too, without a sync inside the block: on CUDA an event recorded at
+    each step's end (the GPU's clock: when its work for that step was done), on the CPU the
+    host's clock. Their median (``median_ms``) ignores the few iterations a run loses to
+    something else on the machine, which the block's mean takes in whole."""
 
     def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
         self.t0: Optional[float] = None
         self.t1: Optional[float] = None
         self.loss: Optional[float] = None
+        self.marks: List[Any] = []  # CUDA events or perf_counter seconds, from the block's start
+
+    def _mark(self) -> None:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
 
     def step_done(self, step: int, loss: Optional[torch.Tensor] = None) -> None:
         """``step`` optimizer steps have finished; ``loss`` (optional) is read after the block."""
@@ -205,12 +220,29 @@ class BlockTimer:
             sync(self.device)
             gc.disable()
             self.t0 = time.perf_counter()
-        elif step == self.warmup + self.iters:
-            sync(self.device)
-            self.t1 = time.perf_counter()
-            gc.enable()
-            if loss is not None:
-                self.loss = float(loss.detach())
+            self._mark()
+        elif self.warmup < step <= self.warmup + self.iters:
+            self._mark()
+            if step == self.warmup + self.iters:
+                sync(self.device)
+                self.t1 = time.perf_counter()
+                gc.enable()
+                if loss is not None:
+                    self.loss = float(loss.detach())
+
+    @property
+    def iter_ms(self) -> List[float]:
+        """Each timed iteration's milliseconds (after the block; empty before it ended)."""
+        if self.t1 is None or len(self.marks) != self.iters + 1:
+            return []
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+    @property
+    def median_ms(self) -> float:
+        times = self.iter_ms
+        return statistics.median(times) if times else math.nan
 
     @property
     def ms(self) -> float:
@@ -350,7 +382,8 @@ def one_run(framework: str, route: str, work: Workload, s: Setting, precision: s
     if math.isnan(timer.ms):
         raise RuntimeError(f"{framework} {route}: the run ended before step {s.steps} (warmup + iters)")
     peak = torch.cuda.max_memory_allocated(s.device) - base if s.cuda else None
-    return dict(route=route, ms=timer.ms, peak_bytes=peak, loss=timer.loss, **info)
+    return dict(route=route, ms=timer.ms, median_ms=timer.median_ms, iter_ms=[round(t, 3) for t in timer.iter_ms],
+                peak_bytes=peak, loss=timer.loss, **info)
 
 
 # ------------------------------------------------------------------------------ the worker

@@ -167,6 +167,12 @@ def test_bench_frameworks_cpu_smoke(tmp_path: Path) -> None:
     row = rows[0]
     assert row["default_ms"] > 0 and row["shardamp_ms"] > 0 and row["ratio_lo"] <= row["ratio"] <= row["ratio_hi"], row
     assert "DistributedFusedAdam" in row["routes"]["shardamp"] and "AdamW" in row["routes"]["default"], row
+    assert row["median_lo"] <= row["median_ratio"] <= row["median_hi"], row
+    runs = json.loads((tmp_path / "bench_frameworks.json").read_text())["workers"][0]["configs"][0]["runs"]
+    for run in runs:  # each timed iteration's own time; their median, and their mean near the block's
+        assert len(run["iter_ms"]) == 2 and min(run["iter_ms"]) > 0, run
+        assert run["median_ms"] == pytest.approx(sum(run["iter_ms"]) / 2, rel=1e-3), run
+        assert sum(run["iter_ms"]) / 2 == pytest.approx(run["ms"], rel=0.5), run
     assert "| accelerate | gpt2-large" in (tmp_path / "bench_frameworks.md").read_text()
 
 
