@@ -23,9 +23,9 @@ adds GPT-2 124M at batch 2 x 512 (a fine-tuning micro-batch: the same optimizer 
 quarter of the tokens, so the step is a larger share of the iteration); ``--models gpt2-large``
 GPT-2 large (774M params: 36 layers of width 1280) at batch 8 x 512, whose iteration is bound by
 the GPU rather than by the host's launches, with an optimizer step over six times the bytes;
-``--models gpt2-large-b2`` the same at batch 2 x 512; ``--models mlp-wide`` the MLP at width 8192
-(537M params, batch 64), an iteration that is mostly its optimizer step. ``--small``: tiny versions of them for a CPU
-smoke run.
+``--models gpt2-large-b2`` the same at batch 2 x 512; ``--models mlp-wide`` the MLP at width
+8192 (537M params, batch 64), an iteration that is mostly its optimizer step. ``--small``: tiny
+versions of them for a CPU smoke run (benchmarks/framework_models.py).
 
 How: one process per framework (Lightning's launcher exports LOCAL_RANK / WORLD_SIZE even at one
 device, which would turn accelerate's and the Trainer's default route into DDP in the same
@@ -35,9 +35,9 @@ GPU with DataParallel). ``--nproc N``: the worker is started with ``torch.distri
 trains its own micro-batch of the model's batch size, so the default routes are each framework's
 DDP (Lightning's ``"ddp"``, accelerate's and the Trainer's MULTI_GPU) and the shardamp routes
 shard the step ZeRO-2 style; rank 0 times and reports, and what a rank decides from its own clock
-(``--budget``) is rank 0's decision on every rank. Per (framework, model, precision): ``--repeats`` pairs, default and
-shardamp alternating with the order flipped every repeat (AB BA AB ...), each run a fresh
-model, optimizer and trainer / accelerator; ``--warmup`` iterations, then ``--iters`` timed
+(``--budget``) is rank 0's decision on every rank. Per (framework, model, precision):
+``--repeats`` pairs, default and shardamp alternating with the order flipped every repeat (AB
+BA AB ...), each run a fresh model, optimizer and trainer / accelerator; ``--warmup`` iterations, then ``--iters`` timed
 between two device synchronizations. Reported: the median ms per iteration of each route, the
 ratio default / shardamp (> 1: shardamp is faster) as the geometric mean of the pairs' ratios
 with its 95% t-interval (``host_iteration.paired_ratio``, as bench_host.py), the same ratio of
@@ -67,7 +67,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from framework_routes import DEFAULT_MODELS, FRAMEWORKS, MODELS, PRECISIONS, Setting, worker  # noqa: E402
+from framework_models import DEFAULT_MODELS, MODELS  # noqa: E402
+from framework_routes import FRAMEWORKS, PRECISIONS, Setting, worker  # noqa: E402
 from host_iteration import paired_ratio  # noqa: E402
 
 WORKER_GRACE_S = 150  # past the budget, a worker may finish the config it started; beyond that it hangs
