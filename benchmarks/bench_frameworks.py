@@ -198,7 +198,7 @@ def summarise(result: Dict[str, Any], config: Dict[str, Any]) -> Dict[str, Any]:
                routes={route: by[route][pairs[0]]["resolved"] for route in by})
     md = [by["default"][i].get("median_ms", float("nan")) for i in pairs]
     ms = [by["shardamp"][i].get("median_ms", float("nan")) for i in pairs]
-    if all(v == v and v > 0 for v in md + ms):  # runs of an older worker have no per-iteration times
+    if all(v > 0 for v in md + ms):  # NaN (runs of an older worker: no per-iteration times) fails too
         row["median_ratio"], row["median_lo"], row["median_hi"] = paired_ratio(md, ms)
     return row
 

@@ -208,7 +208,8 @@ def run_lightning(route: str, work: Workload, s: Setting, precision: str, timer:
 
     class Timer(pl.Callback):
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            wrapped[:] = wrapped or [describe_wrapper(trainer.strategy.model)]
+            if not wrapped:
+                wrapped.append(describe_wrapper(trainer.strategy.model))
             timer.step_done(batch_idx + 1, outputs["loss"])  # one micro-batch per optimizer step
 
     trainer = pl.Trainer(
