@@ -287,6 +287,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._grad_source = GradSource(self._params, self._buckets, self._buffers, self._comm, self._device,
                                        self._grad_sync, self._cycle, self._coef)
         self._grads_view = GradsView(self, self._grad_source)
+        self._cycle.set_fold(self._grads_view.fold_pending)  # grads reused: what param.grad showed
         torch_tools.install(self, self._params)  # param.grad and torch's clip functions see them (torch_tools.py)
         self._initialized = True
 
@@ -331,10 +332,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             overlap_param_sync=self.overlap_param_sync, capturable=self.capturable,
             skip_grad_norm_above=self.skip_grad_norm_above)
 
-    def _add_clip(self, max_norm: float | Tensor, norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
-        """Clip this step to ``max_norm`` given ``norm`` (clip.py: a norm over several
-        optimizers, ``recompute`` refreshing it in place when this one unscales)."""
-        self._current_round().add_clip(max_norm, norm, recompute)
+    def _add_clip(self, max_norm: float | Tensor, norm: Tensor) -> None:
+        """Clip this step to ``max_norm`` given ``norm`` (resolved at the step)."""
+        self._current_round().add_clip(max_norm, norm)
 
     @property
     def _avg_factor(self) -> float:
@@ -449,6 +449,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         non-finite norm skips the step instead of producing NaN params.
         """
         max_norm = check_max_norm(max_norm, self._comm.has_peers)  # a CUDA tensor: checked at step
+        self._cycle.reuse_stepped()  # after step() without backward: the norm of what that step left
         norm = self.grad_norm(norm_type)
         self._add_clip(max_norm, norm)
         return norm
@@ -464,6 +465,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         """
         if not isinstance(inv_scale, Tensor) or inv_scale.numel() != 1:
             raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
+        self._cycle.reuse_stepped()  # a second step's unscale: of the grads that step left, as torch
         r = self._current_round()
         if r.inv_scale is not None:
             raise RuntimeError("unscale_grads() has already been called since the last step()")
@@ -475,7 +477,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # params: such a step is skipped as any non-finite step is
         # (three launches: found + 0 * log(inv) is NaN unless 0 < inv < inf, and NaN != 0)
         stats.found_inf.add_(inv.log(), alpha=0.0).ne_(0.0)
-        if r.clips and self._cycle.warn_once("clip before unscale"):
+        if r.clips_following_scale and self._cycle.warn_once("clip before unscale"):
             warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=3)
         self._cycle.unscaled(inv)  # norms handed out before unscaling become the true norms
         return stats.found_inf.to(inv_scale.device)
@@ -494,6 +496,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
         if not self._cycle.grad_since_zero:
             raise RuntimeError(NO_GRAD_AT_STEP)
+        self._cycle.reuse_stepped()  # a second step without backward steps on what the first left, as torch
         if grad_scaler is not None:
             self._health.note_scaler(grad_scaler)  # step_stats() reports its scale
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)

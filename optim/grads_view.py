@@ -170,6 +170,21 @@ class GradsView:
             return src.coef  # what the last step multiplied the grads by
         return src.cycle.current().coef()
 
+    def fold_pending(self) -> None:
+        """The kept grads are about to be reused (a backward adding to them, a second step on
+        them) while ``param.grad`` shows them times a pending coefficient (``factor()``: a clip,
+        an unscale, or the last step's coefficient). Multiply each shard in place by that
+        coefficient over the averaging factor, so that from now on they show (and a step
+        applies) exactly what ``param.grad`` showed: torch's unscale_ and clip act on
+        ``param.grad`` in place. One pass over this rank's shards, only in this reuse case (the
+        step cycle calls it while it still describes the grads). Local: no collective, no sync."""
+        src = self.source()
+        ratio = self.factor() * (1.0 / src.cycle.avg_factor)
+        for buf in src.buffers:
+            shard = buf.grad_shard
+            shard.mul_(ratio.to(shard.dtype))
+        self._norms = self._scaled = None  # of the values before the fold
+
     def _key(self, norm_type: float) -> tuple:
         cycle = self.source().cycle
         return (self.generation, cycle.backwards, cycle.rounds_since_step, cycle.stepped_since_zero, norm_type)
@@ -202,7 +217,7 @@ class GradsView:
         round, its phase (unscaling rescales its norms in place) and its clips."""
         cycle = self.source().cycle
         if cycle.stepped_since_zero:
-            return ("stepped",)
+            return ("stepped", cycle.position()["steps"])
         r = cycle.current()
         return (id(r), cycle.phase, len(r.clips))
 
@@ -235,8 +250,12 @@ class GradsView:
         if not src.cycle.stepped_since_zero and sorted(indices) == list(range(len(src.params))):
             # every grad once: the step's own stats all-reduce (shared with unscale_, clip, step)
             norm = self.optimizer().grad_norm(norm_type)
-            prev = norms.chained_clip_coef(src.cycle.current().clips)
-            return norm if prev is None else norm * prev  # the grads as clipped so far, as torch's
+            r = src.cycle.current()
+            prev = norms.chained_clip_coef(r.clips)
+            if prev is not None:
+                return norm * prev  # the grads as clipped so far, as torch's
+            # torch's value now: the handed-out norm is divided by the scale in place at unscale_
+            return norm.clone() if r.inv_scale is None else norm
         per = self.param_norms(norm_type, what)[torch.tensor(list(indices), device=src.device)]
         return per.max() if math.isinf(norm_type) else per.pow(norm_type).sum().pow(1.0 / norm_type)
 
@@ -258,8 +277,13 @@ class GradsView:
                 "separately.")
         self.check_reducible("clip_grads_with_norm_")
         max_norm = check_max_norm(max_norm, src.comm.has_peers)
+        src.cycle.reuse_stepped()  # a clip after step() without backward: on what param.grad shows
         norm = torch.as_tensor(total_norm).detach().to(device=src.device, dtype=torch.float32)
         r = src.cycle.current()
+        if r.inv_scale is None:
+            # as torch: max_norm is compared with the norm given, i.e. before unscale_ the SCALED
+            # norm (torch's idiom passes max_norm * scale); a handed-out norm is unscaled in place later
+            norm = norm.clone()
         prev = norms.chained_clip_coef(r.clips)
         # ``total_norm`` is of the grads as clipped so far; the chain multiplies each later clip's
         # norm by the earlier coefficients, so hand it the norm before them

@@ -8,7 +8,8 @@ sharded and against the unsharded torch reference:
   E  as B with a subclass setting _step_supports_amp_scaling = False (torch's skip path)
   F  torch.amp.GradScaler + unscale_ + torch's clip_grad_norm_ (torch's tools see the grads:
      optim/torch_tools.py; true norm, clipped in the step)
-  G  opt.clip_grad_norm BEFORE unscale_: resolved at step with the true scale
+  G  opt.clip_grad_norm BEFORE unscale_: resolved at step with the true scale; Gf torch's idiom
+     there, shardamp.optim.clip_grad_norm_(params, max_norm * scale): the scaled norm, as torch
   H  as B with torch.nn.utils.clip_grad_norm_; H0 the same without a scaler (fp32)
   I  as F with get_total_norm([p.grad ...]) + clip_grads_with_norm_ (the two halves of torch's clip)
 
@@ -147,7 +148,9 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
             elif loop == "G":
                 norm = opt.clip_grad_norm(MAX_NORM)  # before unscaling: resolved at step
             elif loop == "Gf":
-                norm = so.clip_grad_norm_(model.parameters(), MAX_NORM)  # the same, torch-style
+                # torch's idiom before unscale_: the scaled norm against the scaled threshold, as torch
+                scale = scaler.get_scale()
+                norm = so.clip_grad_norm_(model.parameters(), MAX_NORM * scale) / scale
             if scaler:
                 scaler.step(opt)
                 scaler.update()

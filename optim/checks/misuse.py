@@ -1,6 +1,7 @@
 """Misuse that would otherwise train silently wrong, detected so it raises naming the fix: a model
 wrapped in ``torch.nn.parallel.DistributedDataParallel``, a launcher's ``WORLD_SIZE > 1``
-without a process group, a step with no grads, a clip with torch's scaled ``max_norm`` idiom.
+without a process group, a step with no grads, ``opt.clip_grad_norm`` before unscaling (loop G:
+its ``max_norm`` is the plain one).
 
 DDP would all-reduce every grad a second time and write the result into ``param.grad`` (which
 the optimizer never reads: it reduce-scatters the grads itself during backward). DDP leaves no
@@ -69,8 +70,8 @@ NO_GRAD_AT_STEP = (
 )
 
 CLIP_BEFORE_UNSCALE = (
-    "DistributedFusedAdam: clip_grad_norm ran before unscaling, while the loss was scaled. Its max_norm is "
-    "compared with the TRUE (unscaled) norm once the scale is known, so torch's idiom "
-    "clip_grad_norm_(params, max_norm * scaler.get_scale()) would never clip here: pass the plain, unscaled "
-    "max_norm (or clip after scaler.unscale_(opt))."
+    "DistributedFusedAdam: opt.clip_grad_norm ran before unscaling, while the loss was scaled. Its max_norm is "
+    "compared with the TRUE (unscaled) norm once the scale is known (docs/amp-loops.md, loop G): pass the plain, "
+    "unscaled max_norm. torch.nn.utils.clip_grad_norm_ and shardamp.optim.clip_grad_norm_ there clip as torch "
+    "does: their max_norm is compared with the scaled norm (torch's idiom passes max_norm * scaler.get_scale())."
 )

@@ -22,7 +22,7 @@ are still readable, else ``IDLE``.
 from __future__ import annotations
 
 import enum
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
 
@@ -82,6 +82,10 @@ class StepCycle:
         self._problem = ""
         self._names: List[str] = []
         self._warned: Set[str] = set()
+        # grads reused (a backward or a step on grads a clip, an unscale or a step already
+        # scaled): folds that coefficient into the kept shards first (GradsView.fold_pending)
+        self._fold: Optional[Callable[[], None]] = None
+        self._unscaled_since_step = False  # a scaler's unscale_ reached this optimizer since its last step
 
     # ------------------------------------------------------------------ the phase
     @property
@@ -122,6 +126,8 @@ class StepCycle:
             grads already stepped on: the caller warns).
         """
         stepped = self._stepped_since_zero
+        if self.holds_pending_coef() and self._fold is not None:
+            self._fold()  # the new grads add to what param.grad showed, as in torch
         self._backwards += 1
         self._drop_counted = False
         self._stepped_since_zero = False
@@ -129,6 +135,36 @@ class StepCycle:
         self._round, self._last = None, None
         self._phase = StepPhase.ACCUMULATING
         return stepped
+
+    def holds_pending_coef(self) -> bool:
+        """The kept grads are shown (``param.grad``) times more than the averaging factor: a
+        step consumed them (its coefficient), or this round unscaled or clipped them."""
+        r = self._round
+        return self._stepped_since_zero or (r is not None and (r.inv_scale is not None or bool(r.clips)))
+
+    def set_fold(self, fold: Callable[[], None]) -> None:
+        """``fold()`` multiplies the kept grads in place by what they are shown times beyond the
+        averaging factor (called while this cycle still describes them)."""
+        self._fold = fold
+
+    def reuse_stepped(self) -> None:
+        """A step, an unscale or a clip begins on grads a step consumed, without a backward in
+        between (a second ``step()``): fold that step's coefficient into them and start a new
+        round over them, as torch steps on the ``param.grad`` it left. Nothing when no step
+        consumed them."""
+        if not self._stepped_since_zero:
+            return
+        if self._fold is not None:
+            self._fold()
+        self._stepped_since_zero = False
+        self._round, self._last = None, None
+        self._phase = StepPhase.ACCUMULATING
+
+    @property
+    def unscaled_since_step(self) -> bool:
+        """A scaler's ``unscale_`` reached this optimizer since its last step (a backward since
+        may have folded it into the grads: torch's scaler does not unscale them again)."""
+        return self._unscaled_since_step
 
     def round_launched(self) -> None:
         """Every bucket of a reduction round was launched (reduce-scatter)."""
@@ -144,6 +180,7 @@ class StepCycle:
     def unscaled(self, inv: Tensor) -> None:
         """The loss scale is known (``unscale_grads``)."""
         self.current().unscale(inv)
+        self._unscaled_since_step = True
         self._phase = StepPhase.UNSCALED
 
     def stepped(self, clips: Sequence[Any], norm_types: Sequence[float], cache_after_step: bool) -> None:
@@ -155,6 +192,7 @@ class StepCycle:
         self._backwards_at_step, self._dropped_rounds = self._backwards, 0
         self._rounds_since_step = 0
         self._stepped_since_zero = True
+        self._unscaled_since_step = False
         r.cache_after_step = cache_after_step
         r.done()
         self._last, self._round = r, None

@@ -2,8 +2,7 @@
 
 A :class:`StepRound` holds what the scaler / clip / step protocol builds up over one step: the
 global stats (grad_stats.GradStats, from the one all-reduce), the norm per norm type (raw, and
-as handed out: averaged and, once known, unscaled), the inverse scale, the clips and the values
-derived from handed-out norms (``clip_grad_norm_``'s total over several optimizers). It resolves
+as handed out: averaged and, once known, unscaled), the inverse scale and the clips. It resolves
 the step's grad coefficient ``avg * inv_scale * clip`` on the device.
 
 It is handed what it needs (the averaging factor, the stats, the norms) and holds no reference
@@ -12,7 +11,7 @@ LAST round: ``grad_norm()`` after ``step`` reads its norms without a collective.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
@@ -29,7 +28,9 @@ class StepRound:
         self.norms: Dict[float, Tensor] = {}  # handed out; unscaled in place when the scale is known
         self.inv_scale: Optional[Tensor] = None
         self.clips: List[Tuple[Any, Tensor]] = []
-        self.dependents: List[Callable[[], Any]] = []  # recomputed when the norms are unscaled
+        # clips whose norm is a handed-out norm, unscaled in place later (opt.clip_grad_norm before
+        # unscaling: loop G); torch's clip functions hand in a norm that stays as it was
+        self.clips_following_scale = 0
         self.cache_after_step = True  # False (capturable): graph replays rewrite the raw norms
         self.lrs: Optional[Any] = None  # hparams.TensorLrs: this step's tensor lrs, read once with the stats
 
@@ -79,21 +80,19 @@ class StepRound:
             return raw * self.avg_factor
         return raw * self.inv_scale if self.avg_factor == 1.0 else raw * self.avg_factor * self.inv_scale
 
-    def add_clip(self, max_norm: "float | Tensor", norm: Tensor, recompute: Optional[Callable[[], Any]] = None) -> None:
+    def add_clip(self, max_norm: "float | Tensor", norm: Tensor) -> None:
         """Clip to ``max_norm`` (a number, or a 0-d device tensor: never read here) given ``norm``
-        (resolved at the step). ``recompute``: refreshes ``norm`` in place when this round's norms
-        are unscaled (a norm derived from them)."""
+        (resolved at the step, so a handed-out norm divided by the scale in place before then is
+        compared unscaled: loop G)."""
         self.clips.append((max_norm if isinstance(max_norm, Tensor) else float(max_norm), norm))
-        if recompute is not None:
-            self.dependents.append(recompute)
+        if self.inv_scale is None and any(norm is n for n in self.norms.values()):
+            self.clips_following_scale += 1
 
     def unscale(self, inv: Tensor) -> None:
         """The scale is known: norms handed out become the true norms, in place."""
         for norm in self.norms.values():
             norm.mul_(inv)
         self.inv_scale = inv
-        for recompute in self.dependents:
-            recompute()
 
     def coef_parts(self) -> Tuple[Tensor, float, Optional[Tensor], float]:
         """``(base, scale, norm, max_norm)``: the step's grad coefficient is ``base * scale *
@@ -122,4 +121,4 @@ class StepRound:
     def done(self) -> None:
         """The step consumed this round: keep only what ``norm_after_step`` reads."""
         self.stats = None
-        self.clips, self.dependents = [], []
+        self.clips, self.clips_following_scale = [], 0

@@ -8,6 +8,7 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
+import torch
 from torch import Tensor
 
 from .. import _compat
@@ -29,6 +30,11 @@ def take_over(scaler: Any, optimizer: Any, cycle: StepCycle, unscale_grads: Call
         unscale_grads: the optimizer's ``unscale_grads``.
     """
     state = _compat.scaler_optimizer_state(scaler, optimizer)
+    if cycle.inv_scale is None and state["stage"] is _compat.OptState.UNSCALED and cycle.unscaled_since_step:
+        # torch's unscale_ reached the grads, then a backward added to them (folded: the step
+        # cycle): torch does not unscale twice, so neither does this step (its stats and found-inf)
+        unscale_grads(torch.ones((), dtype=torch.float32, device=_compat.scaler_scale(scaler).device),
+                      grad_scaler=scaler)
     if cycle.inv_scale is None:
         if state["stage"] is _compat.OptState.UNSCALED and cycle.warn_once("unscaled by torch"):
             warnings.warn(

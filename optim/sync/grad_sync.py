@@ -288,9 +288,10 @@ class GradSync:
             self.warned_no_zero_grad = True
             warnings.warn(
                 "DistributedFusedAdam: backward after step() without opt.zero_grad(): the new "
-                "grads are ADDED to the last step's, as torch does when grads are not zeroed. "
-                "model.zero_grad() cannot clear them (they live in the optimizer's shards, "
-                "param.grad is None): call opt.zero_grad() every step.",
+                "grads are ADDED to the grads that step left, as param.grad showed them (unscaled "
+                "and clipped as the step applied them), as torch adds to param.grad when it is not "
+                "zeroed. model.zero_grad() cannot clear them (they live in the optimizer's shards; "
+                "param.grad only shows them): call opt.zero_grad() every step.",
                 UserWarning,
                 stacklevel=2,
             )

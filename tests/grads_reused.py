@@ -1,0 +1,141 @@
+"""What a step applies is what ``param.grad`` shows, against unsharded torch (torch.optim.AdamW +
+torch.amp.GradScaler + torch's clip, one process fed every rank's batch), in the cases where the
+grads a DistributedFusedAdam keeps are scaled by a pending coefficient:
+
+* ``idiom_*``: torch's clip BEFORE ``unscale_`` with torch's scaled threshold
+  (``clip(params, max_norm * scaler.get_scale())``): torch's ``clip_grad_norm_`` (``torch``),
+  ``get_total_norm`` + ``clip_grads_with_norm_`` (``halves``), ``shardamp.optim.clip_grad_norm_``
+  (``shardamp``); ``plain``: a plain threshold there, which clips by the scaled norm as torch does;
+* ``second_step``: unscale_, torch's clip, step, then a second step without a backward
+  (``scaler.step`` again after ``update``: torch unscales the grads it left a second time);
+* ``no_zero_grad``: zero_grad only every third step, so backward adds to the grads the last
+  step left (unscaled, clipped).
+
+``run(rank, world, case, scaler)``: ``scaler`` "torch", "sharded" (ShardedGradScaler against
+torch's) or "none" (fp32); with a scaler, an inf in ONE rank's batch at ``INF_STEP``. Returns per
+step both sides' params, the grads ``full_grad`` shows and the reference's ``p.grad`` (before
+zero_grad), and the norms the clip returned.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any, Dict, List
+
+import torch
+import torch.nn as nn
+
+import shardamp.optim as so
+from parity import MLP, batches, two_groups
+from shardamp.optim import DistributedFusedAdam
+from shardamp.scaler import ShardedGradScaler
+
+STEPS = 5
+INF_STEP = 2
+MAX_NORM = 0.2
+SCALER_KW = dict(init_scale=2.0**10, growth_interval=2)
+CASES = ["idiom_torch", "idiom_halves", "idiom_shardamp", "plain", "second_step", "no_zero_grad"]
+
+
+def _poison(x: torch.Tensor, step: int, rank: int, world: int, scaled: bool) -> torch.Tensor:
+    if scaled and step == INF_STEP and rank == world - 1:
+        x = x.clone()
+        x[0, 0] = float("inf")
+    return x
+
+
+def _clip(kind: str, params: List[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """torch's clip by one of its routes (the reference always takes torch's own function)."""
+    if kind == "halves":
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return norm
+    if kind == "shardamp":
+        return so.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+
+def run(rank: int, world: int, case: str, scaler_kind: str) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)  # uneven shards, several buckets
+    ropt = torch.optim.AdamW(two_groups(ref))
+    scaled = scaler_kind != "none"
+    scaler = rscaler = None
+    if scaled:
+        scaler = (torch.amp.GradScaler if scaler_kind == "torch" else ShardedGradScaler)("cpu", **SCALER_KW)
+        rscaler = torch.amp.GradScaler("cpu", **SCALER_KW)
+    route = case.split("_", 1)[1] if case.startswith("idiom_") else "torch"
+    loss_fn = nn.MSELoss()
+    out: Dict[str, List[Any]] = {k: [] for k in ("ours", "ref", "grads", "ref_grads", "norm", "ref_norm", "scale",
+                                                 "ref_scale", "threshold")}
+    caught: List[str] = []
+    for step in range(STEPS):
+        data = batches(step, world)
+        sides = (
+            (ref, ropt, rscaler, "torch",
+             sum(loss_fn(ref(_poison(x, step, r, world, scaled)), y) for r, (x, y) in enumerate(data)) / world),
+            (model, opt, scaler, route, None),
+        )
+        norms, thresholds = [], []
+        for m, o, s, kind, loss in sides:
+            if loss is None:
+                x, y = data[rank]
+                loss = loss_fn(m(_poison(x, step, rank, world, scaled)), y)
+            params = list(m.parameters())
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                (s.scale(loss) if s else loss).backward()
+                if case.startswith("idiom_") or case == "plain":
+                    # before unscale_: the scaled grads, clipped by the scaled norm, as torch does
+                    threshold = MAX_NORM * (s.get_scale() if s and case != "plain" else 1.0)
+                else:
+                    if s:
+                        s.unscale_(o)
+                    threshold = MAX_NORM
+                norms.append(float(_clip(kind, params, threshold)))
+                thresholds.append(threshold)
+                if s:
+                    s.step(o)
+                    s.update()
+                else:
+                    o.step()
+                if case == "second_step":  # no backward: the grads the first step left, as p.grad shows them
+                    if s:
+                        s.step(o)
+                        s.update()
+                    else:
+                        o.step()
+            caught += [f"{x.category.__name__}: {x.message}" for x in w if x.category is not FutureWarning]
+        out["grads"].append([None if g is None else g.clone() for g in (opt.full_grad(p) for p in model.parameters())])
+        out["ref_grads"].append([None if p.grad is None else p.grad.clone() for p in ref.parameters()])
+        if case != "no_zero_grad" or step % 3 == 2:
+            opt.zero_grad()
+            ropt.zero_grad()
+        out["ours"].append([p.detach().clone() for p in model.parameters()])
+        out["ref"].append([p.detach().clone() for p in ref.parameters()])
+        out["ref_norm"].append(norms[0])
+        out["norm"].append(norms[1])
+        out["threshold"].append(thresholds[0])
+        out["scale"].append(scaler.get_scale() if scaler else None)
+        out["ref_scale"].append(rscaler.get_scale() if rscaler else None)
+    out["warnings"] = caught
+    return out
+
+
+def _case(case: str, scaler_kind: str):
+    def fn(rank: int, world: int) -> Dict[str, Any]:
+        return run(rank, world, case, scaler_kind)
+
+    fn.__name__ = f"case_{case}_{scaler_kind}"
+    return fn
+
+
+ALL = []
+for _scaler in ("torch", "sharded", "none"):
+    for _c in CASES:
+        if _scaler == "none" and (_c.startswith("idiom_") and _c != "idiom_torch" or _c == "plain"):
+            continue  # without a scaler the idiom is the plain clip: once
+        globals()[f"case_{_c}_{_scaler}"] = _case(_c, _scaler)
+        ALL.append(f"case_{_c}_{_scaler}")

@@ -1,0 +1,56 @@
+"""torch's clip before unscale_, a second step without backward and a backward without
+zero_grad train like unsharded torch at world 1 and 3 (the cases: grads_reused.py), with
+torch's GradScaler, ShardedGradScaler and no scaler, an inf on one rank in one step."""
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+import grads_reused
+from dist_helper import case_values, run_cases, run_distributed
+from parity import ATOL, RTOL
+
+WORLDS = [1, 3]
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_distributed(run_cases, world, "grads_reused", grads_reused.ALL)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", grads_reused.ALL)
+def test_matches_torch(world: int, case: str) -> None:
+    values = case_values(_results(world), case)
+    v0 = values[0]
+    scaled = not case.endswith("_none")
+    clipped = False
+    for step in range(grads_reused.STEPS):
+        what = f"{case} step {step}"
+        for i, (ours, ref) in enumerate(zip(v0["ours"][step], v0["ref"][step])):
+            torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} param {i}: {m}")
+        ref_grads = v0["ref_grads"][step]
+        if all(g is not None and torch.isfinite(g).all() for g in ref_grads):
+            for i, (ours, ref) in enumerate(zip(v0["grads"][step], ref_grads)):
+                # what p.grad shows after the step(s) is torch's p.grad (unscaled, clipped)
+                torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {i}: {m}")
+        ref_norm, norm = v0["ref_norm"][step], v0["norm"][step]
+        if math.isfinite(ref_norm):
+            assert math.isclose(norm, ref_norm, rel_tol=1e-5), (what, norm, ref_norm)
+            clipped |= ref_norm > v0["threshold"][step]
+        else:
+            assert scaled and step == grads_reused.INF_STEP and not math.isfinite(norm), (what, norm)
+        assert v0["scale"][step] == v0["ref_scale"][step], what
+    assert clipped, "the clip never engaged: the test would not catch a missing clip"
+    for other in values[1:]:  # every rank the same params
+        for s in range(grads_reused.STEPS):
+            for a, b in zip(v0["ours"][s], other["ours"][s]):
+                assert torch.equal(a, b)
+    # torch's clip before unscale_ is torch's behaviour: nothing to warn about; nor "as torch does"
+    assert not [w for w in v0["warnings"] if "before unscaling" in w or "clipped nothing" in w], v0["warnings"]
+    if case.startswith("no_zero_grad"):
+        added = [w for w in v0["warnings"] if "without opt.zero_grad()" in w]
+        assert len(added) == 1 and "as param.grad showed" in added[0], v0["warnings"]
