@@ -12,12 +12,20 @@ grads therefore means: the shard's elements, times that scalar as far as it is k
 * after ``step`` (until ``zero_grad`` or the next backward): the coefficient that step used
   (``max_grad_norm``'s clip included, which torch has no equivalent of).
 
+torch's clip before ``unscale_`` compares ``max_norm`` with the norm of the SCALED grads, the
+value its ``get_total_norm`` returns then: :meth:`GradsView.total_norm` hands out that value (not
+the optimizer's norm tensor, which ``unscale_`` divides in place) and :meth:`GradsView.clip`
+keeps the norm it is given as it is. What a step applies is what ``param.grad`` shows: grads
+reused with a coefficient pending (a backward without ``zero_grad``, a second step without
+backward) get it folded in first (:meth:`GradsView.fold_pending`, called by the step cycle).
+
 What is read here, and what it costs:
 
 * :meth:`GradsView.full_grad` (``opt.full_grad(p)``): the whole grad of one param on every rank,
   in the param's shape, dtype and strides (memory order: a channels_last weight stays
   channels_last). A collective: an agreement all-reduce (every rank asks for the same param,
-  bounded waits), a MAX all-reduce of "some rank produced a grad for it" (None otherwise, as
+  bounded waits, after every rank's arrival in the store: comm/order.py ``arrive``, so a rank
+  alone raises in bounded time issuing no collective), a MAX all-reduce of "some rank produced a grad for it" (None otherwise, as
   torch), the reduction of grads still pending (``grad_sync``), and one all-gather over the
   shard dim of at most ``min(numel, shard size)`` elements per rank. Reads a flag on the host.
 * :meth:`GradsView.local_grad` (``opt.local_grad(p)``): this rank's slice and its offsets in the
@@ -50,6 +58,7 @@ from torch import Tensor
 
 from . import _compat, norms
 from .checks import agreement
+from .comm import order
 from .hparams import check_max_norm, check_norm_type
 
 
@@ -197,6 +206,7 @@ class GradsView:
         self.check_reducible(what)
         src = self.source()
         if self._norms is None or self._norms[0] != self._key(norm_type):
+            order.arrive(src.comm, what)  # a rank alone raises in bounded time, issuing no collective
             agreement.agree_on_call(self.optimizer().shard_view(), what, given=norm_type)
             self.reduce(what)
             raw = self._local_partials(norm_type)
@@ -314,6 +324,7 @@ class GradsView:
         i = self.index(p, what)
         self.check_reducible(what)
         src = self.source()
+        order.arrive(src.comm, what)  # a rank alone raises in bounded time, issuing no collective
         agreement.agree_on_call(self.optimizer().shard_view(), what, given=i)
         touched = torch.tensor([float(src.grad_sync.local_touched[i])], device=src.device)
         src.comm.all_reduce_max(touched)

@@ -60,8 +60,14 @@ exact and cheaper.
 COLLECTIVES. ``torch.nn.utils.clip_grad_norm_`` is a local function in torch; over managed params
 it is global-norm-correct, so it is a collective: every rank must call it (frameworks do), as
 every rank must read ``p.grad``'s norms (Lightning's ``grad_norm`` in ``on_before_optimizer_step``
-runs on every rank). A rank that calls alone meets the agreement check (an error in bounded time
-on gloo) or waits in the stats all-reduce. A rank whose backward produced no grad for any of the
+runs on every rank). A rank that reads norms or ``full_grad`` alone raises after the grad reads'
+bounded arrival (comm/order.py ``arrive``: ``SHARDAMP_COLLECTIVE_TIMEOUT``, 30 s unset), having
+issued no collective; one that clips alone waits in the stats all-reduce, which the others' step
+completes (the clips are compared at the next step).
+
+BEFORE ``unscale_`` these functions act as torch's on the scaled grads: the norm handed out is
+the scaled one (a value that stays, not the optimizer's norm tensor, which unscaling divides in
+place) and ``max_norm`` is compared with it (grads_view.py). A rank whose backward produced no grad for any of the
 optimizer's params sees ``p.grad`` None until a collective of the optimizer has run.
 
 WHERE AND HOW LONG. :func:`install` runs at optimizer construction: it wraps torch's functions

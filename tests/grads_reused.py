@@ -11,6 +11,9 @@ grads a DistributedFusedAdam keeps are scaled by a pending coefficient:
 * ``no_zero_grad``: zero_grad only every third step, so backward adds to the grads the last
   step left (unscaled, clipped).
 
+``case_read_on_one_rank``: ``p.grad.norm()`` and ``opt.full_grad(p)`` on rank 0 alone raise there
+in bounded time, issuing no collective; the ranks then train and read on, like torch.
+
 ``run(rank, world, case, scaler)``: ``scaler`` "torch", "sharded" (ShardedGradScaler against
 torch's) or "none" (fp32); with a scaler, an inf in ONE rank's batch at ``INF_STEP``. Returns per
 step both sides' params, the grads ``full_grad`` shows and the reference's ``p.grad`` (before
@@ -19,6 +22,7 @@ zero_grad), and the norms the clip returned.
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 from typing import Any, Dict, List
 
@@ -139,3 +143,49 @@ for _scaler in ("torch", "sharded", "none"):
             continue  # without a scaler the idiom is the plain clip: once
         globals()[f"case_{_c}_{_scaler}"] = _case(_c, _scaler)
         ALL.append(f"case_{_c}_{_scaler}")
+
+
+READ_TIMEOUT = 3.0
+
+
+def case_read_on_one_rank(rank: int, world: int) -> Dict[str, Any]:
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)
+    ropt = torch.optim.AdamW(two_groups(ref))
+    loss_fn = nn.MSELoss()
+    out: Dict[str, List[Any]] = {k: [] for k in ("errors", "norms", "ref_norms", "ours", "ref")}
+    so.config.configure(collective_timeout=READ_TIMEOUT)
+    try:
+        for step in range(3):
+            data = batches(step, world)
+            (sum(loss_fn(ref(x), y) for x, y in data) / world).backward()
+            x, y = data[rank]
+            loss_fn(model(x), y).backward()
+            if rank == 0 and step < 2:  # a rank-0 logging line: a collective read on one rank
+                began = time.monotonic()
+                try:
+                    if step == 0:
+                        model.a.weight.grad.norm()
+                    else:
+                        opt.full_grad(model.a.weight)
+                except RuntimeError as exc:
+                    out["errors"].append((str(exc), time.monotonic() - began))
+            # the other ranks wait for rank 0 in the step's collectives, then every rank reads
+            torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+            opt.step()
+            ropt.step()
+            out["norms"].append([float(p.grad.norm()) for p in model.parameters()])
+            out["ref_norms"].append([float(p.grad.norm()) for p in ref.parameters()])
+            opt.zero_grad()
+            ropt.zero_grad()
+            out["ours"].append([p.detach().clone() for p in model.parameters()])
+            out["ref"].append([p.detach().clone() for p in ref.parameters()])
+    finally:
+        so.config.configure(collective_timeout=None)
+    return out
+
+
+ALL.append("case_read_on_one_rank")

@@ -283,23 +283,29 @@ def test_clip_grad_norm_plain_params_with_foreach_match_torch():
         torch.testing.assert_close(p.grad, q.grad)
 
 
-def test_scaled_max_norm_idiom_before_unscale_warns_once():
+def test_opt_clip_grad_norm_before_unscale_warns_once_torchs_idiom_not_at_all():
+    """opt.clip_grad_norm before unscaling compares its max_norm with the true norm (loop G): a
+    scaled max_norm there is a mistake, warned once. torch's idiom through clip_grad_norm_ clips
+    the scaled grads as torch does: no warning."""
     model = _model()
     opt = DistributedFusedAdam(model.parameters())
     scaler = ShardedGradScaler("cpu", init_scale=1024.0)
-    for _ in range(2):
+    for step in range(3):
         opt.zero_grad()
         scaler.scale(model(torch.randn(3, 4)).sum()).backward()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            clip_grad_norm_(model.parameters(), 1.0 * scaler.get_scale())  # torch's documented idiom
+            if step == 0:
+                clip_grad_norm_(model.parameters(), 1.0 * scaler.get_scale())  # torch's documented idiom
+            else:
+                opt.clip_grad_norm(1.0 * scaler.get_scale())
             scaler.step(opt)
             scaler.update()
         messages = [str(w.message) for w in caught if "before unscaling" in str(w.message)]
-        if _ == 0:
-            assert len(messages) == 1 and "unscaled max_norm" in messages[0]
+        if step == 1:
+            assert len(messages) == 1 and "opt.clip_grad_norm" in messages[0] and "unscaled max_norm" in messages[0]
         else:
-            assert not messages  # once
+            assert not messages  # torch's idiom: as torch; then once
 
 
 def test_fp16_overflow_without_a_scaler_warns_after_a_few_skips():

@@ -35,6 +35,7 @@ torch's check sees the mismatch.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import json
 import os
 import threading
@@ -64,6 +65,62 @@ AGREEMENT = "the agreement all-reduce of a collective call (state_dict, load_sta
 def collective_timeout() -> Optional[float]:
     """``SHARDAMP_COLLECTIVE_TIMEOUT`` in seconds, None when unset (the group's timeout applies)."""
     return config.settings().collective_timeout
+
+
+# ---------------------------------------------------------------- grad reads: a bounded arrival first
+# A grad read (``p.grad.norm()``, ``opt.full_grad(p)``) is a collective, and the likeliest one to be
+# called on one rank alone (``if rank == 0: log(p.grad.norm())``). Before its first collective,
+# every rank posts its arrival to the process group's store and waits for the others' there, at
+# most this long unless SHARDAMP_COLLECTIVE_TIMEOUT says otherwise: a rank alone raises in bounded
+# time having issued NO collective, so the process group is not left holding a half-paired
+# collective and the other ranks train on unaffected.
+GRAD_READ_TIMEOUT_S = 30.0
+_arrivals: Dict[str, int] = {}  # per span: grad reads every rank arrived at so far
+
+
+def grad_read_timeout() -> float:
+    """How long a grad read waits for the other ranks to arrive: ``SHARDAMP_COLLECTIVE_TIMEOUT``,
+    else :data:`GRAD_READ_TIMEOUT_S`."""
+    timeout = collective_timeout()
+    return GRAD_READ_TIMEOUT_S if timeout is None else timeout
+
+
+def arrive(comm: Any, what: str) -> None:
+    """Every rank of ``comm``'s span arrives at the grad read ``what`` (store keys, bounded wait);
+    else raise on this rank, naming the ranks that did not and the fix, with no collective issued.
+    Nothing where there are no peers or no store."""
+    store = _compat.default_store() if comm.has_peers else None
+    if store is None:
+        return
+    space = comm.describe_span()
+    n = _arrivals.get(space, 0)
+    prefix = f"shardamp-grad-reads/{space}/"
+    keys = [f"{prefix}{n}/{r}" for r in range(comm.world_size)]
+    timeout = grad_read_timeout()
+    store.set(keys[comm.rank], what)
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except RuntimeError as exc:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        try:
+            store.delete_key(keys[comm.rank])  # a later read on every rank pairs under the same index
+        except RuntimeError:
+            pass
+        setting = "SHARDAMP_COLLECTIVE_TIMEOUT" if collective_timeout() is not None else \
+            "the default for grad reads; SHARDAMP_COLLECTIVE_TIMEOUT sets it"
+        raise RuntimeError(
+            f"{what} is a collective: every rank of the optimizer's process group must call it at the same point. "
+            f"This rank (rank {comm.rank}) called it and {_ranks(missing) if missing else 'the others'} did not "
+            f"arrive within {timeout:g} s ({setting}). Call it on every rank (compute on every rank, print on "
+            "one), or read opt.local_grad(p) for rank-local logging (this rank's slice, no collective). No "
+            f"collective was issued: the other ranks are unaffected. ({_short(str(exc), 120)})"
+        ) from exc
+    _arrivals[space] = n + 1
+    if n:
+        try:  # every rank arrived at read n, so each has seen the keys of read n - 1
+            store.delete_key(f"{prefix}{n - 1}/{comm.rank}")
+        except RuntimeError:
+            pass
 
 
 # ---------------------------------------------------------------- tag spaces
