@@ -61,7 +61,7 @@ COLLECTIVES. ``torch.nn.utils.clip_grad_norm_`` is a local function in torch; ov
 it is global-norm-correct, so it is a collective: every rank must call it (frameworks do), as
 every rank must read ``p.grad``'s norms (Lightning's ``grad_norm`` in ``on_before_optimizer_step``
 runs on every rank). A rank that reads norms or ``full_grad`` alone raises after the grad reads'
-bounded arrival (comm/order.py ``arrive``: ``SHARDAMP_COLLECTIVE_TIMEOUT``, 30 s unset), having
+bounded arrival (comm/order.py ``arrive``: half ``SHARDAMP_COLLECTIVE_TIMEOUT``, 30 s unset), having
 issued no collective; one that clips alone waits in the stats all-reduce, which the others' step
 completes (the clips are compared at the next step).
 

@@ -145,7 +145,7 @@ for _scaler in ("torch", "sharded", "none"):
         ALL.append(f"case_{_c}_{_scaler}")
 
 
-READ_TIMEOUT = 3.0
+READ_TIMEOUT = 6.0  # SHARDAMP_COLLECTIVE_TIMEOUT: a grad read waits half of it
 
 
 def case_read_on_one_rank(rank: int, world: int) -> Dict[str, Any]:

@@ -67,7 +67,7 @@ def test_a_grad_read_on_one_rank_fails_there_in_bounded_time(world: int) -> None
             for (message, elapsed), what in zip(v["errors"], ("the norm of p.grad", "full_grad")):
                 assert message.startswith(f"{what} is a collective"), message
                 assert "opt.local_grad(p)" in message and "ranks 1" in message and "No collective was issued" in message
-                assert grads_reused.READ_TIMEOUT <= elapsed < grads_reused.READ_TIMEOUT + 15, elapsed
+                assert grads_reused.READ_TIMEOUT / 2 <= elapsed < grads_reused.READ_TIMEOUT / 2 + 15, elapsed
         else:
             assert not v["errors"], v["errors"]  # at world 1 every read is local
         for step in range(len(v["ours"])):
@@ -87,4 +87,4 @@ def test_grad_reads_wait_well_under_a_minute_by_default(monkeypatch) -> None:
     config.reload()
     assert order.grad_read_timeout() == order.GRAD_READ_TIMEOUT_S <= 30.0
     set_env(monkeypatch, "SHARDAMP_COLLECTIVE_TIMEOUT", "7")
-    assert order.grad_read_timeout() == 7.0
+    assert order.grad_read_timeout() == 3.5  # half: the other ranks wait the whole of it meanwhile

@@ -73,16 +73,22 @@ def collective_timeout() -> Optional[float]:
 # every rank posts its arrival to the process group's store and waits for the others' there, at
 # most this long unless SHARDAMP_COLLECTIVE_TIMEOUT says otherwise: a rank alone raises in bounded
 # time having issued NO collective, so the process group is not left holding a half-paired
-# collective and the other ranks train on unaffected.
+# collective and the other ranks train on unaffected. The wait is HALF the bound of the others'
+# waits (they wait in their next collective meanwhile): the lone rank raises, and may carry on,
+# before they give up.
 GRAD_READ_TIMEOUT_S = 30.0
 _arrivals: Dict[str, int] = {}  # per span: grad reads every rank arrived at so far
 
 
-def grad_read_timeout() -> float:
-    """How long a grad read waits for the other ranks to arrive: ``SHARDAMP_COLLECTIVE_TIMEOUT``,
-    else :data:`GRAD_READ_TIMEOUT_S`."""
+def grad_read_timeout(comm: Any = None) -> float:
+    """How long a grad read waits for the other ranks to arrive: half of
+    ``SHARDAMP_COLLECTIVE_TIMEOUT`` when set; else :data:`GRAD_READ_TIMEOUT_S`, at most half the
+    process group's timeout (``comm``'s, where it can be read)."""
     timeout = collective_timeout()
-    return GRAD_READ_TIMEOUT_S if timeout is None else timeout
+    if timeout is not None:
+        return timeout / 2
+    group = group_timeout_s(comm) if comm is not None else None
+    return GRAD_READ_TIMEOUT_S if group is None else min(GRAD_READ_TIMEOUT_S, group / 2)
 
 
 def arrive(comm: Any, what: str) -> None:
@@ -96,7 +102,7 @@ def arrive(comm: Any, what: str) -> None:
     n = _arrivals.get(space, 0)
     prefix = f"shardamp-grad-reads/{space}/"
     keys = [f"{prefix}{n}/{r}" for r in range(comm.world_size)]
-    timeout = grad_read_timeout()
+    timeout = grad_read_timeout(comm)
     store.set(keys[comm.rank], what)
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout))
@@ -106,8 +112,8 @@ def arrive(comm: Any, what: str) -> None:
             store.delete_key(keys[comm.rank])  # a later read on every rank pairs under the same index
         except RuntimeError:
             pass
-        setting = "SHARDAMP_COLLECTIVE_TIMEOUT" if collective_timeout() is not None else \
-            "the default for grad reads; SHARDAMP_COLLECTIVE_TIMEOUT sets it"
+        setting = "half of SHARDAMP_COLLECTIVE_TIMEOUT" if collective_timeout() is not None else \
+            "the default for grad reads; SHARDAMP_COLLECTIVE_TIMEOUT sets twice it"
         raise RuntimeError(
             f"{what} is a collective: every rank of the optimizer's process group must call it at the same point. "
             f"This rank (rank {comm.rank}) called it and {_ranks(missing) if missing else 'the others'} did not "
