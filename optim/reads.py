@@ -40,8 +40,10 @@ class OptimizerReads:
         """What ``p.grad`` would hold in the same unsharded torch loop at this point, on every rank
         (as DeepSpeed's ``safe_get_full_grad``).
 
-        A COLLECTIVE: every rank calls it, for the same param, at the same point (an agreement
-        all-reduce checks that; then a MAX all-reduce, the reduction of any pending grads
+        A COLLECTIVE: every rank calls it, for the same param, at the same point (every rank's
+        arrival through the store first, bounded: a rank alone raises after half of
+        ``SHARDAMP_COLLECTIVE_TIMEOUT``, 30 s unset, issuing no collective, so the others train
+        on; an agreement all-reduce checks the param; then a MAX all-reduce, the reduction of any pending grads
         (``grad_sync``) and an all-gather over the shard dim of at most ``min(p.numel(), shard
         size)`` elements per rank). SYNCS THE HOST (it reads whether any rank produced a grad).
 
@@ -61,7 +63,8 @@ class OptimizerReads:
             ValueError: ``p`` is not a param of this optimizer.
             RuntimeError: called inside ``no_sync()``, where the accumulated grads are not reduced
                 (call it after the backward that reduces, or call ``grad_sync()`` on every rank
-                outside ``no_sync`` first); or the ranks did not all call it for the same param.
+                outside ``no_sync`` first); or the ranks did not all call it for the same param
+                (on some ranks only: read ``local_grad(p)`` for rank-local logging).
         """
         return self._grads_view.full_grad(p)
 
