@@ -9,7 +9,9 @@ grads a DistributedFusedAdam keeps are scaled by a pending coefficient:
 * ``second_step``: unscale_, torch's clip, step, then a second step without a backward
   (``scaler.step`` again after ``update``: torch unscales the grads it left a second time);
 * ``no_zero_grad``: zero_grad only every third step, so backward adds to the grads the last
-  step left (unscaled, clipped).
+  step left (unscaled, clipped);
+* ``backward_after_unscale``: unscale_, torch's clip, then a second backward before the step: it
+  adds to the unscaled, clipped grads, and the scaler does not unscale again (as torch's).
 
 ``case_read_on_one_rank``: ``p.grad.norm()`` and ``opt.full_grad(p)`` on rank 0 alone raise there
 in bounded time, issuing no collective; the ranks then train and read on, like torch.
@@ -38,7 +40,8 @@ STEPS = 5
 INF_STEP = 2
 MAX_NORM = 0.2
 SCALER_KW = dict(init_scale=2.0**10, growth_interval=2)
-CASES = ["idiom_torch", "idiom_halves", "idiom_shardamp", "plain", "second_step", "no_zero_grad"]
+CASES = ["idiom_torch", "idiom_halves", "idiom_shardamp", "plain", "second_step", "no_zero_grad",
+         "backward_after_unscale"]
 
 
 def _poison(x: torch.Tensor, step: int, rank: int, world: int, scaled: bool) -> torch.Tensor:
@@ -77,16 +80,16 @@ def run(rank: int, world: int, case: str, scaler_kind: str) -> Dict[str, Any]:
     caught: List[str] = []
     for step in range(STEPS):
         data = batches(step, world)
-        sides = (
-            (ref, ropt, rscaler, "torch",
-             sum(loss_fn(ref(_poison(x, step, r, world, scaled)), y) for r, (x, y) in enumerate(data)) / world),
-            (model, opt, scaler, route, None),
-        )
+        def ref_loss() -> torch.Tensor:
+            return sum(loss_fn(ref(_poison(x, step, r, world, scaled)), y) for r, (x, y) in enumerate(data)) / world
+
+        def our_loss() -> torch.Tensor:
+            x, y = data[rank]
+            return loss_fn(model(_poison(x, step, rank, world, scaled)), y)
+
         norms, thresholds = [], []
-        for m, o, s, kind, loss in sides:
-            if loss is None:
-                x, y = data[rank]
-                loss = loss_fn(m(_poison(x, step, rank, world, scaled)), y)
+        for m, o, s, kind, make_loss in ((ref, ropt, rscaler, "torch", ref_loss), (model, opt, scaler, route, our_loss)):
+            loss = make_loss()
             params = list(m.parameters())
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
@@ -100,6 +103,9 @@ def run(rank: int, world: int, case: str, scaler_kind: str) -> Dict[str, Any]:
                     threshold = MAX_NORM
                 norms.append(float(_clip(kind, params, threshold)))
                 thresholds.append(threshold)
+                if case == "backward_after_unscale":  # adds to the unscaled, clipped grads; not unscaled again
+                    loss = make_loss()
+                    (s.scale(loss) if s else loss).backward()
                 if s:
                     s.step(o)
                     s.update()

@@ -33,10 +33,13 @@ def test_matches_torch(world: int, case: str) -> None:
         for i, (ours, ref) in enumerate(zip(v0["ours"][step], v0["ref"][step])):
             torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} param {i}: {m}")
         ref_grads = v0["ref_grads"][step]
+        # backward_after_unscale with a scaler: the second backward's grads stay scaled (torch's scaler
+        # does not unscale twice), so their round-off is the loss scale's times
+        atol = ATOL * max(v0["ref_scale"]) if scaled and case.startswith("case_backward_after_unscale") else ATOL
         if all(g is not None and torch.isfinite(g).all() for g in ref_grads):
             for i, (ours, ref) in enumerate(zip(v0["grads"][step], ref_grads)):
                 # what p.grad shows after the step(s) is torch's p.grad (unscaled, clipped)
-                torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} grad {i}: {m}")
+                torch.testing.assert_close(ours, ref, rtol=RTOL, atol=atol, msg=lambda m: f"{what} grad {i}: {m}")
         ref_norm, norm = v0["ref_norm"][step], v0["norm"][step]
         if math.isfinite(ref_norm):
             assert math.isclose(norm, ref_norm, rel_tol=1e-5), (what, norm, ref_norm)
