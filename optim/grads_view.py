@@ -191,7 +191,10 @@ class GradsView:
         ratio = self.factor() * (1.0 / src.cycle.avg_factor)
         for buf in src.buffers:
             shard = buf.grad_shard
-            shard.mul_(ratio.to(shard.dtype))
+            if shard.dtype == torch.float32:
+                shard.mul_(ratio)
+            else:  # the product in fp32, rounded once (an fp16 1/scale alone would lose digits)
+                shard.copy_(shard.float().mul_(ratio))
         self._norms = self._scaled = None  # of the values before the fold
 
     def _key(self, norm_type: float) -> tuple:
@@ -290,7 +293,7 @@ class GradsView:
         src.cycle.reuse_stepped()  # a clip after step() without backward: on what param.grad shows
         norm = torch.as_tensor(total_norm).detach().to(device=src.device, dtype=torch.float32)
         r = src.cycle.current()
-        if r.inv_scale is None:
+        if r.inv_scale is None and any(norm.data_ptr() == n.data_ptr() for n in r.norms.values()):
             # as torch: max_norm is compared with the norm given, i.e. before unscale_ the SCALED
             # norm (torch's idiom passes max_norm * scale); a handed-out norm is unscaled in place later
             norm = norm.clone()

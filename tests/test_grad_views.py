@@ -323,3 +323,29 @@ def test_torch_save_of_the_whole_model_works_and_loads_plain() -> None:
                 assert torch.equal(p, q) and p.stride() == q.stride()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_a_norm_handed_out_before_unscale_clips_as_given() -> None:
+    """clip_grads_with_norm_ given opt.grad_norm() (the tensor unscale_ divides in place) before
+    unscale_: torch compares max_norm with the value given then, the scaled norm; so does the step."""
+    from shardamp.scaler import ShardedGradScaler
+
+    model, ref, opt = _setup()
+    ropt = torch.optim.AdamW(two_groups(ref))
+    scaler = ShardedGradScaler("cpu", init_scale=256.0)
+    rscaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    loss_fn = nn.MSELoss()
+    x, y = torch.randn(3, 3, 6, 6), torch.randn(3, 3)
+    scaler.scale(loss_fn(model(x), y)).backward()
+    rscaler.scale(loss_fn(ref(x), y)).backward()
+    norm = opt.grad_norm()
+    rnorm = torch.nn.utils.get_total_norm([q.grad for q in ref.parameters()])
+    torch.testing.assert_close(norm, rnorm, rtol=1e-5, atol=0)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.05 * 256.0, norm.detach())
+    torch.nn.utils.clip_grads_with_norm_(ref.parameters(), 0.05 * 256.0, rnorm)
+    assert float(rnorm) > 0.05 * 256.0  # the clip engaged
+    scaler.step(opt)
+    rscaler.step(ropt)
+    torch.testing.assert_close(norm * 256.0, rnorm, rtol=1e-5, atol=0)  # opt.grad_norm(): unscaled in place
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
