@@ -23,19 +23,20 @@ What is read here, and what it costs:
 
 * :meth:`GradsView.full_grad` (``opt.full_grad(p)``): the whole grad of one param on every rank,
   in the param's shape, dtype and strides (memory order: a channels_last weight stays
-  channels_last). A collective: an agreement all-reduce (every rank asks for the same param,
-  bounded waits, after every rank's arrival in the store: comm/order.py ``arrive``, so a rank
-  alone raises in bounded time issuing no collective), a MAX all-reduce of "some rank produced a grad for it" (None otherwise, as
-  torch), the reduction of grads still pending (``grad_sync``), and one all-gather over the
-  shard dim of at most ``min(numel, shard size)`` elements per rank. Reads a flag on the host.
+  channels_last). A collective: every rank's arrival in the store first (comm/order.py
+  ``arrive``: a rank alone raises in bounded time, issuing no collective), an agreement
+  all-reduce (every rank asks for the same param, bounded waits), a MAX all-reduce of "some rank
+  produced a grad for it" (None otherwise, as torch), the reduction of grads still pending
+  (``grad_sync``), and one all-gather over the shard dim of at most ``min(numel, shard size)``
+  elements per rank. Reads a flag on the host.
 * :meth:`GradsView.local_grad` (``opt.local_grad(p)``): this rank's slice and its offsets in the
   param's memory order. No collective, no host sync (in-flight reductions are waited for on
   the device's streams).
 * :meth:`GradsView.param_norms`: every param's grad norm of one order, for torch's per-param
   norms (``p.grad.norm()``, Lightning's ``grad_norm``): one all-reduce of ``2 x params`` floats
-  over the shard dim, after an agreement all-reduce (its flags are read on the host), once per
-  step and norm order (cached until the grads change); every rank must read them, as a
-  framework's logging hook does.
+  over the shard dim, after the arrival and an agreement all-reduce (its flags are read on the
+  host), once per step and norm order (cached until the grads change); every rank must read
+  them, as a framework's logging hook does.
 * :meth:`GradsView.total_norm`: the norm over some params' grads (torch's ``get_total_norm``):
   over ALL of the optimizer's params it is ``opt.grad_norm()``, i.e. the step's one stats
   all-reduce, shared with ``unscale_``, clip and ``step``; over a subset, the per-param norms.
