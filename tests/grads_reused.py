@@ -88,7 +88,8 @@ def run(rank: int, world: int, case: str, scaler_kind: str) -> Dict[str, Any]:
             return loss_fn(model(_poison(x, step, rank, world, scaled)), y)
 
         norms, thresholds = [], []
-        for m, o, s, kind, make_loss in ((ref, ropt, rscaler, "torch", ref_loss), (model, opt, scaler, route, our_loss)):
+        sides = ((ref, ropt, rscaler, "torch", ref_loss), (model, opt, scaler, route, our_loss))
+        for m, o, s, kind, make_loss in sides:
             loss = make_loss()
             params = list(m.parameters())
             with warnings.catch_warnings(record=True) as w:
