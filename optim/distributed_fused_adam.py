@@ -122,6 +122,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             captured in a CUDA graph (``lr`` then a device tensor).
         exp_avg_dtype: storage dtype of ``exp_avg``, ``torch.float32`` or ``torch.bfloat16``
             (default ``dtype``); read as fp32 by the step, written back rounded to nearest even.
+            The blockwise ``"8bit"`` / ``"4bit"`` formats are not available yet (a ValueError).
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param

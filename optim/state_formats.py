@@ -34,7 +34,8 @@ class StateFormat:
     ``str(torch.bfloat16)`` without ``torch.``); ``storage_dtype`` is the dtype of the stored
     values (of the codes, for a blockwise format); ``bits`` per element of them;
     ``block_size`` > 0: one fp32 scale per block of that many elements (the default block of
-    the format) is stored beside the codes; ``native``: the compiled kernels (csrc/) take a
+    the format) is stored beside the codes; ``maps``: the code maps of a blockwise format,
+    ``(exp_avg's, exp_avg_sq's)`` (``kernels/quant.py`` builds them); ``native``: the compiled kernels (csrc/) take a
     moment in this format, anything else runs the reference math; ``below_fp32``: stored with
     less precision than the fp32 moments ``torch.optim.AdamW`` keeps (what torch cannot carry
     over when it loads our state dict); ``available``: the constructor accepts it.
@@ -44,6 +45,7 @@ class StateFormat:
     storage_dtype: torch.dtype
     bits: int
     block_size: int = 0
+    maps: Tuple[str, str] = ("", "")
     native: bool = False
     below_fp32: bool = False
     available: bool = True
@@ -99,9 +101,12 @@ class StateFormat:
 FP32 = StateFormat("float32", torch.float32, 32, native=True)
 BF16 = StateFormat("bfloat16", torch.bfloat16, 16, native=True, below_fp32=True)
 FP64 = StateFormat("float64", torch.float64, 64)  # dtype=torch.float64's moments: the reference path
-# blockwise absmax formats (docs/low-bit-states.md): codes in uint8 (two 4-bit codes per byte)
-Q8 = StateFormat("8bit", torch.uint8, 8, block_size=256, below_fp32=True, available=False)
-Q4 = StateFormat("4bit", torch.uint8, 4, block_size=128, below_fp32=True, available=False)
+# blockwise absmax formats: codes in uint8 (two 4-bit codes per byte); the maps and block sizes
+# are the accuracy study's choice (docs/low-bit-states.md, benchmarks/quant_study.py)
+Q8 = StateFormat("8bit", torch.uint8, 8, block_size=256, maps=("dynamic_sym", "dynamic_nz"), below_fp32=True,
+                 available=False)
+Q4 = StateFormat("4bit", torch.uint8, 4, block_size=128, maps=("square", "square_nz"), below_fp32=True,
+                 available=False)
 
 FORMATS: Dict[str, StateFormat] = {f.name: f for f in (FP32, BF16, FP64, Q8, Q4)}
 # the user values the constructor's exp_avg_dtype / exp_avg_sq_dtype accept, besides None
