@@ -143,7 +143,7 @@ def train(data: CharData, seed: int, steps: int, fmt: Optional[Tuple] = None,
             snaps[step] = (flat_state(opt, params, "exp_avg").clone(), flat_state(opt, params, "exp_avg_sq").clone())
     with torch.no_grad():
         val = sum(float(loss_fn(model(x), y)) for x, y in data.val_batches(8, 32)) / 8
-    return {"train": sum(losses[-20:]) / 20, "val": val, "snaps": snaps, "sizes": [p.numel() for p in params],
+    return {"train": sum(losses[-20:]) / len(losses[-20:]), "val": val, "snaps": snaps, "sizes": [p.numel() for p in params],
             "drift": sum(drift) / len(drift) if drift else 0.0}
 
 
