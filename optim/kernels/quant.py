@@ -147,7 +147,7 @@ def _midpoints(qmap: Tensor) -> Tensor:
     return (qmap[:-1] + qmap[1:]) * 0.5
 
 
-def _check_grid(numel: int, block_size: int, offset: int) -> None:
+def _check_grid(block_size: int, offset: int) -> None:
     if block_size <= 0 or block_size % 2:
         raise ValueError(f"block_size={block_size}: expected an even number > 0 (4-bit codes pair up in bytes)")
     if offset % block_size:
@@ -158,7 +158,7 @@ def _check_grid(numel: int, block_size: int, offset: int) -> None:
 def block_scales(x: Tensor, block_size: int, offset: int = 0) -> Tensor:
     """One fp32 absmax per block of the grid that ``x`` (the bucket's elements
     ``[offset, offset + len(x))``) covers: ``ceil(len(x) / block_size)`` of them."""
-    _check_grid(x.numel(), block_size, offset)
+    _check_grid(block_size, offset)
     n = x.numel()
     pad = (-n) % block_size
     a = x.detach().float().abs()
