@@ -20,11 +20,11 @@ finite); ``exp_avg_sq`` is >= 0. No finite input gives a non-finite output: ``|x
 and ``|map| <= 1``. Denormal inputs and scales are taken as they are (the kernels must not
 flush them to zero).
 
-The zero-code rule: a 4-bit ``exp_avg_sq`` map has no zero value, so no code of a block whose
-scale is > 0 dequantizes to 0 (a second moment rounded to 0 would divide an update by ``eps``
-alone); an all-zero block has scale 0 and dequantizes to the zeros it holds. Only a scale under
-~1e-37 could underflow ``map[0] * scale`` to 0, and there ``sqrt(v)`` < 1e-18 is far below any
-``eps``.
+The zero-code rule: the formats' ``exp_avg_sq`` maps have no zero value (required at 4 bits,
+chosen at 8), so no code of a block whose scale is > 0 dequantizes to 0 (a second moment rounded
+to 0 would divide an update by ``eps`` alone); an all-zero block has scale 0 and dequantizes to
+the zeros it holds. Only a scale below fp32's smallest normal (~1e-38) could underflow
+``map[0] * scale`` to 0, and there ``sqrt(v)`` < 1e-19 is far below any ``eps``.
 """
 from __future__ import annotations
 
