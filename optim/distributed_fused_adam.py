@@ -27,7 +27,7 @@ from .step.cycle import StepCycle
 from . import config, kernels
 from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
-from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
+from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_remainders, check_views,
                              reattach_param)
 from .checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, check_launcher_env, ddp_error, find_ddp
 from .step.grad_stats import HEADER, GradStats, TouchedPatterns
@@ -44,6 +44,7 @@ from .sync.stale_read_guard import StaleReadGuard
 from . import torch_tools
 from .grads_view import GradSource, GradsView
 from .reads import OptimizerReads
+from .state_formats import resolve_moments
 
 def _live_reads(ref: "weakref.ReferenceType[DistributedFusedAdam]") -> Tuple[Callable[[], Any], Callable[[], Any]]:
     """The param groups and the options the ranks compare every step, read as they are then
@@ -121,6 +122,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             captured in a CUDA graph (``lr`` then a device tensor).
         exp_avg_dtype: storage dtype of ``exp_avg``, ``torch.float32`` or ``torch.bfloat16``
             (default ``dtype``); read as fp32 by the step, written back rounded to nearest even.
+            The blockwise ``"8bit"`` / ``"4bit"`` formats are not available yet (a ValueError).
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
@@ -194,7 +196,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                  store_param_remainders=store_param_remainders),
             max_grad_norm, dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb,
         )
-        exp_avg_dtype, exp_avg_sq_dtype = check_moment_dtypes(dtype, exp_avg_dtype, exp_avg_sq_dtype)
+        self._formats = resolve_moments(dtype, exp_avg_dtype, exp_avg_sq_dtype)  # what the moments are stored as
+        exp_avg_dtype, exp_avg_sq_dtype = self._formats.exp_avg.storage_dtype, self._formats.exp_avg_sq.storage_dtype
 
         self._initialized = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -239,11 +242,11 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
             self._params, self.param_groups, self._options(), self.bucket_cap_mb, self._comm, self._buckets,
-            self._device))
+            self._device, self._formats))
         # allocated, broadcast from rank 0 (as DDP does) and the masters initialised: a collective
         self._buffers: List[BucketBuffers] = allocate_all(
-            self._buckets, self._params, self._comm, dtype, grad_sync_dtype, param_sync_dtype, exp_avg_dtype,
-            exp_avg_sq_dtype, store_param_remainders)
+            self._buckets, self._params, self._comm, dtype, grad_sync_dtype, param_sync_dtype, self._formats,
+            store_param_remainders)
         # chunk tables on the device, and the one prepare launch per step for every bucket's segments
         self._records = kernels.prepare(
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
@@ -273,7 +276,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
         self._hparam_table = HparamTable(len(self.param_groups), self._device)
         self._shard_view = ShardView(self._buckets, self._buffers, self._steps, self._params, self._device,
-                                     self._comm, self._hparam_table, self._cycle.clips_of_last_step)
+                                     self._comm, self._hparam_table, self._cycle.clips_of_last_step, self._formats)
         self._coef = torch.empty((), dtype=torch.float32, device=self._device)  # the step's grad coefficient
         # what the per-step agreement reads (checks/agreement.py): nothing it may write
         groups_now, options_now = _live_reads(weakref.ref(self))
@@ -330,7 +333,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             average_grad_sync=self.average_grad_sync, dtype=str(self.dtype), grad_sync_dtype=str(self.grad_sync_dtype),
             param_sync_dtype=str(self.param_sync_dtype), overlap_grad_sync=self.overlap_grad_sync,
             overlap_param_sync=self.overlap_param_sync, capturable=self.capturable,
-            skip_grad_norm_above=self.skip_grad_norm_above)
+            skip_grad_norm_above=self.skip_grad_norm_above, store_param_remainders=self.store_param_remainders)
 
     def _add_clip(self, max_norm: float | Tensor, norm: Tensor) -> None:
         """Clip this step to ``max_norm`` given ``norm`` (resolved at the step)."""

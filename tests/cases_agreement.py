@@ -50,6 +50,12 @@ def case_dtype_differs(rank, world, **kw):
     return {"error": _raised(lambda: DistributedFusedAdam(model.parameters()))}
 
 
+def case_moment_format_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    fmt = torch.bfloat16 if rank == 1 else None
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), exp_avg_sq_dtype=fmt))}
+
+
 def case_lr_differs_at_construction(rank, world, **kw):
     torch.manual_seed(0)
     return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), lr=2e-3 if rank == 1 else 1e-3))}

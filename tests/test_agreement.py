@@ -32,6 +32,9 @@ CONSTRUCTION = {
     "case_param_count_differs": "number of params",
     "case_bucket_cap_differs": "bucket_cap_mb",
     "case_dtype_differs": "param dtypes",
+    "case_moment_format_differs": "moment formats (exp_avg_dtype, exp_avg_sq_dtype) (rank 0: {'exp_avg': "
+                                  "'float32', 'exp_avg_sq': 'float32'}, rank 1: {'exp_avg': 'float32', "
+                                  "'exp_avg_sq': 'bfloat16'}",
     "case_lr_differs_at_construction": "param group hyperparameters",
 }
 

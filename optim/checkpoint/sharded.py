@@ -39,12 +39,14 @@ from ..checks import agreement
 from . import atomic_publish
 from . import state_dict as sd_mod
 from ..hparams import validate_groups
+from ..state_formats import MOMENTS
 
 FORMAT = "shardamp.dcp/1"
 META_KEY = "shardamp/meta"
 STEPS_KEY = "shardamp/steps"
 CRC_PREFIX = "shardamp/crc/"  # + writer rank: JSON {piece name: CRC32} of that rank's pieces
 PathLike = Union[str, "os.PathLike[str]"]
+_UNSIGNED = frozenset(m.key for m in MOMENTS if not m.signed)  # never negative: exp_avg_sq
 
 
 def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None:
@@ -77,7 +79,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
     state: Dict[str, Tensor] = {META_KEY: meta_tensor, STEPS_KEY: steps}
     crcs: Dict[str, int] = {}
     for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
-        sources = [("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)]
+        sources = [(moment.key, fmt.state_dict_value(t)) for moment, fmt, t in buf.moments()]
         if sd_mod.has_master(opt, bucket.dtype):
             sources.append((sd_mod.MASTER_KEY, buf.master_values()))  # fp32, also from remainders
         # replicas (comm.py's replicate dim) hold the same shard: only the first one writes it
@@ -116,10 +118,14 @@ def _save_problem(opt: Any, path: str) -> str:
         problem = validate_groups(opt.param_groups, read_lr=True)
     if not problem:
         for i, buf in enumerate(opt.shard_view().buffers):
-            if not bool(torch.isfinite(buf.exp_avg).all() & torch.isfinite(buf.exp_avg_sq).all()):
+            moments = [(moment, fmt.state_dict_value(t)) for moment, fmt, t in buf.moments()]
+            if not all(bool(torch.isfinite(t).all()) for _, t in moments):
                 problem = f"bucket {i}: the moments hold non-finite values"
-            elif bool((buf.exp_avg_sq < 0).any()):
-                problem = f"bucket {i}: exp_avg_sq holds negative values"
+            else:
+                problem = next((f"bucket {i}: {moment.key} holds negative values" for moment, t in moments
+                                if not moment.signed and bool((t < 0).any())), "")
+            if problem:
+                break
     return problem
 
 
@@ -198,7 +204,7 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
         problem = problem or atomic_publish.check_crc(name, needed[name], crcs) or ""
         if not problem and not bool(torch.isfinite(needed[name]).all()):
             problem = f"'{name}' holds non-finite values"
-        if not problem and "/exp_avg_sq/" in name and bool((needed[name] < 0).any()):
+        if not problem and name.split("/")[2] in _UNSIGNED and bool((needed[name] < 0).any()):
             problem = f"'{name}' holds negative values (a second moment is >= 0)"
     agreement.agree_on_call(opt.shard_view(), "load_sharded (read)", problem=f"{path}: {problem}" if problem else "")
     scaler_state = meta.get("scaler")

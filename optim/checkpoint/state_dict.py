@@ -14,13 +14,14 @@ The layout is torch's, key for key::
      "shardamp": {adam_w_mode, bias_correction, max_grad_norm, dtype}}
 
 ``T`` is shaped like its param, in the param's memory format (channels_last stays
-channels_last): ``exp_avg`` / ``exp_avg_sq`` in their storage dtype (fp32, or bf16 with
-``exp_avg_dtype`` / ``exp_avg_sq_dtype``), ``master_param`` in the state dtype (with
+channels_last): ``exp_avg`` / ``exp_avg_sq`` as their format carries them
+(``state_formats.py``: the storage dtype, fp32 or bf16 with ``exp_avg_dtype`` /
+``exp_avg_sq_dtype``), ``master_param`` in the state dtype (with
 ``store_param_remainders`` the fp32 master reassembled from the bf16 param and its remainder, so
 the dict is the same as with a separate master). torch's ``Optimizer.load_state_dict`` ignores
 the extra top-level ``"shardamp"`` key and the extra ``master_param`` state entry, and casts the
 moments to each param's dtype. Loading any dict converts each tensor to this optimizer's storage
-dtype: torch's fp32 moments into bf16 moments round to nearest even.
+format (``StateFormat.load``): torch's fp32 moments into bf16 moments round to nearest even.
 
 The helpers below the two entry points (groups, validation, the shard writer) are shared with
 ``checkpoint.py`` so both formats validate and write exactly alike. Both reach the optimizer
@@ -44,8 +45,9 @@ from ..shards.buffers import param_view
 from ..hparams import check_hparams
 from ..layout import ParamSlot
 from ..kernels.reference import split_remainders
+from ..state_formats import MOMENT_KEYS, MOMENTS, of_dtype
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq")
+STATE_KEYS = MOMENT_KEYS
 MASTER_KEY = "master_param"
 EXTRA_KEY = "shardamp"
 # torch.optim.Adam(W)'s group keys that shardamp does not keep per group, with the values that
@@ -55,6 +57,7 @@ TORCH_ONLY_DEFAULTS: Dict[str, Any] = dict(
     decoupled_weight_decay=True,
 )
 _HPARAM_ORDER = ("lr", "betas", "eps", "weight_decay")
+_UNSIGNED = frozenset(m.key for m in MOMENTS if not m.signed)  # never negative: exp_avg_sq
 _warned = weakref.WeakSet()  # optimizers already warned about what torch cannot load
 
 
@@ -79,7 +82,8 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
         if not live:  # steps are identical on every rank, so every rank skips the same buckets
             continue
         keys = list(STATE_KEYS) + ([MASTER_KEY] if has_master(opt, bucket.dtype) else [])
-        tensors = [buf.exp_avg, buf.exp_avg_sq] + ([buf.master_values()] if MASTER_KEY in keys else [])
+        tensors = [fmt.state_dict_value(t) for _, fmt, t in buf.moments()]
+        tensors += [buf.master_values()] if MASTER_KEY in keys else []
         # one gather per bucket, in the widest dtype of its states (bf16 -> fp32 -> bf16 is exact)
         wide = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
         full = _gather(opt, torch.stack([t.to(wide) for t in tensors]), rank0_only)  # [world, keys, n] or None
@@ -232,9 +236,9 @@ def extras(opt: Any) -> Dict[str, Any]:
     )
     # storage options, recorded only where they differ from the default layout (a load converts
     # everything to the loading optimizer's own storage, so they are informational)
-    for k in ("exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(opt, k) != opt.dtype:
-            out[k] = name(getattr(opt, k))
+    for moment, fmt in opt.shard_view().formats.items():
+        if fmt is not of_dtype(opt.dtype):
+            out[moment.option] = fmt.name
     if opt.store_param_remainders:
         out["store_param_remainders"] = True
     return out
@@ -355,12 +359,12 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
         for seg in bucket.segments.segments:
             dst = slice(seg.start, seg.start + seg.length)
             lo, hi = seg.param_offset, seg.param_offset + seg.length
-            for key, target in (("exp_avg", buf.exp_avg), ("exp_avg_sq", buf.exp_avg_sq)):
-                src = source(seg.param_index, key, lo, hi)
+            for moment, fmt, target in buf.moments():
+                src = source(seg.param_index, moment.key, lo, hi)
                 if src is None:
                     target[dst].zero_()
                 else:
-                    target[dst].copy_(src)
+                    fmt.load(target[dst], src)
             if separate:  # an aliased master IS the model param: it was loaded with the model
                 src = source(seg.param_index, MASTER_KEY, lo, hi)
                 buf.set_master(dst, local_params[dst] if src is None else src)
@@ -416,8 +420,8 @@ def _checked_entry(entry: Any, slot: ParamSlot, index: int) -> Dict[str, Any]:
             raise ValueError(f"{where}: '{k}' has shape {tuple(t.shape)}, the param has shape {slot.shape}")
         if not bool(torch.isfinite(t).all()):
             raise ValueError(f"{where}: '{k}' holds non-finite values")
-        if k == "exp_avg_sq" and bool((t < 0).any()):
-            raise ValueError(f"{where}: 'exp_avg_sq' holds negative values (a second moment is >= 0: a corrupted "
+        if k in _UNSIGNED and bool((t < 0).any()):
+            raise ValueError(f"{where}: '{k}' holds negative values (a second moment is >= 0: a corrupted "
                              "or mismatched state dict)")
         out[k] = t
     return out
@@ -432,10 +436,13 @@ def _warn_what_torch_drops(opt: Any) -> None:
             f"the {opt.dtype} master weights of the lower-precision params (torch keeps only the "
             "model params; 'master_param' is ignored and the moments are cast to the param dtype)"
         )
-    low = [k for k in STATE_KEYS if getattr(opt, f"{k}_dtype") == torch.bfloat16]
-    if low:
+    low: Dict[str, List[str]] = {}  # format name -> the moments stored below torch's fp32
+    for moment, fmt in opt.shard_view().formats.items():
+        if fmt.below_fp32:
+            low.setdefault(fmt.name, []).append(moment.key)
+    for fmt_name, keys in low.items():
         lost.append(
-            f"the bfloat16 storage of {' and '.join(low)} (torch casts them to each param's dtype and "
+            f"the {fmt_name} storage of {' and '.join(keys)} (torch casts them to each param's dtype and "
             "continues at that precision, so its steps differ from this optimizer's rounded ones)"
         )
     if not opt.bias_correction:

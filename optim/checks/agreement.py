@@ -1,7 +1,7 @@
 """Ranks that disagree: checked at construction, at every step, and at every collective call.
 
 * Construction (``agree_on_construction``): every rank describes what it built (param count,
-  shapes, dtypes, order, groups, options, buckets) as one 32-bit hash per field; ONE all-gather
+  shapes, dtypes, order, groups, options, moment formats, buckets) as one 32-bit hash per field; ONE all-gather
   of those hashes tells every rank the same thing, and a difference raises on every rank naming
   the field, with the differing values (gathered only then).
 * Every step (``StepFingerprint``): what may change between steps (hyperparameters, norm type,
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..comm.order import TIMEOUT_ENV, collective_timeout  # noqa: F401  (re-exported)
+from ..state_formats import MomentFormats
 
 HASH_BITS = 24
 
@@ -49,8 +50,10 @@ def crc(value: Any) -> int:
 
 # ====================================================================== construction
 def describe(params: Sequence[torch.nn.Parameter], param_groups: Sequence[Dict[str, Any]], options: Dict[str, Any],
-             bucket_cap_mb: float, comm: Any, buckets: Sequence[Any], device: torch.device) -> Dict[str, Any]:
-    """What every rank must have built identically, field by field (host values only)."""
+             bucket_cap_mb: float, comm: Any, buckets: Sequence[Any], device: torch.device,
+             formats: MomentFormats) -> Dict[str, Any]:
+    """What every rank must have built identically, field by field (host values only);
+    ``formats``: what the moments are stored as (``state_formats.py``)."""
     groups = []
     for g in param_groups:
         groups.append({k: ("tensor" if isinstance(v, Tensor) else v) for k, v in sorted(g.items()) if k != "params"})
@@ -63,6 +66,7 @@ def describe(params: Sequence[torch.nn.Parameter], param_groups: Sequence[Dict[s
         "param group sizes": [len(g["params"]) for g in param_groups],
         "param group hyperparameters": groups,
         "options": dict(options),
+        "moment formats (exp_avg_dtype, exp_avg_sq_dtype)": formats.names(),
         "bucket_cap_mb": bucket_cap_mb,
         "device mesh (replicate x shard)": comm.describe(),
         "buckets": [(b.numel, [s.index for s in b.slots]) for b in buckets],

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import config
 from . import reference
 from ..layout import SegmentTable
+from ..state_formats import native_moment
 from .launch_config import chunk_size, chunk_table, knobs, light_state, shard_chunks, store
 
 _ENV = "SHARDAMP_KERNELS"
@@ -27,7 +28,6 @@ _ENV = "SHARDAMP_KERNELS"
 # the reference. Checked here, before the call: an error raised inside an extension is not
 # always survivable (csrc/NOTES.md).
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 _native_cache: Dict[str, Any] = {}
 _warned = set()
 
@@ -299,13 +299,14 @@ class AdamLaunch:
 
     def native_state(self, grad_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether the compiled kernels take this shard's state: an fp32 master (or int16
-        remainders under a bf16 ``model_out``), fp32 or bf16 moments, fp32/bf16/fp16 grads
+        remainders under a bf16 ``model_out``), moments in a format they take (``StateFormat.native``:
+        fp32 or bf16), fp32/bf16/fp16 grads
         (``grad_dtype``, else ``grad``'s) and params. Anything else (fp64 state) takes the
         reference path: correct, not fused."""
         master, out = self.master, self.model_out
         state = (master.dtype == torch.float32 or (
             master.dtype == torch.int16 and out is not None and out.dtype == torch.bfloat16)) and (
-            self.exp_avg.dtype in _MOMENT_DTYPES and self.exp_avg_sq.dtype in _MOMENT_DTYPES)
+            native_moment(self.exp_avg.dtype) and native_moment(self.exp_avg_sq.dtype))
         grad_dtype = self.grad.dtype if grad_dtype is None else grad_dtype
         return state and grad_dtype in _NATIVE_DTYPES and (out is None or out.dtype in _NATIVE_DTYPES)
 

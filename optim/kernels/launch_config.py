@@ -10,7 +10,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor
 
-from .. import config
+from .. import config, state_formats
 from ..layout import SegmentTable
 
 # The tuning knobs as read at their first use: (SHARDAMP_CUDA_STEP's shape code, or 0;
@@ -59,12 +59,11 @@ def light_state(master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, grad_dtype:
     """The CUDA chunk size the step of this state kind was tuned for (bf16 moments or int16
     remainders; ``grad_dtype``: the grads', fp32 if not given), or 0 for fp32 master and moments
     (the kernels' own ``CUDA_CHUNK``). Truthy for exactly the lighter kinds."""
-    fp32_moments = exp_avg.dtype == exp_avg_sq.dtype == torch.float32
-    if exp_avg.dtype != exp_avg_sq.dtype:
+    if exp_avg.dtype != exp_avg_sq.dtype:  # two formats: the mixed kind
         return LIGHT_STATE_CUDA_CHUNK
     if master.dtype == torch.int16:
         return REMAINDERS_CUDA_CHUNK
-    if fp32_moments:
+    if state_formats.of_dtype(exp_avg.dtype) is state_formats.FP32:
         return 0
     fp32_grads = grad_dtype in (None, torch.float32)
     return BF16_MOMENTS_FP32_GRADS_CUDA_CHUNK if fp32_grads else BF16_MOMENTS_CUDA_CHUNK

@@ -12,8 +12,8 @@ Per bucket, on every rank:
     ``master`` IS this rank's slice of ``params``: no copy exists. With param remainders
     (bf16 model, fp32 master) it is int16: the low 16 bits of each fp32 master, whose high 16
     bits are this rank's slice of ``params`` (``reference.join_remainders``);
-  * ``exp_avg``, ``exp_avg_sq``: this rank's shard of the moments, each in its own dtype
-    (fp32 by default, bf16 on request).
+  * ``exp_avg``, ``exp_avg_sq``: this rank's shard of the moments, each in its own format
+    (``state_formats.py``: the state dtype by default, bf16 on request).
 The full-size grad buffer a bucket fills during backward is managed by ``grad_sync.py``.
 """
 from __future__ import annotations
@@ -29,6 +29,7 @@ from ..checks.misuse import ddp_error, find_ddp
 from .. import kernels
 from ..layout import Bucket, ParamSlot
 from ..kernels.reference import join_remainders, split_remainders
+from ..state_formats import Moment, MomentFormats, StateFormat
 
 
 def param_view(buffer: Tensor, slot: ParamSlot) -> Tensor:
@@ -53,6 +54,7 @@ class BucketBuffers:
     exp_avg: Tensor
     exp_avg_sq: Tensor
     shard: slice
+    formats: MomentFormats  # what exp_avg and exp_avg_sq are stored as (state_formats.py)
     grad_dtype: torch.dtype = torch.float32
     # called before a read allocates a released shard: the grad hook may be about to land this
     # bucket into a shard of its own (grad_sync.py's landing plan), so that plan is ended first
@@ -81,6 +83,10 @@ class BucketBuffers:
 
     def release_grad_shard(self) -> None:
         self.grad_store = None
+
+    def moments(self) -> List[Tuple[Moment, StateFormat, Tensor]]:
+        """This rank's shard of each moment with its format, in ``state_formats.MOMENTS``' order."""
+        return [(m, f, getattr(self, m.key)) for m, f in self.formats.items()]
 
     @property
     def shard_numel(self) -> int:
@@ -135,14 +141,13 @@ def allocate(
     state_dtype: torch.dtype,
     grad_sync_dtype: torch.dtype,
     param_sync_dtype: torch.dtype,
-    exp_avg_dtype: Optional[torch.dtype] = None,
-    exp_avg_sq_dtype: Optional[torch.dtype] = None,
+    formats: MomentFormats,
 ) -> BucketBuffers:
     """Allocate ``bucket``'s buffers and turn its params into views of the param buffer.
 
     ``params`` is indexed by ``ParamSlot.index``. The params' current values are copied in;
     the caller broadcasts the buffer so every rank starts from the same weights. The moments
-    default to ``state_dtype``. ``gathers_params`` (``Comm.gathers_params``): params are
+    are zeros in ``formats``. ``gathers_params`` (``Comm.gathers_params``): params are
     all-gathered after the step, so a ``param_sync_dtype`` other than the bucket's gets a buffer.
     """
     dev = bucket.device
@@ -162,9 +167,10 @@ def allocate(
         sync=sync,
         grad_store=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
         master=flat[shard] if _master_is_param(bucket.dtype, state_dtype, sync) else torch.empty(0),  # init_master
-        exp_avg=torch.zeros(n, dtype=exp_avg_dtype or state_dtype, device=dev),
-        exp_avg_sq=torch.zeros(n, dtype=exp_avg_sq_dtype or state_dtype, device=dev),
+        exp_avg=formats.exp_avg.zeros(n, dev),
+        exp_avg_sq=formats.exp_avg_sq.zeros(n, dev),
         shard=shard,
+        formats=formats,
         grad_dtype=grad_sync_dtype,
     )
 
@@ -174,16 +180,6 @@ def _master_is_param(param_dtype: torch.dtype, state_dtype: torch.dtype, sync: O
     written there: same dtype, and no lower-precision all-gather whose rounded values every
     rank (this one too) must see, so that all ranks hold the same model."""
     return state_dtype == param_dtype and sync is None
-
-
-def check_moment_dtypes(dtype: torch.dtype, *moments: Optional[torch.dtype]) -> Tuple[torch.dtype, ...]:
-    """The moments' dtypes, None resolved to the state dtype (the default layout)."""
-    out = []
-    for name, value in zip(("exp_avg_dtype", "exp_avg_sq_dtype"), moments):
-        if value is not None and value not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"{name}={value!r}: expected None (the state dtype), torch.float32 or torch.bfloat16")
-        out.append(value or dtype)
-    return tuple(out)
 
 
 def check_remainders(dtype: torch.dtype, param_sync_dtype: Optional[torch.dtype], params: List[torch.dtype]) -> None:
@@ -211,15 +207,14 @@ def uses_remainders(param_dtype: torch.dtype, state_dtype: torch.dtype, store_pa
 
 def allocate_all(buckets: Sequence[Bucket], params: Sequence[torch.nn.Parameter], comm: Any, dtype: torch.dtype,
                  grad_sync_dtype: Optional[torch.dtype], param_sync_dtype: Optional[torch.dtype],
-                 exp_avg_dtype: torch.dtype, exp_avg_sq_dtype: torch.dtype,
-                 store_param_remainders: bool) -> List[BucketBuffers]:
+                 formats: MomentFormats, store_param_remainders: bool) -> List[BucketBuffers]:
     """Every bucket's buffers (``allocate``), the params broadcast from the group's rank 0 (every
     rank starts from rank 0's weights, as DDP does: a collective over ``comm``), and the masters
     initialised from them."""
     out: List[BucketBuffers] = []
     for bucket in buckets:
         out.append(allocate(bucket, params, comm.gathers_params, dtype, grad_sync_dtype or bucket.dtype,
-                            param_sync_dtype or bucket.dtype, exp_avg_dtype, exp_avg_sq_dtype))
+                            param_sync_dtype or bucket.dtype, formats))
     for buf in out:
         comm.broadcast(buf.params)
     for buf in out:
@@ -338,7 +333,7 @@ def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict
     for buf in buffers:
         aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
         stats["master"] += 0 if aliased else nbytes(buf.master)
-        stats["moments"] += nbytes(buf.exp_avg) + nbytes(buf.exp_avg_sq)
+        stats["moments"] += sum(fmt.nbytes(t.numel()) for _, fmt, t in buf.moments())
         stats["grad_shards"] += nbytes(buf.grad_store)
         stats["param_sync"] += nbytes(buf.sync)
     stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)

@@ -1,7 +1,7 @@
 """What state-dict and checkpoint code may touch of a DistributedFusedAdam besides its public
 API (``param_groups``, ``param_sync()``, the option attributes such as ``dtype``): the layout,
-the buffers of this rank's shard, the step counts, the params, the device, the comm seam and
-what the last step clipped.
+the buffers of this rank's shard, the step counts, the params, the device, the comm seam, what
+the last step clipped and what the moments are stored as.
 
 ``opt.shard_view()`` returns it; nothing else of the optimizer's private state is read there.
 """
@@ -17,6 +17,7 @@ from .buffers import BucketBuffers
 from ..comm.collectives import Comm
 from ..hparams import HparamTable
 from ..layout import Bucket
+from ..state_formats import MomentFormats
 
 
 @dataclass(frozen=True)
@@ -30,3 +31,4 @@ class ShardView:
     hparams: HparamTable  # invalidate() after changing param_groups' values
     # what the last step clipped (the step cycle's; the ranks agree on it before a state read)
     last_clips: Callable[[], Any]
+    formats: MomentFormats  # what the moments are stored as (state_formats.py)
