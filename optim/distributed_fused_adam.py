@@ -24,7 +24,7 @@ from torch import Tensor
 from .checks import agreement
 from .step import torch_scaler, grad_stats
 from .step.cycle import StepCycle
-from . import config, kernels
+from . import kernels
 from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
@@ -258,14 +258,10 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         # the step's phase and every per-step counter (step/cycle.py)
         self._cycle = StepCycle(self._avg_factor, self._avg_tensor)
-        self._merged = config.settings().merged_calls  # one process: merged native calls (fused_step.py)
-        settings = config.settings()
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
-                                   check_landed=self._health.check_landed,
-                                   landing_flags=self._health.landing_flags if self._merged else None,
-                                   landing_rows=self._health.landing_rows if settings.zero_grad_plan else None,
-                                   hook_landings=settings.hook_landings)
+                                   check_landed=self._health.check_landed, landing_flags=self._health.landing_flags,
+                                   landing_rows=self._health.landing_rows)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
@@ -407,7 +403,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             shards = [b.grad_shard for b in self._buffers]
             reduce = self._reduce_grad_stats
-            if (self._merged and not self._comm.has_peers
+            if (not self._comm.has_peers
                     and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
                 reduce = None  # one process and no subclass reduction: nothing between assembly and finish
             reduced = grad_stats.reduce_step_stats(
@@ -530,7 +526,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                 self._param_sync.launch(i)
         else:  # nothing to gather (one shard rank): the scalars, records and every bucket's kernel in one call
             fused_step.step_launch(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
-                                   order, grads, hparams, self._records, merged=self._merged)
+                                   order, grads, hparams, self._records)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

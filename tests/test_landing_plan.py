@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import set_env
 from kernel_shards import DEVICES
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.sync import grad_stager
@@ -58,16 +57,10 @@ def _assert_same(model, ref) -> None:
 
 @native
 @devices
-@pytest.mark.parametrize("mode", ["zero-grad-plan", "first-grad-plan", "python-landings"])
-def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, device, monkeypatch):
-    """With hook landings, a backward after ``zero_grad`` sends Python one event, ``BEGAN``; a
-    second backward before the step (no zero_grad between) is decided by Python at its first grad
-    (``SLOW``) and arms a plan there, as every backward does with ``SHARDAMP_ZERO_GRAD_PLAN=0``.
-    Without hook landings (``SHARDAMP_HOOK_LANDINGS=0``) Python decides every first grad and
-    lands every complete bucket. All train as torch's AdamW."""
-    hook_landings = mode != "python-landings"
-    set_env(monkeypatch, "SHARDAMP_HOOK_LANDINGS", "1" if hook_landings else "0")
-    set_env(monkeypatch, "SHARDAMP_ZERO_GRAD_PLAN", "0" if mode == "first-grad-plan" else "1")
+def test_a_backward_after_zero_grad_tells_python_only_that_it_began(device, monkeypatch):
+    """A backward after ``zero_grad`` sends Python one event, ``BEGAN``; a second backward before
+    the step (no zero_grad between) is decided by Python at its first grad (``SLOW``) and arms a
+    plan there. Both train as torch's AdamW."""
     model, ref, opt, torch_opt = _pair(device)
     seen = _events(monkeypatch)
     per_backward = []
@@ -83,15 +76,8 @@ def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, device
         torch_opt.step()
     _assert_same(model, ref)
     buckets = len(opt._buckets)
-    if mode == "zero-grad-plan":
-        assert per_backward[0] == per_backward[1] == per_backward[2] == per_backward[4] == [BEGAN]
-        assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
-    elif mode == "first-grad-plan":  # the first grad only: every bucket then lands in the hook
-        assert per_backward[:3] + per_backward[4:] == [[SLOW]] * 4
-        assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
-    else:
-        for events in per_backward:
-            assert events[0] == SLOW and BEGAN not in events and events.count(COMPLETE) == buckets
+    assert per_backward[0] == per_backward[1] == per_backward[2] == per_backward[4] == [BEGAN]
+    assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
     # the second backward before the step adds to the landed shards: from Python, bucket by bucket
     assert per_backward[3].count(COMPLETE) == buckets
 

@@ -41,17 +41,15 @@ def stats_cat_finish(parts: Sequence[Tensor], end: int, norm_type: float,
 
 def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float], found_inf: Tensor,
                 steps: Tensor, touched: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch],
-                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords,
-                merged: bool = True) -> None:
+                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords) -> None:
     """``step_scalars(coef_out, *coef_parts, found_inf, steps, touched, health)`` and then
     ``launch_adam_all(launches, order, grads, hparams, touched, health["skip_out"],
-    prepare=prepare)``: in one native call where both take the compiled kernels (and
-    ``merged``: ``SHARDAMP_MERGED_CALLS``). Only where no all-gather runs between the buckets'
-    kernels (one shard rank). No host sync."""
+    prepare=prepare)``: in one native call where both take the compiled kernels. Only where no
+    all-gather runs between the buckets' kernels (one shard rank). No host sync."""
     base, scale, norm, max_norm = coef_parts
     ext = _native(coef_out.device)
     skip = health["skip_out"]
-    if (merged and ext is not None and hasattr(ext, "step_launch") and skip is not None and order
+    if (ext is not None and hasattr(ext, "step_launch") and skip is not None and order
             and health.get("counters") is not None and health.get("record") is not None
             and scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, health)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)

@@ -92,7 +92,7 @@ class BucketBuffers:
         return self.grad_store is None
 
     def adopt_grad_shard(self, shard: Tensor) -> None:
-        """A released shard allocated (and landed in) elsewhere: grad_stager's ``land_checked``."""
+        """A released shard allocated (and landed in) elsewhere: the grad hook's planned landing."""
         if self.grad_store is not None or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:
             raise RuntimeError("adopt_grad_shard: the shard is held already, or the new one does not fit")
         self.grad_store = shard

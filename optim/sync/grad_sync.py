@@ -22,12 +22,12 @@ consumed (``sync``). Only the shard, 1/shard_size of the bucket, crosses the rep
 Where nothing is reduced (``Comm.reduces_grads`` False: a single process) there is no separate
 full-size buffer: the bucket buffer IS the shard, and backward sums grads into it in place. It
 exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a staged
-grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There a complete
-bucket that is next to launch is allocated, landed and passed over for its flags and norm partial
-in one native call; with the native stager, inside its hook, under a landing plan, so such a
-bucket calls no Python at all. The plan is set at ``zero_grad`` for the whole next backward
-(``prearm``: its first grad only tells Python the backward began), or by Python inside a backward
-after any event that called it (``_arm_plan``).
+grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There, with the
+native stager, a complete bucket that is next to launch is allocated, landed and passed over for
+its flags and norm partial inside the grad hook, under a landing plan (merged_landings.py), so
+such a bucket calls no Python at all. The plan is set at ``zero_grad`` for the whole next
+backward (``prearm``: its first grad only tells Python the backward began), and by Python inside
+a backward after any event that called it (``_arm_plan``).
 """
 from __future__ import annotations
 
@@ -76,9 +76,8 @@ class GradSync:
         *,
         cycle: "StepCycle",
         check_landed: Callable[..., None],
-        landing_flags: Optional[Callable[[int], Tuple[Tensor, Tensor]]] = None,
-        landing_rows: Optional[Callable[[int], Tensor]] = None,
-        hook_landings: bool = True,
+        landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
+        landing_rows: Callable[[int], Tensor],
     ) -> None:
         self.comm = comm
         # the step cycle: told when a backward begins and a round is launched; read for the rounds
@@ -159,12 +158,11 @@ class GradSync:
         # would then wait on it (grad_stager.py)
         self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
         # one process, shards released at zero_grad, native stager: a complete bucket's allocation,
-        # landing and flags' pass in one call, from Python (``_land_complete``) or in the grad hook
-        # under a landing plan (``_arm_plan``, ``prearm``; adopted by ``_take_planned``).
-        # landing_flags / landing_rows: health.py's StepHealth methods (None: no merged landings /
-        # no plan set at zero_grad)
+        # landing and flags' pass in one call in the grad hook under a landing plan (``_arm_plan``,
+        # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
+        # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       hook_landings, device)
+                                       device)
         if self.landings.plans:  # a read allocating a released shard ends the plan first (the hook would land beside it)
             take = weakref.WeakMethod(self._take_planned)
             for s in self.states:
@@ -218,7 +216,7 @@ class GradSync:
 
     def _arm_plan(self) -> None:
         """Hand the native stager the landings it may run itself (one process, inside a
-        backward): each bucket from ``next_launch`` on that ``_land_complete`` would take now.
+        backward): each bucket from ``next_launch`` on whose shard is still fresh.
         When such a bucket completes in launch order the hook lands it without calling Python
         (a GIL round trip and this module's bookkeeping, tens of microseconds a bucket on a GPU
         host); the plan ends at the first event that does call Python."""
@@ -249,29 +247,14 @@ class GradSync:
             raise RuntimeError(f"DistributedFusedAdam: landing the grads of {error}")
 
     def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
-        if event == grad_stager.COMPLETE and self._land_complete(s):
-            return
         if event != grad_stager.NONE:
             self._flush(s)
         if event == grad_stager.COMPLETE and self.enabled and self.overlap and not self.defer_launches:
             self._launch_ready()
 
-    def _land_complete(self, s: BucketGrads) -> bool:
-        """One process, the steady state: bucket ``s`` is complete, next to launch and its shard
-        released since zero_grad. Allocate the shard, land its grads and run the flags' and
-        partial's pass in ONE native call, as ``_flush`` and ``_launch`` would in three and an
-        allocation (tens of microseconds of host time each on a GPU host). False: not this case
-        (or no native stager), nothing done."""
-        if (self.landings.land_checked is None or s.index != self.next_launch or not self.enabled
-                or not self.overlap or self.defer_launches or not fresh_shard(s)):
-            return False
-        self._adopt_landed(s, self.landings.land(s, not self.partials_started))
-        self._launch_ready()  # later buckets that completed before this one
-        return True
-
     def _adopt_landed(self, s: BucketGrads, full: Tensor) -> None:
-        """Bucket ``s`` was allocated, landed and checked as ``full`` by one merged call (its
-        flags and partial formed): it is launched, its shard is ``full``."""
+        """Bucket ``s`` was allocated, landed and checked as ``full`` by the grad hook under the
+        plan (its flags and partial formed): it is launched, its shard is ``full``."""
         s.buffers.adopt_grad_shard(full)
         s.full, s.dirty = full, False
         s.shard_valid = s.partial_valid = self.partials_started = True
