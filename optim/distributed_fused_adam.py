@@ -23,13 +23,13 @@ from torch import Tensor
 
 from .checks import agreement
 from .step import torch_scaler, grad_stats
-from .step.cycle import StepCycle
+from .step.cycle import Action, StepCycle
 from . import kernels
 from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
                              reattach_param)
-from .checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, check_launcher_env, ddp_error, find_ddp
+from .checks.misuse import CLIP_BEFORE_UNSCALE, check_launcher_env, ddp_error, find_ddp
 from .step.grad_stats import HEADER, GradStats, TouchedPatterns
 from .step.health import StepHealth, check_skip_above
 from .shards.view import ShardView
@@ -460,9 +460,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         """
         if not isinstance(inv_scale, Tensor) or inv_scale.numel() != 1:
             raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
+        self._cycle.require(Action.UNSCALE)
         r = self._current_round()
-        if r.inv_scale is not None:
-            raise RuntimeError("unscale_grads() has already been called since the last step()")
         inv = inv_scale.detach()
         if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
             inv = inv.reshape(()).to(device=self._device, dtype=torch.float32)
@@ -488,8 +487,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                 loss = closure()
         self._param_sync.wait()
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
-        if not self._cycle.grad_since_zero:
-            raise RuntimeError(NO_GRAD_AT_STEP)
+        self._cycle.require(Action.STEP)
         if grad_scaler is not None:
             self._health.note_scaler(grad_scaler)  # step_stats() reports its scale
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)

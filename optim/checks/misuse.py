@@ -61,6 +61,8 @@ def check_launcher_env() -> None:
         )
 
 
+UNSCALE_TWICE = "unscale_grads() has already been called since the last step()"
+
 NO_GRAD_AT_STEP = (
     "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on this rank since the "
     "last zero_grad(). Either backward() did not run, or the model's parameters were replaced "

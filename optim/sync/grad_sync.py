@@ -452,6 +452,39 @@ class GradSync:
     def step_done(self) -> None:
         self.refusal = ""  # the step that consumed the refused grads was flagged (backward_order.py)
 
+    # ---------------------------------------------------------------- launch order (backward_order.py)
+    def joined_group(self, group: "backward_order.GroupOrder", index: int) -> None:
+        """Registered over ``group`` as the ``index``-th optimizer built over it."""
+        self.order_group, self.build_index = group, index
+
+    def launches_in_backward(self) -> bool:
+        """This optimizer launches reduce-scatters during backward (not at ``grad_sync``/``step``)."""
+        return self.overlap and self.enabled
+
+    def defer_launches_to_end(self, defer: bool) -> None:
+        """This backward reaches another optimizer of the group too (``defer``): launch at its
+        end, in the group's order; else launch as buckets complete."""
+        self.defer_launches = defer
+
+    def hold_launches_to_step(self, refusal: str) -> None:
+        """Backward passes of two threads at once over the group: this backward launches nothing
+        (the step reduces, in program order) and the next step raises ``refusal``."""
+        self.refusal, self.hold_launches = refusal, True
+
+    def refuse_next_step(self, refusal: str) -> None:
+        """Another thread's backward met this one's round: the next step raises (the first
+        ``refusal`` kept)."""
+        self.refusal = self.refusal or refusal
+
+    def round_ended(self) -> None:
+        """The group's round of this backward ends: this optimizer's end of backward, in the
+        group's order; later rounds launch again."""
+        self.defer_launches = False
+        try:
+            self.end_of_backward()
+        finally:
+            self.hold_launches = False  # a refused round's buckets wait for the step
+
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
