@@ -109,14 +109,15 @@ def test_no_sync_after_zero_grad_undoes_the_plan(device, monkeypatch):
 @devices
 def test_a_shard_read_inside_backward_ends_the_plan_first(device):
     """A hook reads a released shard in the middle of a backward whose plan was set at zero_grad
-    (a bucket not landed yet: reading it allocates zeros): the plan ends first, the bucket lands
-    into the shard that was read (its reader sees the grads), and training equals torch's."""
+    (a bucket not landed yet: reading it allocates zeros), through GradSync (``shard``): the plan
+    ends first, the bucket lands into the shard that was read (its reader sees the grads), and
+    training equals torch's."""
     model, ref, opt, torch_opt = _pair(device)
     last = len(opt._buckets) - 1  # the first layers' bucket: launched last, released until then
     held = []
 
     def read_shard(grad: torch.Tensor) -> torch.Tensor:
-        held.append(opt._buffers[last].grad_shard)
+        held.append(opt._grad_sync.shard(last))
         return grad
 
     for step in range(3):
@@ -132,3 +133,15 @@ def test_a_shard_read_inside_backward_ends_the_plan_first(device):
         opt.step()
         torch_opt.step()
     _assert_same(model, ref)
+
+
+@native
+def test_a_shard_read_around_grad_sync_during_the_plan_raises():
+    """A released shard read directly (not through GradSync) after ``zero_grad`` set the plan: the
+    hook lands that bucket into a shard of its own, and adopting it raises, naming the fix,
+    instead of training on the zeros that were read."""
+    model, _, opt, _ = _pair("cpu")
+    opt.zero_grad()
+    opt._buffers[0].grad_shard  # allocates zeros beside the plan
+    with pytest.raises(RuntimeError, match="read it through GradSync.shard"):
+        model(_x(0)).square().mean().backward()

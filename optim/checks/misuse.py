@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 
 def find_ddp(params: Iterable[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
@@ -46,6 +47,21 @@ def ddp_error(ddp: torch.nn.Module) -> RuntimeError:
         "(Lightning: strategy=ShardampStrategy(); accelerate: ShardampAccelerator; transformers: "
         "ShardampTrainer), which keep the model unwrapped."
     )
+
+
+def check_setup(param_groups: Sequence[Dict[str, Any]], explicit_group: bool) -> None:
+    """At construction: raise for a launcher's processes without a process group
+    (:func:`check_launcher_env`, where no group or mesh was given) and for a model wrapped in DDP.
+
+    Raises:
+        RuntimeError: naming the misuse and the fix."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if not explicit_group and not initialized:
+        check_launcher_env()
+    if initialized:
+        ddp = find_ddp(p for group in param_groups for p in group["params"])
+        if ddp is not None:
+            raise ddp_error(ddp)
 
 
 def check_launcher_env() -> None:

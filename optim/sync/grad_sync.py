@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -147,7 +146,7 @@ class GradSync:
                 else:
                     s.full = s.buffers.grad_shard  # the shard is the whole bucket
             elif keep_buffers:
-                s.full = self._new_full(s)
+                s.full = s.new_full()
         self.reductions = Reductions(comm, side, self.partials)
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
@@ -163,10 +162,6 @@ class GradSync:
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
                                        device)
-        if self.landings.plans:  # a read allocating a released shard ends the plan first (the hook would land beside it)
-            take = weakref.WeakMethod(self._take_planned)
-            for s in self.states:
-                s.buffers.before_allocate = lambda take=take: _call_alive(take)
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -280,59 +275,18 @@ class GradSync:
 
     def _writable_full(self, s: BucketGrads) -> Tensor:
         """Bucket ``s``'s full-size buffer, allocated (zeros) or zeroed if stale."""
-        full = s.full
-        if full is None:
-            if self.in_place:
-                full = s.full = s.buffers.grad_shard  # allocated as zeros if released
-            else:
-                full = s.full = self._new_full(s)
-        elif s.dirty:
-            full.zero_()
-        s.dirty = False
-        return full
+        return s.writable_full(self.in_place)
 
     def _flush(self, s: BucketGrads) -> None:
-        """Copy (or add) bucket ``s``'s staged grads into its buffer (``kernels.land_grads``)."""
-        stager = self.stager
-        if not stager.staged_count(s.index):
-            return
-        s.partial_valid = False
-        # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
-        acc_all = self.in_place and s.shard_valid
-        if not acc_all and not s.in_buffer:  # the common case: all copies, the first into this buffer
-            self._land_first(s)
-            return
-        full = self._writable_full(s)
-        indices, grads = stager.take(s.index)
-        for accumulate in (False, True):  # first grads are copied, later ones added
-            pick = [(k, g) for k, g in zip(indices, grads) if (acc_all or k in s.in_buffer) == accumulate]
-            if pick:
-                _land_grads(full, self._entries([k for k, _ in pick]), [g for _, g in pick], accumulate)
-        s.in_buffer.update(indices)
+        """Land bucket ``s``'s staged grads in its buffer (grad_state.py's ``BucketGrads.flush``)."""
+        s.flush(self.stager, self.in_place, self.by_stager_index)
 
-    def _land_first(self, s: BucketGrads) -> None:
-        """Bucket ``s``'s staged grads copied into a buffer that holds none of this round's: one
-        allocated uninitialized (or holding stale values) has the rest zeroed in the same pass
-        (``land_grads``' ``zero_rest``: no zero fill launch of its own)."""
-        fresh = False
-        if s.full is None:
-            if self.in_place:
-                s.full, fresh = s.buffers.landing_shard()
-            else:
-                s.full, fresh = self._new_full(s, zeroed=False), True
-        stale, s.dirty = fresh or s.dirty, False
-        try:
-            s.in_buffer.update(self.stager.land(s.index, s.full, stale))
-        except BaseException:
-            if fresh and self.in_place:  # released again: read as zeros, as before this landing
-                s.buffers.release_grad_shard()
-                s.full = None
-            elif stale:  # zeroed before its next write
-                s.dirty = True
-            raise
-
-    def _entries(self, stager_indices: List[int]) -> List[ParamGrad]:
-        return [self.by_stager_index[k] for k in stager_indices]
+    def shard(self, index: int) -> Tensor:
+        """Bucket ``index``'s grad shard as landed so far, also inside a backward: what the grad
+        hook landed under its plan is adopted first (reading the released shard directly would
+        allocate zeros beside the hook's landing)."""
+        self._take_planned()
+        return self.states[index].buffers.grad_shard
 
     @property
     def local_touched(self) -> bytes:
@@ -351,12 +305,6 @@ class GradSync:
         self._take_planned()
         for s in self.states:
             self._flush(s)
-
-    def _new_full(self, s: BucketGrads, zeroed: bool = True) -> Tensor:
-        """A full-size buffer for bucket ``s``: zeros, or uninitialized for a landing that zeroes
-        what it does not write."""
-        make = torch.zeros if zeroed else torch.empty
-        return make(s.bucket.numel, dtype=s.buffers.grad_dtype, device=s.bucket.device)
 
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
@@ -541,14 +489,3 @@ class GradSync:
         stager = getattr(self, "stager", None)
         if stager is not None:  # inside a backward its hooks may be iterated: only disarm them
             stager.remove(not _compat.in_backward())
-
-
-def _call_alive(method: "weakref.WeakMethod") -> None:
-    fn = method()
-    if fn is not None:
-        fn()
-
-
-def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:
-    """Copy (or add) ``grads`` into ``params``' views of the flat bucket buffer ``full``."""
-    kernels.land_grads(full, grads, [p.param for p in params], [p.offset for p in params], accumulate=accumulate)

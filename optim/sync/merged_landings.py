@@ -22,7 +22,7 @@ hook hands to Python, a bucket completing out of launch order) lands the separat
 (grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and with the Python hooks."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
 from torch import Tensor
