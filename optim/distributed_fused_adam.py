@@ -12,7 +12,6 @@ step/grad_stats.py; ranks that disagree: checks/; norms: norms.py; the step's ma
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -27,7 +26,7 @@ from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_moment_dtypes, check_remainders, check_views,
                              reattach_param)
-from .checks.misuse import CLIP_BEFORE_UNSCALE, check_setup
+from .checks.misuse import check_setup
 from .step.grad_stats import HEADER, GradStats, TouchedPatterns
 from .step.health import StepHealth, check_skip_above
 from .shards.view import ShardView
@@ -407,7 +406,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         """
         if not isinstance(inv_scale, Tensor) or inv_scale.numel() != 1:
             raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
-        self._cycle.require(Action.UNSCALE)
+        self._cycle.require(Action.UNSCALE)  # also warns once of a clip made before it (while scaled)
         r = self._current_round()
         inv = inv_scale.detach()
         if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
@@ -417,8 +416,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         # params: such a step is skipped as any non-finite step is
         # (three launches: found + 0 * log(inv) is NaN unless 0 < inv < inf, and NaN != 0)
         stats.found_inf.add_(inv.log(), alpha=0.0).ne_(0.0)
-        if r.clips and self._cycle.warn_once("clip before unscale"):
-            warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=3)
         self._cycle.unscaled(inv)  # norms handed out before unscaling become the true norms
         return stats.found_inf.to(inv_scale.device)
 

@@ -328,3 +328,25 @@ def test_grad_sync_alone_sets_its_launch_flags() -> None:
                             isinstance(t.value, ast.Name) and t.value.id == "self"):
                         writes.append((path.relative_to(ROOT).as_posix(), ast.unparse(t)))
     assert not writes, writes
+
+
+def test_the_gate_warns_once_of_a_clip_before_the_unscale() -> None:
+    """A clip made while the loss was scaled, then the unscale: warned once, at the user's call
+    of the scaler's ``unscale_`` (the gate's stacklevel), not again at the next step."""
+    import warnings
+
+    model, _, opt, _ = _pair()
+    scaler = ShardedGradScaler("cpu", init_scale=8.0)
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(_loss(model, torch.randn(4, 6))).backward()
+        opt.clip_grad_norm(8.0)  # before unscale_: compared with the scaled norm
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.unscale_(opt)
+        found = [w for w in caught if "before unscaling" in str(w.message)]
+        assert len(found) == (1 if step == 0 else 0), [str(w.message) for w in caught]
+        if found:
+            assert found[0].filename == __file__
+        scaler.step(opt)
+        scaler.update()

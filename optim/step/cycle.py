@@ -21,18 +21,20 @@ are still readable, else ``IDLE``.
 
 The phase decides what may happen next, in one table (``_GATES``), as FSDP2's ``TrainingState``
 gates its hooks: the optimizer asks :meth:`StepCycle.require` before a step or an unscale, and an
-action out of order is refused there with the error users get. A step also needs grads: a grad
+action out of order is refused there with the error users get (a clip made before the unscale,
+while the loss was scaled, is warned of there, once). A step also needs grads: a grad
 since the last ``zero_grad(set_to_none=True)``, a fact beside the phase (``zero_grad(set_to_none=
 False)`` keeps the grads as zeros whatever the phase says about the last step's norms).
 """
 from __future__ import annotations
 
 import enum
+import warnings
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
 
-from ..checks.misuse import NO_GRAD_AT_STEP, UNSCALE_TWICE
+from ..checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, UNSCALE_TWICE
 from .step_round import StepRound
 
 
@@ -126,7 +128,8 @@ class StepCycle:
         return None
 
     def require(self, action: Action) -> None:
-        """The gate: raise unless the phase allows ``action`` now (``_GATES``).
+        """The gate: raise unless the phase allows ``action`` now (``_GATES``); an unscale after
+        a clip of this round warns once (the clip's max_norm was compared with the scaled norm).
 
         Raises:
             RuntimeError: ``step`` with no grad since the last ``zero_grad`` on this rank (the
@@ -136,6 +139,10 @@ class StepCycle:
         phases, needs_grads, refusal = _GATES[action]
         if self._phase not in phases or (needs_grads and not self._grad_since_zero):
             raise RuntimeError(refusal)
+        if (action is Action.UNSCALE and self._round is not None and self._round.clips
+                and self.warn_once("clip before unscale")):
+            # stacklevel: this gate, unscale_grads, the scaler's unscale_ or step, the caller
+            warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=4)
 
     @property
     def inv_scale(self) -> Optional[Tensor]:

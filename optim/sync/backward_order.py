@@ -167,9 +167,8 @@ def register(sync: Any) -> None:
     with group.lock:
         group.live()
         group.syncs.append(weakref.ref(sync))
-        index = group.built
+        sync.joined_group(group, group.built)
         group.built += 1
-    sync.joined_group(group, index)
 
 
 def begin(sync: Any) -> None:
