@@ -45,12 +45,6 @@ VARIANTS: Dict[str, Dict[str, Any]] = {
     "python-hooks": {"settings": {"python_grad_hooks": True}},
     "no-overlap": {"opt": {"overlap_grad_sync": False}},  # grads land at the step, not in backward
     "one-bucket": {"opt": {"bucket_cap_mb": 4096.0}},
-    # one process: the step's and each landed bucket's native calls made separately, not merged
-    "separate-calls": {"settings": {"merged_calls": False}},
-    # one process: each complete bucket landed from a Python call, not inside the native grad hook
-    "python-landings": {"settings": {"hook_landings": False}},
-    # one process: the landing plan armed at each backward's first grad (a Python call), not at zero_grad
-    "first-grad-plan": {"settings": {"zero_grad_plan": False}},
 }
 
 

@@ -11,7 +11,7 @@ millisecond, so an iteration is the host's time) and each AMP loop asked for:
    iteration, timed by wrapping them for one more run (the wrappers cost ~1 us a call: the
    numbers attribute the time, the rounds above measure it).
 
-``--variant NAME`` (one of host_iteration.VARIANTS, e.g. ``first-grad-plan``) adds that shardamp
+``--variant NAME`` (one of host_iteration.VARIANTS, e.g. ``python-hooks``) adds that shardamp
 variant as a third side of the same rounds, with its difference from the default per phase.
 
 Run: ``python benchmarks/host_phases.py --device cuda`` (``--loops "plain step"``, ``--iters``,
@@ -40,8 +40,10 @@ from host_models import build_model, model_specs  # noqa: E402
 # shardamp's functions timed in part 2: (module path, owner or None for a module function, name)
 TIMED = [
     ("shardamp.optim.sync.grad_sync", "GradSync", n)
-    for n in ("on_event", "_begin", "on_grad", "_flush", "_land_first", "_land_complete", "_arm_plan", "prearm",
+    for n in ("on_event", "_begin", "on_grad", "_flush", "_arm_plan", "prearm",
               "_take_planned", "_launch", "end_of_backward", "zero", "flush_all", "sync")
+] + [
+    ("shardamp.optim.sync.grad_state", "BucketGrads", "land_first"),
 ] + [
     ("shardamp.optim.distributed_fused_adam", "DistributedFusedAdam", n) for n in ("zero_grad", "_ensure_stats", "step")
 ] + [

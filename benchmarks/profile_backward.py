@@ -78,8 +78,6 @@ def main() -> None:
         grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
         grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
         grad_sync.GradSync._writable_full = timed("  of which buffer alloc/zero", grad_sync.GradSync._writable_full)
-        grad_sync.GradSync._land_complete = timed("  of which merged landings from Python (one process)",
-                                                  grad_sync.GradSync._land_complete)
         grad_sync.GradSync._arm_plan = timed("  of which the landing plan handed to the hook (one process)",
                                              grad_sync.GradSync._arm_plan)
         reductions.Reductions._land_on_side_stream = timed("  of which side stream + stats",

@@ -479,7 +479,7 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
 
 }  // namespace
 
-// grad_stager.cpp's land_checked: bucket_stats with the binding's own checks.
+// stager_state.cpp's planned landing: bucket_stats with the binding's own checks.
 void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out,
                           bool assign) {
   bucket_stats(full, rows, flags, out, assign);

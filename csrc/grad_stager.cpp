@@ -136,23 +136,9 @@ class GradStager {
     return state_->land(b, full, zero_rest);
   }
 
-  // One process, a complete bucket whose shard was released: the shard allocated uninitialized
-  // like `like` (land's zero_rest fills what no grad writes), the bucket's grads landed in it,
-  // and its per-param non-finite flags and L2 partial formed (bucket_stats into `flags` and
-  // `partial`, assigned or added): one call from Python instead of an allocation and two calls.
-  std::pair<at::Tensor, std::vector<int64_t>> land_checked(int64_t b, int64_t numel, const at::Tensor& like,
-                                                           const at::Tensor& rows, at::Tensor flags,
-                                                           at::Tensor partial, bool assign) {
-    check_bucket(b);
-    SHARDAMP_CHECK(numel >= 0, "GradStager.land_checked: numel must be >= 0");
-    at::Tensor full = at::empty({numel}, like.options());
-    std::vector<int64_t> landed = state_->land_checked_into(b, full, rows, flags, partial, assign);
-    return {full, std::move(landed)};
-  }
-
   // The landing plan (see StagerState): from bucket `next` on, each bucket named in `entries`
-  // ((bucket, numel, like, rows, flags, partial), as land_checked takes them) is landed by the
-  // hook itself once it is complete and the next to launch; `assign`: the first such landing
+  // ((bucket, numel, like, rows, flags, partial): its shard's size, a dtype template, its flag
+  // rows, the round's flags and the shared partial row) is landed by the hook itself once it is complete and the next to launch; `assign`: the first such landing
   // replaces the shared partial row's values.
   void set_plan(int64_t next, bool assign, const std::vector<py::tuple>& entries) {
     auto plan = plan_entries(entries, true, "GradStager.set_plan");
@@ -298,8 +284,6 @@ void register_grad_stager(py::module& m) {
       .def("stage", &GradStager::stage, py::arg("index"))
       .def("take", &GradStager::take, py::arg("bucket"))
       .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"), py::arg("zero_rest") = false)
-      .def("land_checked", &GradStager::land_checked, py::arg("bucket"), py::arg("numel"), py::arg("like"),
-           py::arg("rows"), py::arg("flags"), py::arg("partial"), py::arg("assign"))
       .def("set_plan", &GradStager::set_plan, py::arg("next"), py::arg("assign"), py::arg("entries"))
       .def("finish_plan", &GradStager::finish_plan)
       .def("set_standing", &GradStager::set_standing, py::arg("entries"))

@@ -76,7 +76,7 @@ struct StagerState {
   void land_planned(int64_t b);
 
   // land() into `full` (allocated uninitialized: zero_rest) and the flags' and partial's pass
-  // over it: the merged landing, from Python (GradStager.land_checked) or the hook (land_planned)
+  // over it: the hook's merged landing under the plan (land_planned)
   std::vector<int64_t> land_checked_into(int64_t b, at::Tensor& full, const at::Tensor& rows, at::Tensor flags,
                                          at::Tensor partial, bool assign);
 

@@ -35,22 +35,10 @@ The variables (``python -m shardamp.report`` prints the ones in force):
 ``SHARDAMP_COLLECTIVE_WATCHDOG``          ``1`` (default: watch CUDA collectives from a
                                           thread), ``0`` (off), ``force`` (also on gloo)
 ``SHARDAMP_PYTHON_GRAD_HOOKS``            ``1``: land grads through Python hooks instead of the
-                                          native ones (slower; for debugging)
+                                          native ones (slower; the path compiled autograd
+                                          traces, and for debugging)
 ``SHARDAMP_ASYNC_GRAD_RELEASE``           ``0``: free landed CUDA grads inline instead of on the
                                           release thread (default ``1``)
-``SHARDAMP_MERGED_CALLS``                 ``0``: at one process, make the step's and each landed
-                                          bucket's native calls separately instead of merged
-                                          (same results; for A/B timing and debugging; default
-                                          ``1``)
-``SHARDAMP_HOOK_LANDINGS``                ``0``: at one process, land each complete bucket from a
-                                          Python call instead of inside the native grad hook
-                                          (same results; for A/B timing and debugging; default
-                                          ``1``; merged calls only)
-``SHARDAMP_ZERO_GRAD_PLAN``               ``0``: at one process, arm the native hook's landing
-                                          plan at each backward's first grad, from Python,
-                                          instead of at ``zero_grad`` (same results; for A/B
-                                          timing and debugging; default ``1``; hook landings
-                                          only)
 ========================================  =====================================================
 """
 from __future__ import annotations
@@ -86,17 +74,9 @@ class Settings:
         collective_timeout: seconds before a collective the peers never join raises; None: the
             process group's timeout applies.
         collective_watchdog: ``"on"``, ``"off"`` or ``"force"``.
-        python_grad_hooks: land grads through Python hooks even where native ones exist.
+        python_grad_hooks: land grads through Python hooks even where native ones exist (the
+            path compiled autograd traces: the native hooks are opaque to it).
         async_grad_release: free landed CUDA grads on the release thread (else inline).
-        merged_calls: at one process, merge the native calls that have nothing between them
-            (optim/kernels/fused_step.py, grad_stager's ``land_checked``); read when an
-            optimizer is built.
-        hook_landings: at one process, the native grad hook lands a complete bucket itself,
-            calling no Python (grad_sync.py's landing plan; with ``merged_calls`` only); read
-            when an optimizer is built.
-        zero_grad_plan: at one process, ``zero_grad`` sets the next backward's landing plan,
-            whose first grad then only tells Python that the backward began (``GradSync.prearm``;
-            with ``hook_landings`` only); read when an optimizer is built.
     """
 
     kernels: str = "auto"
@@ -111,9 +91,6 @@ class Settings:
     collective_watchdog: str = "on"
     python_grad_hooks: bool = False
     async_grad_release: bool = True
-    merged_calls: bool = True
-    hook_landings: bool = True
-    zero_grad_plan: bool = True
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -197,9 +174,6 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_COLLECTIVE_WATCHDOG": ("collective_watchdog", _watchdog),
     "SHARDAMP_PYTHON_GRAD_HOOKS": ("python_grad_hooks", lambda n, v: _flag(n, v, False)),
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
-    "SHARDAMP_MERGED_CALLS": ("merged_calls", lambda n, v: _flag(n, v, True)),
-    "SHARDAMP_HOOK_LANDINGS": ("hook_landings", lambda n, v: _flag(n, v, True)),
-    "SHARDAMP_ZERO_GRAD_PLAN": ("zero_grad_plan", lambda n, v: _flag(n, v, True)),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

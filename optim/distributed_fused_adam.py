@@ -2,34 +2,31 @@
 
 This file is the optimizer's constructor and its step protocol's entry points; a third of it is
 the class's documentation (every constructor argument, the extension points), which the API
-reference is built from. Its reading methods are in reads.py.
+reference is built from. Its reading methods are in reads.py, its communication methods in
+sync/optimizer_sync.py.
 
-The step's phase and counters: step/cycle.py (one step's norms, scale and clips: step/step_round.py);
-slices: layout.py; buffers: shards/buffers.py; collectives: comm/, used by sync/grad_sync.py and
-sync/param_sync.py; the one all-reduce: step/grad_stats.py; ranks that disagree: checks/; norms:
-norms.py; the step's math: kernels/ (reference.py and csrc).
+The step's phase: step/cycle.py (one step's values: step/step_round.py); slices: layout.py; buffers:
+shards/; backward and the all-gather: sync/; collectives: comm/; the one all-reduce:
+step/grad_stats.py; ranks that disagree: checks/; norms: norms.py; the step's math: kernels/.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
-import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from .checks import agreement
 from .step import torch_scaler, grad_stats
-from .step.cycle import StepCycle
-from . import config, kernels
+from .step.cycle import Action, StepCycle
+from . import kernels
 from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_remainders, check_views,
                              reattach_param)
-from .checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, check_launcher_env, ddp_error, find_ddp
+from .checks.misuse import check_setup
 from .step.grad_stats import HEADER, GradStats, TouchedPatterns
 from .step.health import StepHealth, check_skip_above
 from .shards.view import ShardView
@@ -40,26 +37,14 @@ from .hparams import (NO_COPY, NO_KEY, HparamTable, check_hparams, check_new_gro
                       check_options, clip_invalid, plain_key, tensor_lrs)
 from .layout import Bucket, build_layout, forward_order, grouped_params, params_device
 from .sync.param_sync import ParamSync
-from .sync.stale_read_guard import StaleReadGuard
+from .sync.optimizer_sync import OptimizerSync
 from . import torch_tools
 from .grads_view import GradSource, GradsView
 from .reads import OptimizerReads
 from .state_formats import resolve_moments
 
-def _live_reads(ref: "weakref.ReferenceType[DistributedFusedAdam]") -> Tuple[Callable[[], Any], Callable[[], Any]]:
-    """The param groups and the options the ranks compare every step, read as they are then
-    (a weak reference: the view the checks hold never keeps the optimizer alive)."""
-    def param_groups() -> List[Dict[str, Any]]:
-        opt = ref()
-        return [] if opt is None else opt.param_groups
 
-    def options() -> Tuple[Any, Any, Any]:
-        opt = ref()
-        return (None, None, None) if opt is None else (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)
-    return param_groups, options
-
-
-class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
+class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer):
     """ZeRO-2 sharded Adam/AdamW with fused, scaler-aware unscale, clip and step.
 
     Every rank keeps the fp32 master params, ``exp_avg`` and ``exp_avg_sq`` of one contiguous
@@ -203,22 +188,12 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
-        self.adam_w_mode = adam_w_mode
-        self.bias_correction = bias_correction
-        self.max_grad_norm = max_grad_norm
-        self.average_grad_sync = average_grad_sync
-        self.dtype = dtype
-        self.capturable = capturable
-        self.overlap_grad_sync = overlap_grad_sync
-        self.overlap_param_sync = overlap_param_sync
+        self.adam_w_mode, self.bias_correction, self.max_grad_norm = adam_w_mode, bias_correction, max_grad_norm
+        self.average_grad_sync, self.dtype, self.capturable = average_grad_sync, dtype, capturable
+        self.overlap_grad_sync, self.overlap_param_sync = overlap_grad_sync, overlap_param_sync
         self.bucket_cap_mb = float(bucket_cap_mb)
 
-        if process_group is None and device_mesh is None and not (dist.is_available() and dist.is_initialized()):
-            check_launcher_env()
-        if dist.is_available() and dist.is_initialized():
-            ddp = find_ddp(p for group in self.param_groups for p in group["params"])
-            if ddp is not None:
-                raise ddp_error(ddp)
+        check_setup(self.param_groups, explicit_group=process_group is not None or device_mesh is not None)
         indexed = grouped_params(self.param_groups)  # (param, group index), in param_groups order
         self._params: List[torch.nn.Parameter] = [p for p, _ in indexed]
         for p in self._params:
@@ -229,10 +204,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
         self.device_mesh = device_mesh
         self.world_size, self.rank = self._comm.world_size, self._comm.rank
-        self.grad_sync_dtype = grad_sync_dtype
-        self.param_sync_dtype = param_sync_dtype
-        self.exp_avg_dtype = exp_avg_dtype
-        self.exp_avg_sq_dtype = exp_avg_sq_dtype
+        self.grad_sync_dtype, self.param_sync_dtype = grad_sync_dtype, param_sync_dtype
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
         if store_param_remainders:
             check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
         self.store_param_remainders = store_param_remainders
@@ -261,14 +234,10 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         # the step's phase and every per-step counter (step/cycle.py)
         self._cycle = StepCycle(self._avg_factor, self._avg_tensor)
-        self._merged = config.settings().merged_calls  # one process: merged native calls (fused_step.py)
-        settings = config.settings()
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
-                                   check_landed=self._health.check_landed,
-                                   landing_flags=self._health.landing_flags if self._merged else None,
-                                   landing_rows=self._health.landing_rows if settings.zero_grad_plan else None,
-                                   hook_landings=settings.hook_landings)
+                                   check_landed=self._health.check_landed, landing_flags=self._health.landing_flags,
+                                   landing_rows=self._health.landing_rows)
         self._param_sync = ParamSync(
             self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
@@ -279,12 +248,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                                      self._comm, self._hparam_table, self._cycle.clips_of_last_step, self._formats)
         self._coef = torch.empty((), dtype=torch.float32, device=self._device)  # the step's grad coefficient
         # what the per-step agreement reads (checks/agreement.py): nothing it may write
-        groups_now, options_now = _live_reads(weakref.ref(self))
-        self._step_view = agreement.StepView(
-            comm=self._comm, param_groups=groups_now, options=options_now, cycle=self._cycle,
-            local_touched=functools.partial(getattr, self._grad_sync, "local_touched"),
-            fingerprint=agreement.StepFingerprint(self.world_size, self._device),
-            patterns=TouchedPatterns(self._device))
+        self._step_view = agreement.step_view(weakref.ref(self), self._comm, self._cycle, self._device, TouchedPatterns(
+            self._device), local_touched=functools.partial(getattr, self._grad_sync, "local_touched"))
         self._deferred = DeferredChecks(self._device, self._cycle, self._health)
         # reading the grads as torch would hold them (grads_view.py): what it needs, held here
         self._grad_source = GradSource(self._params, self._buckets, self._buffers, self._comm, self._device,
@@ -343,30 +308,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
     def _avg_factor(self) -> float:
         return 1.0 / self.world_size if self.average_grad_sync else 1.0
 
-    # ------------------------------------------------------------------ communication
-    def grad_sync(self) -> None:
-        """Finish reducing the grads: launch the buckets not yet launched, wait for all."""
-        self._grad_sync.sync()
-
-    def param_sync(self) -> None:
-        """Wait for the params' all-gather (only ever pending with ``overlap_param_sync``)."""
-        self._param_sync.wait()
-
-    def attach(self, model: torch.nn.Module) -> StaleReadGuard:
-        """With ``overlap_param_sync``: make every param read during ``model``'s forward current,
-        also where no module hook sees it (the root's forward body reading a child's weight, a
-        helper, a borrowed weight), and land all in-flight all-gathers when the forward returns.
-        Returns a handle whose ``remove()`` detaches. Without ``overlap_param_sync`` nothing is
-        ever in flight after ``step`` and this changes nothing."""
-        return StaleReadGuard(self._param_sync, model)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """As DDP's ``no_sync``: backward inside accumulates grads locally; the first backward
-        outside reduces everything accumulated."""
-        with self._grad_sync.no_sync():
-            yield
-
+    # ------------------------------------------------------------------ communication: sync/optimizer_sync.py
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
         updates (weight decay, momentum) every param that had a grad, as torch does."""
@@ -410,7 +352,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
             shards = [b.grad_shard for b in self._buffers]
             reduce = self._reduce_grad_stats
-            if (self._merged and not self._comm.has_peers
+            if (not self._comm.has_peers
                     and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
                 reduce = None  # one process and no subclass reduction: nothing between assembly and finish
             reduced = grad_stats.reduce_step_stats(
@@ -469,9 +411,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         if not isinstance(inv_scale, Tensor) or inv_scale.numel() != 1:
             raise ValueError("inv_scale: expected a one-element tensor (1 / scale)")
         self._cycle.reuse_stepped()  # a second step's unscale: of the grads that step left, as torch
+        self._cycle.require(Action.UNSCALE)  # also warns once of a clip made before it (while scaled)
         r = self._current_round()
-        if r.inv_scale is not None:
-            raise RuntimeError("unscale_grads() has already been called since the last step()")
         inv = inv_scale.detach()
         if inv.dim() != 0 or inv.device != self._device or inv.dtype != torch.float32:
             inv = inv.reshape(()).to(device=self._device, dtype=torch.float32)
@@ -480,8 +421,6 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         # params: such a step is skipped as any non-finite step is
         # (three launches: found + 0 * log(inv) is NaN unless 0 < inv < inf, and NaN != 0)
         stats.found_inf.add_(inv.log(), alpha=0.0).ne_(0.0)
-        if r.clips_following_scale and self._cycle.warn_once("clip before unscale"):
-            warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=3)
         self._cycle.unscaled(inv)  # norms handed out before unscaling become the true norms
         return stats.found_inf.to(inv_scale.device)
 
@@ -497,8 +436,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                 loss = closure()
         self._param_sync.wait()
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
-        if not self._cycle.grad_since_zero:
-            raise RuntimeError(NO_GRAD_AT_STEP)
+        self._cycle.require(Action.STEP)
         self._cycle.reuse_stepped()  # a second step without backward steps on what the first left, as torch
         if grad_scaler is not None:
             self._health.note_scaler(grad_scaler)  # step_stats() reports its scale
@@ -526,17 +464,11 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             # built at the first step (the state buffers persist), again after load_state_dict changed an option
             launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
                                                       coef, self.adam_w_mode, self.bias_correction)
-        order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
-        if self._param_sync.gathers:  # the first layers' params land first, each all-gather overlapping
-            kernels.step_scalars(coef, *r.coef_parts(), found_inf, self._steps, stats.touched, step_args)
-            skip = health.skip  # what the step kernels skip on
-            records = self._records.compute(hparams, self._steps, stats.touched, coef, skip, self.bias_correction)
-            for i in order:  # the next bucket's step kernel
-                kernels.launch_adam_all(launches, (i,), grads, hparams, stats.touched, skip, records)
-                self._param_sync.launch(i)
-        else:  # nothing to gather (one shard rank): the scalars, records and every bucket's kernel in one call
-            fused_step.step_launch(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
-                                   order, grads, hparams, self._records, merged=self._merged)
+        # the first layers' params land first, each all-gather after its bucket's kernel (none: one shard rank)
+        fused_step.launch_step(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
+                               forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers], hparams,
+                               self._records, self.bias_correction,
+                               self._param_sync.launch if self._param_sync.gathers else None)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

@@ -1,7 +1,6 @@
-"""Counting the one-process merged landings (test_fused_step.py, test_step_ops.py): those Python
-makes (``GradSync._land_checked``) and those the native stager makes in its hook under a landing
-plan (``set_plan`` or ``prearm``, then ``finish_plan``: no Python call at the landing, so they are counted when
-Python adopts them)."""
+"""Counting the one-process merged landings (test_fused_step.py, test_step_ops.py): those the native
+stager makes in its hook under a landing plan (``set_plan`` or ``prearm``, then ``finish_plan``: no
+Python call at the landing, so they are counted when Python adopts them)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -40,18 +39,8 @@ class PlannedLandings:
 
 
 def count_landings(sync: Any, calls: Counter, assigned: Optional[List[bool]] = None) -> None:
-    """Count ``sync``'s merged landings into ``calls`` ("land_checked": Python's, "planned": the
-    hook's) and their assign flags into ``assigned``, in landing order."""
+    """Count ``sync``'s merged landings (the hook's, under a plan) into ``calls["planned"]`` and
+    their assign flags into ``assigned``, in landing order."""
     landings = sync.landings
-    if landings.land_checked is not None:
-        land = landings.land_checked
-
-        def counted(*args):
-            calls["land_checked"] += 1
-            if assigned is not None:
-                assigned.append(args[-1])
-            return land(*args)
-
-        landings.land_checked = counted
     if hasattr(landings.stager, "set_plan"):
         landings.stager = PlannedLandings(landings.stager, calls, assigned)

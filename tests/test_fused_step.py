@@ -1,7 +1,8 @@
-"""The one-process merged native calls (``SHARDAMP_MERGED_CALLS``): the stats assembled and
-finished in one call, the scalar launch and every bucket's step kernel in one call
-(optim/kernels/fused_step.py), each complete bucket allocated, landed and checked in one call (the
-stager's ``land_checked``, or its hook under a landing plan, with no Python call). They must give what the separate calls give, bit for bit, and a
+"""The one-process merged native calls: the stats assembled and finished in one call, the scalar
+launch and every bucket's step kernel in one call (optim/kernels/fused_step.py), each complete
+bucket allocated, landed and checked in one call by the stager's hook under a landing plan, with
+no Python call. They must give what the separate landings of the Python grad hooks
+(``SHARDAMP_PYTHON_GRAD_HOOKS=1``, the path compiled autograd takes) give, bit for bit, and a
 subclass's stats reduction must still run."""
 from __future__ import annotations
 
@@ -75,13 +76,12 @@ def _counted(calls: Counter, name: str, fn):
     return lambda *a, **k: (calls.update([name]), fn(*a, **k))[1]
 
 
-def _train(device: str, monkeypatch, merged: bool, steps: int = 6, hook_landings: bool = True) -> Dict[str, object]:
+def _train(device: str, monkeypatch, python_hooks: bool, steps: int = 6) -> Dict[str, object]:
     """Two param groups, several buckets, a scaler (fp16 autocast on CUDA), a clip on odd steps,
     an inf in one step's grads, a norm spike skipped by ``skip_grad_norm_above``, two backward
     passes before one step and a ``zero_grad(set_to_none=False)``."""
     ext = kernels.native_module(torch.device(device))
-    set_env(monkeypatch, "SHARDAMP_MERGED_CALLS", "1" if merged else "0")
-    set_env(monkeypatch, "SHARDAMP_HOOK_LANDINGS", "1" if hook_landings else "0")
+    set_env(monkeypatch, "SHARDAMP_PYTHON_GRAD_HOOKS", "1" if python_hooks else "0")
     calls: Counter = Counter()
     for name in ("stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
                  "bucket_stats", "land_grads"):
@@ -124,35 +124,31 @@ def _train(device: str, monkeypatch, merged: bool, steps: int = 6, hook_landings
 
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("hook_landings", [True, False], ids=["hook-landings", "python-landings"])
-def test_merged_calls_train_bit_for_bit_as_the_separate_calls(device, hook_landings, monkeypatch):
+def test_merged_calls_train_bit_for_bit_as_the_separate_landings(device, monkeypatch):
     with monkeypatch.context() as m:
-        separate = _train(device, m, merged=False)
+        separate = _train(device, m, python_hooks=True)
     with monkeypatch.context() as m:
-        merged = _train(device, m, merged=True, hook_landings=hook_landings)
+        merged = _train(device, m, python_hooks=False)
     assert merged["buckets"] >= 2
-    # the merged entry points ran, once per step; the separate ones not at all (and vice versa).
-    # Seven backward passes of five buckets: step 3's second pass (it adds to the landed shards)
-    # and step 5's (the shards kept as zeros) land the separate way, and so does a bucket whose
-    # grads complete before those of the bucket launched ahead of it (the first layer's weight
-    # here: its launch waits); every other bucket lands merged, the round's first assigning its
-    # norm partial and the rest adding to it.
+    # the merged step's entry points ran, once per step, on both paths; the separate ones not at
+    # all. Seven backward passes of five buckets: step 3's second pass (it adds to the landed
+    # shards) and step 5's (the shards kept as zeros) land the separate way, and so does a bucket
+    # whose grads complete before those of the bucket launched ahead of it (the first layer's
+    # weight here: its launch waits); every other bucket lands in the hook, under the landing
+    # plan (set at zero_grad, and again after the out-of-order bucket's call), the round's first
+    # assigning its norm partial and the rest adding to it.
     b, calls = merged["buckets"], merged["calls"]
     assert b == 5 and calls["stats_cat_finish"] == calls["step_launch"] == 6
-    merged_landings = calls["land_checked"] + calls["planned"]
-    assert merged_landings >= 5 * (b - 1) and merged_landings + calls["bucket_stats"] == 7 * b
-    # with hook landings all of them in the hook, under the landing plan Python set at the first
-    # grad (and again after the out-of-order bucket's call): no Python call at those landings;
-    # without, all of them from Python
-    assert calls["planned" if hook_landings else "land_checked"] == merged_landings
+    assert calls["planned"] >= 5 * (b - 1) and calls["planned"] + calls["bucket_stats"] == 7 * b
     assert merged["assigned"][0] is True and merged["assigned"][1:] == [False] * (len(merged["assigned"]) - 1)
     assert len(merged["assigned"]) >= b - 1
     other = separate["calls"]
-    assert other["stats_finish"] == other["step_scalars"] == other["adam_launch_all"] == 6
-    assert other["bucket_stats"] == 7 * b
-    assert calls["land_grads"] == other["land_grads"] > 0  # the second pass's adds: the same either way
-    assert not {"stats_finish", "step_scalars", "adam_launch_all"} & set(calls)
-    assert not {"stats_cat_finish", "step_launch", "land_checked", "planned"} & set(other)
+    assert other["stats_cat_finish"] == other["step_launch"] == 6
+    assert other["bucket_stats"] == 7 * b  # the Python hooks: every bucket lands the separate way
+    # the second pass's and the kept shards' adds: one call a bucket, either way
+    assert calls["land_grads"] == 2 * b and other["land_grads"] >= 2 * b
+    assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
+    assert "planned" not in other
     for a, b in zip(merged["params"], separate["params"]):
         assert torch.equal(a, b)
     torch.testing.assert_close(torch.tensor(merged["norms"]), torch.tensor(separate["norms"]), rtol=0, atol=0,
@@ -192,10 +188,10 @@ def test_a_subclass_reduction_still_runs_at_one_process():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def _train_reading_shards(monkeypatch, merged: bool) -> List[torch.Tensor]:
+def _train_reading_shards(monkeypatch, python_hooks: bool) -> List[torch.Tensor]:
     """Three steps with a read of a released shard before the second backward, against torch's
     AdamW on the same batches."""
-    set_env(monkeypatch, "SHARDAMP_MERGED_CALLS", "1" if merged else "0")
+    set_env(monkeypatch, "SHARDAMP_PYTHON_GRAD_HOOKS", "1" if python_hooks else "0")
     torch.manual_seed(0)
     model = _Residual()
     ref = _Residual()
@@ -206,7 +202,7 @@ def _train_reading_shards(monkeypatch, merged: bool) -> List[torch.Tensor]:
         opt.zero_grad()
         torch_opt.zero_grad()
         if step == 1:  # a read between zero_grad and backward allocates the released shard as zeros
-            assert float(opt._buffers[0].grad_shard.abs().sum()) == 0.0
+            assert float(opt._grad_sync.shard(0).abs().sum()) == 0.0
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
         ref(x).square().mean().backward()
@@ -220,9 +216,9 @@ def _train_reading_shards(monkeypatch, merged: bool) -> List[torch.Tensor]:
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 def test_a_shard_allocated_before_backward_lands_the_separate_way(monkeypatch):
     with monkeypatch.context() as m:
-        separate = _train_reading_shards(m, merged=False)
+        separate = _train_reading_shards(m, python_hooks=True)
     with monkeypatch.context() as m:
-        merged = _train_reading_shards(m, merged=True)
+        merged = _train_reading_shards(m, python_hooks=False)
     for a, b in zip(merged, separate):
         assert torch.equal(a, b)
 
@@ -263,10 +259,12 @@ def _residual_with_plan(spoil):
 
 
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
-def test_a_hook_landing_that_cannot_allocate_lands_from_python():
+def test_a_hook_landing_that_cannot_allocate_lands_from_python(monkeypatch):
     """The hook's allocation fails (a size no allocator gives): the grads stay staged and the
-    bucket is handed to Python, which lands it; training matches torch's AdamW."""
+    bucket is handed to Python, which lands it the separate way; training matches torch's AdamW."""
     model, ref, opt, calls = _residual_with_plan(lambda e: (e[0], 2 ** 50, *e[2:]))
+    ext = kernels.native_module(torch.device("cpu"))
+    monkeypatch.setattr(ext, "bucket_stats", _counted(calls, "bucket_stats", ext.bucket_stats))
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
     for step in range(3):
         opt.zero_grad()
@@ -276,7 +274,7 @@ def test_a_hook_landing_that_cannot_allocate_lands_from_python():
         ref(x).square().mean().backward()
         opt.step()
         torch_opt.step()
-    assert calls["planned"] == 0 and calls["land_checked"] >= 3 * (len(opt._buckets) - 1)
+    assert calls["planned"] == 0 and calls["bucket_stats"] == 3 * len(opt._buckets)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

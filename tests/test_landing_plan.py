@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import set_env
 from kernel_shards import DEVICES
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.sync import grad_stager
@@ -58,16 +57,10 @@ def _assert_same(model, ref) -> None:
 
 @native
 @devices
-@pytest.mark.parametrize("mode", ["zero-grad-plan", "first-grad-plan", "python-landings"])
-def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, device, monkeypatch):
-    """With hook landings, a backward after ``zero_grad`` sends Python one event, ``BEGAN``; a
-    second backward before the step (no zero_grad between) is decided by Python at its first grad
-    (``SLOW``) and arms a plan there, as every backward does with ``SHARDAMP_ZERO_GRAD_PLAN=0``.
-    Without hook landings (``SHARDAMP_HOOK_LANDINGS=0``) Python decides every first grad and
-    lands every complete bucket. All train as torch's AdamW."""
-    hook_landings = mode != "python-landings"
-    set_env(monkeypatch, "SHARDAMP_HOOK_LANDINGS", "1" if hook_landings else "0")
-    set_env(monkeypatch, "SHARDAMP_ZERO_GRAD_PLAN", "0" if mode == "first-grad-plan" else "1")
+def test_a_backward_after_zero_grad_tells_python_only_that_it_began(device, monkeypatch):
+    """A backward after ``zero_grad`` sends Python one event, ``BEGAN``; a second backward before
+    the step (no zero_grad between) is decided by Python at its first grad (``SLOW``) and arms a
+    plan there. Both train as torch's AdamW."""
     model, ref, opt, torch_opt = _pair(device)
     seen = _events(monkeypatch)
     per_backward = []
@@ -83,15 +76,8 @@ def test_a_backward_after_zero_grad_tells_python_only_that_it_began(mode, device
         torch_opt.step()
     _assert_same(model, ref)
     buckets = len(opt._buckets)
-    if mode == "zero-grad-plan":
-        assert per_backward[0] == per_backward[1] == per_backward[2] == per_backward[4] == [BEGAN]
-        assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
-    elif mode == "first-grad-plan":  # the first grad only: every bucket then lands in the hook
-        assert per_backward[:3] + per_backward[4:] == [[SLOW]] * 4
-        assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
-    else:
-        for events in per_backward:
-            assert events[0] == SLOW and BEGAN not in events and events.count(COMPLETE) == buckets
+    assert per_backward[0] == per_backward[1] == per_backward[2] == per_backward[4] == [BEGAN]
+    assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
     # the second backward before the step adds to the landed shards: from Python, bucket by bucket
     assert per_backward[3].count(COMPLETE) == buckets
 
@@ -123,14 +109,15 @@ def test_no_sync_after_zero_grad_undoes_the_plan(device, monkeypatch):
 @devices
 def test_a_shard_read_inside_backward_ends_the_plan_first(device):
     """A hook reads a released shard in the middle of a backward whose plan was set at zero_grad
-    (a bucket not landed yet: reading it allocates zeros): the plan ends first, the bucket lands
-    into the shard that was read (its reader sees the grads), and training equals torch's."""
+    (a bucket not landed yet: reading it allocates zeros), through GradSync (``shard``): the plan
+    ends first, the bucket lands into the shard that was read (its reader sees the grads), and
+    training equals torch's."""
     model, ref, opt, torch_opt = _pair(device)
     last = len(opt._buckets) - 1  # the first layers' bucket: launched last, released until then
     held = []
 
     def read_shard(grad: torch.Tensor) -> torch.Tensor:
-        held.append(opt._buffers[last].grad_shard)
+        held.append(opt._grad_sync.shard(last))
         return grad
 
     for step in range(3):
@@ -146,3 +133,15 @@ def test_a_shard_read_inside_backward_ends_the_plan_first(device):
         opt.step()
         torch_opt.step()
     _assert_same(model, ref)
+
+
+@native
+def test_a_shard_read_around_grad_sync_during_the_plan_raises():
+    """A released shard read directly (not through GradSync) after ``zero_grad`` set the plan: the
+    hook lands that bucket into a shard of its own, and adopting it raises, naming the fix,
+    instead of training on the zeros that were read."""
+    model, _, opt, _ = _pair("cpu")
+    opt.zero_grad()
+    opt._buffers[0].grad_shard  # allocates zeros beside the plan
+    with pytest.raises(RuntimeError, match="read it through GradSync.shard"):
+        model(_x(0)).square().mean().backward()

@@ -264,3 +264,89 @@ def test_every_rank_walks_the_same_cycle_and_trains_as_torch(world: int) -> None
         assert v["norms"][:2] + v["norms"][3:] == results[0]["norms"][:2] + results[0]["norms"][3:]
         for p, q in zip(v["params"], v["ref"]):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_the_phase_gates_a_step_and_an_unscale_in_one_place() -> None:
+    """``require`` refuses a step without grads and a second unscale with the errors users get
+    from ``step()`` and ``unscale_grads()``, and allows them everywhere else."""
+    from shardamp.optim.checks.misuse import NO_GRAD_AT_STEP, UNSCALE_TWICE
+    from shardamp.optim.step.cycle import Action
+
+    c = _cycle()
+    with pytest.raises(RuntimeError) as no_grads:
+        c.require(Action.STEP)  # IDLE, nothing to step on
+    assert str(no_grads.value) == NO_GRAD_AT_STEP
+    c.require(Action.UNSCALE)
+    c.backward_began()
+    c.require(Action.STEP)
+    c.reduced("", [])
+    c.require(Action.UNSCALE)
+    c.unscaled(torch.tensor(0.5))
+    with pytest.raises(RuntimeError) as twice:
+        c.require(Action.UNSCALE)  # UNSCALED: a second unscale before the step
+    assert str(twice.value) == UNSCALE_TWICE
+    c.require(Action.STEP)
+    c.stepped([], {2.0: torch.tensor(1.0)}, cache_after_step=True)
+    c.require(Action.STEP)  # the same grads stepped on again, as torch allows
+    c.require(Action.UNSCALE)  # the next step's scale
+    c.grads_dropped(set_to_none=False)  # kept as zeros: still grads to step on
+    c.require(Action.STEP)
+    c.grads_dropped(set_to_none=True)
+    assert c.phase is STEP  # the last step's norms stay readable, but no grads are left
+    with pytest.raises(RuntimeError, match="no parameter of this optimizer received a gradient"):
+        c.require(Action.STEP)
+
+
+def test_the_optimizer_refuses_through_the_gate() -> None:
+    """``step()`` without a backward and a second ``unscale_grads()`` raise the gate's errors."""
+    model, _, opt, _ = _pair()
+    with pytest.raises(RuntimeError, match="no parameter of this optimizer received a gradient"):
+        opt.step()
+    _loss(model, torch.randn(4, 6)).backward()
+    opt.unscale_grads(torch.tensor(0.5))
+    with pytest.raises(RuntimeError, match=r"unscale_grads\(\) has already been called since the last step\(\)"):
+        opt.unscale_grads(torch.tensor(0.5))
+    opt.step()
+    opt.unscale_grads(torch.tensor(0.5))  # the next step's
+
+
+def test_grad_sync_alone_sets_its_launch_flags() -> None:
+    """backward_order.py decides the order of launches over a group; the flags GradSync acts on
+    are set by GradSync's own methods (``defer_launches_to_end``, ``hold_launches_to_step``, ...),
+    never written from another module."""
+    flags = {"defer_launches", "hold_launches", "refusal", "order_group", "build_index", "enabled"}
+    writes = []
+    for path in sorted((ROOT / "optim").rglob("*.py")):
+        if path.name == "grad_sync.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                for t in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if isinstance(t, ast.Attribute) and t.attr in flags and not (
+                            isinstance(t.value, ast.Name) and t.value.id == "self"):
+                        writes.append((path.relative_to(ROOT).as_posix(), ast.unparse(t)))
+    assert not writes, writes
+
+
+def test_the_gate_warns_once_of_a_clip_before_the_unscale() -> None:
+    """A clip made while the loss was scaled, then the unscale: warned once, at the user's call
+    of the scaler's ``unscale_`` (the gate's stacklevel), not again at the next step."""
+    import warnings
+
+    model, _, opt, _ = _pair()
+    scaler = ShardedGradScaler("cpu", init_scale=8.0)
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(_loss(model, torch.randn(4, 6))).backward()
+        opt.clip_grad_norm(8.0)  # before unscale_: compared with the scaled norm
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.unscale_(opt)
+        found = [w for w in caught if "before unscaling" in str(w.message)]
+        assert len(found) == (1 if step == 0 else 0), [str(w.message) for w in caught]
+        if found:
+            assert found[0].filename == __file__
+        scaler.step(opt)
+        scaler.update()

@@ -99,15 +99,15 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
 
     for name, fn in saved.items():
         setattr(ext, name, counted(name, fn))
-    sync = opt._grad_sync  # the merged landings: the stager's method, or its hook under a landing plan
-    land_checked, stager = sync.landings.land_checked, sync.landings.stager
+    sync = opt._grad_sync  # the merged landings: the stager's hook under a landing plan
+    stager = sync.landings.stager
     count_landings(sync, calls)
     try:
         _iteration(opt, scaler, model, 3, clip, count=False)
     finally:
         for name, fn in saved.items():
             setattr(ext, name, fn)
-        sync.landings.land_checked, sync.landings.stager = land_checked, stager
+        sync.landings.stager = stager
     return calls
 
 
@@ -116,9 +116,8 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
 @pytest.mark.parametrize("groups", [1, 2])
 def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
     """Per bucket: one call that lands its grads and passes over them once for their non-finite
-    flags (the step's health) and the norm partial (one rank: the bucket is the shard, the
-    stager's ``land_checked``, which runs ``bucket_stats``, or the same from the hook under a
-    landing plan); with several
+    flags (the step's health) and the norm partial (one rank: the bucket is the shard; the
+    stager's hook under a landing plan, which runs ``bucket_stats``); with several
     groups each group's partial too; per step one call that assembles and finishes the stats (one
     process: nothing reduces them in between) and one call for the scalar launch and every
     bucket's step (one rank: nothing is all-gathered between them). A new pass over the grads
@@ -137,9 +136,8 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int) -> None:
     if groups > 1:
         want["group_partials"] = buckets
     calls = _native_calls(opt, scaler, model, clip)
-    # every bucket lands in the hook, under the plan the first grad's Python call set (no bucket
-    # here is complete at its first grad, which would land from Python)
-    assert (calls.pop("land_checked", 0), calls.pop("planned", 0)) == (0, buckets)
+    # every bucket lands in the hook, under the plan set at zero_grad
+    assert calls.pop("planned", 0) == buckets
     assert dict(calls) == want
 
 

@@ -204,6 +204,21 @@ class StepView:
     patterns: Any
 
 
+def step_view(ref: Callable[[], Any], comm: Any, cycle: Any, device: torch.device, patterns: Any,
+              local_touched: Callable[[], bytes]) -> StepView:
+    """The :class:`StepView` of the optimizer ``ref()`` (a weak reference: the view the checks
+    hold never keeps the optimizer alive): its param groups and options read as they are then."""
+    def param_groups() -> Sequence[Dict[str, Any]]:
+        opt = ref()
+        return [] if opt is None else opt.param_groups
+
+    def options() -> Tuple[Any, Any, Any]:
+        opt = ref()
+        return (None, None, None) if opt is None else (opt.max_grad_norm, opt.adam_w_mode, opt.bias_correction)
+    return StepView(comm=comm, param_groups=param_groups, options=options, cycle=cycle, local_touched=local_touched,
+                    fingerprint=StepFingerprint(comm.world_size, device), patterns=patterns)
+
+
 def host_categories(view: StepView, norm_type: float) -> List[Tuple[str, Any]]:
     groups = [tuple(_number(g.get(k)) for k in ("lr", "betas", "eps", "weight_decay")) for g in view.param_groups()]
     return [

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 
 def find_ddp(params: Iterable[torch.nn.Parameter]) -> Optional[torch.nn.Module]:
@@ -49,6 +50,21 @@ def ddp_error(ddp: torch.nn.Module) -> RuntimeError:
     )
 
 
+def check_setup(param_groups: Sequence[Dict[str, Any]], explicit_group: bool) -> None:
+    """At construction: raise for a launcher's processes without a process group
+    (:func:`check_launcher_env`, where no group or mesh was given) and for a model wrapped in DDP.
+
+    Raises:
+        RuntimeError: naming the misuse and the fix."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if not explicit_group and not initialized:
+        check_launcher_env()
+    if initialized:
+        ddp = find_ddp(p for group in param_groups for p in group["params"])
+        if ddp is not None:
+            raise ddp_error(ddp)
+
+
 def check_launcher_env() -> None:
     """Raise if a launcher (torchrun, Lightning, accelerate) started several processes but
     torch.distributed is not initialised: each would silently train alone at world size 1."""
@@ -61,6 +77,8 @@ def check_launcher_env() -> None:
             "distributed strategy/launcher that does), or unset WORLD_SIZE for a single-process run."
         )
 
+
+UNSCALE_TWICE = "unscale_grads() has already been called since the last step()"
 
 NO_GRAD_AT_STEP = (
     "DistributedFusedAdam.step(): no parameter of this optimizer received a gradient on this rank since the "

@@ -9,14 +9,16 @@ shard rank, two pairs of the step's calls have nothing between them and are made
 - ``step_launch``: the step's scalar launch (``step_scalars``) and every bucket's step kernel
   (``launch_adam_all``), when no all-gather runs between the buckets' kernels.
 
-Each falls back to the separate calls (``dispatch.py``) wherever those would not take the
+:func:`launch_step` is the step's launches for every case: merged at one shard rank, bucket by
+bucket with each bucket's all-gather after its kernel otherwise. Each falls back to the separate
+calls (``dispatch.py``) wherever those would not take the
 compiled kernels, so the results are the same bit for bit: the same kernels run in the same
 order on the same stream.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -41,17 +43,15 @@ def stats_cat_finish(parts: Sequence[Tensor], end: int, norm_type: float,
 
 def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float], found_inf: Tensor,
                 steps: Tensor, touched: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch],
-                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords,
-                merged: bool = True) -> None:
+                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords) -> None:
     """``step_scalars(coef_out, *coef_parts, found_inf, steps, touched, health)`` and then
     ``launch_adam_all(launches, order, grads, hparams, touched, health["skip_out"],
-    prepare=prepare)``: in one native call where both take the compiled kernels (and
-    ``merged``: ``SHARDAMP_MERGED_CALLS``). Only where no all-gather runs between the buckets'
-    kernels (one shard rank). No host sync."""
+    prepare=prepare)``: in one native call where both take the compiled kernels. Only where no
+    all-gather runs between the buckets' kernels (one shard rank). No host sync."""
     base, scale, norm, max_norm = coef_parts
     ext = _native(coef_out.device)
     skip = health["skip_out"]
-    if (merged and ext is not None and hasattr(ext, "step_launch") and skip is not None and order
+    if (ext is not None and hasattr(ext, "step_launch") and skip is not None and order
             and health.get("counters") is not None and health.get("record") is not None
             and scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, health)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
@@ -65,3 +65,23 @@ def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
             return
     step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
     launch_adam_all(launches, order, grads, hparams, touched, skip, prepare=prepare)
+
+
+def launch_step(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float], found_inf: Tensor,
+                steps: Tensor, touched: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch],
+                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords,
+                bias_correction: bool, after_bucket: Optional[Callable[[int], None]] = None) -> None:
+    """The step's launches: the scalar launch, the step records and each bucket's step kernel in
+    ``order``. ``after_bucket(i)`` (the all-gather of bucket ``i``'s params, param_sync.py) runs
+    after each bucket's kernel; without it (one shard rank) everything is one call where the
+    compiled kernels take it (:func:`step_launch`). No host sync."""
+    if after_bucket is None:
+        step_launch(coef_out, coef_parts, found_inf, steps, touched, health, launches, order, grads, hparams, prepare)
+        return
+    base, scale, norm, max_norm = coef_parts
+    step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
+    skip = health["skip_out"]  # what the step kernels skip on, written by the scalar launch
+    records = prepare.compute(hparams, steps, touched, coef_out, skip, bias_correction)
+    for i in order:  # the next bucket's step kernel
+        launch_adam_all(launches, (i,), grads, hparams, touched, skip, records)
+        after_bucket(i)

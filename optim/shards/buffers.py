@@ -18,7 +18,7 @@ The full-size grad buffer a bucket fills during backward is managed by ``grad_sy
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -56,16 +56,13 @@ class BucketBuffers:
     shard: slice
     formats: MomentFormats  # what exp_avg and exp_avg_sq are stored as (state_formats.py)
     grad_dtype: torch.dtype = torch.float32
-    # called before a read allocates a released shard: the grad hook may be about to land this
-    # bucket into a shard of its own (grad_sync.py's landing plan), so that plan is ended first
-    before_allocate: Optional[Callable[[], None]] = field(default=None, repr=False, compare=False)
 
     @property
     def grad_shard(self) -> Tensor:
         """This rank's reduced grads. A released shard (world 1 between ``zero_grad`` and the
-        next backward: no grads exist, as in torch) comes back as zeros when read."""
-        if self.grad_store is None and self.before_allocate is not None:
-            self.before_allocate()  # may adopt the shard a planned landing made
+        next backward: no grads exist, as in torch) comes back as zeros when read. While a
+        backward may still land it (world 1: the grad hook's landing plan), read it through
+        ``GradSync``, whose entry points adopt what the hook landed first (``GradSync.shard``)."""
         if self.grad_store is None:
             n = self.shard.stop - self.shard.start
             self.grad_store = torch.zeros(n, dtype=self.grad_dtype, device=self.params.device)
@@ -98,9 +95,10 @@ class BucketBuffers:
         return self.grad_store is None
 
     def adopt_grad_shard(self, shard: Tensor) -> None:
-        """A released shard allocated (and landed in) elsewhere: grad_stager's ``land_checked``."""
+        """A released shard allocated (and landed in) elsewhere: the grad hook's planned landing."""
         if self.grad_store is not None or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:
-            raise RuntimeError("adopt_grad_shard: the shard is held already, or the new one does not fit")
+            raise RuntimeError("adopt_grad_shard: the shard is held already (read directly while a backward could "
+                               "land it: read it through GradSync.shard), or the new one does not fit")
         self.grad_store = shard
 
     @property

@@ -18,14 +18,23 @@ stats first if nothing asked for them yet, so ``REDUCED`` always comes before ``
 backward before the step (accumulating after a logged norm) goes back to ``ACCUMULATING`` and
 the stats are computed anew. After ``zero_grad`` the phase is ``STEPPED`` when a step's norms
 are still readable, else ``IDLE``.
+
+The phase decides what may happen next, in one table (``_GATES``), as FSDP2's ``TrainingState``
+gates its hooks: the optimizer asks :meth:`StepCycle.require` before a step or an unscale, and an
+action out of order is refused there with the error users get (a clip made before the unscale,
+while the loss was scaled, is warned of there, once). A step also needs grads: a grad
+since the last ``zero_grad(set_to_none=True)``, a fact beside the phase (``zero_grad(set_to_none=
+False)`` keeps the grads as zeros whatever the phase says about the last step's norms).
 """
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
+import warnings
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from torch import Tensor
 
+from ..checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, UNSCALE_TWICE
 from .step_round import StepRound
 
 
@@ -37,6 +46,22 @@ class StepPhase(enum.Enum):
     REDUCED = "reduced"  # the one stats all-reduce ran: norms and found-inf are known
     UNSCALED = "unscaled"  # the loss scale is known (unscale_grads): norms are the true norms
     STEPPED = "stepped"  # the step consumed the grads; its norms stay readable until the next backward
+
+
+class Action(enum.Enum):
+    """What the optimizer asks the cycle to allow (:meth:`StepCycle.require`)."""
+
+    STEP = "step"  # DistributedFusedAdam.step
+    UNSCALE = "unscale"  # unscale_grads: ShardedGradScaler.unscale_, torch's GradScaler hand-over
+
+
+_ANY = frozenset(StepPhase)
+# Per action: the phases that allow it, whether it needs grads since zero_grad, and the error of
+# the action out of order (raised on every rank alike: the ranks walk the same phases).
+_GATES: Dict[Action, Tuple[FrozenSet[StepPhase], bool, str]] = {
+    Action.STEP: (_ANY, True, NO_GRAD_AT_STEP),
+    Action.UNSCALE: (_ANY - {StepPhase.UNSCALED}, False, UNSCALE_TWICE),
+}
 
 
 def _number(value: Any) -> Any:
@@ -105,6 +130,23 @@ class StepCycle:
         if self._last is not None and (self._round is None or self._round.stats is None):
             return self._last
         return None
+
+    def require(self, action: Action) -> None:
+        """The gate: raise unless the phase allows ``action`` now (``_GATES``); an unscale after
+        a clip of this round warns once (the clip's max_norm was compared with the scaled norm).
+
+        Raises:
+            RuntimeError: ``step`` with no grad since the last ``zero_grad`` on this rank (the
+                params were replaced, or backward did not run); a second ``unscale_grads`` before
+                the step.
+        """
+        phases, needs_grads, refusal = _GATES[action]
+        if self._phase not in phases or (needs_grads and not self._grad_since_zero):
+            raise RuntimeError(refusal)
+        if (action is Action.UNSCALE and self._round is not None and self._round.clips_following_scale
+                and self.warn_once("clip before unscale")):
+            # stacklevel: this gate, unscale_grads, the scaler's unscale_ or step, the caller
+            warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=4)
 
     @property
     def inv_scale(self) -> Optional[Tensor]:

@@ -160,7 +160,8 @@ class StepHealth:
         """What a pass over landed bucket ``bucket`` flags its params in: its ``(start, length,
         index)`` rows on the device and the flags of this round, started over (and the last
         step's kept) at the round's first landing. For a caller that runs the pass itself
-        (grad_stager's ``land_checked``: the landing and the pass in one native call)."""
+        (the grad hook's landing under a plan, sync/merged_landings.py: the landing and the pass
+        in one native call)."""
         if not self._landed:  # the first landing after a step: keep that step's flags
             self._landed = True
             if self._reset and not self.capturable:

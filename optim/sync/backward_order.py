@@ -42,6 +42,9 @@ graph task, one per ``backward()`` call):
 
 With one optimizer over the group (or no peers: nothing to reduce) none of this runs: the first
 grad of a backward queues the optimizer's own end-of-backward callback, as before.
+
+This module decides; each GradSync acts, told through its methods (``defer_launches_to_end``,
+``hold_launches_to_step``, ``refuse_next_step``, ``round_ended``): the launch flags are its own.
 """
 from __future__ import annotations
 
@@ -96,18 +99,19 @@ class GroupOrder:
                     r.refused = refusal(sync, [m for o in elsewhere for m in o.members()])
                     for o in elsewhere:
                         for member in o.members():
-                            member.refusal = member.refusal or r.refused
+                            member.refuse_next_step(r.refused)
                 elif others:  # nested in an open backward of this thread (reentrant): join it
                     r = others[0]
                 else:
                     r = self._new_round(task, thread, deferred=self._several_launch(sync))
             if r.refused:
-                sync.refusal, sync.hold_launches = r.refused, True
+                sync.hold_launches_to_step(r.refused)
             if not r.deferred and r.eager is None and not r.waiting:
-                r.eager, sync.defer_launches = sync, False
+                r.eager = sync
+                sync.defer_launches_to_end(False)
             else:
                 r.waiting.append(sync)
-                sync.defer_launches = True
+                sync.defer_launches_to_end(True)
 
     def _new_round(self, task: int, thread: int, deferred: bool) -> _Round:
         r = _Round(task, thread, deferred)
@@ -117,9 +121,9 @@ class GroupOrder:
 
     def _several_launch(self, sync: Any) -> bool:
         """Whether this backward reaches two optimizers of the group that launch during it."""
-        launching = 1 if _launches_in_backward(sync) else 0
+        launching = 1 if sync.launches_in_backward() else 0
         for peer in self.live():
-            if peer is not sync and _launches_in_backward(peer) and _reached(peer):
+            if peer is not sync and peer.launches_in_backward() and _reached(peer):
                 launching += 1
                 if launching > 1:
                     return True
@@ -134,12 +138,10 @@ class GroupOrder:
             return
         error: Optional[BaseException] = None
         for sync in r.members():
-            sync.defer_launches = False
             try:
-                sync.end_of_backward()
+                sync.round_ended()
             except BaseException as exc:  # noqa: BLE001 - every member ends; the first error is raised
                 error = error or exc
-            sync.hold_launches = False  # a refused round's buckets wait for the step; later rounds launch
         if error is not None:
             raise error
 
@@ -165,9 +167,8 @@ def register(sync: Any) -> None:
     with group.lock:
         group.live()
         group.syncs.append(weakref.ref(sync))
-        sync.build_index = group.built
+        sync.joined_group(group, group.built)
         group.built += 1
-    sync.order_group = group
 
 
 def begin(sync: Any) -> None:
@@ -183,10 +184,6 @@ def begin(sync: Any) -> None:
 def forget(sync: Any) -> None:
     if sync.order_group is not None:
         sync.order_group.forget(sync)
-
-
-def _launches_in_backward(sync: Any) -> bool:
-    return sync.overlap and sync.enabled
 
 
 def _reached(sync: Any) -> bool:

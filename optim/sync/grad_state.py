@@ -1,14 +1,20 @@
 """The backward state GradSync (grad_sync.py) keeps: one :class:`ParamGrad` per param (where its
 grad lands), one :class:`BucketGrads` per bucket (readiness, its full-size buffer, its shard,
-its statistics row) and one :class:`Reduction` per bucket reduction in flight."""
+its statistics row, and the landing of its staged grads there) and one :class:`Reduction` per
+bucket reduction in flight.
+
+A grad walks down: the hook stages it (grad_stager.py), GradSync decides when its bucket lands
+and launches (grad_sync.py), the bucket lands it into its buffer here (``BucketGrads.flush``),
+into the shard shards/buffers.py holds; nothing below calls back up."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..layout import Bucket
 from ..shards.buffers import BucketBuffers
 
@@ -51,6 +57,66 @@ class BucketGrads:
         """Forget which params' grads are in the buffer (zero_grad; the stager clears its own)."""
         self.in_buffer.clear()
         self.partial_valid = False
+
+    # ------------------------------------------------------------ landing staged grads
+    def new_full(self, zeroed: bool = True) -> Tensor:
+        """A full-size buffer for this bucket: zeros, or uninitialized for a landing that zeroes
+        what it does not write."""
+        make = torch.zeros if zeroed else torch.empty
+        return make(self.bucket.numel, dtype=self.buffers.grad_dtype, device=self.bucket.device)
+
+    def writable_full(self, in_place: bool) -> Tensor:
+        """This bucket's full-size buffer, allocated (zeros) or zeroed if stale. ``in_place``:
+        one process, the buffer is the shard."""
+        full = self.full
+        if full is None:
+            full = self.full = self.buffers.grad_shard if in_place else self.new_full()  # zeros if released
+        elif self.dirty:
+            full.zero_()
+        self.dirty = False
+        return full
+
+    def flush(self, stager: Any, in_place: bool, by_stager_index: Sequence[ParamGrad]) -> None:
+        """Copy (or add) this bucket's staged grads (``stager``'s) into its buffer
+        (``kernels.land_grads``). ``by_stager_index``: the params by their stager index."""
+        if not stager.staged_count(self.index):
+            return
+        self.partial_valid = False
+        # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
+        acc_all = in_place and self.shard_valid
+        if not acc_all and not self.in_buffer:  # the common case: all copies, the first into this buffer
+            self.land_first(stager, in_place)
+            return
+        full = self.writable_full(in_place)
+        indices, grads = stager.take(self.index)
+        for accumulate in (False, True):  # first grads are copied, later ones added
+            pick = [(k, g) for k, g in zip(indices, grads) if (acc_all or k in self.in_buffer) == accumulate]
+            if pick:
+                params = [by_stager_index[k] for k, _ in pick]
+                kernels.land_grads(full, [g for _, g in pick], [p.param for p in params], [p.offset for p in params],
+                                   accumulate=accumulate)
+        self.in_buffer.update(indices)
+
+    def land_first(self, stager: Any, in_place: bool) -> None:
+        """The staged grads copied into a buffer that holds none of this round's: one allocated
+        uninitialized (or holding stale values) has the rest zeroed in the same pass
+        (``land_grads``' ``zero_rest``: no zero fill launch of its own)."""
+        fresh = False
+        if self.full is None:
+            if in_place:
+                self.full, fresh = self.buffers.landing_shard()
+            else:
+                self.full, fresh = self.new_full(zeroed=False), True
+        stale, self.dirty = fresh or self.dirty, False
+        try:
+            self.in_buffer.update(stager.land(self.index, self.full, stale))
+        except BaseException:
+            if fresh and in_place:  # released again: read as zeros, as before this landing
+                self.buffers.release_grad_shard()
+                self.full = None
+            elif stale:  # zeroed before its next write
+                self.dirty = True
+            raise
 
 
 @dataclass(eq=False)

@@ -22,19 +22,18 @@ consumed (``sync``). Only the shard, 1/shard_size of the bucket, crosses the rep
 Where nothing is reduced (``Comm.reduces_grads`` False: a single process) there is no separate
 full-size buffer: the bucket buffer IS the shard, and backward sums grads into it in place. It
 exists only from the first flush of a backward to ``zero_grad`` (unless capturable): a staged
-grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There a complete
-bucket that is next to launch is allocated, landed and passed over for its flags and norm partial
-in one native call; with the native stager, inside its hook, under a landing plan, so such a
-bucket calls no Python at all. The plan is set at ``zero_grad`` for the whole next backward
-(``prearm``: its first grad only tells Python the backward began), or by Python inside a backward
-after any event that called it (``_arm_plan``).
+grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There, with the
+native stager, a complete bucket that is next to launch is allocated, landed and passed over for
+its flags and norm partial inside the grad hook, under a landing plan (merged_landings.py), so
+such a bucket calls no Python at all. The plan is set at ``zero_grad`` for the whole next
+backward (``prearm``: its first grad only tells Python the backward began), and by Python inside
+a backward after any event that called it (``_arm_plan``).
 """
 from __future__ import annotations
 
 import contextlib
 import sys
 import warnings
-import weakref
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -76,9 +75,8 @@ class GradSync:
         *,
         cycle: "StepCycle",
         check_landed: Callable[..., None],
-        landing_flags: Optional[Callable[[int], Tuple[Tensor, Tensor]]] = None,
-        landing_rows: Optional[Callable[[int], Tensor]] = None,
-        hook_landings: bool = True,
+        landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
+        landing_rows: Callable[[int], Tensor],
     ) -> None:
         self.comm = comm
         # the step cycle: told when a backward begins and a round is launched; read for the rounds
@@ -148,7 +146,7 @@ class GradSync:
                 else:
                     s.full = s.buffers.grad_shard  # the shard is the whole bucket
             elif keep_buffers:
-                s.full = self._new_full(s)
+                s.full = s.new_full()
         self.reductions = Reductions(comm, side, self.partials)
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
@@ -159,16 +157,11 @@ class GradSync:
         # would then wait on it (grad_stager.py)
         self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
         # one process, shards released at zero_grad, native stager: a complete bucket's allocation,
-        # landing and flags' pass in one call, from Python (``_land_complete``) or in the grad hook
-        # under a landing plan (``_arm_plan``, ``prearm``; adopted by ``_take_planned``).
-        # landing_flags / landing_rows: health.py's StepHealth methods (None: no merged landings /
-        # no plan set at zero_grad)
+        # landing and flags' pass in one call in the grad hook under a landing plan (``_arm_plan``,
+        # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
+        # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       hook_landings, device)
-        if self.landings.plans:  # a read allocating a released shard ends the plan first (the hook would land beside it)
-            take = weakref.WeakMethod(self._take_planned)
-            for s in self.states:
-                s.buffers.before_allocate = lambda take=take: _call_alive(take)
+                                       device)
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -218,7 +211,7 @@ class GradSync:
 
     def _arm_plan(self) -> None:
         """Hand the native stager the landings it may run itself (one process, inside a
-        backward): each bucket from ``next_launch`` on that ``_land_complete`` would take now.
+        backward): each bucket from ``next_launch`` on whose shard is still fresh.
         When such a bucket completes in launch order the hook lands it without calling Python
         (a GIL round trip and this module's bookkeeping, tens of microseconds a bucket on a GPU
         host); the plan ends at the first event that does call Python."""
@@ -249,29 +242,14 @@ class GradSync:
             raise RuntimeError(f"DistributedFusedAdam: landing the grads of {error}")
 
     def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
-        if event == grad_stager.COMPLETE and self._land_complete(s):
-            return
         if event != grad_stager.NONE:
             self._flush(s)
         if event == grad_stager.COMPLETE and self.enabled and self.overlap and not self.defer_launches:
             self._launch_ready()
 
-    def _land_complete(self, s: BucketGrads) -> bool:
-        """One process, the steady state: bucket ``s`` is complete, next to launch and its shard
-        released since zero_grad. Allocate the shard, land its grads and run the flags' and
-        partial's pass in ONE native call, as ``_flush`` and ``_launch`` would in three and an
-        allocation (tens of microseconds of host time each on a GPU host). False: not this case
-        (or no native stager), nothing done."""
-        if (self.landings.land_checked is None or s.index != self.next_launch or not self.enabled
-                or not self.overlap or self.defer_launches or not fresh_shard(s)):
-            return False
-        self._adopt_landed(s, self.landings.land(s, not self.partials_started))
-        self._launch_ready()  # later buckets that completed before this one
-        return True
-
     def _adopt_landed(self, s: BucketGrads, full: Tensor) -> None:
-        """Bucket ``s`` was allocated, landed and checked as ``full`` by one merged call (its
-        flags and partial formed): it is launched, its shard is ``full``."""
+        """Bucket ``s`` was allocated, landed and checked as ``full`` by the grad hook under the
+        plan (its flags and partial formed): it is launched, its shard is ``full``."""
         s.buffers.adopt_grad_shard(full)
         s.full, s.dirty = full, False
         s.shard_valid = s.partial_valid = self.partials_started = True
@@ -298,59 +276,18 @@ class GradSync:
 
     def _writable_full(self, s: BucketGrads) -> Tensor:
         """Bucket ``s``'s full-size buffer, allocated (zeros) or zeroed if stale."""
-        full = s.full
-        if full is None:
-            if self.in_place:
-                full = s.full = s.buffers.grad_shard  # allocated as zeros if released
-            else:
-                full = s.full = self._new_full(s)
-        elif s.dirty:
-            full.zero_()
-        s.dirty = False
-        return full
+        return s.writable_full(self.in_place)
 
     def _flush(self, s: BucketGrads) -> None:
-        """Copy (or add) bucket ``s``'s staged grads into its buffer (``kernels.land_grads``)."""
-        stager = self.stager
-        if not stager.staged_count(s.index):
-            return
-        s.partial_valid = False
-        # one process: the buffer is the shard, so a valid shard is accumulated into, as param.grad is
-        acc_all = self.in_place and s.shard_valid
-        if not acc_all and not s.in_buffer:  # the common case: all copies, the first into this buffer
-            self._land_first(s)
-            return
-        full = self._writable_full(s)
-        indices, grads = stager.take(s.index)
-        for accumulate in (False, True):  # first grads are copied, later ones added
-            pick = [(k, g) for k, g in zip(indices, grads) if (acc_all or k in s.in_buffer) == accumulate]
-            if pick:
-                _land_grads(full, self._entries([k for k, _ in pick]), [g for _, g in pick], accumulate)
-        s.in_buffer.update(indices)
+        """Land bucket ``s``'s staged grads in its buffer (grad_state.py's ``BucketGrads.flush``)."""
+        s.flush(self.stager, self.in_place, self.by_stager_index)
 
-    def _land_first(self, s: BucketGrads) -> None:
-        """Bucket ``s``'s staged grads copied into a buffer that holds none of this round's: one
-        allocated uninitialized (or holding stale values) has the rest zeroed in the same pass
-        (``land_grads``' ``zero_rest``: no zero fill launch of its own)."""
-        fresh = False
-        if s.full is None:
-            if self.in_place:
-                s.full, fresh = s.buffers.landing_shard()
-            else:
-                s.full, fresh = self._new_full(s, zeroed=False), True
-        stale, s.dirty = fresh or s.dirty, False
-        try:
-            s.in_buffer.update(self.stager.land(s.index, s.full, stale))
-        except BaseException:
-            if fresh and self.in_place:  # released again: read as zeros, as before this landing
-                s.buffers.release_grad_shard()
-                s.full = None
-            elif stale:  # zeroed before its next write
-                s.dirty = True
-            raise
-
-    def _entries(self, stager_indices: List[int]) -> List[ParamGrad]:
-        return [self.by_stager_index[k] for k in stager_indices]
+    def shard(self, index: int) -> Tensor:
+        """Bucket ``index``'s grad shard as landed so far, also inside a backward: what the grad
+        hook landed under its plan is adopted first (reading the released shard directly would
+        allocate zeros beside the hook's landing)."""
+        self._take_planned()
+        return self.states[index].buffers.grad_shard
 
     @property
     def local_touched(self) -> bytes:
@@ -369,12 +306,6 @@ class GradSync:
         self._take_planned()
         for s in self.states:
             self._flush(s)
-
-    def _new_full(self, s: BucketGrads, zeroed: bool = True) -> Tensor:
-        """A full-size buffer for bucket ``s``: zeros, or uninitialized for a landing that zeroes
-        what it does not write."""
-        make = torch.zeros if zeroed else torch.empty
-        return make(s.bucket.numel, dtype=s.buffers.grad_dtype, device=s.bucket.device)
 
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
@@ -470,6 +401,39 @@ class GradSync:
     def step_done(self) -> None:
         self.refusal = ""  # the step that consumed the refused grads was flagged (backward_order.py)
 
+    # ---------------------------------------------------------------- launch order (backward_order.py)
+    def joined_group(self, group: "backward_order.GroupOrder", index: int) -> None:
+        """Registered over ``group`` as the ``index``-th optimizer built over it."""
+        self.order_group, self.build_index = group, index
+
+    def launches_in_backward(self) -> bool:
+        """This optimizer launches reduce-scatters during backward (not at ``grad_sync``/``step``)."""
+        return self.overlap and self.enabled
+
+    def defer_launches_to_end(self, defer: bool) -> None:
+        """This backward reaches another optimizer of the group too (``defer``): launch at its
+        end, in the group's order; else launch as buckets complete."""
+        self.defer_launches = defer
+
+    def hold_launches_to_step(self, refusal: str) -> None:
+        """Backward passes of two threads at once over the group: this backward launches nothing
+        (the step reduces, in program order) and the next step raises ``refusal``."""
+        self.refusal, self.hold_launches = refusal, True
+
+    def refuse_next_step(self, refusal: str) -> None:
+        """Another thread's backward met this one's round: the next step raises (the first
+        ``refusal`` kept)."""
+        self.refusal = self.refusal or refusal
+
+    def round_ended(self) -> None:
+        """The group's round of this backward ends: this optimizer's end of backward, in the
+        group's order; later rounds launch again."""
+        self.defer_launches = False
+        try:
+            self.end_of_backward()
+        finally:
+            self.hold_launches = False  # a refused round's buckets wait for the step
+
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
@@ -526,14 +490,3 @@ class GradSync:
         stager = getattr(self, "stager", None)
         if stager is not None:  # inside a backward its hooks may be iterated: only disarm them
             stager.remove(not _compat.in_backward())
-
-
-def _call_alive(method: "weakref.WeakMethod") -> None:
-    fn = method()
-    if fn is not None:
-        fn()
-
-
-def _land_grads(full: Tensor, params: List[ParamGrad], grads: List[Tensor], accumulate: bool) -> None:
-    """Copy (or add) ``grads`` into ``params``' views of the flat bucket buffer ``full``."""
-    kernels.land_grads(full, grads, [p.param for p in params], [p.offset for p in params], accumulate=accumulate)
