@@ -59,7 +59,8 @@ def venv_seeing_this_environment(dest: Path, exclude: Path, env: Optional[Dict[s
 
     Args:
         dest: where the venv goes (must not exist).
-        exclude: a source tree none of whose directories the venv may see.
+        exclude: a source tree none of whose directories the venv may see (a venv inside it
+            excepted: that is an environment, not source).
         env: the environment to read this interpreter's import directories under (PYTHONPATH
             counts); ``os.environ`` if None.
 
