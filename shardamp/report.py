@@ -99,10 +99,15 @@ def _compiler() -> str:
 
 
 def _ninja() -> str:
+    from shardamp.optim.kernels import build
+
     path = shutil.which("ninja")
+    where = ""
+    if path is None:
+        path, where = build.environment_ninja(), "; not on PATH: the build puts its folder there"
     if path is None:
         return "none (pip install ninja: the just-in-time build needs it)"
-    return f"{_first_line([path, '--version']) or '?'} ({path})"
+    return f"{_first_line([path, '--version']) or '?'} ({path}{where})"
 
 
 def _nvcc() -> str:

@@ -3,6 +3,8 @@
 # This is the README's test command and exactly what CI runs (.ci/run).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `python` is the one on PATH: an activated venv's, else the system's (either works: tests/environments.py)
+python -c 'import sys; print("python:", sys.executable, "(a venv)" if sys.prefix != sys.base_prefix else "(no venv)")'
 python -m pip install --quiet torch==2.13.0            # first, so nothing pulls another build
 torch_version=$(python -c "import torch; print(torch.__version__)")
 # The frameworks (Lightning, accelerate, transformers) come after torch, constrained to the torch

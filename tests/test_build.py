@@ -4,6 +4,7 @@ CPU kernels built for the ISA torch runs at."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import torch
 
 from conftest import set_env
 
+from shardamp import report
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.kernels import build as _build, dispatch as kernels, launch_config
 from shardamp.optim.layout import Segment, SegmentTable
@@ -198,6 +200,34 @@ def test_preflight_names_a_missing_compiler_or_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(_build.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=10 * 2**20))
     with pytest.raises(_build.BuildError, match="^no disk space: 10 MiB free in"):
         _build.preflight(var, str(tmp_path), None)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="needs c++")
+def test_the_environments_ninja_is_used_where_path_has_none(tmp_path, monkeypatch):
+    """A venv run by path (not activated) or ``pip install --user`` without ~/.local/bin on PATH:
+    the ninja installed with shardamp is in the environment's scripts folder, not on PATH. The
+    build puts that folder first on PATH; with no ninja anywhere it says where it looked."""
+    var = _build.current_variant(False)
+    scripts, empty = tmp_path / "bin", tmp_path / "empty"
+    scripts.mkdir()
+    empty.mkdir()
+    monkeypatch.setenv("CXX", shutil.which("c++"))  # found without PATH
+    monkeypatch.setenv("PATH", str(empty))
+    monkeypatch.setattr(_build, "_scripts_folders", lambda: [str(tmp_path / "other"), str(scripts)])
+    where = re.escape(f"none on PATH nor in this environment's scripts folders {tmp_path}/other, {scripts}")
+    with pytest.raises(_build.BuildError, match=f"^no ninja: .*{where}\\); pip install ninja"):
+        _build.preflight(var, str(tmp_path), None)
+    assert os.environ["PATH"] == str(empty) and _build.environment_ninja() is None
+    assert report._ninja().startswith("none (pip install ninja")
+
+    (scripts / "ninja").write_text("#!/bin/sh\necho 1.13.0\n")  # what torch asks of it: `ninja --version`
+    (scripts / "ninja").chmod(0o755)
+    assert _build.environment_ninja() == str(scripts / "ninja")
+    assert report._ninja() == f"1.13.0 ({scripts}/ninja; not on PATH: the build puts its folder there)"
+    _build.preflight(var, str(tmp_path), None)
+    assert os.environ["PATH"] == os.pathsep.join([str(scripts), str(empty)])
+    _build.preflight(var, str(tmp_path), None)  # found on PATH now: not added twice
+    assert os.environ["PATH"] == os.pathsep.join([str(scripts), str(empty)])
 
 
 def test_a_failed_build_warns_its_cause_first_and_what_happens_next(tmp_path, monkeypatch):

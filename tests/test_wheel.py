@@ -1,9 +1,10 @@
 """The ahead-of-time build end to end: ``SHARDAMP_BUILD_KERNELS=1 pip wheel --no-build-isolation``
-from a copy of the source tree, installed (not editable) into a fresh virtual environment, used
-from a directory where no source tree is visible: every CPU variant the run time can pick is in
-the wheel with its build record, and a training step runs on the prebuilt kernels with no
-compiler (CC/CXX=/bin/false), SHARDAMP_KERNELS=native and an empty extension directory; the
-report runs there too.
+from a copy of the source tree, installed (not editable) into a fresh virtual environment that
+sees the running interpreter's packages wherever they live (tests/environments.py), used from a
+directory where no source tree is visible: every CPU variant the run time can pick is in the
+wheel with its build record, and a training step runs on the prebuilt kernels with no compiler
+(CC/CXX=/bin/false), SHARDAMP_KERNELS=native and an empty extension directory; the report runs
+there too.
 
 One test, the slowest of the suite (the wheel compiles three CPU modules: minutes on 2 cores).
 """
@@ -19,6 +20,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
+
+from environments import venv_seeing_this_environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,9 +52,15 @@ STEP = textwrap.dedent("""
 
 
 def _copy_source(dest: Path) -> Path:
-    """The tree as a clean clone has it (no build outputs that could leak into the wheel)."""
-    ignore = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "out",
-                                    "*.so", "build_info.json")
+    """The tree as a clean clone has it (no build outputs that could leak into the wheel, no
+    virtual environment made in the checkout, as ``python3 -m venv venv`` there makes one)."""
+    patterns = shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "out",
+                                      "*.so", "build_info.json")
+
+    def ignore(folder: str, names: list) -> set:
+        venvs = {n for n in names if os.path.isfile(os.path.join(folder, n, "pyvenv.cfg"))}
+        return set(patterns(folder, names)) | venvs
+
     shutil.copytree(ROOT, dest, symlinks=True, ignore=ignore)
     return dest
 
@@ -89,8 +98,7 @@ def test_wheel_with_prebuilt_cpu_kernels_trains_without_a_compiler(tmp_path):
     assert "shardamp/py.typed" in names and "shardamp/optim/py.typed" in names
 
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], timeout=300)
-    python = str(venv / "bin" / "python")
+    python = str(venv_seeing_this_environment(venv, exclude=ROOT, env=env))
     _run([python, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)],
          env=env, timeout=300)
 

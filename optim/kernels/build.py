@@ -242,6 +242,47 @@ def _say(message: str) -> None:
     print(f"shardamp: {message}", file=sys.stderr, flush=True)
 
 
+def _scripts_folders() -> List[str]:
+    """Where this interpreter's environment puts executables: its scripts folder (a venv's bin)
+    and, where the user site is on, the user's (``~/.local/bin`` under ``pip install --user``)."""
+    import site
+    import sysconfig
+
+    folders = [sysconfig.get_path("scripts")]
+    if site.ENABLE_USER_SITE:
+        folders.append(sysconfig.get_path("scripts", sysconfig.get_preferred_scheme("user")))
+    return folders
+
+
+def environment_ninja() -> Optional[str]:
+    """The ninja this interpreter's environment installed (the ``ninja`` package shardamp depends on).
+
+    Returns:
+        The executable in one of the environment's scripts folders, or None where none has one.
+    """
+    for folder in _scripts_folders():
+        exe = os.path.join(folder, "ninja")
+        if os.path.isfile(exe) and os.access(exe, os.X_OK):
+            return exe
+    return None
+
+
+def _ninja_on_path() -> bool:
+    """Whether torch's extension build finds ninja, which it runs by name from PATH: where PATH has
+    none, the environment's own folder is put first on this process's PATH. A venv's bin is on
+    PATH only while the venv is activated (``venv/bin/python train.py`` leaves it off) and
+    ``~/.local/bin`` often never is, so an installed ninja would otherwise read as missing."""
+    from torch.utils import cpp_extension
+
+    if cpp_extension.is_ninja_available():
+        return True
+    exe = environment_ninja()
+    if exe is None:
+        return False
+    os.environ["PATH"] = os.path.dirname(exe) + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.is_ninja_available()
+
+
 def preflight(var: Variant, build_dir: str, choice: Optional[_archs.ArchChoice]) -> None:
     """The causes of a failed build that can be seen before it starts.
 
@@ -263,8 +304,9 @@ def preflight(var: Variant, build_dir: str, choice: Optional[_archs.ArchChoice])
     if not ok:
         raise BuildError(f"no working C++ compiler: '{path} --version' failed (CXX={cxx!r}); install g++ or set "
                          "CXX to a working compiler")
-    if not cpp_extension.is_ninja_available():
-        raise BuildError("no ninja: torch's extension builds need it; pip install ninja")
+    if not _ninja_on_path():
+        raise BuildError("no ninja: torch's extension builds need it (none on PATH nor in this environment's "
+                         f"scripts folders {', '.join(_scripts_folders())}); pip install ninja")
     if var.cuda:
         nvcc = _archs.nvcc_path()
         if nvcc is None or cpp_extension.CUDA_HOME is None:
