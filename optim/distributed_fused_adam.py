@@ -1,13 +1,11 @@
 """DistributedFusedAdam: ZeRO-2 Adam/AdamW whose unscale, clip and step agree with unsharded torch.
 
-This file is the optimizer's constructor and its step protocol's entry points; a third of it is
-the class's documentation (every constructor argument, the extension points), which the API
-reference is built from. Its reading methods are in reads.py, its communication methods in
-sync/optimizer_sync.py.
-
-The step's phase: step/cycle.py (one step's values: step/step_round.py); slices: layout.py; buffers:
-shards/; backward and the all-gather: sync/; collectives: comm/; the one all-reduce:
-step/grad_stats.py; ranks that disagree: checks/; norms: norms.py; the step's math: kernels/.
+This file is the optimizer's constructor and its step protocol's entry points; a third of it is the class's
+documentation (every constructor argument, the extension points), which the API reference is built from. Its
+reading methods are in reads.py, its communication methods in sync/optimizer_sync.py. The step's phase:
+step/cycle.py (its values: step/step_round.py); slices: layout.py; buffers: shards/; backward and the all-gather:
+sync/; collectives: comm/; the one all-reduce: step/grad_stats.py; ranks that disagree: checks/; norms: norms.py;
+the step's math: kernels/; where the state lives: offload.py.
 """
 from __future__ import annotations
 
@@ -42,6 +40,7 @@ from . import torch_tools
 from .grads_view import GradSource, GradsView
 from .reads import OptimizerReads
 from .state_formats import resolve_moments
+from .offload import resolve_offload
 
 
 class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer):
@@ -120,11 +119,14 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             scaler does not back off for it and, as torch.amp.GradScaler counts every step
             without an overflow, it counts toward the scaler's growth interval;
             ``step_stats()`` counts such steps apart (``skipped_spike``).
+        offload: ``"cpu"``: the owned fp32 master and moments in host memory (docs/offload.md); not available yet.
+        offload_fraction: with ``offload``, the share of the owned state on the host (0 to 1, default 1.0).
 
     Raises:
         ValueError: an invalid hyperparameter or option (naming it and the fix), params on
             several devices or on the meta device, a param given twice, or storage options that
-            do not fit the params' dtypes.
+            do not fit the params' dtypes, or ``offload`` options that do not fit them.
+        NotImplementedError: ``offload="cpu"``, once the ranks agree on it.
         RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer
             reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, or the ranks
             built different optimizers (raised on every rank, naming the field and each rank's
@@ -172,6 +174,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         exp_avg_sq_dtype: Optional[torch.dtype] = None,
         store_param_remainders: bool = False,
         skip_grad_norm_above: Optional[float] = None,
+        offload: Optional[str] = None,
+        offload_fraction: Optional[float] = None,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay, "")
         self._skip_above = check_skip_above(skip_grad_norm_above)  # fixed: a captured graph holds it
@@ -183,6 +187,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         )
         self._formats = resolve_moments(dtype, exp_avg_dtype, exp_avg_sq_dtype)  # what the moments are stored as
         exp_avg_dtype, exp_avg_sq_dtype = self._formats.exp_avg.storage_dtype, self._formats.exp_avg_sq.storage_dtype
+        self._offload = resolve_offload(offload, offload_fraction, store_param_remainders, capturable)  # offload.py
 
         self._initialized = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -214,8 +219,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank)
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
-            self._params, self.param_groups, self._options(), self.bucket_cap_mb, self._comm, self._buckets,
-            self._device, self._formats))
+            self._params, self.param_groups, agreement.construction_options(self), self.bucket_cap_mb, self._comm,
+            self._buckets, self._device, self._formats, self._offload.agreed()))
+        self._offload.refuse_unavailable()  # after the agreement: ranks passing other values raise its error
         # allocated, broadcast from rank 0 (as DDP does) and the masters initialised: a collective
         self._buffers: List[BucketBuffers] = allocate_all(
             self._buckets, self._params, self._comm, dtype, grad_sync_dtype, param_sync_dtype, self._formats,
@@ -290,15 +296,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
     def _current_round(self) -> StepRound:
         """This step's round (the step cycle's)."""
         return self._cycle.current()
-
-    def _options(self) -> Dict[str, Any]:
-        """The constructor's options every rank must share (checked at construction)."""
-        return dict(
-            adam_w_mode=self.adam_w_mode, bias_correction=self.bias_correction, max_grad_norm=self.max_grad_norm,
-            average_grad_sync=self.average_grad_sync, dtype=str(self.dtype), grad_sync_dtype=str(self.grad_sync_dtype),
-            param_sync_dtype=str(self.param_sync_dtype), overlap_grad_sync=self.overlap_grad_sync,
-            overlap_param_sync=self.overlap_param_sync, capturable=self.capturable,
-            skip_grad_norm_above=self.skip_grad_norm_above, store_param_remainders=self.store_param_remainders)
 
     def _add_clip(self, max_norm: float | Tensor, norm: Tensor) -> None:
         """Clip this step to ``max_norm`` given ``norm`` (resolved at the step)."""

@@ -61,6 +61,28 @@ def case_lr_differs_at_construction(rank, world, **kw):
     return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), lr=2e-3 if rank == 1 else 1e-3))}
 
 
+def case_offload_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    offload = dict(offload="cpu", offload_fraction=0.5) if rank == 1 else {}
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), **offload))}
+
+
+def case_offload_fraction_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), offload="cpu",
+                                                          offload_fraction=0.5 if rank == 1 else 1.0))}
+
+
+def case_offload_refused_on_every_rank(rank, world, **kw):
+    """Every rank asks for offload: each raises "not available yet" after the agreement, before
+    any state moves (no weights taken from rank 0)."""
+    torch.manual_seed(rank)
+    model = MLP()
+    before = _params(model)
+    return {"error": _raised(lambda: DistributedFusedAdam(model.parameters(), offload="cpu")),
+            "untouched": _unchanged(model, before)}
+
+
 def case_two_optimizers_one_group(rank, world, **kw):
     torch.manual_seed(0)
     a, b = MLP(), MLP()

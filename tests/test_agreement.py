@@ -36,6 +36,10 @@ CONSTRUCTION = {
                                   "'float32', 'exp_avg_sq': 'float32'}, rank 1: {'exp_avg': 'float32', "
                                   "'exp_avg_sq': 'bfloat16'}",
     "case_lr_differs_at_construction": "param group hyperparameters",
+    "case_offload_differs": "offload (offload, offload_fraction) (rank 0: {'offload': None, 'offload_fraction': "
+                            "None}, rank 1: {'offload': 'cpu', 'offload_fraction': 0.5}",
+    "case_offload_fraction_differs": "offload (offload, offload_fraction) (rank 0: {'offload': 'cpu', "
+                                     "'offload_fraction': 1.0}, rank 1: {'offload': 'cpu', 'offload_fraction': 0.5}",
 }
 
 
@@ -47,6 +51,16 @@ def test_construction_disagreement_raises_on_every_rank(world, case):
         assert CONSTRUCTION[case] in error, (rank, error)
     if case == "case_same_numel_other_shapes":  # nothing was touched: no weights taken from rank 0
         assert all(v["untouched"] for v in case_values(_results(world), case))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_offload_is_refused_on_every_rank_before_state_moves(world):
+    """offload="cpu" agreed by every rank: "not available yet" on each of them (none waits in a
+    collective another left), and rank 0's weights were not broadcast."""
+    for rank, value in enumerate(case_values(_results(world), "case_offload_refused_on_every_rank")):
+        assert value["error"].startswith("NotImplementedError: offload='cpu': optimizer state in host memory "
+                                         "is not available yet"), (rank, value["error"])
+        assert value["untouched"], rank
 
 
 @pytest.mark.parametrize("world", WORLDS)

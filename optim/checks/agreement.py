@@ -1,9 +1,9 @@
 """Ranks that disagree: checked at construction, at every step, and at every collective call.
 
 * Construction (``agree_on_construction``): every rank describes what it built (param count,
-  shapes, dtypes, order, groups, options, moment formats, buckets) as one 32-bit hash per field; ONE all-gather
-  of those hashes tells every rank the same thing, and a difference raises on every rank naming
-  the field, with the differing values (gathered only then).
+  shapes, dtypes, order, groups, options, moment formats, offload, buckets) as one 32-bit hash per
+  field; ONE all-gather of those hashes tells every rank the same thing, and a difference raises on
+  every rank naming the field, with the differing values (gathered only then).
 * Every step (``StepFingerprint``): what may change between steps (hyperparameters, norm type,
   options, gradient reductions since the last step, tensor lr values) travels INSIDE the one
   stats all-reduce that runs anyway, as a few extra float32 entries. No collective is added and nothing is read on the
@@ -49,11 +49,23 @@ def crc(value: Any) -> int:
 
 
 # ====================================================================== construction
+def construction_options(opt: Any) -> Dict[str, Any]:
+    """The constructor's options every rank must share, read from the optimizer's public
+    attributes (compared at construction)."""
+    return dict(
+        adam_w_mode=opt.adam_w_mode, bias_correction=opt.bias_correction, max_grad_norm=opt.max_grad_norm,
+        average_grad_sync=opt.average_grad_sync, dtype=str(opt.dtype), grad_sync_dtype=str(opt.grad_sync_dtype),
+        param_sync_dtype=str(opt.param_sync_dtype), overlap_grad_sync=opt.overlap_grad_sync,
+        overlap_param_sync=opt.overlap_param_sync, capturable=opt.capturable,
+        skip_grad_norm_above=opt.skip_grad_norm_above, store_param_remainders=opt.store_param_remainders)
+
+
 def describe(params: Sequence[torch.nn.Parameter], param_groups: Sequence[Dict[str, Any]], options: Dict[str, Any],
              bucket_cap_mb: float, comm: Any, buckets: Sequence[Any], device: torch.device,
-             formats: MomentFormats) -> Dict[str, Any]:
+             formats: MomentFormats, offload: Dict[str, Any]) -> Dict[str, Any]:
     """What every rank must have built identically, field by field (host values only);
-    ``formats``: what the moments are stored as (``state_formats.py``)."""
+    ``formats``: what the moments are stored as (``state_formats.py``); ``offload``: where the
+    state lives (``offload.py``)."""
     groups = []
     for g in param_groups:
         groups.append({k: ("tensor" if isinstance(v, Tensor) else v) for k, v in sorted(g.items()) if k != "params"})
@@ -67,6 +79,7 @@ def describe(params: Sequence[torch.nn.Parameter], param_groups: Sequence[Dict[s
         "param group hyperparameters": groups,
         "options": dict(options),
         "moment formats (exp_avg_dtype, exp_avg_sq_dtype)": formats.names(),
+        "offload (offload, offload_fraction)": offload,
         "bucket_cap_mb": bucket_cap_mb,
         "device mesh (replicate x shard)": comm.describe(),
         "buckets": [(b.numel, [s.index for s in b.slots]) for b in buckets],
