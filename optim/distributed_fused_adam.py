@@ -38,7 +38,7 @@ from .sync.grad_sync import GradSync
 from .checks.deferred import DeferredChecks
 from .hparams import (NO_COPY, NO_KEY, HparamTable, check_hparams, check_new_group, check_max_norm, check_norm_type,
                       check_options, clip_invalid, plain_key, tensor_lrs)
-from .layout import Bucket, build_layout, forward_order, grouped_params, params_device
+from .layout import ALIGN, Bucket, build_layout, forward_order, grouped_params, params_device
 from .sync.param_sync import ParamSync
 from .sync.stale_read_guard import StaleReadGuard
 from . import torch_tools
@@ -238,7 +238,7 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         self.store_param_remainders = store_param_remainders
 
         self._buckets: List[Bucket] = build_layout(
-            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank)
+            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN))
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
             self._params, self.param_groups, self._options(), self.bucket_cap_mb, self._comm, self._buckets,

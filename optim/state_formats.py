@@ -148,6 +148,18 @@ class MomentFormats:
         """``{moment key: format name}``: what the ranks compare at construction."""
         return {m.key: f.name for m, f in self.items()}
 
+    @property
+    def blockwise(self) -> bool:
+        """Some moment stores codes and block scales."""
+        return self.exp_avg.blockwise or self.exp_avg_sq.blockwise
+
+    def grid(self, align: int) -> int:
+        """What every shard's length is a multiple of (``layout.pack``'s ``block``): ``align``,
+        or with a blockwise moment the least common multiple of ``align`` and the formats'
+        blocks (the larger block: 256 with an ``"8bit"`` moment, 128 with ``"4bit"`` ones), so
+        shard boundaries fall on every moment's block grid."""
+        return math.lcm(align, *(f.block_size for _, f in self.items() if f.blockwise))
+
 
 def of_dtype(dtype: torch.dtype) -> Optional[StateFormat]:
     """The float format whose storage dtype is ``dtype`` (the stored tensor tells it), or None."""

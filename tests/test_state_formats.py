@@ -95,3 +95,11 @@ class _no_warning:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+
+
+def test_shard_grid_is_the_blockwise_moments_block():
+    F = sf.MomentFormats
+    assert F(sf.FP32, sf.BF16).grid(16) == 16 and not F(sf.FP32, sf.BF16).blockwise
+    assert F(sf.Q8, sf.Q4).grid(16) == 256 and F(sf.Q8, sf.Q4).blockwise
+    assert F(sf.Q4, sf.Q4).grid(16) == 128
+    assert F(sf.FP32, sf.Q8).grid(16) == 256
