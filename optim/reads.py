@@ -245,7 +245,8 @@ class OptimizerReads:
         """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0
         where the master IS the param shard, 2 B/element as int16 remainders), ``moments``
         (exp_avg + exp_avg_sq as their format stores them, ``StateFormat.nbytes``: 4 B/element
-        each in fp32, 2 in bf16),
+        each in fp32, 2 in bf16; a blockwise format's codes plus one fp32 scale per block,
+        exactly as allocated),
         ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
         lower-precision all-gather buffers), and ``total``."""

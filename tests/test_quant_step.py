@@ -221,3 +221,30 @@ def test_zero_shard_is_zero_and_whole_blocks():
             quant.QuantizedShard.zeros(fmt, signed, fmt.block_size + 16, 0, torch.device("cpu"))
         with pytest.raises(ValueError, match="block grid"):
             quant.QuantizedShard.zeros(fmt, signed, fmt.block_size, 16, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("formats", FORMAT_PAIRS, ids=lambda f: "-".join(x.name for x in f))
+def test_buffers_allocate_codes_and_scales_and_count_them_exactly(formats):
+    from shardamp.optim.shards import buffers as shard_buffers
+
+    mf = sf.MomentFormats(*formats)
+    params = [torch.nn.Parameter(torch.randn(n)) for n, _ in SIZES]
+    world, rank = 3, 1
+    buckets = build_layout([(p, g) for p, (_, g) in zip(params, SIZES)], 100.0, world, rank, mf.grid(ALIGN))
+    buf = shard_buffers.allocate(buckets[0], params, True, torch.float32, torch.float32, torch.float32, mf)
+    n = buckets[0].shard_numel
+    expected = 0
+    for moment, fmt, stored in buf.moments():
+        expected += fmt.nbytes(n)
+        if fmt.blockwise:
+            assert isinstance(stored, quant.QuantizedShard) and stored.signed == moment.signed
+            assert stored.offset == buckets[0].shard_start and stored.numel == n
+            assert stored.codes.dtype == torch.uint8 and stored.codes.numel() == n * fmt.bits // 8
+            assert stored.scales.dtype == torch.float32 and stored.scales.numel() == n // fmt.block_size
+            assert torch.equal(stored.dequantize(), torch.zeros(n))
+        else:
+            assert stored.dtype == fmt.storage_dtype and stored.numel() == n
+    assert shard_buffers.memory_stats([buf], [])["moments"] == expected
+    # 8-bit codes + scales: 1 + 4/256 B per element; 4-bit: 0.5 + 4/128
+    per = {"8bit": 1 + 4 / 256, "4bit": 0.5 + 4 / 128, "float32": 4, "bfloat16": 2}
+    assert expected == n * sum(per[f.name] for f in formats)
