@@ -2,7 +2,8 @@
 the dispatcher): shards cut on the block grid give bitwise the same codes, scales and params at
 1, 2 and 4 shards (uneven shards, several groups, an untouched param, several buckets), the skip
 flag writes nothing, the 4-bit second moment's zero-code rule holds through the step, the result
-tracks torch.optim.AdamW, bf16 params with remainders, and CUDA tensors are refused."""
+tracks torch.optim.AdamW, bf16 params with remainders, CUDA tensors are refused; the buffers
+allocate codes and scales per the format declaration and memory_stats counts them exactly."""
 from __future__ import annotations
 
 import pytest
