@@ -15,7 +15,7 @@ import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -120,10 +120,16 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             elsewhere, or ``attach(model)`` to guard every read in the model's forward.
         capturable: no host syncs and static buffers, so that the whole iteration can be
             captured in a CUDA graph (``lr`` then a device tensor).
-        exp_avg_dtype: storage dtype of ``exp_avg``, ``torch.float32`` or ``torch.bfloat16``
-            (default ``dtype``); read as fp32 by the step, written back rounded to nearest even.
-            The blockwise ``"8bit"`` / ``"4bit"`` formats are not available yet (a ValueError).
+        exp_avg_dtype: storage of ``exp_avg``: ``torch.float32`` or ``torch.bfloat16`` (default
+            ``dtype``; read as fp32 by the step, written back rounded to nearest even), or the
+            blockwise ``"8bit"`` / ``"4bit"`` formats (codes plus one fp32 absmax scale per block
+            of the bucket's grid; docs/low-bit-states.md): dequantized, updated in fp32 and
+            requantized per block by the step. CPU params only until their CUDA kernels exist
+            (``NotImplementedError`` on CUDA params), and on the CPU they run the reference math.
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
+        quant_block_size: elements per block of the blockwise moments, one value for both;
+            None: each format's default (256 for ``"8bit"``, 128 for ``"4bit"``). A positive
+            multiple of 16; only with a blockwise moment.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
             itself. Updates are bitwise those of a separate fp32 master; the bf16 params are the
@@ -183,10 +189,11 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
         capturable: bool = False,
-        exp_avg_dtype: Optional[torch.dtype] = None,
-        exp_avg_sq_dtype: Optional[torch.dtype] = None,
+        exp_avg_dtype: Optional[Union[torch.dtype, str]] = None,
+        exp_avg_sq_dtype: Optional[Union[torch.dtype, str]] = None,
         store_param_remainders: bool = False,
         skip_grad_norm_above: Optional[float] = None,
+        quant_block_size: Optional[int] = None,
     ) -> None:
         check_hparams(lr, betas, eps, weight_decay, "")
         self._skip_above = check_skip_above(skip_grad_norm_above)  # fixed: a captured graph holds it
@@ -196,8 +203,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
                  store_param_remainders=store_param_remainders),
             max_grad_norm, dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb,
         )
-        self._formats = resolve_moments(dtype, exp_avg_dtype, exp_avg_sq_dtype)  # what the moments are stored as
-        exp_avg_dtype, exp_avg_sq_dtype = self._formats.exp_avg.storage_dtype, self._formats.exp_avg_sq.storage_dtype
+        # what the moments are stored as; the attributes: a float format's dtype, a blockwise one's name
+        self._formats = resolve_moments(dtype, exp_avg_dtype, exp_avg_sq_dtype, quant_block_size)
+        exp_avg_dtype, exp_avg_sq_dtype = (f.name if f.blockwise else f.storage_dtype for _, f in self._formats.items())
 
         self._initialized = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
@@ -224,6 +232,11 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
         for p in self._params:
             p._shardamp_optimizer = weakref.ref(self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
+        if self._formats.blockwise and self._device.type != "cpu":
+            raise NotImplementedError(
+                f"exp_avg_dtype={exp_avg_dtype!r}, exp_avg_sq_dtype={exp_avg_sq_dtype!r}: the blockwise moment formats "
+                f"run on CPU params only until their CUDA kernels exist (the params are on {self._device}); pass "
+                "torch.float32 or torch.bfloat16 moments")
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
