@@ -127,9 +127,6 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             requantized per block by the step. CPU params only until their CUDA kernels exist
             (``NotImplementedError`` on CUDA params), and on the CPU they run the reference math.
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
-        quant_block_size: elements per block of the blockwise moments, one value for both;
-            None: each format's default (256 for ``"8bit"``, 128 for ``"4bit"``). A positive
-            multiple of 16; only with a blockwise moment.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
             itself. Updates are bitwise those of a separate fp32 master; the bf16 params are the
@@ -141,6 +138,9 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             scaler does not back off for it and, as torch.amp.GradScaler counts every step
             without an overflow, it counts toward the scaler's growth interval;
             ``step_stats()`` counts such steps apart (``skipped_spike``).
+        quant_block_size: elements per block of the blockwise moments, one value for both;
+            None: each format's default (256 for ``"8bit"``, 128 for ``"4bit"``). A positive
+            multiple of 16; only with a blockwise moment.
 
     Raises:
         ValueError: an invalid hyperparameter or option (naming it and the fix), params on
@@ -150,6 +150,8 @@ class DistributedFusedAdam(OptimizerReads, torch.optim.Optimizer):
             reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, or the ranks
             built different optimizers (raised on every rank, naming the field and each rank's
             value).
+        NotImplementedError: a blockwise moment format (``"8bit"`` / ``"4bit"``) over params
+            that are not on the CPU (no CUDA kernels for them yet).
 
     Extension points for subclasses (e.g. NeMo-style wrappers):
 
