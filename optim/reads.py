@@ -184,7 +184,10 @@ class OptimizerReads:
         ``state[i]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq`` shaped like param ``i``
         (plus ``master_param`` where the model dtype differs from the state dtype), and
         ``param_groups`` uses torch's keys, so the dict loads into ``torch.optim.AdamW`` / ``Adam``
-        and into a DistributedFusedAdam at any world size and bucket size.
+        and into a DistributedFusedAdam at any world size and bucket size. A blockwise moment
+        (``"8bit"`` / ``"4bit"``) is kept as its codes and block scales (flat uint8 codes plus
+        ``*_scales``, ``*_block_offset`` and ``param_layout`` entries): pass the dict through
+        ``shardamp.optim.to_torch_state_dict`` for torch.
 
         A collective: every rank of the process group calls it, at the same point. It starts
         with one small all-reduce that checks the ranks are in the same call with the same
