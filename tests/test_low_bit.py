@@ -3,7 +3,9 @@ at world 1, 2 and 4 (uneven shards, several groups and buckets, an untouched par
 with remainders); resumes across world sizes and layouts, bitwise; a loop with a scaler,
 max_grad_norm and an inf on one rank against torch's loop over the reference math; state dicts
 torch loads (to_torch_state_dict) and torch's fp32 moments loaded by quantizing; memory_stats;
-ranks with different formats. (The math alone: test_quant.py, test_quant_step.py.)"""
+ranks with different formats; the zero-code rule through the optimizer; capturable, spike skips,
+Adam, no bias correction and channels_last over low-bit moments. (The math alone: test_quant.py,
+test_quant_step.py.)"""
 from __future__ import annotations
 
 import functools
@@ -259,3 +261,53 @@ def test_cuda_params_are_refused_naming_the_fix(monkeypatch):
     monkeypatch.setattr(dfa, "params_device", lambda params: torch.device("cuda", 0))
     with pytest.raises(NotImplementedError, match="exp_avg_dtype='8bit'.*CPU params only.*torch.bfloat16"):
         DistributedFusedAdam(cc.new_model().parameters(), exp_avg_dtype="8bit")
+
+
+@pytest.mark.parametrize("fmt", ["4bit", "8bit"])
+def test_zero_code_rule_through_the_optimizer(fmt):
+    """One grad 1e6 times its neighbours' in every block: their second moments sit far below a
+    code step of the block's absmax, yet none is stored as 0 (the state dict says so), and no
+    element moves by more than lr per step (a zero second moment would divide by eps alone)."""
+    lr = 1e-3
+    p = torch.nn.Parameter(torch.zeros(4, 256))
+    opt = DistributedFusedAdam([p], lr=lr, exp_avg_dtype=fmt, exp_avg_sq_dtype=fmt)
+    g = torch.full((4, 256), 1e-3)
+    g[:, 0] = 1e3
+    for _ in range(10):
+        before = p.detach().clone()
+        (p * g).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        assert (p.detach() - before).abs().max() <= 1.01 * lr
+    state = to_torch_state_dict(cl.quiet_sd(opt))["state"][0]
+    assert (state["exp_avg_sq"] > 0).all() and (p.detach() < 0).all()
+
+
+@pytest.mark.parametrize("options", [dict(capturable=True), dict(skip_grad_norm_above=10.0),
+                                     dict(max_grad_norm=0.1, adam_w_mode=False), dict(bias_correction=False)])
+def test_other_options_run_with_low_bit_moments(options):
+    """The step's other options over blockwise moments, at world 1, against the same options
+    with fp32 moments: the params move alike (within what the moments' rounding changes)."""
+    runs = []
+    for formats in (dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit"), {}):
+        model, opt = cc.build(bucket_cap_mb=cc.TINY, **options, **formats)
+        cc.train(model, opt, range(4))
+        runs.append(cc.params_of(model))
+    init = cc.params_of(cc.new_model())
+    for a, b, p0 in zip(*runs, init):
+        moved = (b - p0).abs().max()
+        assert moved > 0 and (a - b).abs().max() <= 0.1 * moved
+
+
+def test_channels_last_params_keep_their_memory_format():
+    model, opt = cc.build(kind="conv", channels_last=True, exp_avg_dtype="4bit", exp_avg_sq_dtype="8bit")
+    cc.train(model, opt, range(2), kind="conv")
+    sd = cl.quiet_sd(opt)
+    tsd = to_torch_state_dict(sd)
+    for p, (i, entry) in zip(model.parameters(), sorted(tsd["state"].items())):
+        assert entry["exp_avg"].shape == p.shape and entry["exp_avg"].stride() == p.stride(), i
+        assert sd["state"][i]["param_layout"] == {"shape": list(p.shape), "stride": list(p.stride())}
+    model2, opt2 = cc.build(kind="conv", channels_last=True, exp_avg_dtype="4bit", exp_avg_sq_dtype="8bit")
+    model2.load_state_dict(model.state_dict())
+    opt2.load_state_dict(sd)
+    assert cl.sd_equal(cl.quiet_sd(opt2), sd) == ""  # the same layout: bitwise
