@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -33,7 +33,7 @@ from .sync.grad_sync import GradSync
 from .checks.deferred import DeferredChecks
 from .hparams import (NO_COPY, NO_KEY, HparamTable, check_hparams, check_new_group, check_max_norm, check_norm_type,
                       check_options, clip_invalid, plain_key, tensor_lrs)
-from .layout import Bucket, build_layout, forward_order, grouped_params, params_device
+from .layout import ALIGN, Bucket, build_layout, forward_order, grouped_params, params_device
 from .sync.param_sync import ParamSync
 from .sync.optimizer_sync import OptimizerSync
 from . import torch_tools
@@ -104,9 +104,10 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             elsewhere, or ``attach(model)`` to guard every read in the model's forward.
         capturable: no host syncs and static buffers, so that the whole iteration can be
             captured in a CUDA graph (``lr`` then a device tensor).
-        exp_avg_dtype: storage dtype of ``exp_avg``, ``torch.float32`` or ``torch.bfloat16``
-            (default ``dtype``); read as fp32 by the step, written back rounded to nearest even.
-            The blockwise ``"8bit"`` / ``"4bit"`` formats are not available yet (a ValueError).
+        exp_avg_dtype: storage of ``exp_avg``: ``torch.float32`` or ``torch.bfloat16`` (default
+            ``dtype``; read as fp32 by the step, written back rounded to nearest even), or
+            ``"8bit"`` / ``"4bit"`` (codes plus one fp32 absmax scale per block, requantized per
+            block by the step; docs/low-bit-states.md): CPU params only for now (reference math).
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
@@ -119,6 +120,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             scaler does not back off for it and, as torch.amp.GradScaler counts every step
             without an overflow, it counts toward the scaler's growth interval;
             ``step_stats()`` counts such steps apart (``skipped_spike``).
+        quant_block_size: elements per block of the blockwise moments, one value for both;
+            None: each format's default (256 for ``"8bit"``, 128 for ``"4bit"``). A positive
+            multiple of 16; only with a blockwise moment.
         offload: ``"cpu"``: the owned fp32 master and moments in host memory (docs/offload.md); not available yet.
         offload_fraction: with ``offload``, the share of the owned state on the host (0 to 1, default 1.0).
 
@@ -126,7 +130,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         ValueError: an invalid hyperparameter or option (naming it and the fix), params on
             several devices or on the meta device, a param given twice, or storage options that
             do not fit the params' dtypes, or ``offload`` options that do not fit them.
-        NotImplementedError: ``offload="cpu"``, once the ranks agree on it.
+        NotImplementedError: ``offload="cpu"``, once the ranks agree on it; ``"8bit"`` /
+            ``"4bit"`` moments over params not on the CPU (no CUDA kernels for them yet).
         RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer
             reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, or the ranks
             built different optimizers (raised on every rank, naming the field and each rank's
@@ -170,10 +175,11 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         overlap_grad_sync: bool = True,
         overlap_param_sync: bool = False,
         capturable: bool = False,
-        exp_avg_dtype: Optional[torch.dtype] = None,
-        exp_avg_sq_dtype: Optional[torch.dtype] = None,
+        exp_avg_dtype: Optional[Union[torch.dtype, str]] = None,
+        exp_avg_sq_dtype: Optional[Union[torch.dtype, str]] = None,
         store_param_remainders: bool = False,
         skip_grad_norm_above: Optional[float] = None,
+        quant_block_size: Optional[int] = None,
         offload: Optional[str] = None,
         offload_fraction: Optional[float] = None,
     ) -> None:
@@ -185,8 +191,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
                  store_param_remainders=store_param_remainders),
             max_grad_norm, dtype, grad_sync_dtype, param_sync_dtype, bucket_cap_mb,
         )
-        self._formats = resolve_moments(dtype, exp_avg_dtype, exp_avg_sq_dtype)  # what the moments are stored as
-        exp_avg_dtype, exp_avg_sq_dtype = self._formats.exp_avg.storage_dtype, self._formats.exp_avg_sq.storage_dtype
+        self._formats = resolve_moments(dtype, exp_avg_dtype, exp_avg_sq_dtype, quant_block_size)  # state_formats.py
         self._offload = resolve_offload(offload, offload_fraction, store_param_remainders, capturable)  # offload.py
 
         self._initialized = False
@@ -204,19 +209,20 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         for p in self._params:
             p._shardamp_optimizer = weakref.ref(self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
+        self._formats.check_device(self._device)
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
         self.device_mesh = device_mesh
         self.world_size, self.rank = self._comm.world_size, self._comm.rank
         self.grad_sync_dtype, self.param_sync_dtype = grad_sync_dtype, param_sync_dtype
-        self.exp_avg_dtype, self.exp_avg_sq_dtype = exp_avg_dtype, exp_avg_sq_dtype
+        self.exp_avg_dtype, self.exp_avg_sq_dtype = self._formats.attribute_values()
         if store_param_remainders:
             check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
         self.store_param_remainders = store_param_remainders
 
         self._buckets: List[Bucket] = build_layout(
-            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank)
+            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN))
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
             self._params, self.param_groups, agreement.construction_options(self), self.bucket_cap_mb, self._comm,
@@ -235,8 +241,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         self._view_check = kernels.view_check(self._view_refs)
         # all per-step health state: skip reasons, counters, non-finite flags, per-group norms
         self._health = StepHealth(self._device, self._comm, self._buckets, self.param_groups, self._skip_above,
-                                  capturable,
-                                  fp16_grads=any(b.grad_dtype == torch.float16 for b in self._buffers))
+                                  capturable, fp16_grads=any(b.grad_dtype == torch.float16 for b in self._buffers))
         self._avg_tensor = torch.full((), self._avg_factor, dtype=torch.float32, device=self._device)
         # the step's phase and every per-step counter (step/cycle.py)
         self._cycle = StepCycle(self._avg_factor, self._avg_tensor)
@@ -244,8 +249,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
                                    check_landed=self._health.check_landed, landing_flags=self._health.landing_flags,
                                    landing_rows=self._health.landing_rows)
-        self._param_sync = ParamSync(
-            self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
+        self._param_sync = ParamSync(self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
@@ -267,12 +271,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
 
     # ------------------------------------------------------------------ setup helpers
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
-        """Register a param group; only possible while the optimizer is being built.
-
-        ``torch.optim.Optimizer.__init__`` calls this once per group of ``params``; each group's
-        hyperparameters and options are validated here. The flat-buffer layout is fixed at
-        construction, so a group cannot be added later: pass every group to the constructor.
-        Local (no collective, no host sync).
+        """Register a param group while the optimizer is being built (``torch.optim.Optimizer``'s
+        ``__init__`` calls it per group; validated here). The flat-buffer layout is fixed at
+        construction: pass every group to the constructor. Local (no collective, no host sync).
 
         Args:
             param_group: a dict with ``params`` (``torch.nn.Parameter`` leaves) and optionally
@@ -492,8 +493,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         slot = self._grad_sync.slots[index]
         return reattach_param(self._buffers[slot.bucket], slot, self._params[index], self._device)
 
-    def __deepcopy__(self, memo: dict) -> "DistributedFusedAdam":
+    def __deepcopy__(self, memo: Optional[dict] = None) -> Any:
         raise TypeError(NO_COPY)
 
-    def __getstate__(self) -> Dict[str, Any]:
-        raise TypeError(NO_COPY)
+    __getstate__ = __deepcopy__  # a pickle as well as a deepcopy would train a detached copy

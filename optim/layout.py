@@ -6,6 +6,10 @@ elements in its own MEMORY order (what ``as_strided(buffer, shape, stride, offse
 so a channels_last weight is stored exactly as it lies in memory and never needs ``.view(-1)``.
 Every param starts at a multiple of ``ALIGN`` elements and every shard is a multiple of
 ``ALIGN`` long, so vectorised kernels see aligned segment starts; the padding is never updated.
+With a blockwise moment format (``"8bit"`` / ``"4bit"``, ``state_formats.py``) every shard is
+also a multiple of the format's block (``block``, a multiple of ``ALIGN``): shard boundaries fall
+on the bucket's block grid, so no block straddles two ranks and a block holds the same bucket
+elements at every world size. Param offsets never depend on the world size or the block.
 
 Two steps: :func:`plan_buckets` is the bucket POLICY (which params share a bucket, in which
 order), :func:`pack` the mechanics (offsets, alignment, shards, segment tables). A new policy
@@ -153,10 +157,12 @@ def build_layout(
     bucket_cap_mb: float,
     shard_size: int,
     shard_rank: int,
+    block: int = ALIGN,
 ) -> List[Bucket]:
     """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets
     (:func:`plan_buckets`) and pack them (:func:`pack`). The result is identical on every rank,
-    which is what makes the fixed collective order possible."""
+    which is what makes the fixed collective order possible. ``block``: every shard is a
+    multiple of it (``MomentFormats.grid``: the blockwise moments' block, else ``ALIGN``)."""
     for index, (p, _group) in enumerate(params):
         if not is_dense_non_overlapping(p):
             raise ValueError(
@@ -164,13 +170,20 @@ def build_layout(
                 "dense and non-overlapping; make it contiguous (or channels_last) before building "
                 "the optimizer"
             )
-    return pack(plan_buckets(params, bucket_cap_mb), params, shard_size, shard_rank)
+    return pack(plan_buckets(params, bucket_cap_mb), params, shard_size, shard_rank, block)
 
 
 def pack(plan: List[List[int]], params: Sequence[Tuple[torch.Tensor, int]], shard_size: int,
-         shard_rank: int) -> List[Bucket]:
+         shard_rank: int, block: int = ALIGN) -> List[Bucket]:
     """Lay out each planned bucket: aligned offsets in plan order, split into ``shard_size``
-    shards (the shard dim of the optimizer's comm.py span); this rank's segment table."""
+    shards (the shard dim of the optimizer's comm.py span) of a multiple of ``block`` elements
+    each; this rank's segment table.
+
+    Raises:
+        ValueError: ``block`` is not a positive multiple of ``ALIGN``.
+    """
+    if block <= 0 or block % ALIGN:
+        raise ValueError(f"block={block}: expected a positive multiple of ALIGN={ALIGN}")
     buckets: List[Bucket] = []
     for indices in plan:
         first = params[indices[0]][0]
@@ -183,7 +196,9 @@ def pack(plan: List[List[int]], params: Sequence[Tuple[torch.Tensor, int]], shar
                                           tuple(p.stride()), p.requires_grad))
     for bucket in buckets:
         used = _round_up(s_end(bucket.slots[-1]), ALIGN)
-        bucket.shard_numel = _round_up(max(used, 1), ALIGN * shard_size) // shard_size
+        # the padding after the last param adds whole blocks (or fills the last one), the same
+        # elements at every world size: at most block * shard_size of them
+        bucket.shard_numel = _round_up(max(used, 1), block * shard_size) // shard_size
         bucket.numel = bucket.shard_numel * shard_size
         bucket.shard_start = shard_rank * bucket.shard_numel
         bucket.segments = SegmentTable.build(shard_segments(bucket, shard_rank), bucket.device)

@@ -184,7 +184,10 @@ class OptimizerReads:
         ``state[i]`` holds ``step``, ``exp_avg`` and ``exp_avg_sq`` shaped like param ``i``
         (plus ``master_param`` where the model dtype differs from the state dtype), and
         ``param_groups`` uses torch's keys, so the dict loads into ``torch.optim.AdamW`` / ``Adam``
-        and into a DistributedFusedAdam at any world size and bucket size.
+        and into a DistributedFusedAdam at any world size and bucket size. A blockwise moment
+        (``"8bit"`` / ``"4bit"``) is kept as its codes and block scales (flat uint8 codes plus
+        ``*_scales``, ``*_block_offset`` and ``param_layout`` entries): pass the dict through
+        ``shardamp.optim.to_torch_state_dict`` for torch.
 
         A collective: every rank of the process group calls it, at the same point. It starts
         with one small all-reduce that checks the ranks are in the same call with the same
@@ -245,7 +248,8 @@ class OptimizerReads:
         """Bytes this rank's optimizer holds, by kind (model params excluded): ``master`` (0
         where the master IS the param shard, 2 B/element as int16 remainders), ``moments``
         (exp_avg + exp_avg_sq as their format stores them, ``StateFormat.nbytes``: 4 B/element
-        each in fp32, 2 in bf16),
+        each in fp32, 2 in bf16; a blockwise format's codes plus one fp32 scale per block,
+        exactly as allocated),
         ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
         lower-precision all-gather buffers), and ``total``."""

@@ -10,12 +10,15 @@ through it (``shards/buffers.py``), the dispatcher asks it which states the comp
 through it (``checkpoint/``), the ranks compare its name at construction (``checks/agreement.py``)
 and ``memory_stats`` counts it. A new format is one entry in :data:`FORMATS` plus its kernels.
 
-The blockwise formats ``"8bit"`` and ``"4bit"`` are declared (their sizes and block scales) but
-not available: the step, the kernels and the checkpoints do not take them yet, so asking for
-them raises, naming the values that are accepted (docs/low-bit-states.md).
+The blockwise formats ``"8bit"`` and ``"4bit"`` store codes plus one fp32 scale per block
+(docs/low-bit-states.md): the buffers hold them as ``kernels.quant.QuantizedShard``, the step
+runs the reference math over them on CPU tensors (no compiled kernel takes them yet; CUDA
+tensors raise), and the checkpoints keep their codes and scales (``checkpoint/quantized.py``).
+Their ``zeros`` / ``state_dict_value`` / ``to_fp32`` / ``load`` are the float formats' alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, Optional, Tuple
@@ -96,6 +99,8 @@ class StateFormat:
     def _check_available(self) -> None:
         if not self.available:
             raise NotImplementedError(f"the {self.name!r} moment format is declared but not available yet")
+        if self.blockwise:  # codes and scales: kernels.quant.QuantizedShard and checkpoint/quantized.py
+            raise TypeError(f"the {self.name!r} moment format is held as codes and block scales, not one tensor")
 
 
 FP32 = StateFormat("float32", torch.float32, 32, native=True)
@@ -103,16 +108,15 @@ BF16 = StateFormat("bfloat16", torch.bfloat16, 16, native=True, below_fp32=True)
 FP64 = StateFormat("float64", torch.float64, 64)  # dtype=torch.float64's moments: the reference path
 # blockwise absmax formats: codes in uint8 (two 4-bit codes per byte); the maps and block sizes
 # are the accuracy study's choice (docs/low-bit-states.md, benchmarks/quant_study.py)
-Q8 = StateFormat("8bit", torch.uint8, 8, block_size=256, maps=("dynamic_sym", "dynamic_nz"), below_fp32=True,
-                 available=False)
-Q4 = StateFormat("4bit", torch.uint8, 4, block_size=128, maps=("square", "square_nz"), below_fp32=True,
-                 available=False)
+Q8 = StateFormat("8bit", torch.uint8, 8, block_size=256, maps=("dynamic_sym", "dynamic_nz"), below_fp32=True)
+Q4 = StateFormat("4bit", torch.uint8, 4, block_size=128, maps=("square", "square_nz"), below_fp32=True)
 
 FORMATS: Dict[str, StateFormat] = {f.name: f for f in (FP32, BF16, FP64, Q8, Q4)}
 # the user values the constructor's exp_avg_dtype / exp_avg_sq_dtype accept, besides None
 _SELECTABLE: Tuple[Tuple[Any, StateFormat], ...] = ((torch.float32, FP32), (torch.bfloat16, BF16))
-_DECLARED_ONLY: Tuple[Tuple[Any, StateFormat], ...] = (("8bit", Q8), ("4bit", Q4))
-ACCEPTED = "None (the state dtype), torch.float32 or torch.bfloat16"
+_BLOCKWISE: Tuple[Tuple[str, StateFormat], ...] = (("8bit", Q8), ("4bit", Q4))
+ACCEPTED = 'None (the state dtype), torch.float32, torch.bfloat16, "8bit" or "4bit"'
+BLOCK_MULTIPLE = 16  # a block size must be a multiple of this (layout.ALIGN: shards are whole blocks)
 
 
 @dataclass(frozen=True)
@@ -145,8 +149,36 @@ class MomentFormats:
         yield EXP_AVG_SQ, self.exp_avg_sq
 
     def names(self) -> Dict[str, str]:
-        """``{moment key: format name}``: what the ranks compare at construction."""
-        return {m.key: f.name for m, f in self.items()}
+        """``{moment key: format name}`` (a blockwise one with its block size): what the ranks
+        compare at construction."""
+        return {m.key: f"{f.name} (block {f.block_size})" if f.blockwise else f.name for m, f in self.items()}
+
+    @property
+    def blockwise(self) -> bool:
+        """Some moment stores codes and block scales."""
+        return self.exp_avg.blockwise or self.exp_avg_sq.blockwise
+
+    def attribute_values(self) -> Tuple[Any, Any]:
+        """The optimizer's ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` attributes: a float format's
+        dtype, a blockwise one's name."""
+        return tuple(f.name if f.blockwise else f.storage_dtype for _, f in self.items())  # type: ignore[return-value]
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``NotImplementedError`` for a blockwise format over params not on the CPU (its
+        CUDA kernels do not exist yet)."""
+        if self.blockwise and device.type != "cpu":
+            exp_avg, exp_avg_sq = self.attribute_values()
+            raise NotImplementedError(
+                f"exp_avg_dtype={exp_avg!r}, exp_avg_sq_dtype={exp_avg_sq!r}: the blockwise moment formats run on "
+                f"CPU params only until their CUDA kernels exist (the params are on {device}); pass torch.float32 "
+                "or torch.bfloat16 moments")
+
+    def grid(self, align: int) -> int:
+        """What every shard's length is a multiple of (``layout.pack``'s ``block``): ``align``,
+        or with a blockwise moment the least common multiple of ``align`` and the formats'
+        blocks (the larger block: 256 with an ``"8bit"`` moment, 128 with ``"4bit"`` ones), so
+        shard boundaries fall on every moment's block grid."""
+        return math.lcm(align, *(f.block_size for _, f in self.items() if f.blockwise))
 
 
 def of_dtype(dtype: torch.dtype) -> Optional[StateFormat]:
@@ -168,8 +200,7 @@ def resolve(option: str, value: Any, state_dtype: torch.dtype) -> StateFormat:
     selects; None: the state dtype's (``dtype=``, fp32 or fp64).
 
     Raises:
-        ValueError: naming the argument, its value and the accepted values; for ``"8bit"`` /
-            ``"4bit"``, that they are not available yet.
+        ValueError: naming the argument, its value and the accepted values.
     """
     if value is None:
         fmt = of_dtype(state_dtype)
@@ -179,14 +210,32 @@ def resolve(option: str, value: Any, state_dtype: torch.dtype) -> StateFormat:
     for user, fmt in _SELECTABLE:
         if isinstance(value, torch.dtype) and value == user:
             return fmt
-    for user, fmt in _DECLARED_ONLY:
-        if isinstance(value, str) and value == user:
-            raise ValueError(f"{option}={value!r}: blockwise {value} moments are not available yet; "
-                             f"expected {ACCEPTED}")
+    for name, fmt in _BLOCKWISE:
+        if isinstance(value, str) and value == name:
+            return fmt
     raise ValueError(f"{option}={value!r}: expected {ACCEPTED}")
 
 
-def resolve_moments(state_dtype: torch.dtype, exp_avg_dtype: Any, exp_avg_sq_dtype: Any) -> MomentFormats:
-    """Both moments' formats from the constructor's arguments (``resolve`` each)."""
-    return MomentFormats(resolve(EXP_AVG.option, exp_avg_dtype, state_dtype),
-                         resolve(EXP_AVG_SQ.option, exp_avg_sq_dtype, state_dtype))
+def resolve_moments(state_dtype: torch.dtype, exp_avg_dtype: Any, exp_avg_sq_dtype: Any,
+                    quant_block_size: Optional[int] = None) -> MomentFormats:
+    """Both moments' formats from the constructor's arguments (``resolve`` each);
+    ``quant_block_size``: the block of every blockwise moment (None: each format's default).
+
+    Raises:
+        ValueError: a value ``resolve`` refuses; ``quant_block_size`` not a positive multiple of
+            ``BLOCK_MULTIPLE``, or given where neither moment is blockwise.
+    """
+    formats = MomentFormats(resolve(EXP_AVG.option, exp_avg_dtype, state_dtype),
+                            resolve(EXP_AVG_SQ.option, exp_avg_sq_dtype, state_dtype))
+    if quant_block_size is None:
+        return formats
+    if isinstance(quant_block_size, bool) or not isinstance(quant_block_size, int) or quant_block_size <= 0 \
+            or quant_block_size % BLOCK_MULTIPLE:
+        raise ValueError(f"quant_block_size={quant_block_size!r}: expected None (each format's default: "
+                         f"{Q8.block_size} for \"8bit\", {Q4.block_size} for \"4bit\") or a positive multiple of "
+                         f"{BLOCK_MULTIPLE}")
+    if not formats.blockwise:
+        raise ValueError(f"quant_block_size={quant_block_size}: neither moment is blockwise; pass exp_avg_dtype "
+                         "or exp_avg_sq_dtype \"8bit\" or \"4bit\", or leave quant_block_size None")
+    sized = [dataclasses.replace(f, block_size=quant_block_size) if f.blockwise else f for _, f in formats.items()]
+    return MomentFormats(*sized)

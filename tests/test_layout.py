@@ -101,3 +101,31 @@ def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
     assert list(forward_order(len(plan))) == list(reversed(backward_order(len(plan))))
     if len(plan) > 1 and len({p.dtype for p, _ in params}) == 1:  # the last bucket holds the first params
         assert min(plan[-1]) == 0 and max(plan[0]) == len(params) - 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("block", [128, 256])
+def test_blockwise_shards_fall_on_the_block_grid_at_every_world_size(seed: int, block: int) -> None:
+    """With a blockwise moment format every shard is whole blocks of the bucket's grid (no block
+    straddles two ranks), and the params' offsets are those of the plain layout at every world
+    size: a block holds the same bucket elements at world 1, 2 and 4."""
+    rng = random.Random(seed)
+    params = _random_params(rng)
+    cap = rng.choice([0.0001, 0.001, 100.0])
+    plain = build_layout(params, cap, 1, 0)
+    used = [max(s.offset + s.numel for s in b.slots) for b in plain]
+    for world in (1, 2, 3, 4):
+        for rank in range(world):
+            buckets = build_layout(params, cap, world, rank, block)
+            assert [[(s.index, s.offset) for s in b.slots] for b in buckets] == \
+                [[(s.index, s.offset) for s in b.slots] for b in plain]
+            for b, end in zip(buckets, used):
+                assert b.shard_numel % block == 0 and b.shard_start == rank * b.shard_numel
+                assert b.numel == b.shard_numel * world and b.numel >= end
+                assert b.numel - end < block * world + ALIGN  # the padding: at most whole blocks per rank
+
+
+def test_block_must_be_a_multiple_of_align() -> None:
+    params = [(torch.randn(10), 0)]
+    with pytest.raises(ValueError, match="block=24: expected a positive multiple of ALIGN"):
+        build_layout(params, 100.0, 1, 0, 24)

@@ -24,23 +24,53 @@ def test_user_values_select_their_format(value, state_dtype, expected):
 
 
 @pytest.mark.parametrize("value", [torch.float16, torch.float64, torch.float8_e4m3fn, torch.uint8, "bf16",
-                                   "bfloat16", 8, [torch.float32]])
+                                   "bfloat16", 8, "8-bit", "2bit", [torch.float32]])
 def test_other_values_raise_naming_the_accepted_ones(value):
     with pytest.raises(ValueError) as info:
         sf.resolve("exp_avg_sq_dtype", value, torch.float32)
-    assert str(info.value) == (f"exp_avg_sq_dtype={value!r}: expected None (the state dtype), torch.float32 or "
-                               "torch.bfloat16")
+    assert str(info.value) == (f"exp_avg_sq_dtype={value!r}: expected None (the state dtype), torch.float32, "
+                               'torch.bfloat16, "8bit" or "4bit"')
 
 
-@pytest.mark.parametrize("value", ["8bit", "4bit"])
+@pytest.mark.parametrize("value,fmt", [("8bit", sf.Q8), ("4bit", sf.Q4)])
 @pytest.mark.parametrize("option", ["exp_avg_dtype", "exp_avg_sq_dtype"])
-def test_low_bit_formats_are_refused_until_they_work_end_to_end(value, option):
-    with pytest.raises(ValueError, match=f"{option}='{value}': blockwise {value} moments are not available yet; "
-                                         r"expected None \(the state dtype\), torch.float32 or torch.bfloat16"):
-        DistributedFusedAdam(_model().parameters(), **{option: value})
-    for fmt in (sf.Q8, sf.Q4):  # declared only: nothing allocates or saves them
-        with pytest.raises(NotImplementedError, match="not available yet"):
-            fmt.zeros(4, torch.device("cpu"))
+def test_low_bit_formats_are_selected_each_moment_apart(value, fmt, option):
+    assert sf.resolve(option, value, torch.float32) is fmt and sf.resolve(option, value, torch.float64) is fmt
+    opt = DistributedFusedAdam(_model().parameters(), **{option: value})
+    formats = opt.shard_view().formats
+    assert getattr(formats, option[:-len("_dtype")]) is fmt and getattr(opt, option) == value
+    other = "exp_avg_sq" if option == "exp_avg_dtype" else "exp_avg"
+    assert getattr(formats, other) is sf.FP32
+    assert all(b.shard_numel % fmt.block_size == 0 for b in opt._buckets)
+    for f in (sf.Q8, sf.Q4):  # held as codes and scales, never as one tensor of the storage dtype
+        with pytest.raises(TypeError, match="codes and block scales"):
+            f.zeros(4, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("block", [16, 64, 512])
+def test_quant_block_size_sets_every_blockwise_moment(block):
+    formats = sf.resolve_moments(torch.float32, "8bit", "4bit", block)
+    assert formats.exp_avg.block_size == formats.exp_avg_sq.block_size == block
+    assert formats.names() == {"exp_avg": f"8bit (block {block})", "exp_avg_sq": f"4bit (block {block})"}
+    assert sf.resolve_moments(torch.float32, "8bit", None, block).exp_avg_sq is sf.FP32
+    opt = DistributedFusedAdam(_model().parameters(), exp_avg_dtype="4bit", quant_block_size=block)
+    assert all(b.shard_numel % block == 0 and b.exp_avg.scales.numel() == b.shard_numel // block
+               for b in opt._buffers)
+
+
+@pytest.mark.parametrize("block,match", [
+    (100, "quant_block_size=100: expected None .* or a positive multiple of 16"),
+    (0, "quant_block_size=0: expected"), (-16, "quant_block_size=-16"), (True, "quant_block_size=True"),
+    (64.0, "quant_block_size=64.0"),
+])
+def test_bad_quant_block_size_raises(block, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedFusedAdam(_model().parameters(), exp_avg_dtype="8bit", quant_block_size=block)
+
+
+def test_quant_block_size_without_a_blockwise_moment_raises():
+    with pytest.raises(ValueError, match="quant_block_size=64: neither moment is blockwise; pass exp_avg_dtype"):
+        DistributedFusedAdam(_model().parameters(), exp_avg_dtype=torch.bfloat16, quant_block_size=64)
 
 
 def test_bytes_per_format_are_exact():
@@ -95,3 +125,11 @@ class _no_warning:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+
+
+def test_shard_grid_is_the_blockwise_moments_block():
+    F = sf.MomentFormats
+    assert F(sf.FP32, sf.BF16).grid(16) == 16 and not F(sf.FP32, sf.BF16).blockwise
+    assert F(sf.Q8, sf.Q4).grid(16) == 256 and F(sf.Q8, sf.Q4).blockwise
+    assert F(sf.Q4, sf.Q4).grid(16) == 128
+    assert F(sf.FP32, sf.Q8).grid(16) == 256

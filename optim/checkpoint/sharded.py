@@ -11,7 +11,12 @@ Format (a plain DCP checkpoint, only public DCP API, tensors only):
   (the step counts' CRC is in the metadata, the metadata's in the completion marker);
 * ``state/{param}/{key}/{offset}``: 1-D, this rank's contiguous piece of param ``param``'s
   ``key`` (``exp_avg``, ``exp_avg_sq``, ``master_param``), elements ``[offset, offset + len)``
-  of the param in MEMORY order. A rank's shard holds at most one piece of each param.
+  of the param in MEMORY order. A rank's shard holds at most one piece of each param. A
+  blockwise moment (``"8bit"`` / ``"4bit"``) is stored as its codes, one uint8 per element (4-bit
+  codes too: a piece may start or end mid-byte), and ``state/{param}/{key}_scales/{offset}``, fp32,
+  the scales of the blocks that piece's elements fall in (the layout puts shard boundaries on the
+  block grid, so a piece never needs another rank's scale); the metadata's ``block_offsets``
+  gives each param's first element's position in its block, its extras how the codes read.
 
 The directory is written aside and published with a completion marker (``atomic_publish.py``):
 a directory without it is never loaded.
@@ -39,7 +44,9 @@ from ..checks import agreement
 from . import atomic_publish
 from . import state_dict as sd_mod
 from ..hparams import validate_groups
+from ..kernels import quant
 from ..state_formats import MOMENTS
+from . import quantized as sd_quant
 
 FORMAT = "shardamp.dcp/1"
 META_KEY = "shardamp/meta"
@@ -47,6 +54,7 @@ STEPS_KEY = "shardamp/steps"
 CRC_PREFIX = "shardamp/crc/"  # + writer rank: JSON {piece name: CRC32} of that rank's pieces
 PathLike = Union[str, "os.PathLike[str]"]
 _UNSIGNED = frozenset(m.key for m in MOMENTS if not m.signed)  # never negative: exp_avg_sq
+SCALES = "_scales"  # the key suffix of a blockwise moment's block scales
 
 
 def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None:
@@ -66,6 +74,7 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                             clips=opt.shard_view().last_clips())
     steps = opt.shard_view().steps.detach().to("cpu", copy=True)
     slots = sd_mod.slots_by_index(opt)
+    blockwise = {m.key: fmt for m, fmt in opt.shard_view().formats.items() if fmt.blockwise}
     meta = {
         "format": FORMAT,
         "shapes": [list(s.shape) for s in slots],
@@ -73,22 +82,29 @@ def save_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
         sd_mod.EXTRA_KEY: sd_mod.extras(opt),
         "scaler": _jsonable_scaler(scaler),
         "steps_crc": atomic_publish.tensor_crc(steps),
+        "block_offsets": {k: [s.offset % fmt.block_size for s in slots] for k, fmt in blockwise.items()},
     }
     blob = json.dumps(meta, sort_keys=True).encode()
     meta_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     state: Dict[str, Tensor] = {META_KEY: meta_tensor, STEPS_KEY: steps}
     crcs: Dict[str, int] = {}
     for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
-        sources = [(moment.key, fmt.state_dict_value(t)) for moment, fmt, t in buf.moments()]
+        sources = [(moment.key, fmt.state_dict_value(t)) for moment, fmt, t in buf.moments() if not fmt.blockwise]
+        quantized = [(moment.key, fmt.block_size, sd_quant.gathered_values(t).to(torch.uint8), t.scales)
+                     for moment, fmt, t in buf.moments() if fmt.blockwise]
         if sd_mod.has_master(opt, bucket.dtype):
             sources.append((sd_mod.MASTER_KEY, buf.master_values()))  # fp32, also from remainders
         # replicas (comm.py's replicate dim) hold the same shard: only the first one writes it
         for seg in bucket.segments.segments if opt.shard_view().comm.replicate_rank == 0 else ():
             if steps[seg.param_index] <= 0:  # never updated: no state, as in torch
                 continue
-            for key, src in sources:
+            pieces = [(key, src[seg.start : seg.start + seg.length]) for key, src in sources]
+            for key, block, codes, scales in quantized:
+                first, end = seg.start // block, (seg.start + seg.length + block - 1) // block
+                pieces += [(key, codes[seg.start : seg.start + seg.length]), (key + SCALES, scales[first:end])]
+            for key, src in pieces:
                 # a copy: DCP must not serialise the whole shard behind a view
-                piece = src[seg.start : seg.start + seg.length].to("cpu", copy=True)
+                piece = src.to("cpu", copy=True)
                 name = f"state/{seg.param_index}/{key}/{seg.param_offset}"
                 state[name] = piece
                 crcs[name] = atomic_publish.tensor_crc(piece)
@@ -118,7 +134,8 @@ def _save_problem(opt: Any, path: str) -> str:
         problem = validate_groups(opt.param_groups, read_lr=True)
     if not problem:
         for i, buf in enumerate(opt.shard_view().buffers):
-            moments = [(moment, fmt.state_dict_value(t)) for moment, fmt, t in buf.moments()]
+            moments = [(moment, t.scales if fmt.blockwise else fmt.state_dict_value(t))
+                       for moment, fmt, t in buf.moments()]
             if not all(bool(torch.isfinite(t).all()) for _, t in moments):
                 problem = f"bucket {i}: the moments hold non-finite values"
             else:
@@ -193,6 +210,9 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
                     wanted[(i, key, lo, hi)] = cover
                     for name, _off, n in cover:
                         needed[name] = torch.empty(n, dtype=dtypes[name])
+                        scales = name.replace(f"/{key}/", f"/{key}{SCALES}/")
+                        if scales in sizes:  # codes of a blockwise moment: their scales too
+                            needed[scales] = torch.empty(sizes[scales], dtype=dtypes[scales])
                 elif not problem:
                     problem = f"incomplete checkpoint: param {i} '{key}' elements [{lo}, {hi}) are missing"
     agreement.agree_on_call(opt.shard_view(), "load_sharded (plan)", problem=problem)
@@ -206,6 +226,13 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
             problem = f"'{name}' holds non-finite values"
         if not problem and name.split("/")[2] in _UNSIGNED and bool((needed[name] < 0).any()):
             problem = f"'{name}' holds negative values (a second moment is >= 0)"
+        if not problem and name.split("/")[2].endswith(SCALES) and bool((needed[name] < 0).any()):
+            problem = f"'{name}' holds negative block scales"
+    if not problem:
+        try:  # blockwise codes read as fp32 values, quantized again by write_state
+            _dequantize_pieces(needed, meta, sizes)
+        except ValueError as exc:
+            problem = str(exc)
     agreement.agree_on_call(opt.shard_view(), "load_sharded (read)", problem=f"{path}: {problem}" if problem else "")
     scaler_state = meta.get("scaler")
 
@@ -227,6 +254,28 @@ def load_sharded(opt: Any, path: PathLike, scaler: Optional[Any] = None) -> None
 
 
 # ====================================================================== internals
+def _dequantize_pieces(needed: Dict[str, Tensor], meta: Dict[str, Any], sizes: Dict[str, Tuple[int, ...]]) -> None:
+    """Replace each blockwise moment's codes piece in ``needed`` by its fp32 values (its scales
+    piece and the metadata's block offsets and extras read it)."""
+    extras = meta.get(sd_mod.EXTRA_KEY) or {}
+    for name in sorted(needed):
+        _, i, key, off = name.split("/")
+        scales_name = f"state/{i}/{key}{SCALES}/{off}"
+        if key.endswith(SCALES) or scales_name not in needed:
+            continue
+        info = extras.get(key + sd_quant.QUANT) or {}
+        moment = next((m for m in MOMENTS if m.key == key), None)
+        offsets = (meta.get("block_offsets") or {}).get(key)
+        if moment is None or not info or offsets is None or int(i) >= len(offsets):
+            raise ValueError(f"'{name}' holds codes, but the metadata does not say how they read")
+        qmap, block = quant.code_map(info["map"], info["bits"], moment.signed), info["block_size"]
+        codes, scales = needed[name], needed[scales_name]
+        start = (offsets[int(i)] + int(off)) % block
+        if (int(codes.max()) if codes.numel() else 0) >= qmap.numel() or scales.numel() * block < start + codes.numel():
+            raise ValueError(f"'{name}': codes or scales out of range (a corrupted checkpoint)")
+        needed[name] = qmap[codes.long()] * scales.repeat_interleave(block)[start:start + codes.numel()]
+
+
 @contextlib.contextmanager
 def _single_process_quiet() -> Iterator[None]:
     """DCP warns that it 'assumes' a single process even when told so (no_dist=True)."""

@@ -18,10 +18,13 @@ channels_last): ``exp_avg`` / ``exp_avg_sq`` as their format carries them
 (``state_formats.py``: the storage dtype, fp32 or bf16 with ``exp_avg_dtype`` /
 ``exp_avg_sq_dtype``), ``master_param`` in the state dtype (with
 ``store_param_remainders`` the fp32 master reassembled from the bf16 param and its remainder, so
-the dict is the same as with a separate master). torch's ``Optimizer.load_state_dict`` ignores
+the dict is the same as with a separate master). A blockwise moment (``"8bit"`` / ``"4bit"``)
+is kept as its codes and block scales (``quantized.py``: compact and lossless), which
+``shardamp.optim.to_torch_state_dict`` turns into torch's fp32 moments. torch's ``Optimizer.load_state_dict`` ignores
 the extra top-level ``"shardamp"`` key and the extra ``master_param`` state entry, and casts the
 moments to each param's dtype. Loading any dict converts each tensor to this optimizer's storage
-format (``StateFormat.load``): torch's fp32 moments into bf16 moments round to nearest even.
+format (``StateFormat.load``): torch's fp32 moments into bf16 moments round to nearest even, into
+blockwise moments they are quantized; saved codes into fp32 or bf16 moments are dequantized.
 
 The helpers below the two entry points (groups, validation, the shard writer) are shared with
 ``checkpoint.py`` so both formats validate and write exactly alike. Both reach the optimizer
@@ -46,6 +49,7 @@ from ..hparams import check_hparams
 from ..layout import ParamSlot
 from ..kernels.reference import split_remainders
 from ..state_formats import MOMENT_KEYS, MOMENTS, of_dtype
+from . import quantized
 
 STATE_KEYS = MOMENT_KEYS
 MASTER_KEY = "master_param"
@@ -82,8 +86,13 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
         if not live:  # steps are identical on every rank, so every rank skips the same buckets
             continue
         keys = list(STATE_KEYS) + ([MASTER_KEY] if has_master(opt, bucket.dtype) else [])
-        tensors = [fmt.state_dict_value(t) for _, fmt, t in buf.moments()]
+        # a blockwise moment's codes, one per element (as fp32: exact), and its scales apart
+        blockwise = {m.key: fmt for m, fmt, _ in buf.moments() if fmt.blockwise}
+        tensors = [quantized.gathered_values(t) if fmt.blockwise else fmt.state_dict_value(t)
+                   for _, fmt, t in buf.moments()]
         tensors += [buf.master_values()] if MASTER_KEY in keys else []
+        scales = {m.key: _gather(opt, t.scales.reshape(1, -1), rank0_only) for m, fmt, t in buf.moments()
+                  if fmt.blockwise}
         # one gather per bucket, in the widest dtype of its states (bf16 -> fp32 -> bf16 is exact)
         wide = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
         full = _gather(opt, torch.stack([t.to(wide) for t in tensors]), rank0_only)  # [world, keys, n] or None
@@ -91,10 +100,17 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
             continue
         per_key = {k: full[:, j, :].reshape(-1).to(t.dtype) for j, (k, t) in enumerate(zip(keys, tensors))}
         for slot in live:
-            entry: Dict[str, Tensor] = {"step": steps[slot.index].clone()}
+            entry: Dict[str, Any] = {"step": steps[slot.index].clone()}
             for k in keys:
+                if k in blockwise:
+                    moment = next(m for m in MOMENTS if m.key == k)
+                    codes = quantized.param_entry(moment, blockwise[k], per_key[k], scales[k].reshape(-1), slot)
+                    entry.update({n: v.to(out_device) if isinstance(v, Tensor) else v for n, v in codes.items()})
+                    continue
                 view = param_view(per_key[k], slot)  # param's shape AND strides
                 entry[k] = view.to(out_device, copy=True) if view.device != out_device else view.clone()
+            if blockwise:
+                entry[quantized.LAYOUT_KEY] = quantized.layout_of(slot)
             state[slot.index] = entry
     if not receives:
         return None
@@ -172,7 +188,11 @@ def _validated(opt: Any, state_dict: Any):
     for key, entry in raw_state.items():
         if key not in index_of:
             raise ValueError(f"load_state_dict: state entry {key!r} belongs to no param listed in param_groups")
-        entries[index_of[key]] = _checked_entry(entry, slots[index_of[key]], index_of[key])
+        slot, index = slots[index_of[key]], index_of[key]
+        where = f"load_state_dict: state[{index}] (param {index}, shape {slot.shape})"
+        if isinstance(entry, Mapping):  # blockwise moments: fp32 values, quantized again by write_state
+            entry = quantized.dequantized_entry(entry, state_dict.get(EXTRA_KEY), slot.shape, where)
+        entries[index] = _checked_entry(entry, slot, index)
     steps = torch.zeros(len(slots), dtype=torch.float32)
     for i, entry in entries.items():
         steps[i] = entry["step"]
@@ -239,6 +259,8 @@ def extras(opt: Any) -> Dict[str, Any]:
     for moment, fmt in opt.shard_view().formats.items():
         if fmt is not of_dtype(opt.dtype):
             out[moment.option] = fmt.name
+        if fmt.blockwise:  # how the saved codes read (quantized.py)
+            out[moment.key + quantized.QUANT] = quantized.quant_info(fmt, moment)
     if opt.store_param_remainders:
         out["store_param_remainders"] = True
     return out
@@ -356,18 +378,28 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
     for bucket, buf in zip(opt.shard_view().buckets, opt.shard_view().buffers):
         separate = buf.master.data_ptr() != buf.params[buf.shard].data_ptr()
         local_params = buf.params[buf.shard]
+        # a blockwise moment is written whole: its fp32 values (zeros where no param has state,
+        # padding included) quantized block by block once every segment is in
+        staged = {m.key: torch.zeros(buf.shard_numel, device=local_params.device)
+                  for m, fmt, _ in buf.moments() if fmt.blockwise}
         for seg in bucket.segments.segments:
             dst = slice(seg.start, seg.start + seg.length)
             lo, hi = seg.param_offset, seg.param_offset + seg.length
             for moment, fmt, target in buf.moments():
                 src = source(seg.param_index, moment.key, lo, hi)
-                if src is None:
+                if moment.key in staged:
+                    if src is not None:
+                        staged[moment.key][dst] = src.to(device=local_params.device, dtype=torch.float32)
+                elif src is None:
                     target[dst].zero_()
                 else:
                     fmt.load(target[dst], src)
             if separate:  # an aliased master IS the model param: it was loaded with the model
                 src = source(seg.param_index, MASTER_KEY, lo, hi)
                 buf.set_master(dst, local_params[dst] if src is None else src)
+        for moment, _fmt, target in buf.moments():
+            if moment.key in staged:
+                target.store(staged[moment.key])
     opt.shard_view().steps.copy_(steps.to(opt.shard_view().steps.device, opt.shard_view().steps.dtype))
 
 
@@ -441,6 +473,12 @@ def _warn_what_torch_drops(opt: Any) -> None:
         if fmt.below_fp32:
             low.setdefault(fmt.name, []).append(moment.key)
     for fmt_name, keys in low.items():
+        if any(f.blockwise and f.name == fmt_name for _, f in opt.shard_view().formats.items()):
+            lost.append(
+                f"the {fmt_name} codes and block scales of {' and '.join(keys)} as they are (torch.optim cannot "
+                "read them: pass the state dict through shardamp.optim.to_torch_state_dict first, which "
+                "dequantizes them to fp32)")
+            continue
         lost.append(
             f"the {fmt_name} storage of {' and '.join(keys)} (torch casts them to each param's dtype and "
             "continues at that precision, so its steps differ from this optimizer's rounded ones)"

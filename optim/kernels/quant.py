@@ -2,7 +2,8 @@
 moment formats (``state_formats.py``) as plain functions over flat tensors, as ``reference.py``
 is the math of the step. The compiled kernels will implement exactly this; until then nothing
 in the optimizer calls it (docs/low-bit-states.md: the accuracy study that chose the maps, and
-the design of the step that will use them).
+the design of the step that will use them). :class:`QuantizedShard` is one moment's shard as the
+buffers hold it (codes and scales) and the reference step reads and writes it.
 
 A moment's shard is cut into blocks of ``block_size`` elements on a fixed grid of the BUCKET's
 flat element space: block ``k`` covers bucket elements ``[k * block_size, (k + 1) * block_size)``,
@@ -29,7 +30,8 @@ the zeros it holds. Only a scale below fp32's smallest normal (~1e-38) could und
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -220,3 +222,73 @@ def dequantize_packed(stored: Tensor, scales: Tensor, qmap: Tensor, bits: int, b
     """The fp32 values of ``numel`` elements stored by ``quantize_packed``."""
     codes = unpack4(stored, numel) if bits == 4 else stored[:numel]
     return dequantize(codes, scales, qmap, block_size)
+
+
+@dataclass(eq=False)
+class QuantizedShard:
+    """One moment's shard in a blockwise format: ``codes`` (uint8; 4-bit packed two to a byte)
+    and ``scales`` (fp32, one per block), updated in place by the step. ``offset``: the
+    bucket-relative index of the shard's first element (a multiple of the block: the layout
+    puts shard boundaries on the grid); ``signed``: ``exp_avg``'s map, else ``exp_avg_sq``'s.
+    No fp32 copy of the values is kept: :meth:`dequantize` makes one for a step's duration."""
+
+    fmt: StateFormat
+    signed: bool
+    numel: int
+    offset: int
+    codes: Tensor
+    scales: Tensor
+    _maps: Dict[torch.device, Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def zeros(cls, fmt: StateFormat, signed: bool, numel: int, offset: int, device: torch.device) -> "QuantizedShard":
+        """A zero moment (every scale 0: every element dequantizes to 0) of ``numel`` elements.
+
+        Raises:
+            ValueError: ``fmt`` is not blockwise, or ``offset`` / ``numel`` are off its block grid.
+        """
+        qmap, block = format_map(fmt, signed)
+        if numel % block:
+            raise ValueError(f"numel={numel}: a quantized shard is whole blocks of {block} elements")
+        codes, scales = quantize_packed(torch.zeros(numel, device=device), qmap.to(device), fmt.bits, block, offset)
+        return cls(fmt, signed, numel, offset, codes, scales)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The codes' dtype (uint8): what a kernel that takes only float moments checks."""
+        return self.codes.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def block_size(self) -> int:
+        return self.fmt.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: codes plus scales, as allocated."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
+
+    def qmap(self) -> Tensor:
+        """This moment's code map on the codes' device (cached)."""
+        dev = self.codes.device
+        if dev not in self._maps:
+            self._maps[dev] = format_map(self.fmt, self.signed)[0].to(dev)
+        return self._maps[dev]
+
+    def dequantize(self) -> Tensor:
+        """The shard's fp32 values (a new tensor)."""
+        return dequantize_packed(self.codes, self.scales, self.qmap(), self.fmt.bits, self.block_size, self.numel)
+
+    def store(self, values: Tensor, keep: Optional[Tensor] = None) -> None:
+        """Quantize ``values`` (fp32, ``numel`` of them) into the codes and scales in place,
+        each block against its new absmax; where the 0-d bool ``keep`` is True (the step's skip
+        flag, a device tensor: no host sync) the codes and scales are left as they are."""
+        codes, scales = quantize_packed(values, self.qmap(), self.fmt.bits, self.block_size, self.offset)
+        if keep is not None:
+            codes = torch.where(keep, self.codes, codes)
+            scales = torch.where(keep, self.scales, scales)
+        self.codes.copy_(codes)
+        self.scales.copy_(scales)

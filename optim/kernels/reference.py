@@ -41,6 +41,16 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     Scalars (bias corrections, ``lr / bc1``, ``1 - lr * wd``) are formed in fp64 as torch.optim
     forms them from Python floats; the element-wise math is fp32.
 
+    A blockwise moment (``"8bit"`` / ``"4bit"``: a ``quant.QuantizedShard`` of codes and block
+    scales in place of the tensor) is read dequantized (``map[code] * scale``), updated by the
+    same fp32 math, and stored again block by block against each block's new absmax (the
+    nearest code, ties to the lower one: ``quant.quantize``), codes and scales in place. Every
+    element of a block is re-encoded, those of untouched params and padding too (from their
+    dequantized values: one more rounding, the same at every world size, since a block's codes
+    depend on its elements alone and the layout puts shard boundaries on the block grid). With
+    ``found_inf != 0`` codes and scales are left as they are. The fp32 values exist only for the
+    call's duration: no fp32 copy of a quantized moment is kept between steps.
+
 ``land_grads(full, grads, like, offsets, accumulate)``
     For every i: ``v = full.as_strided(like[i].shape, like[i].stride(), full.storage_offset() +
     offsets[i])``; ``v.copy_(grads[i])``, or ``v.add_(grads[i])`` with ``accumulate`` (the grads
@@ -93,13 +103,14 @@ record_host=None)``
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from .. import _compat
 from ..norms import PARTIAL, clip_coef, root  # torch's coefficient, never NaN: the kernels' spec too
+from .quant import QuantizedShard
 
 
 def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
@@ -121,8 +132,8 @@ def grad_stats(grad: Tensor, out: Tensor, norm_type: float) -> None:
 def adam_step(
     grad: Tensor,
     master: Tensor,
-    exp_avg: Tensor,
-    exp_avg_sq: Tensor,
+    exp_avg: Union[Tensor, QuantizedShard],
+    exp_avg_sq: Union[Tensor, QuantizedShard],
     model_out: Optional[Tensor],
     segments: Tensor,
     hparams: Tensor,
@@ -133,6 +144,21 @@ def adam_step(
     adam_w_mode: bool,
     bias_correction: bool,
 ) -> None:
+    # a quantized moment: dequantized for this call only, stored again after the update
+    m = exp_avg.dequantize() if isinstance(exp_avg, QuantizedShard) else exp_avg
+    v = exp_avg_sq.dequantize() if isinstance(exp_avg_sq, QuantizedShard) else exp_avg_sq
+    _adam_segments(grad, master, m, v, model_out, segments, hparams, steps, touched, grad_coef, found_inf,
+                   adam_w_mode, bias_correction)
+    keep = found_inf.reshape(()) != 0  # the device skip flag: no host read
+    for stored, values in ((exp_avg, m), (exp_avg_sq, v)):
+        if isinstance(stored, QuantizedShard):
+            stored.store(values, keep)
+
+
+def _adam_segments(grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, model_out: Optional[Tensor],
+                   segments: Tensor, hparams: Tensor, steps: Tensor, touched: Tensor, grad_coef: Tensor,
+                   found_inf: Tensor, adam_w_mode: bool, bias_correction: bool) -> None:
+    """``adam_step`` over float moments (fp32 / bf16 / fp64 tensors), segment by segment."""
     coef = grad_coef.float()
     skip_all = found_inf != 0
     remainders = master.dtype == torch.int16

@@ -13,13 +13,14 @@ Per bucket, on every rank:
     (bf16 model, fp32 master) it is int16: the low 16 bits of each fp32 master, whose high 16
     bits are this rank's slice of ``params`` (``reference.join_remainders``);
   * ``exp_avg``, ``exp_avg_sq``: this rank's shard of the moments, each in its own format
-    (``state_formats.py``: the state dtype by default, bf16 on request).
+    (``state_formats.py``: the state dtype by default, bf16 on request; a blockwise format is a
+    ``quant.QuantizedShard`` of codes and block scales, its blocks on the bucket's grid).
 The full-size grad buffer a bucket fills during backward is managed by ``grad_sync.py``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -28,6 +29,7 @@ from .. import _compat
 from ..checks.misuse import ddp_error, find_ddp
 from .. import kernels
 from ..layout import Bucket, ParamSlot
+from ..kernels.quant import QuantizedShard
 from ..kernels.reference import join_remainders, split_remainders
 from ..state_formats import Moment, MomentFormats, StateFormat
 
@@ -51,8 +53,8 @@ class BucketBuffers:
     sync: Optional[Tensor]
     grad_store: Optional[Tensor]  # the grad shard, or None while released (see grad_shard)
     master: Tensor
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
+    exp_avg: Union[Tensor, QuantizedShard]
+    exp_avg_sq: Union[Tensor, QuantizedShard]
     shard: slice
     formats: MomentFormats  # what exp_avg and exp_avg_sq are stored as (state_formats.py)
     grad_dtype: torch.dtype = torch.float32
@@ -81,7 +83,7 @@ class BucketBuffers:
     def release_grad_shard(self) -> None:
         self.grad_store = None
 
-    def moments(self) -> List[Tuple[Moment, StateFormat, Tensor]]:
+    def moments(self) -> List[Tuple[Moment, StateFormat, Union[Tensor, QuantizedShard]]]:
         """This rank's shard of each moment with its format, in ``state_formats.MOMENTS``' order."""
         return [(m, f, getattr(self, m.key)) for m, f in self.formats.items()]
 
@@ -165,12 +167,27 @@ def allocate(
         sync=sync,
         grad_store=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
         master=flat[shard] if _master_is_param(bucket.dtype, state_dtype, sync) else torch.empty(0),  # init_master
-        exp_avg=formats.exp_avg.zeros(n, dev),
-        exp_avg_sq=formats.exp_avg_sq.zeros(n, dev),
+        **{m.key: moment_zeros(f, m, n, bucket.shard_start, dev) for m, f in formats.items()},
         shard=shard,
         formats=formats,
         grad_dtype=grad_sync_dtype,
     )
+
+
+def moment_zeros(fmt: StateFormat, moment: Moment, numel: int, offset: int,
+                 device: torch.device) -> Union[Tensor, QuantizedShard]:
+    """A zero shard of ``moment`` in ``fmt``: a tensor of the storage dtype, or for a blockwise
+    format its codes and scales (``offset``: the shard's first bucket element, on the grid)."""
+    if fmt.blockwise:
+        return QuantizedShard.zeros(fmt, moment.signed, numel, offset, device)
+    return fmt.zeros(numel, device)
+
+
+def moment_nbytes(stored: Union[Tensor, QuantizedShard]) -> int:
+    """Bytes a moment's shard holds as allocated (codes plus scales for a blockwise one)."""
+    if isinstance(stored, QuantizedShard):
+        return stored.nbytes
+    return stored.numel() * stored.element_size()
 
 
 def _master_is_param(param_dtype: torch.dtype, state_dtype: torch.dtype, sync: Optional[Tensor]) -> bool:
@@ -331,7 +348,7 @@ def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict
     for buf in buffers:
         aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
         stats["master"] += 0 if aliased else nbytes(buf.master)
-        stats["moments"] += sum(fmt.nbytes(t.numel()) for _, fmt, t in buf.moments())
+        stats["moments"] += sum(moment_nbytes(t) for _, _, t in buf.moments())
         stats["grad_shards"] += nbytes(buf.grad_store)
         stats["param_sync"] += nbytes(buf.sync)
     stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)
