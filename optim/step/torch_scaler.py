@@ -1,8 +1,7 @@
 """torch.amp.GradScaler's hand-over to ``DistributedFusedAdam.step(grad_scaler=)`` (loops A and F).
 
 torch's GradScaler calls ``step(grad_scaler=self)`` for optimizers with
-``_step_supports_amp_scaling``, and ShardedGradScaler does the same (so the found-inf its
-``update()`` reads is the one the step acted on); its internals are reached through ``_compat`` only.
+``_step_supports_amp_scaling``; its internals are reached through ``_compat`` only.
 """
 from __future__ import annotations
 
