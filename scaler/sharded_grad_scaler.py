@@ -18,8 +18,6 @@ whether the last update saw an overflow.
 """
 from __future__ import annotations
 
-import inspect
-
 import math
 from typing import Any, Optional
 
@@ -134,13 +132,14 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if state["stage"] is _compat.OptState.READY:
             self.unscale_(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            # the kernel skips on the device flag. Handed this scaler as torch's GradScaler hands
-            # itself over, the step writes the found-inf it acts on into this scaler's state: after
-            # unscale_ and another backward (a new round over the unscaled grads plus the new,
-            # scaled ones, not unscaled again) that is the new round's, so update() backs off on
-            # an inf only that backward produced (the step skipped on it)
-            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
-                kwargs = {**kwargs, "grad_scaler": self}
+            # the kernel skips on the device flag. After unscale_ and another backward (a new round
+            # over the unscaled grads plus the new, scaled ones, not unscaled again) the step acts
+            # on the new round's found-inf: update() reads that one, so an inf only that backward
+            # produced backs the scale off (the step skipped on it)
+            refresh = getattr(optimizer, "_found_inf_after_backward", None)
+            found_inf = refresh(self) if refresh is not None else None
+            if found_inf is not None:
+                state["found_inf_per_device"] = {found_inf.device: found_inf}
             retval = optimizer.step(*args, **kwargs)
         else:
             # torch's skip-or-step: found-inf read on the host once (as torch reads it); a skipped
