@@ -308,8 +308,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
 
     # ------------------------------------------------------------------ communication: sync/optimizer_sync.py
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop the grads. ``set_to_none=False`` keeps them as zeros, so the next step still
-        updates (weight decay, momentum) every param that had a grad, as torch does."""
+        """Drop the grads (``set_to_none=False``: zeros, so the next step still updates every param that had one)."""
         self._cycle.dropping()  # counted first: a wait in zero() that times out names it
         self._grad_sync.zero(set_to_none)
         self._cycle.grads_dropped(set_to_none)  # the last step's norms stay readable until the next backward
@@ -480,14 +479,15 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         """A scaler unscales (or steps) this optimizer: ``step_stats()`` reports its scale."""
         self._health.note_scaler(scaler)
 
+    def _found_inf_after_backward(self, scaler: Any) -> Optional[Tensor]:  # ShardedGradScaler.step's
+        return torch_scaler.unscale_after_backward(scaler, self, self._cycle, self.unscale_grads)
+
     def _note_step_skipped_by_scaler(self) -> None:
-        """A scaler skipped this round's ``step`` on the host (``_step_supports_amp_scaling =
-        False``: torch's path read found-inf): the health counts the skip as a found-inf step and
-        reports it (every rank: the scaler's found-inf is agreed)."""
+        """A scaler skipped this round's ``step`` on the host (``_step_supports_amp_scaling = False``): the
+        health counts and reports a found-inf step (every rank: the scaler's found-inf is agreed)."""
         r = self._current_round()
-        if r.stats is None:
-            return
-        self._health.host_skipped(r.norm(r.first_norm_type()), r.inv_scale)
+        if r.stats is not None:
+            self._health.host_skipped(r.norm(r.first_norm_type()), r.inv_scale)
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]

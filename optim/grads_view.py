@@ -187,11 +187,15 @@ class GradsView:
         coefficient over the averaging factor, so that from now on they show (and a step
         applies) exactly what ``param.grad`` showed: torch's unscale_ and clip act on
         ``param.grad`` in place. One pass over this rank's shards, only in this reuse case (the
-        step cycle calls it while it still describes the grads). Local: no collective, no sync."""
+        step cycle calls it while it still describes the grads). Local: no collective, no sync.
+        A released shard holds no grad (``param.grad`` is None there in torch): nothing to fold,
+        and reading it would allocate zeros beside a landing the grad hook may be planning."""
         src = self.source()
         ratio = self.factor() * (1.0 / src.cycle.avg_factor)
-        for buf in src.buffers:
-            shard = buf.grad_shard
+        for index, buf in enumerate(src.buffers):
+            if buf.released:
+                continue
+            shard = src.grad_sync.shard(index)  # what the hook landed under its plan is adopted first
             if shard.dtype == torch.float32:
                 shard.mul_(ratio)
             else:  # the product in fp32, rounded once (an fp16 1/scale alone would lose digits)

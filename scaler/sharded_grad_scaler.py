@@ -132,7 +132,15 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if state["stage"] is _compat.OptState.READY:
             self.unscale_(optimizer)
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            retval = optimizer.step(*args, **kwargs)  # the kernel skips on the device flag
+            # the kernel skips on the device flag. After unscale_ and another backward (a new round
+            # over the unscaled grads plus the new, scaled ones, not unscaled again) the step acts
+            # on the new round's found-inf: update() reads that one, so an inf only that backward
+            # produced backs the scale off (the step skipped on it)
+            refresh = getattr(optimizer, "_found_inf_after_backward", None)
+            found_inf = refresh(self) if refresh is not None else None
+            if found_inf is not None:
+                state["found_inf_per_device"] = {found_inf.device: found_inf}
+            retval = optimizer.step(*args, **kwargs)
         else:
             # torch's skip-or-step: found-inf read on the host once (as torch reads it); a skipped
             # step is counted (and its non-finite grads reported) by the optimizer's step health

@@ -267,6 +267,38 @@ def test_world1_loop_with_torchs_clip_matches_torch() -> None:
     assert engaged
 
 
+@pytest.mark.parametrize("bucket_cap_mb", [25.0, 0.0004])
+def test_a_clip_before_any_backward_clips_nothing_and_the_next_backward_lands(bucket_cap_mb: float) -> None:
+    """zero_grad (which sets the next backward's landing plan at one process), opt.clip_grad_norm
+    before any backward, then backward and step: the clip had no grads to act on (torch's clips
+    nothing), so the backward lands as usual and the step applies its unclipped grads, as torch's.
+    The clip's round used to be folded at the backward, reading the released shards beside the
+    plan's landing ("adopt_grad_shard: the shard is held already"). Contiguous grads (Linear
+    layers): the hook lands them under the plan."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 3))
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=bucket_cap_mb)
+    ropt = torch.optim.AdamW(two_groups(ref))
+    for step in range(4):
+        if step >= 2:  # zero_grad came before: the plan is set, no grads exist
+            assert opt._grad_sync.landings.planned
+            opt.clip_grad_norm(1e-3)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)  # no grads: nothing
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(5, 8, generator=g), torch.randn(5, 3, generator=g)
+        for m in (model, ref):
+            nn.functional.mse_loss(m(x), y).backward()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(opt.full_grad(p), q.grad, rtol=RTOL, atol=ATOL)
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
 def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() -> None:
     """``model.to(device)`` (a Trainer moves the model at each call) applies ``.to`` to every
     ``p.grad`` and assigns the result back: to where it is, the view is kept (autograd's field stays

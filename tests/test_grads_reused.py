@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import pytest
 import torch
@@ -54,9 +55,11 @@ def test_matches_torch(world: int, case: str) -> None:
                 assert torch.equal(a, b)
     # torch's clip before unscale_ is torch's behaviour: nothing to warn about; nor "as torch does"
     assert not [w for w in v0["warnings"] if "before unscaling" in w or "clipped nothing" in w], v0["warnings"]
-    if case.startswith("no_zero_grad"):
-        added = [w for w in v0["warnings"] if "without opt.zero_grad()" in w]
-        assert len(added) == 1 and "as param.grad showed" in added[0], v0["warnings"]
+    added = [w for w in v0["warnings"] if "without opt.zero_grad()" in w]
+    if case.startswith("case_no_zero_grad_"):  # the warning says the new grads add to what param.grad showed
+        assert len(added) == 1 and "ADDED to the grads that step left, as param.grad showed them" in added[0], added
+    else:
+        assert not added, added
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -91,3 +94,79 @@ def test_grad_reads_wait_well_under_a_minute_by_default(monkeypatch) -> None:
     assert order.grad_read_timeout() == order.GRAD_READ_TIMEOUT_S <= 30.0
     set_env(monkeypatch, "SHARDAMP_COLLECTIVE_TIMEOUT", "7")
     assert order.grad_read_timeout() == 3.5  # half: the other ranks wait the whole of it meanwhile
+
+
+class _Rank:
+    """The part of a comm ``order.arrive`` reads: rank ``rank`` of ``world`` in one span."""
+
+    has_peers = True
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world_size = rank, world
+
+    def describe_span(self) -> str:
+        return "test-span"
+
+
+class _Store:
+    """A FileStore whose first ``wait`` runs ``before_timeout`` (another rank's move) and then
+    times out (``times_out``) or waits."""
+
+    def __init__(self, store, before_timeout=None, times_out: bool = True) -> None:
+        self.store, self.before_timeout, self.times_out = store, before_timeout, times_out
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+    def wait(self, keys, timeout):
+        if self.before_timeout is None:
+            return self.store.wait(keys, timeout)
+        move, self.before_timeout = self.before_timeout, None
+        move()
+        if not self.times_out:
+            return self.store.wait(keys, timeout)
+        raise RuntimeError("Wait timeout")
+
+
+def test_a_rank_arriving_as_another_gives_up_never_enters_the_read_alone(monkeypatch, tmp_path) -> None:
+    """The withdrawal is a compare-and-set on the one value naming the ranks present: a peer that
+    arrives just after rank 0's wait ran out either completes the set before rank 0 withdraws
+    (both go) or finds rank 0 withdrawn (it waits, withdraws and raises in turn); every outcome
+    leaves the ranks' read indices in step, so their next read pairs."""
+    import threading
+
+    from conftest import set_env
+    from shardamp.optim.comm import order
+
+    set_env(monkeypatch, "SHARDAMP_COLLECTIVE_TIMEOUT", "1")  # grad reads wait 0.5 s
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    monkeypatch.setattr(order, "_arrivals", {})
+    counters = [dict(), dict()]
+
+    def arrive_as(rank: int, wrapped) -> None:
+        monkeypatch.setattr(order._compat, "default_store", lambda: wrapped)
+        order._arrivals = counters[rank]
+        order.arrive(_Rank(rank, 2), "the norm of p.grad")
+
+    # 1. rank 1 arrives after rank 0's wait ran out but before it withdraws: the set is complete, both go
+    def rank1_arrives() -> None:
+        arrive_as(1, store)  # completes the set: goes at once
+        order._arrivals = counters[0]  # back to rank 0, in its wait
+    arrive_as(0, _Store(store, rank1_arrives))
+    assert counters == [{"test-span": 1}, {"test-span": 1}]
+    # 2. rank 1 arrives just after rank 0 withdrew: it finds rank 0 gone, raises in bounded time too
+    with pytest.raises(RuntimeError, match=r"rank 0\) called it and ranks? 1 did not arrive") as lone:
+        arrive_as(0, store)
+    assert "raise SHARDAMP_COLLECTIVE_TIMEOUT" in str(lone.value)
+    began = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1\) called it and ranks? 0 did not arrive"):
+        arrive_as(1, store)
+    assert 0.5 <= time.monotonic() - began < 5
+    assert counters == [{"test-span": 1}, {"test-span": 1}]  # in step: neither read happened
+    # 3. the next read every rank makes pairs, at the index both kept (rank 1 arrives while rank 0 waits)
+    def rank1_reads() -> None:
+        arrive_as(1, store)
+        order._arrivals = counters[0]
+    arrive_as(0, _Store(store, rank1_reads, times_out=False))
+    assert counters == [{"test-span": 2}, {"test-span": 2}]
+    assert not store.check(["shardamp-grad-reads/test-span/0/present"])  # read 0's keys cleaned up

@@ -213,3 +213,36 @@ def test_state_dict_round_trip() -> None:
     cont = run(scaler, model, opt, range(4, 9))
     resumed = run(other, model2, opt2, range(4, 9))
     assert cont == resumed and cont[0] == 4.0  # step 4 overflows again: second in a row backs off
+
+
+@pytest.mark.parametrize("scaler_cls", [ShardedGradScaler, torch.amp.GradScaler])
+def test_an_inf_only_in_a_backward_after_unscale_skips_and_backs_off(scaler_cls) -> None:
+    """unscale_, then another backward (a new round: added to the unscaled grads, not unscaled
+    again) that alone overflows, then step: the step skips on that round's found-inf and update()
+    backs off on the same one (ShardedGradScaler as torch's GradScaler handing itself over).
+    Deliberately unlike torch's GradScaler + AdamW, which acts on the found-inf of unscale_ only:
+    it steps into NaN params and grows the scale."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 2))
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(model.parameters(), lr=0.05)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=0.05, weight_decay=0.0)
+    kw = dict(init_scale=2.0**8, growth_interval=1)
+    scaler, rscaler = scaler_cls("cpu", **kw), torch.amp.GradScaler("cpu", **kw)
+    x, y = _data(0)
+    bad = x.clone()
+    bad[1, 2] = float("inf")
+    for m, o, s in ((model, opt, scaler), (ref, ropt, rscaler)):
+        s.scale(nn.functional.mse_loss(m(x), y)).backward()
+        s.unscale_(o)
+        s.scale(nn.functional.mse_loss(m(bad), y)).backward()  # the inf comes only now
+        before = [p.detach().clone() for p in m.parameters()]
+        s.step(o)
+        s.update()
+        after = list(m.parameters())
+        if o is opt:
+            assert all(torch.equal(a, b) for a, b in zip(after, before)), "the step was not skipped"
+            assert s.get_scale() == 2.0**7, "update() did not back off on the found-inf the step skipped on"
+        else:  # torch's: found no inf at unscale_, steps into NaN, grows the scale
+            assert not all(torch.isfinite(p).all() for p in after)
+            assert s.get_scale() == 2.0**9

@@ -92,41 +92,74 @@ def grad_read_timeout(comm: Any = None) -> float:
 
 
 def arrive(comm: Any, what: str) -> None:
-    """Every rank of ``comm``'s span arrives at the grad read ``what`` (store keys, bounded wait);
-    else raise on this rank, naming the ranks that did not and the fix, with no collective issued.
-    Nothing where there are no peers or no store."""
+    """Every rank of ``comm``'s span arrives at the grad read ``what`` (a bounded wait on the
+    store); else raise on this rank, naming the ranks that did not and the fix, with no collective
+    issued. Nothing where there are no peers or no store.
+
+    The ranks present are one store value (a ``0``/``1`` flag per rank) changed only by
+    compare-and-set: a rank adds its flag; the one that completes the set posts "go"; a rank whose
+    wait ran out removes its flag, unless the set is complete by then (then it goes too). So a
+    peer arriving just as this rank gives up either completes the set first (every rank goes) or
+    finds this rank withdrawn and waits, then withdraws in turn: no rank enters the read's
+    collectives without every other. Every outcome leaves each rank's read index where the
+    others' will be: advanced after a read every rank made, kept after a withdrawal (the state
+    at that index is then as if this rank never came)."""
     store = _compat.default_store() if comm.has_peers else None
     if store is None:
         return
     space = comm.describe_span()
     n = _arrivals.get(space, 0)
     prefix = f"shardamp-grad-reads/{space}/"
-    keys = [f"{prefix}{n}/{r}" for r in range(comm.world_size)]
+    present, go = f"{prefix}{n}/present", f"{prefix}{n}/go"
     timeout = grad_read_timeout(comm)
-    store.set(keys[comm.rank], what)
+    if _flip(store, present, comm.rank, comm.world_size, True) == "1" * comm.world_size:
+        store.set(go, what)  # this rank completed the set
     try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
+        store.wait([go], datetime.timedelta(seconds=timeout))
+        failure: Optional[BaseException] = None
     except RuntimeError as exc:
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        try:
-            store.delete_key(keys[comm.rank])  # a later read on every rank pairs under the same index
-        except RuntimeError:
-            pass
-        setting = "half of SHARDAMP_COLLECTIVE_TIMEOUT" if collective_timeout() is not None else \
-            "the default for grad reads; SHARDAMP_COLLECTIVE_TIMEOUT sets twice it"
-        raise RuntimeError(
-            f"{what} is a collective: every rank of the optimizer's process group must call it at the same point. "
-            f"This rank (rank {comm.rank}) called it and {_ranks(missing) if missing else 'the others'} did not "
-            f"arrive within {timeout:g} s ({setting}). Call it on every rank (compute on every rank, print on "
-            "one), or read opt.local_grad(p) for rank-local logging (this rank's slice, no collective). No "
-            f"collective was issued: the other ranks are unaffected. ({_short(str(exc), 120)})"
-        ) from exc
+        failure = exc
+    if failure is not None:
+        flags = _flip(store, present, comm.rank, comm.world_size, False)
+        if flags is not None:  # withdrawn: the set was not complete
+            missing = [r for r, f in enumerate(flags) if f != "1" and r != comm.rank]
+            raise RuntimeError(_lone_read(what, comm, missing, timeout, failure)) from failure
+        # complete as this rank gave up: every rank goes (the last one posts "go")
     _arrivals[space] = n + 1
-    if n:
-        try:  # every rank arrived at read n, so each has seen the keys of read n - 1
-            store.delete_key(f"{prefix}{n - 1}/{comm.rank}")
-        except RuntimeError:
-            pass
+    if n and comm.rank == 0:  # every rank arrived at read n, so each is done with read n - 1's keys
+        for key in (f"{prefix}{n - 1}/present", f"{prefix}{n - 1}/go"):
+            store.delete_key(key)
+
+
+def _flip(store: Any, key: str, rank: int, world: int, arrive_: bool) -> Optional[str]:
+    """Set (``arrive_``) or clear ``rank``'s flag in the ``0``/``1`` string at ``key`` by
+    compare-and-set; returns the flags after. Clearing: None instead where every flag is set
+    (the read goes: this rank stays)."""
+    current = store.get(key).decode() if store.check([key]) else ""
+    while True:
+        flags = list(current or "0" * world)
+        if not arrive_ and "0" not in flags:
+            return None
+        flags[rank] = "1" if arrive_ else "0"
+        desired = "".join(flags)
+        got = store.compare_set(key, current, desired).decode()
+        if got == desired:
+            return desired
+        current = got  # another rank changed it meanwhile: again from what it holds now
+
+
+def _lone_read(what: str, comm: Any, missing: List[int], timeout: float, exc: BaseException) -> str:
+    setting = "half of SHARDAMP_COLLECTIVE_TIMEOUT" if collective_timeout() is not None else \
+        "the default for grad reads; SHARDAMP_COLLECTIVE_TIMEOUT sets twice it"
+    return (
+        f"{what} is a collective: every rank of the optimizer's process group must call it at the same point. "
+        f"This rank (rank {comm.rank}) called it and {_ranks(missing) if missing else 'the others'} did not "
+        f"arrive within {timeout:g} s ({setting}). Call it on every rank (compute on every rank, print on "
+        "one), or read opt.local_grad(p) for rank-local logging (this rank's slice, no collective). If every "
+        "rank does call it but some arrive later than that (a long eval or checkpoint on one rank before a "
+        "read every rank makes), raise SHARDAMP_COLLECTIVE_TIMEOUT (grad reads wait half of it). No "
+        f"collective was issued: the other ranks are unaffected. ({_short(str(exc), 120)})"
+    )
 
 
 # ---------------------------------------------------------------- tag spaces

@@ -168,8 +168,11 @@ class StepCycle:
             grads already stepped on: the caller warns).
         """
         stepped = self._stepped_since_zero
-        if self.holds_pending_coef() and self._fold is not None:
-            self._fold()  # the new grads add to what param.grad showed, as in torch
+        # the new grads add to what param.grad showed, as in torch; with no grad since zero_grad
+        # (a clip before any backward: torch's clips nothing) there is nothing to fold, and the
+        # shards may be the grad hook's to land (its landing plan)
+        if self._grad_since_zero and self.holds_pending_coef() and self._fold is not None:
+            self._fold()
         self._backwards += 1
         self._drop_counted = False
         self._stepped_since_zero = False

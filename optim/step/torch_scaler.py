@@ -6,13 +6,27 @@ torch's GradScaler calls ``step(grad_scaler=self)`` for optimizers with
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import _compat
 from .cycle import StepCycle
+
+
+def unscale_after_backward(scaler: Any, optimizer: Any, cycle: StepCycle,
+                           unscale_grads: Callable[..., Tensor]) -> Optional[Tensor]:
+    """A scaler's ``unscale_`` reached the grads, then a backward added to them (folded by the
+    step cycle: a new round): torch does not unscale twice, so neither does the step. The new
+    round's stats and found-inf come from ``unscale_grads`` by one. Returns that found-inf (0-d,
+    agreed by every rank, on the scale's device), or None where no backward followed an
+    ``unscale_``. No host sync."""
+    state = _compat.scaler_optimizer_state(scaler, optimizer)
+    if cycle.inv_scale is None and state["stage"] is _compat.OptState.UNSCALED and cycle.unscaled_since_step:
+        one = torch.ones((), dtype=torch.float32, device=_compat.scaler_scale(scaler).device)
+        return unscale_grads(one, grad_scaler=scaler)
+    return None
 
 
 def take_over(scaler: Any, optimizer: Any, cycle: StepCycle, unscale_grads: Callable[..., Tensor]) -> None:
@@ -30,11 +44,7 @@ def take_over(scaler: Any, optimizer: Any, cycle: StepCycle, unscale_grads: Call
         unscale_grads: the optimizer's ``unscale_grads``.
     """
     state = _compat.scaler_optimizer_state(scaler, optimizer)
-    if cycle.inv_scale is None and state["stage"] is _compat.OptState.UNSCALED and cycle.unscaled_since_step:
-        # torch's unscale_ reached the grads, then a backward added to them (folded: the step
-        # cycle): torch does not unscale twice, so neither does this step (its stats and found-inf)
-        unscale_grads(torch.ones((), dtype=torch.float32, device=_compat.scaler_scale(scaler).device),
-                      grad_scaler=scaler)
+    unscale_after_backward(scaler, optimizer, cycle, unscale_grads)
     if cycle.inv_scale is None:
         if state["stage"] is _compat.OptState.UNSCALED and cycle.warn_once("unscaled by torch"):
             warnings.warn(
