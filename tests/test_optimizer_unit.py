@@ -376,14 +376,14 @@ def test_scaled_steps_read_nothing_back_and_train_as_torch(monkeypatch) -> None:
     host (the scaler acts on found-inf itself): no flags pushed. It still trains as
     torch.amp.GradScaler + AdamW, an inf step included, and resets the count of unscaled skips,
     so the no-scaler warning still needs three skipped steps in a row without a scaler."""
-    from shardamp.optim.checks import deferred as deferred_checks
+    from shardamp.optim.step import health as step_health
     from shardamp.scaler import ShardedGradScaler
 
-    pushed = []
-    real_push = deferred_checks.DeferredChecks._push  # where every push copies its flags
-    monkeypatch.setattr(deferred_checks.DeferredChecks, "_push",
-                        lambda self, flags, context, **kw: (pushed.append(flags.tolist()),
-                                                            real_push(self, flags, context, **kw)))
+    pushed = []  # each step record the host read back (pushed: copied, or written by the step's native call)
+    real_observe = step_health.StepHealth.observe
+    monkeypatch.setattr(step_health.StepHealth, "observe",
+                        lambda self, step, values, scaled: (pushed.append(list(values)),
+                                                            real_observe(self, step, values, scaled)))
     model, opt, ref, ropt = _pair()
     scaler, rscaler = ShardedGradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
     for step in range(4):

@@ -177,3 +177,36 @@ def test_tensor_lr_is_read_once_per_step() -> None:
         assert len(reads) == 1, reads
     # the values reached the table
     assert opt._hparam_table.table[:, 0].tolist() == [float(lrs[0]), float(lrs[1])]
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the CPU kernels")
+def test_unscaled_step_reads_its_record_back_without_a_copy() -> None:
+    """No scaler: the step's health record is read back on the host every step (deferred.py). The
+    step's one native call writes it into a persistent buffer itself (``record_host``), so the
+    push costs no op (it was a ``clone``), the buffer is the same every step, and what the host
+    read is the device record."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-3)
+    seen, hosts = [], []
+    observe = opt._health.observe
+    opt._health.observe = lambda step, values, scaled: (seen.append(list(values)), observe(step, values, scaled))[1]
+    for step in range(4):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(step)
+        loss = model(torch.randn(4, 8, generator=g)).square().sum()
+        if step == 2:
+            loss = loss * float("inf")  # skipped: the record's reason says it
+        loss.backward()
+        opt.clip_grad_norm(1.0)
+        mode = Ops()
+        with mode:
+            opt.step()
+        hosts.append(opt._deferred.slots[opt._deferred.turn][0])
+        torch.testing.assert_close(torch.tensor(seen[-1]), opt._health.record, rtol=0, atol=0, equal_nan=True)
+    # the scalar launch and the step kernel are one native call; the record's push is no op
+    assert not {"clone", "copy_", "cat", "_to_copy"} & set(mode.ops), mode.ops
+    assert len(mode.ops) <= 0, mode.ops
+    assert [v[0] for v in seen] == [0.0, 0.0, 1.0, 0.0]
+    assert len({h.data_ptr() for h in hosts}) <= 2  # the deferred checks' two slots, reused
+    assert opt.step_stats()["skipped_nonfinite"] == 1

@@ -37,7 +37,8 @@ class DeferredChecks:
         self.cycle = cycle
         self.health = health
         self.pending: Optional[tuple] = None  # (host buffer, event or None, context)
-        # CUDA: two (pinned buffer, event) slots, used in turn. A step's flags are read at the
+        # Two (pinned buffer, event) slots, used in turn (on the CPU: plain buffers the step's
+        # native call writes the record into, no event). A step's flags are read at the
         # start of the next step's stats, before that step pushes into the other slot, so a slot
         # is written again only after it was read; reusing them spares the pinned allocator's
         # events and queries and an event creation per step on the host. A slot is made anew
@@ -56,10 +57,13 @@ class DeferredChecks:
         self._push(flags, context)
 
     def _slot(self, turn: int, like: Tensor) -> tuple:
-        """Slot ``turn``'s (pinned buffer, event), made anew if ``like``'s shape or dtype changed."""
+        """Slot ``turn``'s (pinned buffer, event), made anew if ``like``'s shape or dtype changed;
+        on the CPU a plain buffer and no event (read at once)."""
         slot = self.slots[turn]
         if slot is None or slot[0].shape != like.shape or slot[0].dtype != like.dtype:
-            slot = self.slots[turn] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=True), torch.cuda.Event())
+            cuda = self.device.type == "cuda"
+            slot = self.slots[turn] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda),
+                                       torch.cuda.Event() if cuda else None)
         return slot
 
     def _push(self, flags: Tensor, context: dict, fresh: bool = False) -> None:
@@ -76,13 +80,15 @@ class DeferredChecks:
 
     def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor) -> Optional[Tensor]:
         """Where the step's scalar launch writes the health ``record`` for the host itself, or
-        None. On CUDA, where :meth:`record_step` will push the record alone (found-inf is the only
-        flag and no scaler acts on it), it is the next pinned slot: the kernel writes it through
-        its mapped address, so the push is an event record, no device-to-host copy (~50 us of
-        host time a step on a GPU host). Called before the step's scalar launch."""
+        None. Where :meth:`record_step` will push the record alone (found-inf is the only flag
+        and no scaler acts on it), it is the next slot: on CUDA a pinned one the kernel writes
+        through its mapped address, so the push is an event record, no device-to-host copy (~50
+        us of host time a step on a GPU host); on the CPU a persistent buffer the same native
+        call fills, so the push copies nothing (no clone). Called before the step's scalar launch."""
         self.planned = None
-        if (self.device.type != "cuda" or bad_clip is not None or stats.disagreement is not None
-                or self.cycle.scaled or torch.cuda.is_current_stream_capturing()):
+        cuda = self.device.type == "cuda"
+        if (bad_clip is not None or stats.disagreement is not None or self.cycle.scaled
+                or (cuda and torch.cuda.is_current_stream_capturing())):
             return None
         turn = self.turn ^ 1  # the slot read before this step's stats, not the one pending
         self.planned = (turn, self._slot(turn, record))
@@ -126,7 +132,8 @@ class DeferredChecks:
             planned, self.planned = self.planned, None
             if planned is not None:  # the scalar launch wrote the record into this slot (record_target)
                 self.turn, (host, event) = planned
-                event.record(torch.cuda.current_stream(record.device))
+                if event is not None:
+                    event.record(torch.cuda.current_stream(record.device))
                 self.pending = (host, event, context)
             else:
                 self._push(record, context)  # not capturing: checked above
