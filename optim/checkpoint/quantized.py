@@ -12,7 +12,7 @@ A param's entry keeps, for each blockwise moment ``k`` (``exp_avg`` / ``exp_avg_
 and ``"param_layout"`` (``{"shape": [...], "stride": [...]}``), so the moments can be turned
 back into tensors shaped like the param without the optimizer. The state dict's ``"shardamp"``
 extras say how the codes read: ``k + "_quant"`` = ``{"format", "bits", "block_size", "map"}``
-(the saved map, not today's declaration, decodes them).
+(the saved map, not the current declaration, decodes them).
 
 :func:`dequantized_entry` turns such an entry into torch's (fp32 moments shaped like the param);
 a load then quantizes it again into the loading optimizer's format (``write_state``): bitwise the
