@@ -150,6 +150,12 @@ def to_torch_state_dict(state_dict: Mapping[str, Any]) -> Dict[str, Any]:
     torch's own) comes back as it is (the same object). A pure function: no optimizer, no
     collective, nothing on a device is read but the tensors given; the input is not modified.
 
+    Args:
+        state_dict: a state dict of ``DistributedFusedAdam`` (any moment format, any world size).
+
+    Returns:
+        The state dict torch's AdamW loads (``state_dict`` itself where nothing is blockwise).
+
     Raises:
         ValueError: a blockwise moment whose codes, scales or extras do not fit together.
     """
