@@ -30,6 +30,16 @@ def _backward(model, seed: int = 0):
     nn.functional.mse_loss(model(x), y).backward()
 
 
+def _step_both_and_compare(opt, ropt, model, ref) -> None:
+    """Step and zero both optimizers; the params must match torch's."""
+    opt.step()
+    ropt.step()
+    opt.zero_grad()
+    ropt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
 def test_p_grad_is_a_view_from_backward_to_zero_grad() -> None:
     model, ref, opt = _setup()
     assert all(p.grad is None for p in model.parameters())  # no backward yet: None, as torch
@@ -258,12 +268,7 @@ def test_world1_loop_with_torchs_clip_matches_torch() -> None:
         rnorm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         engaged |= float(rnorm) > 0.05
         torch.testing.assert_close(norm, rnorm, rtol=1e-5, atol=0)
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+        _step_both_and_compare(opt, ropt, model, ref)
     assert engaged
 
 
@@ -291,12 +296,7 @@ def test_a_clip_before_any_backward_clips_nothing_and_the_next_backward_lands(bu
             nn.functional.mse_loss(m(x), y).backward()
         for p, q in zip(model.parameters(), ref.parameters()):
             torch.testing.assert_close(opt.full_grad(p), q.grad, rtol=RTOL, atol=ATOL)
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+        _step_both_and_compare(opt, ropt, model, ref)
 
 
 def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() -> None:

@@ -11,7 +11,7 @@ import torch
 
 from shardamp.optim import kernels, state_formats as sf
 from shardamp.optim.kernels import quant
-from shardamp.optim.kernels.dispatch import AdamLaunch, quantized_on_cuda
+from shardamp.optim.kernels.dispatch import AdamLaunch
 from shardamp.optim.layout import ALIGN, build_layout
 
 FORMAT_PAIRS = [(sf.Q8, sf.Q8), (sf.Q4, sf.Q4), (sf.Q8, sf.Q4), (sf.FP32, sf.Q4), (sf.Q8, sf.BF16)]
@@ -210,7 +210,7 @@ def test_cuda_tensors_are_refused_naming_the_fix():
     launch = AdamLaunch(None, torch.zeros(256), shard, torch.zeros(256), None, None, None, None, None, None, None,
                         True, True)
     with pytest.raises(NotImplementedError, match="exp_avg in the '8bit' format.*CPU tensors only.*torch.bfloat16"):
-        quantized_on_cuda(launch)
+        quant.require_cpu(exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq)
 
 
 def test_zero_shard_is_zero_and_whole_blocks():

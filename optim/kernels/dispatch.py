@@ -7,10 +7,8 @@ top of ``reference.py``; the CUDA step's chunk sizes, tuning knobs and chunk tab
 ``SHARDAMP_KERNELS=reference`` forces the reference; unset, native kernels are used where they
 build, and a failed build warns once and falls back to the reference.
 
-Blockwise moments (``"8bit"`` / ``"4bit"``, held as ``quant.QuantizedShard``) run the reference
-math on CPU tensors whatever the setting: no compiled kernel takes them yet (native CPU kernels,
-bitwise equal to the reference, are a later piece). On CUDA tensors they raise
-``NotImplementedError`` until their CUDA kernels exist.
+Blockwise moments (``quant.QuantizedShard``) run the reference math on CPU tensors whatever the
+setting (no compiled kernel takes them yet) and raise on CUDA tensors (``quant.require_cpu``).
 """
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ from .. import config
 from . import reference
 from ..layout import SegmentTable
 from ..state_formats import native_moment
-from .quant import QuantizedShard
+from .quant import QuantizedShard, require_cpu
 from .launch_config import chunk_size, chunk_table, knobs, light_state, shard_chunks, store
 
 _ENV = "SHARDAMP_KERNELS"
@@ -280,13 +278,12 @@ class AdamLaunch:
     ``grad`` (the grad shard is released between steps), ``hparams``, ``touched``,
     ``found_inf`` and ``records`` (:meth:`StepRecords.compute` over several shards, CUDA; this
     shard's rows start at ``record_offset``; without them the CUDA step forms its scalars
-    itself, one more launch). :func:`launch_adam_all` runs several with them (the step does),
-    :func:`launch_adam` one whose fields were assigned.
+    itself, one more launch). :func:`launch_adam_all` runs several with them, :func:`launch_adam` one.
     """
 
     grad: Optional[Tensor]  # the grad shard, assigned before each launch and dropped after it
     master: Tensor
-    exp_avg: Union[Tensor, QuantizedShard]  # a blockwise moment: its codes and scales (reference math)
+    exp_avg: Union[Tensor, QuantizedShard]  # QuantizedShard: a blockwise moment's codes and scales
     exp_avg_sq: Union[Tensor, QuantizedShard]
     model_out: Optional[Tensor]
     segments: SegmentTable
@@ -305,33 +302,14 @@ class AdamLaunch:
 
     def native_state(self, grad_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether the compiled kernels take this shard's state: an fp32 master (or int16
-        remainders under a bf16 ``model_out``), moments in a format they take (``StateFormat.native``:
-        fp32 or bf16), fp32/bf16/fp16 grads
-        (``grad_dtype``, else ``grad``'s) and params. Anything else (fp64 state, blockwise
-        moments: a ``QuantizedShard``, whose uint8 ``dtype`` no kernel takes) takes the
-        reference path: correct, not fused."""
+        remainders under a bf16 ``model_out``), fp32 or bf16 moments (``StateFormat.native``),
+        fp32/bf16/fp16 grads (``grad_dtype``, else ``grad``'s) and params. Anything else (fp64
+        state, a blockwise ``QuantizedShard``) takes the reference path: correct, not fused."""
         master, out = self.master, self.model_out
-        state = (master.dtype == torch.float32 or (
-            master.dtype == torch.int16 and out is not None and out.dtype == torch.bfloat16)) and (
-            native_moment(self.exp_avg.dtype) and native_moment(self.exp_avg_sq.dtype))
+        state = (master.dtype == torch.float32 or (master.dtype == torch.int16 and out is not None and out.dtype
+                 == torch.bfloat16)) and native_moment(self.exp_avg.dtype) and native_moment(self.exp_avg_sq.dtype)
         grad_dtype = self.grad.dtype if grad_dtype is None else grad_dtype
         return state and grad_dtype in _NATIVE_DTYPES and (out is None or out.dtype in _NATIVE_DTYPES)
-
-
-def quantized_on_cuda(launch: AdamLaunch) -> None:
-    """Blockwise moments run the reference math on CPU tensors (no native CPU kernel takes them
-    yet); on CUDA tensors they have no kernel at all.
-
-    Raises:
-        NotImplementedError: a blockwise (``"8bit"`` / ``"4bit"``) moment on a CUDA device.
-    """
-    for key in ("exp_avg", "exp_avg_sq"):
-        state = getattr(launch, key)
-        if isinstance(state, QuantizedShard) and state.device.type == "cuda":
-            raise NotImplementedError(
-                f"{key} in the {state.fmt.name!r} format: the blockwise moment formats run on CPU tensors only "
-                "until their CUDA kernels exist; pass exp_avg_dtype / exp_avg_sq_dtype torch.float32 or "
-                "torch.bfloat16 for CUDA params")
 
 
 def launch_adam(launch: AdamLaunch) -> None:
@@ -350,7 +328,7 @@ def _launch_adam(launch: AdamLaunch) -> None:
     ext = _native(launch.grad.device)
     native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams)
     if native is None:
-        quantized_on_cuda(launch)
+        require_cpu(exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq)  # blockwise: the reference, CPU only
         host = segments.extra.get("host")
         if host is None:  # from the host-side segments: no device-to-host copy
             rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]

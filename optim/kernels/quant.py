@@ -292,3 +292,18 @@ class QuantizedShard:
             scales = torch.where(keep, self.scales, scales)
         self.codes.copy_(codes)
         self.scales.copy_(scales)
+
+
+def require_cpu(**moments: object) -> None:
+    """Blockwise moments run the reference math on CPU tensors (no native CPU kernel takes them
+    yet); on CUDA tensors they have no kernel at all.
+
+    Raises:
+        NotImplementedError: a blockwise (``"8bit"`` / ``"4bit"``) moment on a CUDA device.
+    """
+    for key, state in moments.items():
+        if isinstance(state, QuantizedShard) and state.device.type == "cuda":
+            raise NotImplementedError(
+                f"{key} in the {state.fmt.name!r} format: the blockwise moment formats run on CPU tensors only "
+                "until their CUDA kernels exist; pass exp_avg_dtype / exp_avg_sq_dtype torch.float32 or "
+                "torch.bfloat16 for CUDA params")
