@@ -21,7 +21,9 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # ZeRO-2 against shardamp, GPT-2 bf16 at world 1; DS_MODELS (default 124m,350m), DS_REPEATS (3),
 # DS_TIMEOUT (its budget, default 420 s), DS_ARGS (more flags, split on spaces); the machine has
 # no DeepSpeed and no network: the wheels carried in .whl/ (benchmarks/README.md) are installed
-# into /tmp/site first where deepspeed is not importable). BUDGET (seconds, default 3000) caps the whole
+# into /tmp/site first where deepspeed is not importable), low_bit (benchmarks/low_bit_train.py: GPT-2's
+# loss, step time and peak memory per moment format against torch and the peers' 8-bit optimizers;
+# LOW_BIT_MODEL, LOW_BIT_STEPS, LOW_BIT_RUNS, LOW_BIT_MEM_MODELS, LOW_BIT_MEM_RUNS). BUDGET (seconds, default 3000) caps the whole
 # session: each part gets at most what is left of it, so a slow part cannot starve the rest of
 # their logs.
 PARTS="${PARTS:-tests bench overlap}"
@@ -98,6 +100,24 @@ if [[ " $PARTS " == *" backward "* ]]; then
 fi
 if [[ " $PARTS " == *" overlap "* ]]; then
   timeout 120 python3 benchmarks/profile_overlap.py --out "$OUT" 2>&1 | tail -8 | tee "$OUT/overlap.log" || status=1
+fi
+if [[ " $PARTS " == *" low_bit "* ]]; then
+  # benchmarks/low_bit_train.py: GPT-2 trained with each moment format beside torch's fused AdamW
+  # and the peers' 8-bit optimizers (torchao, bitsandbytes: carried as wheels in .whl/, installed
+  # into /tmp/site where they do not import), then the peak memory of each at LOW_BIT_MEM_MODELS
+  if [[ -d .whl ]] && ! python3 -c 'import torchao' >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >"$OUT/low_bit_install.log" 2>&1 || { status=1; tail -5 "$OUT/low_bit_install.log"; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  timeout "$(left "${LOW_BIT_TIMEOUT:-420}")" python3 benchmarks/low_bit_train.py --device cuda \
+    --model "${LOW_BIT_MODEL:-124m}" --steps "${LOW_BIT_STEPS:-2000}" ${LOW_BIT_RUNS:+--runs "$LOW_BIT_RUNS"} \
+    --out "$OUT" >"$OUT/low_bit.log" 2>&1 || status=1
+  tail -12 "$OUT/low_bit.log"
+  timeout "$(left 240)" python3 benchmarks/low_bit_train.py --device cuda --memory \
+    --model "${LOW_BIT_MEM_MODELS:-124m,1.3b}" --runs "${LOW_BIT_MEM_RUNS:-torch,fp32,bf16,8bit,4bit,8bit-rem,torchao8bit,bnb8bit}" \
+    --out "$OUT" >"$OUT/low_bit_memory.log" 2>&1 || status=1
+  tail -20 "$OUT/low_bit_memory.log"
 fi
 if [[ " $PARTS " == *" deepspeed "* ]]; then
   if [[ -d .whl ]] && ! python3 -c 'import deepspeed' >/dev/null 2>&1; then
