@@ -17,7 +17,10 @@ In one run, side by side, over 64 params (256M elements on a GPU, 16M on a CPU):
              moments: 4 + 20; bf16 params with remainders: 2 + 26; csrc/NOTES.md derives them)
 
 Kinds beyond fp32/bf16 (no torch row: torch.optim has no such storage) use the constructor
-options exp_avg_dtype / exp_avg_sq_dtype = bfloat16 ("bf16 moments") and store_param_remainders.
+options exp_avg_dtype / exp_avg_sq_dtype = bfloat16 ("bf16 moments"), "8bit" / "4bit" (blockwise
+moments: 14.06 / 12.13 B per element with bf16 grads and remainders, scales included) and
+store_param_remainders; beside the 8-bit kind, torchao's AdamW8bit and bitsandbytes' 8-bit AdamW
+on the same tensors where importable (benchmarks/step_lowbit.py; a skipped one says why).
 
 Variants are interleaved and each reports the median of --iters timings (CUDA events on a GPU,
 perf_counter on a CPU at --threads threads). Prints a table; writes bench_step.json and, with
@@ -50,6 +53,7 @@ import torch.distributed as dist
 NUM_PARAMS = 64
 MAX_NORM = 1.0
 _BF16_MOMENTS = dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)
+_Q8, _Q4 = (dict(exp_avg_dtype=q, exp_avg_sq_dtype=q) for q in ("8bit", "4bit"))
 # name -> param/grad dtype, optimizer options, bytes per element of the stats pass and the step.
 # Step bytes: grad read (4 / 2) + master read + write (fp32: 8; bf16 param + int16 remainder: 4 + 4)
 # + each moment read + write (fp32: 8, bf16: 4) + a separate bf16 param written (2, when the
@@ -63,7 +67,15 @@ KINDS = {
     "bf16+remainders+bf16 moments": dict(dtype=torch.bfloat16, opts=dict(store_param_remainders=True, **_BF16_MOMENTS),
                                          stats=2, step=2 + 8 + 4 + 4),
     "bf16+bf16 moments": dict(dtype=torch.bfloat16, opts=_BF16_MOMENTS, stats=2, step=2 + 8 + 4 + 4 + 2),
+    # blockwise moments: codes read + written (8-bit 1 + 1, 4-bit 0.5 + 0.5 per moment) and one fp32
+    # scale per block read + written (8 B per 256 elements at 8 bits, per 128 at 4)
+    "bf16+remainders+8bit moments": dict(dtype=torch.bfloat16, opts=dict(store_param_remainders=True, **_Q8),
+                                         stats=2, step=2 + 8 + 2 * (2 + 8 / 256)),
+    "bf16+remainders+4bit moments": dict(dtype=torch.bfloat16, opts=dict(store_param_remainders=True, **_Q4),
+                                         stats=2, step=2 + 8 + 2 * (1 + 8 / 128)),
+    "fp32+8bit moments": dict(dtype=torch.float32, opts=_Q8, stats=4, step=4 + 8 + 2 * (2 + 8 / 256)),
 }
+PEER_KIND = "bf16+remainders+8bit moments"  # the peers' 8-bit AdamW rows (step_lowbit.py) are timed beside it
 
 
 def _sizes(total: int) -> List[int]:
@@ -274,12 +286,14 @@ def kernels_variant(kind: str, sizes: List[int], device: torch.device):
     for i, n in enumerate(sizes):
         segs.append(Segment(start, n, i, 0, 0))
         start = (start + n + ALIGN - 1) // ALIGN * ALIGN
-    numel = start
+    numel = (start + 255) // 256 * 256  # whole blocks of a blockwise moment
     table = SegmentTable.build(segs, device)
     grad = torch.randn(numel, device=device).mul_(1e-2).to(gdtype)
     master = torch.randn(numel, device=device)
-    m = torch.randn(numel, device=device).mul_(1e-3).to(opts.get("exp_avg_dtype", torch.float32))
-    v = torch.rand(numel, device=device).mul_(1e-5).to(opts.get("exp_avg_sq_dtype", torch.float32))
+    from step_lowbit import moment as _moment
+
+    m = _moment(torch.randn(numel, device=device).mul_(1e-3), opts.get("exp_avg_dtype", torch.float32), True)
+    v = _moment(torch.rand(numel, device=device).mul_(1e-5), opts.get("exp_avg_sq_dtype", torch.float32), False)
     model_out = torch.empty(numel, device=device, dtype=torch.bfloat16) if gdtype == torch.bfloat16 else None
     if opts.get("store_param_remainders"):
         from shardamp.optim.kernels.reference import split_remainders
@@ -344,6 +358,11 @@ def run(args) -> Dict:
         if wanted(f"kernels {kind}"):
             prep, body, backend = kernels_variant(kind, sizes, device)
             variants[f"kernels {kind} ({backend})"] = (prep, body)
+        if kind == PEER_KIND:  # torchao's and bitsandbytes' 8-bit AdamW, where importable
+            from step_lowbit import peer_variants
+
+            peers = peer_variants(sizes, device, make_grads, MAX_NORM, lambda n: wanted(f"{n} {kind}"))
+            variants.update({f"{name} {kind}": pb for name, pb in peers.items()})
 
     times: Dict[str, List[float]] = {name: [] for name in variants}
     idle: Dict[str, List[float]] = {name: [] for name in variants}

@@ -48,7 +48,8 @@ if [[ " $PARTS " == *" tests "* ]]; then
     tests/test_kernels_light_state.py tests/test_kernels_stats.py tests/test_cuda.py tests/test_cuda_graph.py \
     tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py \
     tests/test_checkpoint_faults.py tests/test_grad_stager.py tests/test_kernel_knobs.py tests/test_release_thread.py \
-    tests/test_collective_watchdog.py tests/test_compat.py tests/test_fused_step.py tests/test_landing_plan.py} \
+    tests/test_collective_watchdog.py tests/test_compat.py tests/test_fused_step.py tests/test_landing_plan.py \
+    tests/test_cuda_low_bit.py} \
     -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
   # the docs' GPU snippets (<!-- snippet: gpu -->): CUDA graphs
   timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_docs.py -k "cuda-graphs" \

@@ -107,7 +107,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         exp_avg_dtype: storage of ``exp_avg``: ``torch.float32`` or ``torch.bfloat16`` (default
             ``dtype``; read as fp32 by the step, written back rounded to nearest even), or
             ``"8bit"`` / ``"4bit"`` (codes plus one fp32 absmax scale per block, requantized per
-            block by the step; docs/low-bit-states.md): CPU params only for now (reference math).
+            block by the step; docs/low-bit-states.md); CUDA params need the compiled CUDA kernels.
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
@@ -209,8 +209,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         for p in self._params:
             p._shardamp_optimizer = weakref.ref(self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
-        self._formats.check_device(self._device)
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
+        kernels.check_formats(self._formats, self._device, kernels.native_module(self._device))
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
         self.device_mesh = device_mesh

@@ -12,8 +12,9 @@ and ``memory_stats`` counts it. A new format is one entry in :data:`FORMATS` plu
 
 The blockwise formats ``"8bit"`` and ``"4bit"`` store codes plus one fp32 scale per block
 (docs/low-bit-states.md): the buffers hold them as ``kernels.quant.QuantizedShard``, the step
-runs the reference math over them on CPU tensors (no compiled kernel takes them yet; CUDA
-tensors raise), and the checkpoints keep their codes and scales (``checkpoint/quantized.py``).
+runs over them through its own kernels (``kernels/blockwise.py``: CPU and CUDA; the reference
+math where none is built, CPU tensors only), and the checkpoints keep their codes and scales
+(``checkpoint/quantized.py``).
 Their ``zeros`` / ``state_dict_value`` / ``to_fp32`` / ``load`` are the float formats' alone.
 """
 from __future__ import annotations
@@ -162,16 +163,6 @@ class MomentFormats:
         """The optimizer's ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` attributes: a float format's
         dtype, a blockwise one's name."""
         return tuple(f.name if f.blockwise else f.storage_dtype for _, f in self.items())  # type: ignore[return-value]
-
-    def check_device(self, device: torch.device) -> None:
-        """Raise ``NotImplementedError`` for a blockwise format over params not on the CPU (its
-        CUDA kernels do not exist yet)."""
-        if self.blockwise and device.type != "cpu":
-            exp_avg, exp_avg_sq = self.attribute_values()
-            raise NotImplementedError(
-                f"exp_avg_dtype={exp_avg!r}, exp_avg_sq_dtype={exp_avg_sq!r}: the blockwise moment formats run on "
-                f"CPU params only until their CUDA kernels exist (the params are on {device}); pass torch.float32 "
-                "or torch.bfloat16 moments")
 
     def grid(self, align: int) -> int:
         """What every shard's length is a multiple of (``layout.pack``'s ``block``): ``align``,

@@ -255,12 +255,35 @@ def test_bad_low_bit_state_dicts_raise_naming_the_entry(mutate, match):
         opt2.load_state_dict(sd)
 
 
-def test_cuda_params_are_refused_naming_the_fix(monkeypatch):
+def test_cuda_params_without_the_kernel_are_refused_naming_the_fix(monkeypatch):
+    """CUDA params with a blockwise format need the compiled CUDA kernel: without it (no CUDA build,
+    or one that predates it) construction raises naming the formats and the fixes; with it, blocks
+    larger than its tile raise naming quant_block_size."""
     from shardamp.optim import distributed_fused_adam as dfa
 
     monkeypatch.setattr(dfa, "params_device", lambda params: torch.device("cuda", 0))
-    with pytest.raises(NotImplementedError, match="exp_avg_dtype='8bit'.*CPU params only.*torch.bfloat16"):
+    monkeypatch.setattr(dfa.kernels, "backend", lambda device: "reference")
+    monkeypatch.setattr(dfa.kernels, "native_module", lambda device: None)
+    with pytest.raises(NotImplementedError, match="exp_avg_dtype='8bit'.*adam_step_blockwise.*no CUDA kernels.*"
+                                                  "torch.bfloat16.*SHARDAMP_KERNELS=reference"):
         DistributedFusedAdam(cc.new_model().parameters(), exp_avg_dtype="8bit")
+
+    class Old:  # a CUDA module built before the blockwise kernel
+        pass
+
+    monkeypatch.setattr(dfa.kernels, "native_module", lambda device: Old())
+    with pytest.raises(NotImplementedError, match="exp_avg_sq_dtype='4bit'.*predate it"):
+        DistributedFusedAdam(cc.new_model().parameters(), exp_avg_sq_dtype="4bit")
+
+    class WithKernel:
+        BLOCKWISE_CUDA_TILE = 2048
+
+        def adam_step_blockwise(self, *args):
+            raise AssertionError("not reached")
+
+    monkeypatch.setattr(dfa.kernels, "native_module", lambda device: WithKernel())
+    with pytest.raises(ValueError, match="quant_block_size=4096.*at most 2048 elements"):
+        DistributedFusedAdam(cc.new_model().parameters(), exp_avg_dtype="8bit", quant_block_size=4096)
 
 
 @pytest.mark.parametrize("fmt", ["4bit", "8bit"])

@@ -2,16 +2,19 @@
 the dispatcher): shards cut on the block grid give bitwise the same codes, scales and params at
 1, 2 and 4 shards (uneven shards, several groups, an untouched param, several buckets), the skip
 flag writes nothing, the 4-bit second moment's zero-code rule holds through the step, the result
-tracks torch.optim.AdamW, bf16 params with remainders, CUDA tensors are refused; the buffers
-allocate codes and scales per the format declaration and memory_stats counts them exactly."""
+tracks torch.optim.AdamW, bf16 params with remainders, CUDA tensors without the kernel are refused;
+the compiled CPU step is bitwise the reference in every state kind; the buffers allocate codes and
+scales per the format declaration and memory_stats counts them exactly."""
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
+import blockwise_cases as bc
 from shardamp.optim import kernels, state_formats as sf
-from shardamp.optim.kernels import quant
-from shardamp.optim.kernels.dispatch import AdamLaunch
+from shardamp.optim.kernels import blockwise, quant
 from shardamp.optim.layout import ALIGN, build_layout
 
 FORMAT_PAIRS = [(sf.Q8, sf.Q8), (sf.Q4, sf.Q4), (sf.Q8, sf.Q4), (sf.FP32, sf.Q4), (sf.Q8, sf.BF16)]
@@ -199,18 +202,54 @@ def test_bf16_params_with_remainders():
         assert torch.equal(a, b)
 
 
-def test_cuda_tensors_are_refused_naming_the_fix():
-    class OnCuda(quant.QuantizedShard):
-        @property
-        def device(self):
-            return torch.device("cuda", 0)
+def test_cuda_tensors_without_the_kernel_are_refused_naming_the_fix():
+    """A CUDA step over blockwise moments needs the compiled kernel: without it, a clear error
+    naming the fixes (the reference math on the GPU only where SHARDAMP_KERNELS=reference asks)."""
+    with pytest.raises(NotImplementedError, match="the step over blockwise moments.*adam_step_blockwise.*no CUDA "
+                                                  "kernels.*torch.bfloat16.*SHARDAMP_KERNELS=reference"):
+        blockwise.require_kernel(None, torch.device("cuda", 0), "the step over blockwise moments")
+    blockwise.require_kernel(None, torch.device("cpu"), "CPU: the reference runs")  # no error
 
-    base = quant.QuantizedShard.zeros(sf.Q8, True, 256, 0, torch.device("cpu"))
-    shard = OnCuda(base.fmt, True, 256, 0, base.codes, base.scales)
-    launch = AdamLaunch(None, torch.zeros(256), shard, torch.zeros(256), None, None, None, None, None, None, None,
-                        True, True)
-    with pytest.raises(NotImplementedError, match="exp_avg in the '8bit' format.*CPU tensors only.*torch.bfloat16"):
-        quant.require_cpu(exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq)
+
+def _native_cpu():
+    if kernels.backend(torch.device("cpu")) != "native":
+        pytest.skip("the CPU kernels did not build here (SHARDAMP_KERNELS=reference or no compiler)")
+
+
+@pytest.mark.parametrize("master", bc.MASTERS)
+@pytest.mark.parametrize("pair", bc.MOMENT_PAIRS, ids=bc.case_id)
+def test_native_cpu_step_is_bitwise_the_reference(pair, master):
+    """The compiled CPU step over blockwise moments against reference.adam_step, bit for bit: every
+    moment pair (fp32 / bf16 / 8-bit / 4-bit, at least one blockwise), every master kind, fp32 /
+    bf16 / fp16 grads, AdamW and Adam, a grad coefficient, several groups with their own
+    hyperparameters, an untouched param, padding, a partial last block, a nonzero block offset and a
+    found-inf step in the middle."""
+    _native_cpu()
+    for gi, (gdt, adam_w) in enumerate(itertools.product(bc.GRAD_DTYPES, (True, False))):
+        state = bc.make_state(pair, master, seed=gi, device=torch.device("cpu"))
+        grads = bc.grads(3, gdt, seed=gi, device=torch.device("cpu"))
+        want = bc.run(state, grads, adam_w, native=False)
+        got = bc.run(state, grads, adam_w, native=True)
+        assert bc.differences(want, got) == [], (gdt, adam_w)
+        assert bc.differences(state, got) != [], "the step moved nothing"
+
+
+def test_native_cpu_skip_writes_nothing():
+    _native_cpu()
+    state = bc.make_state((sf.Q8, sf.Q4), "remainders", seed=3, device=torch.device("cpu"))
+    got = bc.run(state, bc.grads(2, torch.bfloat16, 3, torch.device("cpu")), True, native=True, found_inf_at=(0, 1))
+    assert bc.differences(state, got) == []
+
+
+def test_native_cpu_path_is_the_one_taken(monkeypatch):
+    """The dispatcher runs the compiled kernel for blockwise moments where it is built (the
+    reference is not called)."""
+    _native_cpu()
+    calls = []
+    monkeypatch.setattr(kernels.reference, "adam_step", lambda *a, **k: calls.append(a))
+    state = bc.make_state((sf.Q8, sf.Q8), "fp32", seed=0, device=torch.device("cpu"))
+    got = bc.run(state, bc.grads(1, torch.float32, 0, torch.device("cpu")), True, native=True, found_inf_at=())
+    assert calls == [] and bc.differences(state, got) != []
 
 
 def test_zero_shard_is_zero_and_whole_blocks():

@@ -7,8 +7,7 @@ top of ``reference.py``; the CUDA step's chunk sizes, tuning knobs and chunk tab
 ``SHARDAMP_KERNELS=reference`` forces the reference; unset, native kernels are used where they
 build, and a failed build warns once and falls back to the reference.
 
-Blockwise moments (``quant.QuantizedShard``) run the reference math on CPU tensors whatever the
-setting (no compiled kernel takes them yet) and raise on CUDA tensors (``quant.require_cpu``).
+Blockwise moments (``quant.QuantizedShard``) take ``blockwise.py``'s launch (its own kernel).
 """
 from __future__ import annotations
 
@@ -21,10 +20,10 @@ import torch
 from torch import Tensor
 
 from .. import config
-from . import reference
+from . import blockwise, reference
 from ..layout import SegmentTable
 from ..state_formats import native_moment
-from .quant import QuantizedShard, require_cpu
+from .quant import QuantizedShard
 from .launch_config import chunk_size, chunk_table, knobs, light_state, shard_chunks, store
 
 _ENV = "SHARDAMP_KERNELS"
@@ -225,11 +224,7 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
         return
     ext = _native(grad.device)
     if ext is None or not hasattr(ext, "group_partials") or grad.dtype not in _NATIVE_DTYPES:
-        host = segments.extra.get("host")
-        if host is None:  # from the host-side segments: no device-to-host copy
-            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
-            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-        reference.group_partials(grad, host, out, norm_type)
+        reference.group_partials(grad, _host_rows(segments), out, norm_type)
         return
     chunks = None
     if grad.device.type == "cuda":  # the blocks' map, built once from the host-side segments
@@ -299,12 +294,13 @@ class AdamLaunch:
     _native: Any = field(default=None, repr=False)  # the extension's AdamLaunch, made at the first native launch
     _tuned: Any = field(default=None, repr=False)  # the tuning knobs its chunk map and shape were set for
     _grad_dtype: Any = field(default=None, repr=False)  # the grads' dtype they were set for
+    _blockwise: Any = field(default=None, repr=False)  # blockwise moments' native descriptions (blockwise.py)
 
     def native_state(self, grad_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether the compiled kernels take this shard's state: an fp32 master (or int16
         remainders under a bf16 ``model_out``), fp32 or bf16 moments (``StateFormat.native``),
-        fp32/bf16/fp16 grads (``grad_dtype``, else ``grad``'s) and params. Anything else (fp64
-        state, a blockwise ``QuantizedShard``) takes the reference path: correct, not fused."""
+        fp32/bf16/fp16 grads (``grad_dtype``, else ``grad``'s) and params. fp64 state takes the
+        reference path; a blockwise ``QuantizedShard`` its own launch (``blockwise.py``)."""
         master, out = self.master, self.model_out
         state = (master.dtype == torch.float32 or (master.dtype == torch.int16 and out is not None and out.dtype
                  == torch.bfloat16)) and native_moment(self.exp_avg.dtype) and native_moment(self.exp_avg_sq.dtype)
@@ -326,18 +322,14 @@ def _launch_adam(launch: AdamLaunch) -> None:
     if not segments.segments:
         return
     ext = _native(launch.grad.device)
+    if blockwise.takes(launch.exp_avg, launch.exp_avg_sq):
+        blockwise.launch(ext, launch, _host_rows(segments))
+        return
     native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams)
     if native is None:
-        require_cpu(exp_avg=launch.exp_avg, exp_avg_sq=launch.exp_avg_sq)  # blockwise: the reference, CPU only
-        host = segments.extra.get("host")
-        if host is None:  # from the host-side segments: no device-to-host copy
-            rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
-            host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
-        reference.adam_step(
-            launch.grad, launch.master, launch.exp_avg, launch.exp_avg_sq, launch.model_out, host, launch.hparams,
-            launch.steps, launch.touched, launch.grad_coef, launch.found_inf, launch.adam_w_mode,
-            launch.bias_correction,
-        )
+        reference.adam_step(launch.grad, launch.master, launch.exp_avg, launch.exp_avg_sq, launch.model_out,
+                            _host_rows(segments), launch.hparams, launch.steps, launch.touched, launch.grad_coef,
+                            launch.found_inf, launch.adam_w_mode, launch.bias_correction)
         return
     native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
         launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
@@ -346,6 +338,16 @@ def _launch_adam(launch: AdamLaunch) -> None:
         ext.adam_launch(native)
     finally:  # the grad shard is released between steps: holding it here would keep its memory alive
         native.grad = _NO_GRAD
+
+
+def _host_rows(segments: SegmentTable) -> Tensor:
+    """The segments as a host int64 ``[S, 4]`` tensor, built from the host-side rows once (cached):
+    no device-to-host copy."""
+    host = segments.extra.get("host")
+    if host is None:
+        rows = [[s.start, s.length, s.param_index, s.group] for s in segments.segments]
+        host = segments.extra["host"] = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 4)
+    return host
 
 
 def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor) -> Optional[Any]:
@@ -426,23 +428,10 @@ def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[in
     return natives, shards
 
 
-def adam_step(
-    grad: Tensor,
-    master: Tensor,
-    exp_avg: Union[Tensor, QuantizedShard],
-    exp_avg_sq: Union[Tensor, QuantizedShard],
-    model_out: Optional[Tensor],
-    segments: SegmentTable,
-    hparams: Tensor,
-    steps: Tensor,
-    touched: Tensor,
-    grad_coef: Tensor,
-    found_inf: Tensor,
-    adam_w_mode: bool,
-    bias_correction: bool,
-    records: Optional[Tensor] = None,
-    record_offset: int = 0,
-) -> None:
+def adam_step(grad: Tensor, master: Tensor, exp_avg: Union[Tensor, QuantizedShard],
+              exp_avg_sq: Union[Tensor, QuantizedShard], model_out: Optional[Tensor], segments: SegmentTable,
+              hparams: Tensor, steps: Tensor, touched: Tensor, grad_coef: Tensor, found_inf: Tensor,
+              adam_w_mode: bool, bias_correction: bool, records: Optional[Tensor] = None, record_offset: int = 0) -> None:
     """One step of one shard from its arguments as the reference states them (the kernels' tests
     and benchmarks call it so); the optimizer keeps an :class:`AdamLaunch` per bucket instead."""
     launch_adam(AdamLaunch(grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched,

@@ -1,9 +1,9 @@
 """Blockwise quantization of the optimizer moments: the math of the ``"8bit"`` and ``"4bit"``
 moment formats (``state_formats.py``) as plain functions over flat tensors, as ``reference.py``
-is the math of the step. The compiled kernels will implement exactly this; until then nothing
-in the optimizer calls it (docs/low-bit-states.md: the accuracy study that chose the maps, and
-the design of the step that will use them). :class:`QuantizedShard` is one moment's shard as the
-buffers hold it (codes and scales) and the reference step reads and writes it.
+is the math of the step: the specification the compiled kernels (csrc/quant.h, the blockwise step
+of ``blockwise.py``) implement (docs/low-bit-states.md: the accuracy study that chose the maps, and
+the design of the step). :class:`QuantizedShard` is one moment's shard as the buffers hold it
+(codes and scales) and the steps read and write it.
 
 A moment's shard is cut into blocks of ``block_size`` elements on a fixed grid of the BUCKET's
 flat element space: block ``k`` covers bucket elements ``[k * block_size, (k + 1) * block_size)``,
@@ -238,7 +238,7 @@ class QuantizedShard:
     offset: int
     codes: Tensor
     scales: Tensor
-    _maps: Dict[torch.device, Tensor] = field(default_factory=dict, repr=False)
+    _maps: Dict[object, Tensor] = field(default_factory=dict, repr=False)
 
     @classmethod
     def zeros(cls, fmt: StateFormat, signed: bool, numel: int, offset: int, device: torch.device) -> "QuantizedShard":
@@ -278,6 +278,14 @@ class QuantizedShard:
             self._maps[dev] = format_map(self.fmt, self.signed)[0].to(dev)
         return self._maps[dev]
 
+    def midpoints(self) -> Tensor:
+        """The code map's midpoints on the codes' device (cached): what ``quantize`` searches,
+        and what the compiled kernels are handed."""
+        key = ("mids", self.codes.device)
+        if key not in self._maps:
+            self._maps[key] = _midpoints(self.qmap())
+        return self._maps[key]
+
     def dequantize(self) -> Tensor:
         """The shard's fp32 values (a new tensor)."""
         return dequantize_packed(self.codes, self.scales, self.qmap(), self.fmt.bits, self.block_size, self.numel)
@@ -293,17 +301,3 @@ class QuantizedShard:
         self.codes.copy_(codes)
         self.scales.copy_(scales)
 
-
-def require_cpu(**moments: object) -> None:
-    """Blockwise moments run the reference math on CPU tensors (no native CPU kernel takes them
-    yet); on CUDA tensors they have no kernel at all.
-
-    Raises:
-        NotImplementedError: a blockwise (``"8bit"`` / ``"4bit"``) moment on a CUDA device.
-    """
-    for key, state in moments.items():
-        if isinstance(state, QuantizedShard) and state.device.type == "cuda":
-            raise NotImplementedError(
-                f"{key} in the {state.fmt.name!r} format: the blockwise moment formats run on CPU tensors only "
-                "until their CUDA kernels exist; pass exp_avg_dtype / exp_avg_sq_dtype torch.float32 or "
-                "torch.bfloat16 for CUDA params")

@@ -26,9 +26,14 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
       remainders), ``join_remainders(model_out, master)``: ``model_out`` (bf16) holds the high
       16 bits and ``master`` the low 16 bits of the fp32 master;
     * Adam (``adam_w_mode=False``): ``g += wd * p``; AdamW: ``p *= 1 - lr * wd``;
-    * ``m = lerp(m, g, 1 - beta1)``; ``v = v * beta2 + (1 - beta2) * g * g``;
+    * ``m = lerp(m, g, w)``, ``w = 1 - beta1``, in torch.lerp's two formulas with every operation
+      rounded: ``m + w * (g - m)`` for ``w < 0.5``, else ``g - (g - m) * (1 - w)`` (torch's own
+      CPU lerp fuses them into an FMA in its vector body and not in its tail, so its bits depend
+      on an element's position; spelled out, the kernels give these bits exactly);
+      ``v = v * beta2 + (1 - beta2) * g * g``;
     * with ``bias_correction``: ``bc1 = 1 - beta1**step``, ``bc2 = 1 - beta2**step``, else 1;
-    * ``p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)``;
+    * ``p -= (lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps)``, ``sqrt(v)`` correctly rounded (torch's
+      CPU ``sqrt`` of fp32 can be 1 ulp off; through fp64 it is rounded once, exactly);
     * ``exp_avg`` / ``exp_avg_sq`` (fp32 or bf16 each, read as fp32) are written back rounded
       to their dtype, to nearest even (``Tensor.to``); the math of a step is fp32 throughout;
     * with an fp32 ``master``: ``master = p`` and, when ``model_out`` is given,
@@ -178,7 +183,9 @@ def _adam_segments(grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Te
             p = p * (1 - lr * wd).float()
         else:
             g = g + wd.float() * p
-        m = torch.lerp(m, g, (1 - beta1).float())
+        w = (1 - beta1).float()
+        d = g - m
+        m = torch.where(w < 0.5, m + w * d, g - d * (1 - w))  # torch.lerp's formulas, unfused
         v = v * beta2.float() + (1 - beta2).float() * g * g
         if bias_correction:
             bc1 = 1 - beta1**step
@@ -186,7 +193,7 @@ def _adam_segments(grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Te
         else:
             bc1 = bc2_sqrt = torch.ones((), dtype=torch.float64, device=hparams.device)
         step_size = (lr / bc1).float()
-        denom = v.sqrt() / bc2_sqrt.float() + eps.float()
+        denom = v.double().sqrt().float() / bc2_sqrt.float() + eps.float()  # sqrt(v) rounded once
         p = p - step_size * (m / denom)
 
         exp_avg[sl] = torch.where(skip, exp_avg[sl], m.to(exp_avg.dtype))
