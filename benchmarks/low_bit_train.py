@@ -235,17 +235,22 @@ def main(argv: Optional[List[str]] = None) -> int:
             row["model"] = model_name
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(args, rows, device)  # after every run: a run cut off by a time limit keeps the ones before it
+    print(write(args, rows, device))
+    return 0
+
+
+def write(args, rows: List[dict], device: torch.device) -> str:
+    """The table so far (printed by the caller) and, with --out, its JSON and markdown files."""
     meta = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__,
                 command=" ".join(sys.argv), batch=args.batch, seq=args.seq)
     text = table(rows, args.memory)
-    print(json.dumps(meta))
-    print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = "memory" if args.memory else "accuracy"
         (args.out / f"low_bit_{stem}.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-        (args.out / f"low_bit_{stem}.md").write_text(text + "\n")
-    return 0
+        (args.out / f"low_bit_{stem}.md").write_text(json.dumps(meta) + "\n\n" + text + "\n")
+    return json.dumps(meta) + "\n" + text
 
 
 if __name__ == "__main__":
