@@ -241,9 +241,11 @@ class StepCycle:
         Raises:
             RuntimeError: after ``step``, a norm type that step did not compute.
         """
-        self.require(Action.NORM, norm_type=norm_type)
         last = self.last_step()
-        return None if last is None else last.norm_after_step(norm_type)
+        if last is None:  # this round's norm: nothing to refuse
+            return None
+        self.require(Action.NORM, norm_type=norm_type)
+        return last.norm_after_step(norm_type)
 
     @property
     def inv_scale(self) -> Optional[Tensor]:
