@@ -376,9 +376,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         logging). 0-d float32 tensor on the params' device; never reads a value on the host.
         """
         norm_type = check_norm_type(norm_type)
-        last = self._cycle.last_step()
+        last = self._cycle.last_norm(norm_type)  # after step: that step's, if it computed norm_type (the gate)
         if last is not None:
-            return last.norm_after_step(norm_type)
+            return last
         self._ensure_stats(norm_type)
         return self._current_round().norm(norm_type)
 

@@ -45,7 +45,9 @@ Grads not reduced yet: inside ``opt.no_sync()`` the grads accumulated so far are
 own (a torch/DDP loop's ``param.grad`` would hold the local sum there, not the unsharded
 loop's), so every read raises, naming the fix. Outside ``no_sync`` a collective read reduces
 what is pending first (``grad_sync``: exact, it is what ``step`` would do); ``local_grad``, which
-issues no collective, raises instead and names ``opt.grad_sync()``.
+issues no collective, raises instead and names ``opt.grad_sync()``. Both refusals (and that of
+torch's clip inside ``no_sync``) are the step cycle's gate's (step/cycle.py ``require``), asked
+before any collective: a read out of order raises there on every rank that calls it.
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ from . import _compat, norms
 from .checks import agreement
 from .comm import order
 from .hparams import check_max_norm, check_norm_type
+from .step.cycle import Action
 
 
 class LocalGrad(NamedTuple):
@@ -84,13 +87,6 @@ def owner(p: Tensor) -> Optional[Any]:
 
 _GONE = ("the DistributedFusedAdam that managed this param's grad was garbage-collected: read grads while their "
          "optimizer is alive")
-
-
-def _fix_no_sync(what: str) -> str:
-    return (f"{what}: called inside opt.no_sync(): the grads accumulated there are this rank's own, not "
-            "reduced over the ranks yet (the unsharded loop's param.grad would hold every rank's). Read them "
-            "after the backward that reduces (the last micro-batch's, outside no_sync), or leave no_sync and "
-            "call opt.grad_sync() on every rank first (it reduces what has accumulated so far).")
 
 
 @dataclass(frozen=True)
@@ -161,14 +157,15 @@ class GradsView:
         (``param.grad`` is not None in torch then)."""
         return self.source().cycle.grad_since_zero
 
-    def check_reducible(self, what: str) -> None:
-        if not self.source().grad_sync.enabled:
-            raise RuntimeError(_fix_no_sync(what))
+    def require(self, action: Action, what: str) -> None:
+        """The step cycle's gate (step/cycle.py): raise if ``action`` is out of order now (a read
+        or torch's clip inside ``no_sync``; ``local_grad`` of grads not reduced yet)."""
+        self.source().cycle.require(action, what)
 
     def reduce(self, what: str) -> None:
         """Make the grads readable: raise inside ``no_sync``, else finish their reduction (a
         collective: launches what is pending, in order, on every rank; a wait otherwise)."""
-        self.check_reducible(what)
+        self.require(Action.READ, what)
         if not self.source().cycle.stepped_since_zero:  # a step consumed them: reduced, nothing to launch
             self.optimizer().grad_sync()
 
@@ -211,7 +208,7 @@ class GradsView:
         """float32 ``[params]``: every param's grad norm of order ``norm_type`` as torch would
         compute it on ``param.grad`` now (see the module docstring for the collectives)."""
         norm_type = check_norm_type(norm_type)
-        self.check_reducible(what)
+        self.require(Action.READ, what)
         src = self.source()
         if self._norms is None or self._norms[0] != self._key(norm_type):
             order.arrive(src.comm, what)  # a rank alone raises in bounded time, issuing no collective
@@ -263,7 +260,7 @@ class GradsView:
         twice, as in torch) as torch's ``get_total_norm`` computes it on ``param.grad`` now."""
         norm_type = check_norm_type(norm_type)
         what = "get_total_norm"
-        self.check_reducible(what)
+        self.require(Action.READ, what)
         src = self.source()
         if not src.cycle.stepped_since_zero and sorted(indices) == list(range(len(src.params))):
             # every grad once: the step's own stats all-reduce (shared with unscale_, clip, step)
@@ -293,7 +290,7 @@ class GradsView:
                 f"DistributedFusedAdam ({missing} missing). Its grads are clipped inside its step by one coefficient: "
                 "pass all of them (e.g. model.parameters()), or use one optimizer per set of params you clip "
                 "separately.")
-        self.check_reducible("clip_grads_with_norm_")
+        self.require(Action.CLIP, "clip_grads_with_norm_")
         max_norm = check_max_norm(max_norm, src.comm.has_peers)
         src.cycle.reuse_stepped()  # a clip after step() without backward: on what param.grad shows
         norm = torch.as_tensor(total_norm).detach().to(device=src.device, dtype=torch.float32)
@@ -310,7 +307,7 @@ class GradsView:
     def unscale(self, inv_scale: Tensor) -> Tensor:
         """torch's ``GradScaler.unscale_`` reached this optimizer's grads: record ``inv_scale``
         (once per step: its other dtype groups come after) and return the GLOBAL found-inf."""
-        self.check_reducible("GradScaler.unscale_")
+        self.require(Action.READ, "GradScaler.unscale_")
         r = self.source().cycle.current()
         if r.inv_scale is None:
             return self.optimizer().unscale_grads(inv_scale)  # a subclass's override is honoured
@@ -330,7 +327,7 @@ class GradsView:
     def full_grad(self, p: Any) -> Optional[Tensor]:
         what = "full_grad"
         i = self.index(p, what)
-        self.check_reducible(what)
+        self.require(Action.READ, what)
         src = self.source()
         order.arrive(src.comm, what)  # a rank alone raises in bounded time, issuing no collective
         agreement.agree_on_call(self.optimizer().shard_view(), what, given=i)
@@ -357,7 +354,7 @@ class GradsView:
     def local_grad(self, p: Any) -> Optional[LocalGrad]:
         what = "local_grad"
         i = self.index(p, what)
-        self.check_reducible(what)
+        self.require(Action.READ, what)
         src = self.source()
         gs = src.grad_sync
         if not src.cycle.grad_since_zero:
@@ -366,11 +363,7 @@ class GradsView:
         lo, hi = ranges[src.comm.shard_rank]
         if hi <= lo:
             return None
-        if not src.cycle.stepped_since_zero and gs.holds_unreduced():
-            raise RuntimeError(
-                "local_grad: this rank holds grads that are not reduced yet (overlap_grad_sync=False reduces at "
-                "step, or a backward ran inside no_sync since the last reduction). Call opt.grad_sync() on every "
-                "rank first (a collective), or read them after step's reduction.")
+        self.require(Action.LOCAL_READ, what)  # no collective: refused while grads wait for their reduction
         gs.wait()  # in-flight reductions land (on the device's streams: no host sync)
         piece = buf.grad_shard[lo - bucket.shard_start:hi - bucket.shard_start]
         value = (piece.float() * self.factor()).to(p.dtype)

@@ -89,6 +89,7 @@ from torch import Tensor
 
 from . import _compat, norms
 from .grads_view import owner
+from .step.cycle import Action
 
 
 # ====================================================================== the grad a managed param shows
@@ -306,7 +307,7 @@ def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Tensor,
     mine = [(opt, opt._grads_view.index(p, "clip_grads_with_norm_")) for p, opt in managed if opt is not None]
     groups = _by_optimizer([o for o, _ in mine], [i for _, i in mine])
     for opt, indices in groups.values():  # every check first: nothing is clipped when one raises
-        opt._grads_view.check_reducible("clip_grads_with_norm_")
+        opt._grads_view.require(Action.CLIP, "clip_grads_with_norm_")
     for opt, indices in groups.values():
         opt._grads_view.clip(indices, max_norm, total_norm)
     if plain:

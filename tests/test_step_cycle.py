@@ -314,7 +314,8 @@ def test_grad_sync_alone_sets_its_launch_flags() -> None:
     """backward_order.py decides the order of launches over a group; the flags GradSync acts on
     are set by GradSync's own methods (``defer_launches_to_end``, ``hold_launches_to_step``, ...),
     never written from another module."""
-    flags = {"defer_launches", "hold_launches", "refusal", "order_group", "build_index", "enabled"}
+    flags = {"defer_launches", "hold_launches", "refusal", "order_group", "build_index", "enabled",
+             "_defer_launches", "_hold_launches", "_refusal", "_enabled"}
     writes = []
     for path in sorted((ROOT / "optim").rglob("*.py")):
         if path.name == "grad_sync.py":
@@ -350,3 +351,127 @@ def test_the_gate_warns_once_of_a_clip_before_the_unscale() -> None:
             assert found[0].filename == __file__
         scaler.step(opt)
         scaler.update()
+
+
+class _Sync:
+    """What the gate asks of the grad sync (``Reductions``), set by hand."""
+
+    def __init__(self) -> None:
+        self.enabled, self.unreduced = True, False
+
+    def holds_unreduced(self) -> bool:
+        return self.unreduced
+
+
+def _in_phase(phase: StepPhase, sync: _Sync, grads: bool = True) -> StepCycle:
+    """A cycle in ``phase`` (the last step's 2-norm kept in STEPPED), with grads since zero_grad
+    or without (``grads=False``: none arrived, or zero_grad(set_to_none=True) dropped them)."""
+    c = _cycle()
+    c.watch(sync)
+    if grads:
+        c.backward_began()
+    if phase is IDLE and grads:
+        c.grads_dropped(set_to_none=False)  # zeros kept: grads to step on, no step's norms
+    if phase in (RED, UNS, STEP):
+        c.reduced("", [])
+        c.current().add_norm_type(2.0, torch.tensor(3.0))
+    if phase is UNS:
+        c.unscaled(torch.tensor(0.5))
+    if phase is STEP:
+        c.stepped([], [2.0], cache_after_step=True)
+        if not grads:
+            c.grads_dropped(set_to_none=True)  # the step's norms stay readable, its grads are gone
+    assert c.phase is phase and c.grad_since_zero is grads
+    return c
+
+
+def test_the_gate_table_action_by_phase() -> None:
+    """Every action in every phase, each fact held then missing: allowed, or refused with the
+    error users get (the texts of checks/misuse.py, formatted with the call's name)."""
+    from shardamp.optim.checks import misuse
+    from shardamp.optim.step.cycle import Action
+
+    phases = [IDLE, ACC, RED, UNS, STEP]
+    no_sync = misuse.READ_INSIDE_NO_SYNC.format(what="the call")
+    unreduced = misuse.READ_UNREDUCED.format(what="the call")
+    assert no_sync.startswith("the call: called inside opt.no_sync(): the grads accumulated there")
+    assert unreduced.startswith("the call: this rank holds grads that are not reduced yet")
+    # what each action meets in each phase: None allowed, else the error; the facts are all held
+    # ("held"), or one is missing: no grads since zero_grad(set_to_none=True), inside no_sync,
+    # grads waiting for their reduction, a norm type the last step did not compute (inf)
+    expected = {
+        ("held", Action.UNSCALE, UNS): misuse.UNSCALE_TWICE,
+        **{("no grads", Action.STEP, ph): misuse.NO_GRAD_AT_STEP for ph in phases if ph is not ACC},
+        ("no grads", Action.UNSCALE, UNS): misuse.UNSCALE_TWICE,
+        **{("no_sync", a, ph): no_sync for a in (Action.CLIP, Action.READ, Action.LOCAL_READ) for ph in phases},
+        ("no_sync", Action.UNSCALE, UNS): misuse.UNSCALE_TWICE,
+        # after a step its grads are reduced: a local read is allowed whatever the sync holds
+        **{("unreduced", Action.LOCAL_READ, ph): unreduced for ph in phases if ph is not STEP},
+        ("unreduced", Action.UNSCALE, UNS): misuse.UNSCALE_TWICE,
+        ("norm inf", Action.NORM, STEP): misuse.NORM_NOT_KEPT.format(norm_type=math.inf, computed=[2.0]),
+        ("norm inf", Action.UNSCALE, UNS): misuse.UNSCALE_TWICE,
+    }
+    checked = 0
+    for case in ("held", "no grads", "no_sync", "unreduced", "norm inf"):
+        for phase in phases:
+            for action in Action:
+                if case == "no grads" and phase is ACC:
+                    continue  # a backward is what accumulates: no such cycle
+                sync = _Sync()
+                c = _in_phase(phase, sync, grads=case != "no grads")
+                sync.enabled = case != "no_sync"
+                sync.unreduced = case == "unreduced"
+                norm_type = math.inf if case == "norm inf" else 2.0
+                want = expected.get((case, action, phase))
+                if want is None:
+                    c.require(action, "the call", norm_type)
+                else:
+                    with pytest.raises(RuntimeError) as refused:
+                        c.require(action, "the call", norm_type)
+                    assert str(refused.value) == want, (case, action, phase)
+                checked += 1
+    assert checked == (5 * len(phases) - 1) * len(Action) and len(Action) == 6
+
+
+def test_the_gate_without_a_grad_sync_holds_nothing_back() -> None:
+    """A cycle watching no grad sync (or one that is gone: it is held weakly) refuses no read."""
+    from shardamp.optim.step.cycle import Action
+
+    c = _cycle()
+    c.backward_began()
+    c.require(Action.LOCAL_READ, "local_grad")
+    sync = _Sync()
+    sync.enabled = False
+    c.watch(sync)
+    with pytest.raises(RuntimeError, match="local_grad: called inside opt.no_sync"):
+        c.require(Action.LOCAL_READ, "local_grad")
+    del sync
+    c.require(Action.LOCAL_READ, "local_grad")
+
+
+def test_the_optimizers_reads_refuse_through_the_gate() -> None:
+    """The errors of reads out of order come from the gate: inside no_sync, local_grad before
+    the reduction, a norm type the last step did not compute, and the optimizer's grad sync
+    is what the gate asks."""
+    from shardamp.optim.checks import misuse
+
+    model, _, opt, _ = _pair(groups=False)
+    assert opt._cycle._reductions() is opt._grad_sync
+    p = next(model.parameters())
+    with opt.no_sync():
+        _loss(model, torch.randn(4, 6)).backward()
+        with pytest.raises(RuntimeError) as inside:
+            opt.full_grad(p)
+        assert str(inside.value) == misuse.READ_INSIDE_NO_SYNC.format(what="full_grad")
+        with pytest.raises(RuntimeError) as clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        assert str(clip.value).startswith("get_total_norm: called inside opt.no_sync()")
+    with pytest.raises(RuntimeError) as local:
+        opt.local_grad(p)  # the no_sync backward's grads are not reduced yet
+    assert str(local.value) == misuse.READ_UNREDUCED.format(what="local_grad")
+    opt.grad_sync()
+    assert opt.local_grad(p) is not None
+    opt.step()
+    with pytest.raises(RuntimeError) as norm:
+        opt.grad_norm(1.0)
+    assert str(norm.value) == misuse.NORM_NOT_KEPT.format(norm_type=1.0, computed=[2.0])

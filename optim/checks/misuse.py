@@ -1,7 +1,11 @@
 """Misuse that would otherwise train silently wrong, detected so it raises naming the fix: a model
 wrapped in ``torch.nn.parallel.DistributedDataParallel``, a launcher's ``WORLD_SIZE > 1``
-without a process group, a step with no grads, ``opt.clip_grad_norm`` before unscaling (loop G:
-its ``max_norm`` is the plain one).
+without a process group; and the texts of the step cycle's gate (step/cycle.py), which refuses a
+step, an unscale, a clip or a grad read out of order: a step with no grads, a second unscale, a
+read inside ``no_sync`` or of grads not reduced yet, a norm type the last step did not compute,
+and the warning of ``opt.clip_grad_norm`` before unscaling (loop G: its ``max_norm`` is the plain
+one). The gate formats them with ``{what}`` (the call refused) and ``{norm_type}`` /
+``{computed}``.
 
 DDP would all-reduce every grad a second time and write the result into ``param.grad`` (which
 the optimizer never reads: it reduce-scatters the grads itself during backward). DDP leaves no
@@ -85,6 +89,25 @@ NO_GRAD_AT_STEP = (
     "last zero_grad(). Either backward() did not run, or the model's parameters were replaced "
     "(load_state_dict(assign=True), deepcopy, re-created modules) and the optimizer no longer sees them: build "
     "the optimizer over the model's current parameters."
+)
+
+READ_INSIDE_NO_SYNC = (
+    "{what}: called inside opt.no_sync(): the grads accumulated there are this rank's own, not reduced over the "
+    "ranks yet (the unsharded loop's param.grad would hold every rank's). Read them after the backward that "
+    "reduces (the last micro-batch's, outside no_sync), or leave no_sync and call opt.grad_sync() on every rank "
+    "first (it reduces what has accumulated so far)."
+)
+
+READ_UNREDUCED = (
+    "{what}: this rank holds grads that are not reduced yet (overlap_grad_sync=False reduces at step, or a "
+    "backward ran inside no_sync since the last reduction). Call opt.grad_sync() on every rank first (a "
+    "collective), or read them after step's reduction."
+)
+
+NORM_NOT_KEPT = (
+    "grad_norm(norm_type={norm_type}) after step(): that step computed the norm only for norm_type {computed}. "
+    "Another norm type needs a collective over the grads, which are consumed: ask for it before step() (every "
+    "rank)."
 )
 
 CLIP_BEFORE_UNSCALE = (

@@ -20,21 +20,36 @@ the stats are computed anew. After ``zero_grad`` the phase is ``STEPPED`` when a
 are still readable, else ``IDLE``.
 
 The phase decides what may happen next, in one table (``_GATES``), as FSDP2's ``TrainingState``
-gates its hooks: the optimizer asks :meth:`StepCycle.require` before a step or an unscale, and an
-action out of order is refused there with the error users get (a clip made before the unscale,
-while the loss was scaled, is warned of there, once). A step also needs grads: a grad
-since the last ``zero_grad(set_to_none=True)``, a fact beside the phase (``zero_grad(set_to_none=
-False)`` keeps the grads as zeros whatever the phase says about the last step's norms).
+gates its hooks: before a step, an unscale, a clip or a read of the grads the optimizer (and the
+grads' reads, grads_view.py; torch's tools over them, torch_tools.py) asks :meth:`StepCycle.require`,
+and an action out of order is refused there, with the error users get (the texts are in
+checks/misuse.py). Per action the table names the phases that allow it and the facts it needs
+beside the phase (:class:`Fact`), each with its refusal:
+
+* a step needs a grad since the last ``zero_grad(set_to_none=True)`` (``zero_grad(set_to_none=
+  False)`` keeps the grads as zeros whatever the phase says about the last step's norms);
+* an unscale is refused while ``UNSCALED`` (a second one before the step); a clip made before it
+  while the loss was scaled is warned of there, once;
+* a norm read from the last step (phase ``STEPPED``, no collective) must be of a norm type that
+  step computed;
+* torch's clip and the reads of the grads as ``param.grad`` shows them are refused inside
+  ``no_sync`` (the grads there are this rank's own), and ``local_grad``, which issues no
+  collective to reduce with, while this rank holds grads not reduced yet.
+
+The grad sync answers the last two facts (:class:`Reductions`, watched weakly: sync/grad_sync.py
+registers itself); the cycle asks, never writes it.
 """
 from __future__ import annotations
 
 import enum
 import warnings
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+import weakref
+from typing import Any, Callable, Dict, FrozenSet, List, NamedTuple, Optional, Protocol, Sequence, Set, Tuple
 
 from torch import Tensor
 
-from ..checks.misuse import CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, UNSCALE_TWICE
+from ..checks.misuse import (CLIP_BEFORE_UNSCALE, NO_GRAD_AT_STEP, NORM_NOT_KEPT, READ_INSIDE_NO_SYNC, READ_UNREDUCED,
+                             UNSCALE_TWICE)
 from .step_round import StepRound
 
 
@@ -49,18 +64,56 @@ class StepPhase(enum.Enum):
 
 
 class Action(enum.Enum):
-    """What the optimizer asks the cycle to allow (:meth:`StepCycle.require`)."""
+    """What is asked of the cycle before it happens (:meth:`StepCycle.require`)."""
 
     STEP = "step"  # DistributedFusedAdam.step
     UNSCALE = "unscale"  # unscale_grads: ShardedGradScaler.unscale_, torch's GradScaler hand-over
+    NORM = "norm"  # grad_norm (opt.clip_grad_norm's too): after step, a norm type that step computed
+    CLIP = "clip"  # torch's clip over param.grad: clip_grads_with_norm_ (torch's and shardamp's clip_grad_norm_)
+    READ = "read"  # the grads as param.grad shows them: full_grad, p.grad's norms, get_total_norm, GradScaler.unscale_
+    LOCAL_READ = "local read"  # local_grad: no collective, so nothing may be waiting for its reduction
+
+
+class Fact(enum.Enum):
+    """What an action needs beside the phase (``_GATES``)."""
+
+    GRADS = "grads"  # a grad arrived since the last zero_grad(set_to_none=True)
+    SYNCING = "syncing"  # outside no_sync (the grads accumulated inside are this rank's own)
+    REDUCED = "reduced"  # no grad of this rank waits for a reduction (or a step consumed them)
+    NORM_KEPT = "norm kept"  # outside STEPPED, or the last step computed the norm type asked for
+    NO_SCALED_CLIP = "no scaled clip"  # no clip of this round was compared with a scaled norm (warns)
+
+
+class Gate(NamedTuple):
+    """One action's row of ``_GATES``: the phases allowing it and the error otherwise, the facts it
+    needs with the error of each missing one, and a fact whose absence warns once."""
+
+    phases: FrozenSet[StepPhase]
+    out_of_phase: str
+    needs: Tuple[Tuple[Fact, str], ...] = ()
+    warns: Optional[Tuple[Fact, str]] = None
+
+
+class Reductions(Protocol):
+    """What the gate asks of the grad sync (sync/grad_sync.py's ``GradSync``)."""
+
+    @property
+    def enabled(self) -> bool: ...  # False inside no_sync
+
+    def holds_unreduced(self) -> bool: ...
 
 
 _ANY = frozenset(StepPhase)
-# Per action: the phases that allow it, whether it needs grads since zero_grad, and the error of
-# the action out of order (raised on every rank alike: the ranks walk the same phases).
-_GATES: Dict[Action, Tuple[FrozenSet[StepPhase], bool, str]] = {
-    Action.STEP: (_ANY, True, NO_GRAD_AT_STEP),
-    Action.UNSCALE: (_ANY - {StepPhase.UNSCALED}, False, UNSCALE_TWICE),
+_READ = ((Fact.SYNCING, READ_INSIDE_NO_SYNC),)
+# The gate: raised on every rank alike where the ranks walk the same phases and facts (a read's
+# refusal comes before its collectives).
+_GATES: Dict[Action, Gate] = {
+    Action.STEP: Gate(_ANY, "", ((Fact.GRADS, NO_GRAD_AT_STEP),)),
+    Action.UNSCALE: Gate(_ANY - {StepPhase.UNSCALED}, UNSCALE_TWICE, warns=(Fact.NO_SCALED_CLIP, CLIP_BEFORE_UNSCALE)),
+    Action.NORM: Gate(_ANY, "", ((Fact.NORM_KEPT, NORM_NOT_KEPT),)),
+    Action.CLIP: Gate(_ANY, "", _READ),
+    Action.READ: Gate(_ANY, "", _READ),
+    Action.LOCAL_READ: Gate(_ANY, "", _READ + ((Fact.REDUCED, READ_UNREDUCED),)),
 }
 
 
@@ -111,6 +164,7 @@ class StepCycle:
         # scaled): folds that coefficient into the kept shards first (GradsView.fold_pending)
         self._fold: Optional[Callable[[], None]] = None
         self._unscaled_since_step = False  # a scaler's unscale_ reached this optimizer since its last step
+        self._reductions: Callable[[], Optional[Reductions]] = lambda: None  # the grad sync, weakly (watch)
 
     # ------------------------------------------------------------------ the phase
     @property
@@ -131,22 +185,67 @@ class StepCycle:
             return self._last
         return None
 
-    def require(self, action: Action) -> None:
-        """The gate: raise unless the phase allows ``action`` now (``_GATES``); an unscale after
-        a clip of this round warns once (the clip's max_norm was compared with the scaled norm).
+    def watch(self, reductions: Reductions) -> None:
+        """The grad sync whose state the gate asks (inside ``no_sync``, grads not reduced yet);
+        held weakly: it holds this cycle."""
+        self._reductions = weakref.ref(reductions)
+
+    def require(self, action: Action, what: str = "", norm_type: float = 2.0) -> None:
+        """The gate: raise unless the phase and the facts allow ``action`` now (``_GATES``); warn
+        once where its row says (an unscale after a clip compared with the scaled norm).
+
+        Args:
+            action: what is about to happen.
+            what: the call, named in a read's error.
+            norm_type: the norm asked for (``Action.NORM``).
 
         Raises:
             RuntimeError: ``step`` with no grad since the last ``zero_grad`` on this rank (the
                 params were replaced, or backward did not run); a second ``unscale_grads`` before
-                the step.
+                the step; after ``step``, a norm type that step did not compute; torch's clip or a
+                read of the grads inside ``no_sync``; ``local_grad`` while this rank holds grads
+                not reduced yet. Local: no collective, no host sync.
         """
-        phases, needs_grads, refusal = _GATES[action]
-        if self._phase not in phases or (needs_grads and not self._grad_since_zero):
-            raise RuntimeError(refusal)
-        if (action is Action.UNSCALE and self._round is not None and self._round.clips_following_scale
-                and self.warn_once("clip before unscale")):
+        gate = _GATES[action]
+        if self._phase not in gate.phases:
+            raise RuntimeError(gate.out_of_phase.format(what=what))
+        for fact, refusal in gate.needs:
+            if not self._holds(fact, norm_type):
+                last = self._last
+                computed = sorted(last.raw_norms) if last is not None else []
+                raise RuntimeError(refusal.format(what=what, norm_type=norm_type, computed=computed))
+        if gate.warns is not None and not self._holds(gate.warns[0], norm_type) and self.warn_once(
+                f"{action.value}: {gate.warns[0].value}"):
             # stacklevel: this gate, unscale_grads, the scaler's unscale_ or step, the caller
-            warnings.warn(CLIP_BEFORE_UNSCALE, UserWarning, stacklevel=4)
+            warnings.warn(gate.warns[1], UserWarning, stacklevel=4)
+
+    def _holds(self, fact: Fact, norm_type: float) -> bool:
+        if fact is Fact.GRADS:
+            return self._grad_since_zero
+        if fact is Fact.NORM_KEPT:
+            last = self.last_step()
+            return last is None or norm_type in last.raw_norms
+        if fact is Fact.NO_SCALED_CLIP:
+            return self._round is None or not self._round.clips_following_scale
+        sync = self._reductions()
+        if sync is None:  # no grad sync watched (a cycle alone): nothing is held back
+            return True
+        if fact is Fact.SYNCING:
+            return sync.enabled
+        return self._stepped_since_zero or not sync.holds_unreduced()  # Fact.REDUCED
+
+    def last_norm(self, norm_type: float) -> Optional[Tensor]:
+        """The last step's norm of ``norm_type`` (unscaled, no collective) while its norms are
+        read (``last_step``), through the gate (a norm type it computed); None otherwise.
+
+        Raises:
+            RuntimeError: after ``step``, a norm type that step did not compute.
+        """
+        last = self.last_step()
+        if last is None:  # this round's norm: nothing to refuse
+            return None
+        self.require(Action.NORM, norm_type=norm_type)
+        return last.norm_after_step(norm_type)
 
     @property
     def inv_scale(self) -> Optional[Tensor]:

@@ -59,15 +59,10 @@ class StepRound:
         return norm
 
     def norm_after_step(self, norm_type: float) -> Tensor:
-        """After the step consumed this round: the unscaled norm that step used, no collective."""
+        """After the step consumed this round: the unscaled norm that step used, no collective (a
+        norm type it computed: the step cycle's gate, ``Action.NORM``, refuses another)."""
         norm = self.norms.get(norm_type)  # handed out during the step, unscaled by it
         if norm is None:
-            if norm_type not in self.raw_norms:
-                raise RuntimeError(
-                    f"grad_norm(norm_type={norm_type}) after step(): that step computed the norm only "
-                    f"for norm_type {sorted(self.raw_norms)}. Another norm type needs a collective over the "
-                    "grads, which are consumed: ask for it before step() (every rank)."
-                )
             norm = self._derived(norm_type)
             if self.cache_after_step:
                 self.norms[norm_type] = norm

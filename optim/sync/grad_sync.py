@@ -99,14 +99,16 @@ class GradSync:
             for slot in bucket.slots:
                 self.slots[slot.index] = slot
         self.next_launch = 0  # buckets [0, next_launch) have been launched in the current round
-        self.enabled = True  # False inside no_sync()
+        self._enabled = True  # False inside no_sync()
         self.callback_queued = False
         # backward_order.py: this backward reaches another optimizer over the group too, so the
-        # launches wait for its end (``defer_launches``); or its launches are held to the step
-        # (``hold_launches``) and the step raises ``refusal`` (backward passes of two threads at once)
-        self.defer_launches = False
-        self.hold_launches = False
-        self.refusal = ""
+        # launches wait for its end (``_defer_launches``); or its launches are held to the step
+        # (``_hold_launches``) and the step raises ``refusal`` (backward passes of two threads at
+        # once). Set only by the methods backward_order.py calls (``defer_launches_to_end``, ...)
+        self._defer_launches = False
+        self._hold_launches = False
+        self._refusal = ""
+        cycle.watch(self)  # its gate asks whether no_sync holds and what waits for a reduction
         self.order_group: Optional[backward_order.GroupOrder] = None
         self.build_index = 0
         # Each bucket's stats partial (sum g^2, non-finite flag) is added into one shared row
@@ -215,7 +217,7 @@ class GradSync:
         When such a bucket completes in launch order the hook lands it without calling Python
         (a GIL round trip and this module's bookkeeping, tens of microseconds a bucket on a GPU
         host); the plan ends at the first event that does call Python."""
-        if not self.enabled or not self.overlap or self.defer_launches or self.hold_launches:
+        if not self._enabled or not self.overlap or self._defer_launches or self._hold_launches:
             return
         self.landings.arm(self.next_launch, not self.partials_started)
 
@@ -225,7 +227,7 @@ class GradSync:
         complete buckets landed in the native hook without Python deciding its first grad or
         arming a plan there. Any Python entry point before that backward undoes it
         (``_take_planned``), and the first grad then arms as without it."""
-        if (not self.landings.prearms or not self.enabled or not self.overlap or self.callback_queued
+        if (not self.landings.prearms or not self._enabled or not self.overlap or self.callback_queued
                 or self.next_launch or self.partials_started or not all(fresh_shard(s) for s in self.states)):
             return
         self.landings.prearm()
@@ -244,7 +246,7 @@ class GradSync:
     def _staged(self, s: BucketGrads, event: int) -> None:  # event: NONE, FLUSH or COMPLETE
         if event != grad_stager.NONE:
             self._flush(s)
-        if event == grad_stager.COMPLETE and self.enabled and self.overlap and not self.defer_launches:
+        if event == grad_stager.COMPLETE and self._enabled and self.overlap and not self._defer_launches:
             self._launch_ready()
 
     def _adopt_landed(self, s: BucketGrads, full: Tensor) -> None:
@@ -320,7 +322,7 @@ class GradSync:
         self._take_planned()
         self.raise_hook_error()
         self.flush_all()
-        if self.overlap and self.enabled and not self.hold_launches:
+        if self.overlap and self._enabled and not self._hold_launches:
             self._finish_round()  # resets the fired counts too
         else:
             self.stager.reset_fired()
@@ -398,8 +400,11 @@ class GradSync:
         held += self.reductions.held_inputs()
         return list({id(t): t for t in held}.values())
 
+    enabled = property(lambda self: self._enabled, doc="Grads are reduced (False inside ``no_sync()``).")
+    refusal = property(lambda self: self._refusal, doc="Why the next step is refused (backward_order.py), or \"\".")
+
     def step_done(self) -> None:
-        self.refusal = ""  # the step that consumed the refused grads was flagged (backward_order.py)
+        self._refusal = ""  # the step that consumed the refused grads was flagged (backward_order.py)
 
     # ---------------------------------------------------------------- launch order (backward_order.py)
     def joined_group(self, group: "backward_order.GroupOrder", index: int) -> None:
@@ -408,31 +413,31 @@ class GradSync:
 
     def launches_in_backward(self) -> bool:
         """This optimizer launches reduce-scatters during backward (not at ``grad_sync``/``step``)."""
-        return self.overlap and self.enabled
+        return self.overlap and self._enabled
 
     def defer_launches_to_end(self, defer: bool) -> None:
         """This backward reaches another optimizer of the group too (``defer``): launch at its
         end, in the group's order; else launch as buckets complete."""
-        self.defer_launches = defer
+        self._defer_launches = defer
 
     def hold_launches_to_step(self, refusal: str) -> None:
         """Backward passes of two threads at once over the group: this backward launches nothing
         (the step reduces, in program order) and the next step raises ``refusal``."""
-        self.refusal, self.hold_launches = refusal, True
+        self._refusal, self._hold_launches = refusal, True
 
     def refuse_next_step(self, refusal: str) -> None:
         """Another thread's backward met this one's round: the next step raises (the first
         ``refusal`` kept)."""
-        self.refusal = self.refusal or refusal
+        self._refusal = self._refusal or refusal
 
     def round_ended(self) -> None:
         """The group's round of this backward ends: this optimizer's end of backward, in the
         group's order; later rounds launch again."""
-        self.defer_launches = False
+        self._defer_launches = False
         try:
             self.end_of_backward()
         finally:
-            self.hold_launches = False  # a refused round's buckets wait for the step
+            self._hold_launches = False  # a refused round's buckets wait for the step
 
     def zero(self, set_to_none: bool) -> None:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
@@ -442,8 +447,8 @@ class GradSync:
         self.next_launch = 0
         self.partials_started = False
         self.callback_queued = False  # a backward that raised never ran its callback
-        self.defer_launches = self.hold_launches = False
-        self.refusal = ""
+        self._defer_launches = self._hold_launches = False
+        self._refusal = ""
         backward_order.forget(self)
         self.stager.set_armed(False)
         self.stager.clear()
@@ -475,11 +480,11 @@ class GradSync:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         self._take_planned()  # a plan set at zero_grad launches what no_sync holds back: undone
-        previous, self.enabled = self.enabled, False
+        previous, self._enabled = self._enabled, False
         try:
             yield
         finally:
-            self.enabled = previous
+            self._enabled = previous
 
     def __del__(self, _finalizing: Callable[[], bool] = sys.is_finalizing) -> None:
         if _finalizing():  # module globals are being torn down (``sys`` too); the hooks go with the params
