@@ -333,23 +333,17 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         groups = self._health.group_slice(HEADER + len(self._params)) if stats.numel() > HEADER else None
         self._comm.all_reduce_stats(stats, op, groups)
 
-    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY) -> GradStats:
-        """This step's reduced stats, made at the first call (``key``: the groups' plain_key,
-        where the caller computed it)."""
+    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY,
+                      defer: bool = False) -> Union[GradStats, grad_stats.StatsPlan]:
+        """This step's reduced stats (GradStats), made at the first call (``key``: the groups'
+        plain_key, where the caller computed it); ``defer`` (the step, before any stats): where one
+        process would finish them, the plan instead, for the step's one call (``StatsPlan.step``)."""
         r = self._current_round()
-        if r.stats is None:
-            self._reduce_stats(norm_type, key, defer=False)
-        elif norm_type not in r.raw_norms:
-            shards = [b.grad_shard for b in self._buffers]
-            r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, self._reduce_grad_stats))
-        return r.stats
-
-    def _reduce_stats(self, norm_type: float, key: Any, defer: bool) -> Optional[grad_stats.StatsPlan]:
-        """Reduce this step's stats (the round has none yet). ``defer`` (the step, nothing asked
-        for the stats before it): where one process finishes them, return the plan for the
-        step's one native call instead (the caller then tells the cycle, ``StepCycle.reduced``,
-        and sets the round's stats from the call's result, ``StatsPlan.finished``)."""
-        r = self._current_round()
+        if r.stats is not None:
+            if norm_type not in r.raw_norms:
+                shards, reduce = [b.grad_shard for b in self._buffers], self._reduce_grad_stats
+                r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, reduce))
+            return r.stats
         self._deferred.check_last_step(force=True)
         self.grad_sync()
         # A bad value on one rank must not raise before the all-reduce (the others would wait in
@@ -368,11 +362,13 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             norm_type, shards, self._buckets, len(self._params), self._health, self._step_view, problem, r.lrs,
             self._grad_sync.landed_stats, reduce, defer)
         if isinstance(reduced, grad_stats.StatsPlan):
+            self._cycle.reduced("", reduced.names)  # nothing compared: no problem (the table is refreshed)
             return reduced
         r.set_stats(reduced.stats)
         self._cycle.reduced(problem, reduced.names)
         if reduced.checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
             self._deferred.check_now(r.stats)
+        return r.stats
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
         """The global norm of all grads, as ``torch.nn.utils.clip_grad_norm_`` would return it.
@@ -450,14 +446,10 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)
         r = self._current_round()
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
-        plan = None
-        if r.stats is None and self.max_grad_norm is None and not self._param_sync.gathers:
-            # nothing asked for the stats before the step (no clip, no unscale): where one process
-            # finishes them, that is the step's one native call too (fused_step.stats_step)
-            plan = self._reduce_stats(r.first_norm_type(), key, defer=True)
-            if plan is not None:  # nothing to compare: no problem, so every rank's table is refreshed
-                self._cycle.reduced("", plan.names)
-        stats = self._ensure_stats(r.first_norm_type(), key) if plan is None else None
+        # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
+        stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None
+                                   and not self._param_sync.gathers)
+        plan, stats = (stats, None) if isinstance(stats, grad_stats.StatsPlan) else (None, stats)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
         table = self._hparam_table
@@ -469,8 +461,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         # one launch: the grad coefficient (avg * inv_scale * clip), the step's skip (found-inf or a
         # norm spike), the step counts and the health counters
         health = self._health
-        # read back without a copy (a planned step's stats compare nothing: no disagreement flags)
-        record_host = self._deferred.record_target(stats, bad_clip, health.record)
+        record_host = self._deferred.record_target(stats, bad_clip, health.record)  # read back without a copy
         launches = self._launches
         if launches is None or (launches[0].adam_w_mode, launches[0].bias_correction) != (
                 self.adam_w_mode, self.bias_correction):
@@ -478,13 +469,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
                                                       coef, self.adam_w_mode, self.bias_correction)
         order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
-        if plan is not None:
-            step_args = health.step_args(None, r.inv_scale, self._avg_factor, record_host)
-            out = fused_step.stats_step(plan.parts, plan.end, plan.norm_type, plan.views,
-                                        {"touched": plan.TOUCHED, "ranks": plan.RANKS}, coef, r.coef_parts(),
-                                        self._steps, step_args, launches, order, grads, hparams, self._records,
-                                        self.bias_correction)
-            stats = plan.finished(out).stats
+        if plan is not None:  # the stats' finish and the step's launches: one native call
+            stats = plan.step(coef, r.coef_parts(), self._steps, health.step_args(None, r.inv_scale, self._avg_factor,
+                              record_host), launches, order, grads, hparams, self._records, self.bias_correction)
             r.set_stats(stats)
         else:
             found_inf = stats.found_inf if bad_clip is None else torch.maximum(stats.found_inf, bad_clip)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -166,8 +166,8 @@ def reduce_step_stats(
 
 class StatsPlan(NamedTuple):
     """One process, nothing to compare: the stats' parts, assembled and finished by one native
-    call (``fused_step.stats_cat_finish``, or the step's ``fused_step.stats_step`` where nothing
-    asked for the stats before the step); :meth:`finished` takes that call's result."""
+    call (``fused_step.stats_cat_finish``, then :meth:`finished`; or the step's own, :meth:`step`,
+    where nothing asked for the stats before the step)."""
 
     parts: List[Tensor]
     end: int  # where the touched flags end (the finish's ``end``)
@@ -180,8 +180,17 @@ class StatsPlan(NamedTuple):
     n_params: int
     health: Any
 
-    TOUCHED = 0  # the touched flags' view, first of ``views``
-    RANKS = 2  # the health's count of ranks whose own grads held inf/NaN (health.stats_views' second)
+    def step(self, coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float], steps: Tensor,
+             health: Dict[str, Any], launches: Sequence[Any], order: Sequence[int], grads: Sequence[Tensor],
+             hparams: Tensor, prepare: Any, bias_correction: bool) -> GradStats:
+        """Finish the stats in the step's one native call (``fused_step.stats_step``: then the
+        scalars, the health record and every bucket's update; ``health``: ``step_scalars``'
+        keywords, its norm and ranks count taken from these stats); returns the stats."""
+        # views: the touched flags, then health.stats_views' (group partials, ranks with inf/NaN)
+        out = fused_step.stats_step(self.parts, self.end, self.norm_type, self.views, {"touched": 0, "ranks": 2},
+                                    coef_out, coef_parts, steps, health, launches, order, grads, hparams, prepare,
+                                    bias_correction)
+        return self.finished(out).stats
 
     def finished(self, out: Sequence[Tensor]) -> ReducedStats:
         """The stats from the finish's ``[stats, norm, found_inf, *views]``."""
