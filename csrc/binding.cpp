@@ -474,7 +474,9 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
         py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none(),
         py::arg("records") = py::none(), py::arg("record_offset") = 0, py::arg("shape") = 0);
-  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", "One bucket's step launch: adam_step's arguments by name")
+  // module_local: the CPU and CUDA modules (one process may load both) each register this type
+  // (fused_step.h: shared by two files, so not in an anonymous namespace as the other types are)
+  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", py::module_local(), "One bucket's step launch: adam_step's arguments by name")
       .def(py::init([](at::Tensor grad, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                        c10::optional<at::Tensor> model_out, at::Tensor segments, at::Tensor hparams, at::Tensor steps,
                        at::Tensor touched, at::Tensor grad_coef, at::Tensor found_inf, bool adam_w_mode,
