@@ -53,6 +53,7 @@ TIMED = [
 ] + [
     ("shardamp.optim.step.grad_stats", None, "reduce_step_stats"),
     ("shardamp.optim.kernels.fused_step", None, "step_launch"),
+    ("shardamp.optim.kernels.fused_step", None, "stats_step"),
     ("shardamp.optim.distributed_fused_adam", None, "check_views"),
 ]
 

@@ -9,6 +9,7 @@
 
 #include "common.h"
 #include "land_grads.h"
+#include "fused_step.h"
 #include "step_scalars.h"
 #include "view_check.h"
 
@@ -394,21 +395,6 @@ std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_
   return result;
 }
 
-// One bucket's step launch as a named structure (Python: kernels.AdamLaunch builds it once per
-// bucket). The shard's tensors, the persistent step scalars and the flags are set at
-// construction; what changes between steps (the grad shard, released between steps; touched,
-// found_inf, the records row, the chunk map and launch shape) is assigned before each launch. Every launch is validated as adam_step is.
-struct AdamLaunch {
-  at::Tensor grad, master, exp_avg, exp_avg_sq;
-  c10::optional<at::Tensor> model_out;
-  at::Tensor segments, hparams, steps, touched, grad_coef, found_inf;
-  bool adam_w_mode = true;
-  bool bias_correction = true;
-  c10::optional<at::Tensor> chunks, records;
-  int64_t record_offset = 0;
-  int64_t shape = 0;
-};
-
 void adam_launch(const AdamLaunch& l) {
   adam_step(l.grad, l.master, l.exp_avg, l.exp_avg_sq, l.model_out, l.segments, l.hparams, l.steps, l.touched,
             l.grad_coef, l.found_inf, l.adam_w_mode, l.bias_correction, l.chunks, l.records, l.record_offset,
@@ -449,40 +435,32 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
   }
 }
 
-// One process (nothing reduces the stats between their assembly and their finish): the stats
-// tensor made from ``parts`` and finished in the same call, ``[stats, norm, found_inf, *views]``
-// (optim/kernels/fused_step.py). One Python-to-C++ call instead of ``torch.cat`` and
-// ``stats_finish``: on a GPU host each costs tens of microseconds.
-std::vector<at::Tensor> stats_cat_finish(const std::vector<at::Tensor>& parts, int64_t end, double norm_type,
-                                         const std::vector<std::pair<int64_t, int64_t>>& views) {
-  SHARDAMP_CHECK(!parts.empty(), "stats_cat_finish: no parts");
-  at::Tensor stats = at::cat(parts);
-  std::vector<at::Tensor> out = stats_finish(stats, end, norm_type, views);
-  out.insert(out.begin(), stats);
-  return out;
-}
-
-// The step's scalar launch and then every bucket's step kernel, skipping on the skip flag the
-// scalar launch wrote (``skip_out``): step_scalars and adam_launch_all in one call (no gathers
-// between the buckets' kernels: one shard rank). ``prepare``: as adam_launch_all's (CUDA).
-void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                 double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
-                 const at::Tensor& skip_out, const at::Tensor& raw_norm, const c10::optional<at::Tensor>& inv_scale,
-                 double avg, double skip_above, const at::Tensor& counters, const at::Tensor& record,
-                 const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
-                 const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                 const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare) {
-  step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale, avg,
-               skip_above, counters, record, ranks, record_host);
-  adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
-}
-
 }  // namespace
 
 // stager_state.cpp's planned landing: bucket_stats with the binding's own checks.
 void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor flags, at::Tensor out,
                           bool assign) {
   bucket_stats(full, rows, flags, out, assign);
+}
+// fused_step.cpp's merged calls: the same entry points, with the same checks (fused_step.h)
+std::vector<at::Tensor> checked_stats_finish(at::Tensor stats, int64_t end, double norm_type,
+                                             const std::vector<std::pair<int64_t, int64_t>>& views) {
+  return stats_finish(stats, end, norm_type, views);
+}
+void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale,
+                          const c10::optional<at::Tensor>& norm, double max_norm, const at::Tensor& found_inf,
+                          at::Tensor steps, const at::Tensor& touched, const c10::optional<at::Tensor>& skip_out,
+                          const c10::optional<at::Tensor>& raw_norm, const c10::optional<at::Tensor>& inv_scale,
+                          double avg, double skip_above, const c10::optional<at::Tensor>& counters,
+                          const c10::optional<at::Tensor>& record, const c10::optional<at::Tensor>& ranks,
+                          const c10::optional<at::Tensor>& record_host) {
+  step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale, avg,
+               skip_above, counters, record, ranks, record_host);
+}
+void checked_adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                             const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                             const c10::optional<at::Tensor>& records, const c10::optional<at::Tensor>& prepare) {
+  adam_launch_all(launches, grads, hparams, touched, found_inf, records, prepare);
 }
 void register_bindings(py::module& m);
 }  // namespace shardamp
@@ -496,7 +474,9 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
         py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none(),
         py::arg("records") = py::none(), py::arg("record_offset") = 0, py::arg("shape") = 0);
-  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", "One bucket's step launch: adam_step's arguments by name")
+  // module_local: the CPU and CUDA modules (one process may load both) each register this type
+  // (fused_step.h: shared by two files, so not in an anonymous namespace as the other types are)
+  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", py::module_local(), "One bucket's step launch: adam_step's arguments by name")
       .def(py::init([](at::Tensor grad, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                        c10::optional<at::Tensor> model_out, at::Tensor segments, at::Tensor hparams, at::Tensor steps,
                        at::Tensor touched, at::Tensor grad_coef, at::Tensor found_inf, bool adam_w_mode,
@@ -552,12 +532,7 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
   m.def("stats_finish", &shardamp::stats_finish,
         "[root(stats[0]), found_inf, *views of stats]; stats[2:end] clamped to <= 1 (norm_type 2 or inf)",
         py::arg("stats"), py::arg("end"), py::arg("norm_type"), py::arg("views"));
-  m.def("stats_cat_finish", &shardamp::stats_cat_finish,
-        "stats_finish over torch.cat(parts) (one process: nothing reduces between): [stats, norm, found_inf, *views]",
-        py::arg("parts"), py::arg("end"), py::arg("norm_type"), py::arg("views"));
-  m.def("step_launch", &shardamp::step_launch,
-        "step_scalars with the step's health, then adam_launch_all skipping on skip_out: the one-shard-rank step in one "
-        "call (positional arguments: step_scalars', then launches, grads, hparams, prepare)");
+  shardamp::register_fused_step(m);  // fused_step.cpp: the one-process step's merged calls
   py::class_<shardamp::ViewCheck>(m, "ViewCheck",
                                   "intact(params: list): params still are their buffer views (pointer, dtype, shape, "
                                   "strides) without .grad")

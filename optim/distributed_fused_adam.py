@@ -333,35 +333,41 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         groups = self._health.group_slice(HEADER + len(self._params)) if stats.numel() > HEADER else None
         self._comm.all_reduce_stats(stats, op, groups)
 
-    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY) -> GradStats:
-        """This step's reduced stats, made at the first call (``key``: the groups' plain_key,
-        where the caller computed it)."""
+    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY,
+                      defer: bool = False) -> Union[GradStats, grad_stats.StatsPlan]:
+        """This step's reduced stats (GradStats), made at the first call (``key``: the groups'
+        plain_key, where the caller computed it); ``defer`` (the step, before any stats): where one
+        process would finish them, the plan instead, for the step's one call (``StatsPlan.step``)."""
         r = self._current_round()
-        if r.stats is None:
-            self._deferred.check_last_step(force=True)
-            self.grad_sync()
-            # A bad value on one rank must not raise before the all-reduce (the others would wait in
-            # it): it is flagged in the entries, and every rank raises after it.
-            problem = self._hparam_table.validate(self.param_groups, key)
-            # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
-            problem = problem or self._grad_sync.refusal
-            # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-            r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
-            shards = [b.grad_shard for b in self._buffers]
-            reduce = self._reduce_grad_stats
-            if (not self._comm.has_peers
-                    and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
-                reduce = None  # one process and no subclass reduction: nothing between assembly and finish
-            reduced = grad_stats.reduce_step_stats(
-                norm_type, shards, self._buckets, len(self._params), self._health, self._step_view, problem, r.lrs,
-                self._grad_sync.landed_stats, reduce)
-            r.set_stats(reduced.stats)
-            self._cycle.reduced(problem, reduced.names)
-            if reduced.checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
-                self._deferred.check_now(r.stats)
-        elif norm_type not in r.raw_norms:
-            shards = [b.grad_shard for b in self._buffers]
-            r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, self._reduce_grad_stats))
+        if r.stats is not None:
+            if norm_type not in r.raw_norms:
+                shards, reduce = [b.grad_shard for b in self._buffers], self._reduce_grad_stats
+                r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, reduce))
+            return r.stats
+        self._deferred.check_last_step(force=True)
+        self.grad_sync()
+        # A bad value on one rank must not raise before the all-reduce (the others would wait in
+        # it): it is flagged in the entries, and every rank raises after it.
+        problem = self._hparam_table.validate(self.param_groups, key)
+        # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
+        problem = problem or self._grad_sync.refusal
+        # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
+        r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
+        shards = [b.grad_shard for b in self._buffers]
+        reduce = self._reduce_grad_stats
+        if (not self._comm.has_peers
+                and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
+            reduce = None  # one process and no subclass reduction: nothing between assembly and finish
+        reduced = grad_stats.reduce_step_stats(
+            norm_type, shards, self._buckets, len(self._params), self._health, self._step_view, problem, r.lrs,
+            self._grad_sync.landed_stats, reduce, defer)
+        if isinstance(reduced, grad_stats.StatsPlan):
+            self._cycle.reduced("", reduced.names)  # nothing compared: no problem (the table is refreshed)
+            return reduced
+        r.set_stats(reduced.stats)
+        self._cycle.reduced(problem, reduced.names)
+        if reduced.checked and self._device.type != "cuda":  # reading is free here: raise before anything trains
+            self._deferred.check_now(r.stats)
         return r.stats
 
     def grad_norm(self, norm_type: float = 2.0) -> Tensor:
@@ -440,32 +446,40 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)
         r = self._current_round()
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
-        stats = self._ensure_stats(r.first_norm_type(), key)
+        # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
+        stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None
+                                   and not self._param_sync.gathers)
+        plan, stats = (stats, None) if isinstance(stats, grad_stats.StatsPlan) else (None, stats)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
         table = self._hparam_table
         hparams = table.table if self._cycle.problem else table.refresh(self.param_groups, r.lrs, key)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
-        found_inf, coef = stats.found_inf, self._coef
+        coef = self._coef
         bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
-        found_inf = found_inf if bad_clip is None else torch.maximum(found_inf, bad_clip)
         # one launch: the grad coefficient (avg * inv_scale * clip), the step's skip (found-inf or a
         # norm spike), the step counts and the health counters
         health = self._health
         record_host = self._deferred.record_target(stats, bad_clip, health.record)  # read back without a copy
-        step_args = health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host)
         launches = self._launches
         if launches is None or (launches[0].adam_w_mode, launches[0].bias_correction) != (
                 self.adam_w_mode, self.bias_correction):
             # built at the first step (the state buffers persist), again after load_state_dict changed an option
             launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
                                                       coef, self.adam_w_mode, self.bias_correction)
-        # the first layers' params land first, each all-gather after its bucket's kernel (none: one shard rank)
-        fused_step.launch_step(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
-                               forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers], hparams,
-                               self._records, self.bias_correction,
-                               self._param_sync.launch if self._param_sync.gathers else None)
+        order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
+        if plan is not None:  # the stats' finish and the step's launches: one native call
+            stats = plan.step(coef, r.coef_parts(), self._steps, health.step_args(None, r.inv_scale, self._avg_factor,
+                              record_host), launches, order, grads, hparams, self._records, self.bias_correction)
+            r.set_stats(stats)
+        else:
+            found_inf = stats.found_inf if bad_clip is None else torch.maximum(stats.found_inf, bad_clip)
+            step_args = health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host)
+            # the first layers' params land first, each all-gather after its bucket's kernel (none: one shard rank)
+            fused_step.launch_step(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
+                                   order, grads, hparams, self._records, self.bias_correction,
+                                   self._param_sync.launch if self._param_sync.gathers else None)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)

@@ -136,9 +136,9 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
 
 def test_host_phases_cpu_smoke() -> None:
     """benchmarks/host_phases.py on the CPU: every phase of both sides timed, and the merged
-    one-process calls (the step's; each bucket's landing, in the grad hook under the plan set at
-    zero_grad, the first grad telling Python only that the backward began) among shardamp's
-    functions."""
+    one-process calls (the step's: with no clip and no scaler the stats' finish too,
+    ``stats_step``; each bucket's landing, in the grad hook under the plan set at zero_grad, the
+    first grad telling Python only that the backward began) among shardamp's functions."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "host_phases.py"), "--device", "cpu", "--iters", "2",
                            "--rounds", "1", "--loops", "plain step"], capture_output=True, text=True, timeout=300, env=env)
@@ -146,7 +146,7 @@ def test_host_phases_cpu_smoke() -> None:
     out = proc.stdout
     for phase in ("zero_grad", "forward", "backward", "step", "total"):
         assert f"  {phase} " in out, out
-    for fn in ("DistributedFusedAdam.step", "fused_step.step_launch", "GradSync.prearm", "GradSync._begin",
+    for fn in ("DistributedFusedAdam.step", "fused_step.stats_step", "GradSync.prearm", "GradSync._begin",
                "GradSync._take_planned"):
         assert fn in out, out
 

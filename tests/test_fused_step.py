@@ -157,6 +157,75 @@ def test_merged_calls_train_bit_for_bit_as_the_separate_landings(device, monkeyp
     assert merged["stats"]["skipped_steps"] == 2 and merged["stats"]["steps"] == 4
 
 
+def _train_unscaled(device: str, monkeypatch, merged: bool, steps: int = 7) -> Dict[str, object]:
+    """No scaler: two param groups, several buckets, bf16 autocast, a clip on odd steps only (the
+    even steps' stats are finished by the step's own call), an inf in one step's grads, a spike
+    skipped by ``skip_grad_norm_above``; each step's norm read after it and the health record the
+    host read. ``merged=False``: the extension without ``stats_step`` (the separate calls)."""
+    ext = kernels.native_module(torch.device(device))
+    if not merged:
+        monkeypatch.delattr(ext, "stats_step")
+    calls: Counter = Counter()
+    for name in ("stats_step", "stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
+                 "group_partials"):
+        if hasattr(ext, name):
+            monkeypatch.setattr(ext, name, _counted(calls, name, getattr(ext, name)))
+    torch.manual_seed(0)
+    model = _Residual().to(device)
+    params = list(model.parameters())
+    opt = DistributedFusedAdam([{"params": params[:6], "weight_decay": 0.1}, {"params": params[6:], "lr": 2e-2}],
+                               lr=1e-2, bucket_cap_mb=0.005, skip_grad_norm_above=1e4)
+    seen: List[List[float]] = []
+    observe = opt._health.observe
+    opt._health.observe = lambda step, values, scaled: (seen.append(list(values)), observe(step, values, scaled))[1]
+    norms: List[float] = []
+    for step in range(steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device)
+        opt.zero_grad()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = model(x).float().square().mean()
+        if step == 2:
+            loss = loss * float("inf")
+        if step == 4:
+            loss = loss * 1e7
+        loss.backward()
+        if step % 2:
+            opt.clip_grad_norm(0.5)
+        opt.step()
+        norms.append(float(opt.grad_norm()))
+        norms += opt.grad_norms_by_group().tolist()
+    opt._deferred.check_last_step(force=True)
+    return {"params": [p.detach().cpu().clone() for p in model.parameters()], "norms": norms, "seen": seen,
+            "stats": opt.step_stats(), "calls": calls, "buckets": len(opt._buckets)}
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
+    """A step whose stats nothing asked for before it (no clip, no scaler) finishes them in its
+    own native call (``stats_step``: the finish, the scalars, the health record, every bucket's
+    step): the same kernels in the same order as the separate calls, so the same bits."""
+    with monkeypatch.context() as m:
+        separate = _train_unscaled(device, m, merged=False)
+    with monkeypatch.context() as m:
+        merged = _train_unscaled(device, m, merged=True)
+    calls, other = merged["calls"], separate["calls"]
+    assert merged["buckets"] >= 2
+    # four unclipped steps of seven: one call each; the clipped ones finish at the clip
+    assert calls["stats_step"] == 4 and calls["stats_cat_finish"] == calls["step_launch"] == 3
+    assert other["stats_cat_finish"] == other["step_launch"] == 7 and "stats_step" not in other
+    assert calls["group_partials"] == other["group_partials"] == 7 * merged["buckets"]
+    assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
+    for a, b in zip(merged["params"], separate["params"]):
+        assert torch.equal(a, b)
+    for key in ("norms", "seen"):
+        torch.testing.assert_close(torch.tensor(merged[key]), torch.tensor(separate[key]), rtol=0, atol=0,
+                                   equal_nan=True)
+    assert merged["stats"] == separate["stats"]
+    assert merged["stats"]["skipped_nonfinite"] == 1 and merged["stats"]["skipped_steps"] == 2
+    assert [v[0] for v in merged["seen"]] == [0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0]
+
+
 class _CountingReduction(DistributedFusedAdam):
     """A subclass reduction (the tensor/pipeline-parallel extension point) at one process."""
 

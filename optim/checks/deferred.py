@@ -80,6 +80,8 @@ class DeferredChecks:
 
     def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor) -> Optional[Tensor]:
         """Where the step's scalar launch writes the health ``record`` for the host itself, or
+        None (``stats``: the step's GradStats, or None where the step's own native call finishes
+        them: one process, nothing compared, so no disagreement flags).
         None. Where :meth:`record_step` will push the record alone (found-inf is the only flag
         and no scaler acts on it), it is the next slot: on CUDA a pinned one the kernel writes
         through its mapped address, so the push is an event record, no device-to-host copy (~50
@@ -87,7 +89,7 @@ class DeferredChecks:
         call fills, so the push copies nothing (no clone). Called before the step's scalar launch."""
         self.planned = None
         cuda = self.device.type == "cuda"
-        if (bad_clip is not None or stats.disagreement is not None or self.cycle.scaled
+        if (bad_clip is not None or (stats is not None and stats.disagreement is not None) or self.cycle.scaled
                 or (cuda and torch.cuda.is_current_stream_capturing())):
             return None
         turn = self.turn ^ 1  # the slot read before this step's stats, not the one pending

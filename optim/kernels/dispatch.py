@@ -176,19 +176,20 @@ def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Opt
     raises on a ``record_host`` it could never take."""
     tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm]) + [
         h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record", "ranks") if h.get(k) is not None]
-    device = coef_out.device  # (each .device makes a new object: read once)
+    # once per step: the device as its index (-1 the CPU; .device makes a new object per tensor)
+    device, f32 = coef_out.get_device(), torch.float32
     host = h.get("record_host")
-    if host is not None and not (host.dtype == torch.float32 and host.device.type == "cpu" and host.is_contiguous()):
+    if host is not None and not (host.dtype is f32 and host.is_cpu and host.is_contiguous()):
         raise ValueError("step_scalars: record_host must be a contiguous float32 CPU tensor")
     return ext is not None and hasattr(ext, "step_scalars") and all(
-        t.dtype == torch.float32 and t.device == device and t.is_contiguous() for t in tensors) and (
+        t.dtype is f32 and t.get_device() == device and t.is_contiguous() for t in tensors) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
         and touched.numel() == steps.numel()
         and (h.get("ranks") is None or (h["ranks"].numel() == 1 and h.get("record") is not None
                                         and h["record"].numel() == 4))
         and (h.get("record") is None or h["record"].numel() in (2, 4))
         and (host is None or (h.get("record") is not None and host.numel() == h["record"].numel()))) and (
-        h.get("counters") is None or (h["counters"].dtype == torch.float64 and h["counters"].device == device
+        h.get("counters") is None or (h["counters"].dtype is torch.float64 and h["counters"].get_device() == device
                                       and h["counters"].is_contiguous()))
 
 

@@ -7,7 +7,13 @@ shard rank, two pairs of the step's calls have nothing between them and are made
 - ``stats_cat_finish``: the stats tensor's assembly (``torch.cat``) and its finish
   (``stats_finish``), when nothing reduces the stats in between (one process);
 - ``step_launch``: the step's scalar launch (``step_scalars``) and every bucket's step kernel
-  (``launch_adam_all``), when no all-gather runs between the buckets' kernels.
+  (``launch_adam_all``), when no all-gather runs between the buckets' kernels;
+- ``stats_step``: both of the above in one, where nothing asked for the stats before the step
+  (no clip, no unscale: the stats' finish is then the step's first launch). A clipped step's
+  stats are finished by the clip, whose norm is handed out before the step: its step is
+  ``step_launch``.
+
+The native calls are csrc/fused_step.cpp's.
 
 :func:`launch_step` is the step's launches for every case: merged at one shard rank, bucket by
 bucket with each bucket's all-gather after its kernel otherwise. Each falls back to the separate
@@ -85,3 +91,44 @@ def launch_step(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
     for i in order:  # the next bucket's step kernel
         launch_adam_all(launches, (i,), grads, hparams, touched, skip, records)
         after_bucket(i)
+
+
+def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Sequence[Tuple[int, int]],
+               view_of: Dict[str, int], coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float],
+               steps: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch], order: Sequence[int],
+               grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords, bias_correction: bool) -> List[Tensor]:
+    """A one-shard-rank step whose stats nothing asked for before it: :func:`stats_cat_finish`
+    and then :func:`launch_step` over its results, in ONE native call where the compiled kernels
+    take both. ``view_of``: which of ``views`` are the step's touched flags (``"touched"``) and
+    the health's count of ranks with inf/NaN grads (``"ranks"``); ``health``: ``step_scalars``'
+    keywords without ``raw_norm`` and ``ranks`` (the stats' norm and that view). No clip
+    (``coef_parts``' norm is None). Returns ``[stats, norm, found_inf, *views]`` as
+    :func:`stats_cat_finish`. No host sync."""
+    base, scale, norm, _ = coef_parts
+    if norm is not None:
+        raise ValueError("stats_step: a clip's norm is handed out before the step (finish the stats first)")
+    device = coef_out.device
+    ext = _native(device)
+    h = health
+    skip = h["skip_out"]
+    if (ext is not None and hasattr(ext, "stats_step") and (norm_type == 2.0 or math.isinf(norm_type))
+            and all(p.dtype == torch.float32 and p.device == device for p in parts) and skip is not None and order
+            and h.get("counters") is not None and h.get("record") is not None
+            and ("ranks" not in view_of or h["record"].numel() == 4)
+            # the health's own tensors (the skip flag stands in for the stats' views, which the
+            # call makes: fp32 on its parts' device)
+            and scalars_native(ext, coef_out, base, None, skip, steps, steps, dict(h, raw_norm=skip, ranks=None))):
+        natives, shards = native_launches(ext, launches, order, grads, hparams)
+        if natives is not None:
+            table = prepare.table if device.type == "cuda" else None
+            return ext.stats_step(list(parts), int(end), float(norm_type), list(views), view_of["touched"],
+                                  view_of.get("ranks", -1), coef_out, base, float(scale), steps, skip,
+                                  h.get("inv_scale"), float(h.get("avg", 1.0)), float(h.get("skip_above", math.inf)),
+                                  h["counters"], h["record"], h.get("record_host"), natives, shards, hparams, table)
+    out = stats_cat_finish(parts, end, norm_type, views)
+    touched = out[3 + view_of["touched"]]
+    ranks = view_of.get("ranks", -1)
+    h = dict(health, raw_norm=out[1], ranks=out[3 + ranks] if ranks >= 0 else None)
+    launch_step(coef_out, coef_parts, out[2], steps, touched, h, launches, order, grads, hparams, prepare,
+                bias_correction)
+    return out

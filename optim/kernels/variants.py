@@ -38,7 +38,8 @@ CPU_FLAGS: Dict[str, Tuple[str, ...]] = {
 # The C++ sources no vector ISA changes (nothing in them is vectorized by hand; the module's
 # name is compiled into module.cpp only): an ahead-of-time build compiles them once, with the
 # baseline flags, and links those objects into every CPU module (setup.py).
-SHARED_CPP_SOURCES = ("binding.cpp", "binding_blockwise.cpp", "grad_stager.cpp", "stager_state.cpp", "land_grads.cpp")
+SHARED_CPP_SOURCES = ("binding.cpp", "binding_blockwise.cpp", "grad_stager.cpp", "stager_state.cpp", "land_grads.cpp",
+                      "fused_step.cpp")
 CPP_SOURCES = SHARED_CPP_SOURCES + ("module.cpp", "cpu/fused_adam_cpu.cpp", "cpu/adam_blockwise_cpu.cpp",
                                      "cpu/step_scalars_cpu.cpp")
 # Plain -O3, no --use_fast_math: sqrt and division must stay IEEE-rounded so the kernels agree

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -117,7 +117,8 @@ def reduce_step_stats(
     lrs: Optional[Any],
     landed: Callable[[], Optional[Tensor]],
     reduce: Optional[Callable[[Tensor, Any], None]],
-) -> ReducedStats:
+    defer: bool = False,
+) -> Union[ReducedStats, "StatsPlan"]:
     """The step's one stats all-reduce: fill this rank's entries, reduce them, finish.
 
     Args:
@@ -135,6 +136,8 @@ def reduce_step_stats(
         reduce: the all-reduce (the optimizer's ``_reduce_grad_stats``, a subclass's extension
             point); None where nothing reduces (one process): the stats are assembled and
             finished in one native call.
+        defer: where nothing reduces and nothing is compared, return the :class:`StatsPlan`
+            instead, for the step's one native call to finish (``StatsPlan.finished``).
 
     A collective (``reduce``); no host sync.
     """
@@ -146,12 +149,9 @@ def reduce_step_stats(
     if reduce is None and not checked:  # one process, nothing to compare: assembled and finished in one call
         if header is None:
             parts[0] = partials.partial(list(grad_shards), norm_type, device=parts[0].device)
-        buf, raw, found_inf, touched, *more = fused_step.stats_cat_finish(
-            parts, offset, norm_type, [(HEADER, n_params), *views])
-        if groups is not None:  # written after the finish, which reads nothing past the touched flags
-            _group_partials(buckets, grad_shards, buf[groups], norm_type, n_params)
-        health.note_stats(more, norm_type)
-        return ReducedStats(GradStats(norm_type, raw, found_inf, touched, views=more), checked, names)
+        plan = StatsPlan(parts, offset, norm_type, [(HEADER, n_params), *views], groups, names,
+                         buckets, grad_shards, n_params, health)
+        return plan if defer else plan.finished(fused_step.stats_cat_finish(parts, offset, norm_type, plan.views))
     buf = torch.cat(parts)  # one launch: each device-to-device copy_ would be a cudaMemcpyAsync
     if header is None:
         partials.partial(list(grad_shards), norm_type, buf, zeroed=True)
@@ -162,6 +162,43 @@ def reduce_step_stats(
     stats = finish(buf, norm_type, n_params, view.fingerprint if checked else None, health.n_entries, views)
     health.note_stats(stats.views, norm_type)
     return ReducedStats(stats, checked, names)
+
+
+class StatsPlan(NamedTuple):
+    """One process, nothing to compare: the stats' parts, assembled and finished by one native
+    call (``fused_step.stats_cat_finish``, then :meth:`finished`; or the step's own, :meth:`step`,
+    where nothing asked for the stats before the step)."""
+
+    parts: List[Tensor]
+    end: int  # where the touched flags end (the finish's ``end``)
+    norm_type: float
+    views: List[Tuple[int, int]]  # the touched flags', then the health's (health.stats_views)
+    groups: Optional[slice]  # the group partials' place (several groups), written after the finish
+    names: List[str]
+    buckets: Sequence[Any]
+    grad_shards: Sequence[Tensor]
+    n_params: int
+    health: Any
+
+    def step(self, coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float], steps: Tensor,
+             health: Dict[str, Any], launches: Sequence[Any], order: Sequence[int], grads: Sequence[Tensor],
+             hparams: Tensor, prepare: Any, bias_correction: bool) -> GradStats:
+        """Finish the stats in the step's one native call (``fused_step.stats_step``: then the
+        scalars, the health record and every bucket's update; ``health``: ``step_scalars``'
+        keywords, its norm and ranks count taken from these stats); returns the stats."""
+        # views: the touched flags, then health.stats_views' (group partials, ranks with inf/NaN)
+        out = fused_step.stats_step(self.parts, self.end, self.norm_type, self.views, {"touched": 0, "ranks": 2},
+                                    coef_out, coef_parts, steps, health, launches, order, grads, hparams, prepare,
+                                    bias_correction)
+        return self.finished(out).stats
+
+    def finished(self, out: Sequence[Tensor]) -> ReducedStats:
+        """The stats from the finish's ``[stats, norm, found_inf, *views]``."""
+        buf, raw, found_inf, touched, *more = out
+        if self.groups is not None:  # written after the finish, which reads nothing past the touched flags
+            _group_partials(self.buckets, self.grad_shards, buf[self.groups], self.norm_type, self.n_params)
+        self.health.note_stats(more, self.norm_type)
+        return ReducedStats(GradStats(self.norm_type, raw, found_inf, touched, views=more), False, self.names)
 
 
 def _group_partials(buckets: Sequence[Any], grad_shards: Sequence[Tensor], out: Tensor, norm_type: float,

@@ -1,0 +1,45 @@
+// The one-process step's merged calls (fused_step.cpp) and what they are made of: the bucket's
+// launch structure and binding.cpp's checked entry points (each merged call runs the same
+// checks and the same kernels, in the same order, as the separate calls: bitwise the same).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <utility>
+#include <vector>
+
+namespace shardamp {
+
+// One bucket's step launch as a named structure (Python: kernels.AdamLaunch builds it once per
+// bucket). The shard's tensors, the persistent step scalars and the flags are set at
+// construction; what changes between steps (the grad shard, released between steps; touched,
+// found_inf, the records row, the chunk map and launch shape) is assigned before each launch.
+// Every launch is validated as adam_step is.
+struct AdamLaunch {
+  at::Tensor grad, master, exp_avg, exp_avg_sq;
+  c10::optional<at::Tensor> model_out;
+  at::Tensor segments, hparams, steps, touched, grad_coef, found_inf;
+  bool adam_w_mode = true;
+  bool bias_correction = true;
+  c10::optional<at::Tensor> chunks, records;
+  int64_t record_offset = 0;
+  int64_t shape = 0;
+};
+
+// binding.cpp: stats_finish, step_scalars and adam_launch_all as bound (checks included)
+std::vector<at::Tensor> checked_stats_finish(at::Tensor stats, int64_t end, double norm_type,
+                                             const std::vector<std::pair<int64_t, int64_t>>& views);
+void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale,
+                          const c10::optional<at::Tensor>& norm, double max_norm, const at::Tensor& found_inf,
+                          at::Tensor steps, const at::Tensor& touched, const c10::optional<at::Tensor>& skip_out,
+                          const c10::optional<at::Tensor>& raw_norm, const c10::optional<at::Tensor>& inv_scale,
+                          double avg, double skip_above, const c10::optional<at::Tensor>& counters,
+                          const c10::optional<at::Tensor>& record, const c10::optional<at::Tensor>& ranks,
+                          const c10::optional<at::Tensor>& record_host);
+void checked_adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                             const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                             const c10::optional<at::Tensor>& records, const c10::optional<at::Tensor>& prepare);
+
+void register_fused_step(pybind11::module_& m);  // fused_step.cpp
+
+}  // namespace shardamp
