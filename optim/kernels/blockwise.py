@@ -114,9 +114,10 @@ def _units(segments: SegmentTable, numel: int, unit_size: int, device: torch.dev
 def _natives(ext: Any, launch: Any) -> Tuple[Any, Any]:
     """The launch's moments as ``QuantMoment`` (made once; again if its state tensors changed)."""
     key = (id(ext), id(launch.exp_avg), id(launch.exp_avg_sq))
-    cached = launch._blockwise
+    cached = launch.blockwise_natives
     if cached is None or cached[0] != key:
-        cached = launch._blockwise = (key, native_moment(ext, launch.exp_avg), native_moment(ext, launch.exp_avg_sq))
+        cached = (key, native_moment(ext, launch.exp_avg), native_moment(ext, launch.exp_avg_sq))
+        launch.blockwise_natives = cached
     return cached[1], cached[2]
 
 

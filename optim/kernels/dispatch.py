@@ -295,7 +295,8 @@ class AdamLaunch:
     _native: Any = field(default=None, repr=False)  # the extension's AdamLaunch, made at the first native launch
     _tuned: Any = field(default=None, repr=False)  # the tuning knobs its chunk map and shape were set for
     _grad_dtype: Any = field(default=None, repr=False)  # the grads' dtype they were set for
-    _blockwise: Any = field(default=None, repr=False)  # blockwise moments' native descriptions (blockwise.py)
+    # the blockwise moments' native descriptions, made at the first launch (blockwise.py)
+    blockwise_natives: Any = field(default=None, repr=False)
 
     def native_state(self, grad_dtype: Optional[torch.dtype] = None) -> bool:
         """Whether the compiled kernels take this shard's state: an fp32 master (or int16
