@@ -6,6 +6,8 @@ same values, so every step's params, the state dicts, ``step_stats()``, ``grad_n
 Each loop runs over the parity MLP in two param groups (bucket_cap_mb tiny: params straddle
 buckets and uneven shards at world 3), each rank its own batch, an inf in the LAST rank's loss at
 step 2 only, and the ``b`` layer left out on odd steps (untouched params beside touched ones).
+On GPUs (test_cuda_offload.py, ``run(..., device="cuda")``) the offloaded run's CPU kernels stand
+against the CUDA kernels: the same to their documented tolerance.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from shardamp.scaler import ShardedGradScaler
 STEPS = 5
 INF_STEP = 2  # the last rank's loss is inf at this step: every rank skips it
 SPIKE_STEP = 3  # loop D: rank 0's loss scaled up: the norm spikes above skip_grad_norm_above
+DEVICE = "cpu"  # where the cases build (run() sets it in a spawned group)
 
 # name -> (model dtype, optimizer options besides the loop's)
 CONFIGS: Dict[str, Any] = {
@@ -38,7 +41,7 @@ CONFIGS: Dict[str, Any] = {
 
 
 def _loss(model: torch.nn.Module, step: int, rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
-    x, y = batches(step, world)[rank]
+    x, y = batches(step, world, device=DEVICE)[rank]
     out = model(x.to(dtype), skip=("b",) if step % 2 else ())
     loss = F.mse_loss(out.float(), y)
     if step == INF_STEP and rank == world - 1:
@@ -48,7 +51,7 @@ def _loss(model: torch.nn.Module, step: int, rank: int, world: int, dtype: torch
 
 def loop_b(model, opt, rank, world, dtype, record) -> None:
     """Loop B: ShardedGradScaler, unscale_, opt.clip_grad_norm, scaler.step, update."""
-    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    scaler = ShardedGradScaler(DEVICE, init_scale=2.0 ** 8, growth_interval=2)
     for step in range(STEPS):
         opt.zero_grad()
         scaler.scale(_loss(model, step, rank, world, dtype)).backward()
@@ -61,7 +64,7 @@ def loop_b(model, opt, rank, world, dtype, record) -> None:
 
 def loop_a(model, opt, rank, world, dtype, record) -> None:
     """Loop A: torch.amp.GradScaler handing itself to opt.step(grad_scaler=)."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 8, growth_interval=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's note about the hand-over
         for step in range(STEPS):
@@ -102,15 +105,15 @@ def run_loop(config: str, loop: str, offload: Optional[str], rank: int, world: i
     options = dict(options)
     if offload is None:
         options.pop("offload_fraction", None)
-    model = cc.new_model(dtype=dtype)
+    model = cc.new_model(dtype=dtype, device=DEVICE)
     opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=cc.TINY, offload=offload,
                                **options, **LOOP_OPTIONS[loop])
     steps: List[Dict[str, Any]] = []
 
     def record(step: int, **values: Any) -> None:
         opt.param_sync()
-        values = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
-        steps.append({"params": cc.params_of(model), "grad_norm": opt.grad_norm().clone(), **values})
+        values = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+        steps.append({"params": cc.params_of(model), "grad_norm": opt.grad_norm().cpu().clone(), **values})
 
     LOOPS[loop](model, opt, rank, world, dtype, record)
     stats = opt.step_stats()
@@ -128,8 +131,8 @@ def case_loops(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     out = {}
     for config in CONFIGS:
         for loop in LOOPS:
-            if config == "q8_q4" and loop == "A":
-                continue  # the formats' loops: B and D
+            if config == "q8_q4" and (loop == "A" or DEVICE != "cpu"):
+                continue  # the formats' loops: B and D (CPU params only)
             out[(config, loop)] = {off: run_loop(config, loop, off, rank, world) for off in (None, "cpu")}
     return out
 
@@ -187,6 +190,59 @@ def case_resume_from_2(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     return case_resume(rank, world, tmp, 2)
 
 
-def run(rank: int, world: int, tmp: str, names: List[str]) -> Dict[str, Any]:
-    """This module's cases in one spawned group, sharing the temp dir ``tmp``."""
+def case_pipelined(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """The copies run where the design puts them: every offloaded bucket's grad shard copied in
+    backward (before step), and the CUDA path free of host syncs outside step's one read
+    (backward, unscale_ and clip under sync debug mode "error" on CUDA)."""
+    model = cc.new_model(device=DEVICE)
+    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=cc.TINY, offload="cpu")
+    scaler = ShardedGradScaler(DEVICE, init_scale=2.0 ** 8)
+    out: Dict[str, Any] = {"copied_in_backward": [], "pinned": []}
+    for step in range(3):
+        opt.zero_grad()
+        loss = scaler.scale(_loss(model, step + 10, rank, world, torch.float32))
+        if DEVICE == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+            scaler.unscale_(opt)
+            opt.clip_grad_norm(0.05)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        out["copied_in_backward"].append(all(hs.copied is not None for hs in opt._host.shards.values()))
+        scaler.step(opt)
+        scaler.update()
+    out["pinned"] = [hs.master.is_pinned() and hs.grad.is_pinned() for hs in opt._host.shards.values()]
+    out["params"] = cc.params_of(model)
+    del opt
+    return out
+
+
+def case_capture_refused(rank: int, world: int, tmp: str) -> str:
+    """A CUDA graph capturing an offloaded step: the error names it (CUDA only)."""
+    model = cc.new_model(device=DEVICE)
+    opt = DistributedFusedAdam(model.parameters(), offload="cpu")
+    x, y = batches(0, world, device=DEVICE)[rank]
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        del opt
+    return ""
+
+
+def run(rank: int, world: int, tmp: str, names: List[str], device: str = "cpu") -> Dict[str, Any]:
+    """This module's cases in one spawned group, sharing the temp dir ``tmp``, on ``device``."""
+    global DEVICE
+    DEVICE = device
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the two runs must see the same grads
     return run_cases(rank, world, __name__, names, {"tmp": tmp})

@@ -275,7 +275,7 @@ def test_reused_grads_and_zero_fill_step_exactly_as_without_offload(dtype):
 def _groups():
     tmp = tempfile.mkdtemp(prefix="shardamp-offload-")
     w3 = run_distributed(co.run, 3, tmp, ["case_loops", "case_save"])
-    w2 = run_distributed(co.run, 2, tmp, ["case_loops", "case_resume_from_3"])
+    w2 = run_distributed(co.run, 2, tmp, ["case_loops", "case_resume_from_3", "case_pipelined"])
     w1 = run_distributed(co.run, 1, tmp, ["case_resume_from_2"])
     return {3: w3, 2: w2, 1: w1}
 
@@ -337,3 +337,9 @@ def test_checkpoints_saved_offloaded_load_without_and_with_offload_at_other_worl
     saved_w2 = case_values(groups[2], "case_resume_from_3")[0][("dcp", "cpu")]["final_sd"]
     for value in case_values(groups[1], "case_resume_from_2"):
         cc.assert_sd_equal(value[("sd", None)]["loaded"], saved_w2)
+
+
+def test_grads_copied_to_the_host_during_backward_on_every_rank(groups):
+    for value in case_values(groups[2], "case_pipelined"):
+        assert value["copied_in_backward"] == [True, True, True]
+        assert value["pinned"] and not any(value["pinned"])  # CPU ranks: separate host tensors, not pinned
