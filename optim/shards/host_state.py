@@ -239,9 +239,10 @@ class HostState:
                     hparams: Tensor, prepare: kernels.StepRecords, bias_correction: bool,
                     after_bucket: Optional[Callable[[int], None]] = None) -> None:
         """The step's launches (``fused_step.launch_step``'s contract). Without offloaded buckets,
-        that function. With them: the scalar launch; the device buckets' kernels, each followed by
-        its all-gather; then ONE host read (the step's scalars, behind the grad copies, on the
-        side stream: the one host sync of an offloaded step); unless the step is skipped, each
+        that function. With them: the scalar launch; the step's scalars queued for the host behind
+        the grad copies (side stream); the device buckets' kernels, each followed by its
+        all-gather; then ONE host wait for those scalars (the one host sync of an offloaded
+        step); unless the step is skipped, each
         offloaded bucket in ``order`` stepped by the CPU kernels, its new params copied back
         (side stream) and its all-gather after the copy. A skipped step runs no CPU kernel and
         copies nothing back: the host state is untouched. No collective beyond the all-gathers.
@@ -259,29 +260,33 @@ class HostState:
         kernels.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
         skip = health.get("skip_out")
         skip = found_inf if skip is None else skip
+        on_host = [i for i in order if i in self.shards]
+        for i in on_host:  # a shard changed since its landing (a fold, a zero fill) or never copied
+            if not self.shards[i].current(grads[i]):
+                self._copy_in(self.shards[i], grads[i])
+        self._copy_scalars(coef_out, skip, steps, touched, hparams)  # behind the scalar launch, not the kernels
         on_device = [i for i in order if i not in self.shards]
-        if on_device:
+        if on_device:  # on the GPU while the host waits for the scalars and steps its buckets
             records = prepare.compute(hparams, steps, touched, coef_out, skip, bias_correction)
             for i in on_device:
                 kernels.launch_adam_all(launches, (i,), grads, hparams, touched, skip, records)
                 if after_bucket is not None:
                     after_bucket(i)
-        on_host = [i for i in order if i in self.shards]
-        for i in on_host:  # a shard changed since its landing (a fold, a zero fill) or never copied
-            if not self.shards[i].current(grads[i]):
-                self._copy_in(self.shards[i], grads[i])
-        self._read_scalars(coef_out, skip, steps, touched, hparams)
+        if self._event is not None:
+            self._event.synchronize()  # THE host sync of an offloaded step: the scalars and every grad copy
         skipped = self._skip_h.item() != 0  # a host tensor: no sync
+        touched_h = self._touched_h.tolist()
         with self._threads():
             for i in on_host:
                 if not skipped:
-                    self._step_bucket(self.shards[i], launches[i])
+                    self._step_bucket(self.shards[i], launches[i], touched_h)
                 if after_bucket is not None:
                     after_bucket(i)
 
-    def _read_scalars(self, coef: Tensor, skip: Tensor, steps: Tensor, touched: Tensor, hparams: Tensor) -> None:
-        """The step's scalars on the host: the one host read of an offloaded step (CUDA: queued
-        on the side stream behind every grad copy, then waited for)."""
+    def _copy_scalars(self, coef: Tensor, skip: Tensor, steps: Tensor, touched: Tensor, hparams: Tensor) -> None:
+        """The step's scalars to the host (CUDA: queued on the side stream behind every grad copy
+        and the scalar launch, an event recorded after them; ``launch_step`` waits for it: the
+        one host read of an offloaded step)."""
         if self._hp_h is None or self._hp_h.shape != hparams.shape or self._hp_h.dtype != hparams.dtype:
             self._hp_h = torch.empty(hparams.shape, dtype=hparams.dtype, pin_memory=self.pin)
         pairs = ((self._coef_h, coef), (self._skip_h, skip), (self._steps_h, steps), (self._touched_h, touched),
@@ -295,9 +300,8 @@ class HostState:
             for dst, src in pairs:
                 dst.copy_(src.reshape(dst.shape), non_blocking=True)
             self._event.record(self.stream)
-        self._event.synchronize()  # THE host sync of an offloaded step
 
-    def _step_bucket(self, hs: HostShard, device_launch: kernels.AdamLaunch) -> None:
+    def _step_bucket(self, hs: HostShard, device_launch: kernels.AdamLaunch, touched: List[float]) -> None:
         """The CPU kernel over ``hs``, then its touched params copied back into the device shard."""
         if hs.launch_of is not device_launch:  # made again where the optimizer rebuilt its launches
             hs.launch = kernels.AdamLaunch(
@@ -308,13 +312,14 @@ class HostState:
         kernels.launch_adam_all([hs.launch], (0,), [hs.grad], self._hp_h, self._touched_h, self._skip_h)
         target = device_launch.model_out  # the device shard the params live in (or the all-gather's buffer)
         source = hs.master if hs.out is None else hs.out
-        ranges = _touched_ranges(hs.segments, self._touched_h.tolist())
+        ranges = _touched_ranges(hs.segments, touched)
         if self.stream is None:
             for a, b in ranges:
                 target[a:b].copy_(source[a:b])
             return
+        # the side stream waited for the compute stream at the scalars' copy: backward's last read of
+        # these params is behind it, and the device buckets' kernels since touch other buffers
         current = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             for a, b in ranges:
                 target[a:b].copy_(source[a:b], non_blocking=True)
