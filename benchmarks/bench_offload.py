@@ -46,7 +46,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -200,8 +199,8 @@ def worker(args) -> dict:
         host = opt._host
         shards = list(host.shards.values())
         d2h = sum(hs.grad.numel() * hs.grad.element_size() for hs in shards)
-        h2d = sum((hs.out if hs.out is not None else hs.master).numel() * (hs.out if hs.out is not None
-                                                                             else hs.master).element_size() for hs in shards)
+        back = [hs.out if hs.out is not None else hs.master for hs in shards]  # what returns to the GPU
+        h2d = sum(t.numel() * t.element_size() for t in back)
         state = sum(hs.master.numel() * hs.master.element_size() + hs.exp_avg.numel() * hs.exp_avg.element_size()
                     + hs.exp_avg_sq.numel() * hs.exp_avg_sq.element_size() for hs in shards)
         host_bytes = d2h + 2 * state + h2d  # the CPU step reads grad + state, writes state + new params

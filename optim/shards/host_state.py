@@ -120,7 +120,7 @@ class HostState:
         self.n_buckets = len(buckets)
         if not options.enabled:
             return
-        per_element = torch.empty((), dtype=state_dtype).element_size() + sum(
+        per_element = state_dtype.itemsize + sum(
             f.nbytes(1 << 20) / (1 << 20) for _, f in formats.items())
         chosen = set(choose_buckets(buckets, per_element, options.fraction))
         needed = 0
@@ -130,7 +130,7 @@ class HostState:
             out = None if out_dtypes[b.index] == state_dtype else out_dtypes[b.index]
             self._plan.append((b, grad_dtypes[b.index], out))
             n = b.shard_numel
-            needed += n * torch.empty((), dtype=state_dtype).element_size() + sum(f.nbytes(n) for _, f in formats.items())
+            needed += n * state_dtype.itemsize + sum(f.nbytes(n) for _, f in formats.items())
             needed += n * grad_dtypes[b.index].itemsize + (0 if out is None else n * out.itemsize)
         self.needed = needed
         self.ranks = offload.local_ranks()
@@ -176,7 +176,8 @@ class HostState:
             for bucket, grad_dtype, out_dtype in self._plan:
                 self.shards[bucket.index] = self._allocate(bucket, grad_dtype, out_dtype)
             n = self._n_params
-            self._steps_h, self._touched_h = host_empty(n, torch.float32, self.pin), host_empty(n, torch.float32, self.pin)
+            self._steps_h = host_empty(n, torch.float32, self.pin)
+            self._touched_h = host_empty(n, torch.float32, self.pin)
             self._coef_h = torch.empty((), dtype=torch.float32, pin_memory=self.pin)
             self._skip_h = torch.empty((), dtype=torch.float32, pin_memory=self.pin)
         except RuntimeError as exc:
