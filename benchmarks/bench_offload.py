@@ -67,7 +67,8 @@ def _model(args, device):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(vocab_size=args.vocab, n_positions=max(1024, args.seq), n_embd=args.width, n_layer=args.layers,
-                     n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                     n_head=args.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     bos_token_id=args.vocab - 1, eos_token_id=args.vocab - 1)
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT2LMHeadModel(cfg)
