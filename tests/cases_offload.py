@@ -37,7 +37,12 @@ CONFIGS: Dict[str, Any] = {
     "bf16_moments": (torch.float32, dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype=torch.bfloat16)),
     "q8_q4": (torch.float32, dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")),
     "fp32_half_offloaded": (torch.float32, dict(offload_fraction=0.5)),
+    # the new params go back into the bf16 all-gather buffer (world > 1), then to the fp32 params
+    "fp32_bf16_gather": (torch.float32, dict(param_sync_dtype=torch.bfloat16)),
+    "bf16_overlap_param_sync": (torch.bfloat16, dict(overlap_param_sync=True)),
 }
+# the loops each config runs (default: all); the blockwise formats run on CPU params only
+CONFIG_LOOPS = {"q8_q4": ("B", "D"), "fp32_bf16_gather": ("B", "D"), "bf16_overlap_param_sync": ("B",)}
 
 
 def _loss(model: torch.nn.Module, step: int, rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
@@ -130,9 +135,9 @@ def case_loops(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     """Every config x loop, without and with offload."""
     out = {}
     for config in CONFIGS:
-        for loop in LOOPS:
-            if config == "q8_q4" and (loop == "A" or DEVICE != "cpu"):
-                continue  # the formats' loops: B and D (CPU params only)
+        for loop in CONFIG_LOOPS.get(config, tuple(LOOPS)):
+            if config == "q8_q4" and DEVICE != "cpu":
+                continue
             out[(config, loop)] = {off: run_loop(config, loop, off, rank, world) for off in (None, "cpu")}
     return out
 

@@ -242,7 +242,7 @@ def two_groups_seq(model):
     return [{"params": ps[:2], "lr": 0.1}, {"params": ps[2:], "lr": 0.05, "weight_decay": 0.1}]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_reused_grads_and_zero_fill_step_exactly_as_without_offload(dtype):
     """The host copy follows the shard past its landing: a second step without backward (the
     grads folded by the first step's coefficient), backward without zero_grad (added to), and
