@@ -123,7 +123,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         quant_block_size: elements per block of the blockwise moments, one value for both;
             None: each format's default (256 for ``"8bit"``, 128 for ``"4bit"``). A positive
             multiple of 16; only with a blockwise moment.
-        offload: ``"cpu"``: the owned fp32 master and moments in host memory, stepped by the CPU kernels (docs/offload.md).
+        offload: ``"cpu"``: the owned fp32 master and moments in host memory, stepped on the CPU (docs/offload.md).
         offload_fraction: with ``offload``, the share of the state on the host (0 to 1, default 1.0), whole buckets.
 
     Raises:
@@ -131,10 +131,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
             several devices or on the meta device, a param given twice, or storage options that
             do not fit the params' dtypes, or ``offload`` options that do not fit them.
         NotImplementedError: ``"8bit"`` / ``"4bit"`` moments over params not on the CPU.
-        RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer
-            reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, the ranks
-            built different optimizers (raised on every rank, naming the field and each rank's
-            value), or ``offload`` finds too little host memory or cannot pin it (every rank).
+        RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer reduces the grads itself),
+            ``WORLD_SIZE > 1`` without a process group, the ranks built different optimizers (raised on every rank,
+            naming the field and each rank's value), or ``offload`` finds too little host memory or cannot pin it.
 
     Extension points for subclasses (e.g. NeMo-style wrappers):
 
@@ -431,6 +430,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._host.refuse_capture()  # an offloaded step reads the host: no CUDA graph captures it (host_state.py)
         self._param_sync.wait()
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
         self._cycle.require(Action.STEP)

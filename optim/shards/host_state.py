@@ -255,8 +255,7 @@ class HostState:
             fused_step.launch_step(coef_out, coef_parts, found_inf, steps, touched, health, launches, order, grads,
                                    hparams, prepare, bias_correction, after_bucket)
             return
-        if self.pin and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(CAPTURE_ERROR)
+        self.refuse_capture()
         base, scale, norm, max_norm = coef_parts
         kernels.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
         skip = health.get("skip_out")
@@ -283,6 +282,16 @@ class HostState:
                     self._step_bucket(self.shards[i], launches[i], touched_h)
                 if after_bucket is not None:
                     after_bucket(i)
+
+    def refuse_capture(self) -> None:
+        """Raise where a CUDA graph is capturing a step of an optimizer with offloaded buckets
+        (called first thing in ``step``, before anything is queued). Local; no host sync.
+
+        Raises:
+            RuntimeError: the current stream is capturing.
+        """
+        if self.shards and self.pin and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(CAPTURE_ERROR)
 
     def _copy_scalars(self, coef: Tensor, skip: Tensor, steps: Tensor, touched: Tensor, hparams: Tensor) -> None:
         """The step's scalars to the host (CUDA: queued on the side stream behind every grad copy
