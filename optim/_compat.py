@@ -145,6 +145,12 @@ def amp_update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_f
     )
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """The version counter autograd bumps at every in-place op on ``t`` (``Tensor._version``): the
+    offloaded step tells a grad shard's host copy still current from it (shards/host_state.py)."""
+    return t._version
+
+
 def is_dense_non_overlapping(t: torch.Tensor) -> bool:
     """True when ``t`` covers exactly ``t.numel()`` consecutive storage elements (any dim order)."""
     if t.numel() <= 1:

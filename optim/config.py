@@ -39,6 +39,9 @@ The variables (``python -m shardamp.report`` prints the ones in force):
                                           traces, and for debugging)
 ``SHARDAMP_ASYNC_GRAD_RELEASE``           ``0``: free landed CUDA grads inline instead of on the
                                           release thread (default ``1``)
+``SHARDAMP_OFFLOAD_THREADS``              threads of an offloaded step's CPU kernels (default
+                                          ``0``: the cores this process may use divided by
+                                          ``LOCAL_WORLD_SIZE``, at least 1)
 ========================================  =====================================================
 """
 from __future__ import annotations
@@ -77,6 +80,8 @@ class Settings:
         python_grad_hooks: land grads through Python hooks even where native ones exist (the
             path compiled autograd traces: the native hooks are opaque to it).
         async_grad_release: free landed CUDA grads on the release thread (else inline).
+        offload_threads: threads of an offloaded step's CPU kernels, 0 for the cores divided by
+            the ranks on the host (docs/offload.md).
     """
 
     kernels: str = "auto"
@@ -91,6 +96,7 @@ class Settings:
     collective_watchdog: str = "on"
     python_grad_hooks: bool = False
     async_grad_release: bool = True
+    offload_threads: int = 0
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -135,6 +141,16 @@ def _cuda_step(name: str, value: str) -> str:
     return value
 
 
+def _threads(name: str, value: str) -> int:
+    v = value.strip()
+    if not v:
+        return 0
+    if not v.isdigit():
+        raise ValueError(f"{name}={value!r}: expected a number of threads >= 1, or 0 / unset for the cores "
+                         "divided by LOCAL_WORLD_SIZE")
+    return int(v)
+
+
 def _timeout(name: str, value: str) -> Optional[float]:
     v = value.strip()
     if not v:
@@ -174,6 +190,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_COLLECTIVE_WATCHDOG": ("collective_watchdog", _watchdog),
     "SHARDAMP_PYTHON_GRAD_HOOKS": ("python_grad_hooks", lambda n, v: _flag(n, v, False)),
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
+    "SHARDAMP_OFFLOAD_THREADS": ("offload_threads", _threads),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

@@ -20,7 +20,6 @@ from .checks import agreement
 from .step import torch_scaler, grad_stats
 from .step.cycle import Action, StepCycle
 from . import kernels
-from .kernels import fused_step
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_remainders, check_views,
                              reattach_param)
@@ -41,6 +40,7 @@ from .grads_view import GradSource, GradsView
 from .reads import OptimizerReads
 from .state_formats import resolve_moments
 from .offload import resolve_offload
+from .shards.host_state import HostState
 
 
 class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer):
@@ -123,19 +123,17 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         quant_block_size: elements per block of the blockwise moments, one value for both;
             None: each format's default (256 for ``"8bit"``, 128 for ``"4bit"``). A positive
             multiple of 16; only with a blockwise moment.
-        offload: ``"cpu"``: the owned fp32 master and moments in host memory (docs/offload.md); not available yet.
-        offload_fraction: with ``offload``, the share of the owned state on the host (0 to 1, default 1.0).
+        offload: ``"cpu"``: the owned fp32 master and moments in host memory, stepped on the CPU (docs/offload.md).
+        offload_fraction: with ``offload``, the share of the state on the host (0 to 1, default 1.0), whole buckets.
 
     Raises:
         ValueError: an invalid hyperparameter or option (naming it and the fix), params on
             several devices or on the meta device, a param given twice, or storage options that
             do not fit the params' dtypes, or ``offload`` options that do not fit them.
-        NotImplementedError: ``offload="cpu"``, once the ranks agree on it; ``"8bit"`` /
-            ``"4bit"`` moments over params not on the CPU (no CUDA kernels for them yet).
-        RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer
-            reduces the grads itself), ``WORLD_SIZE > 1`` without a process group, or the ranks
-            built different optimizers (raised on every rank, naming the field and each rank's
-            value).
+        NotImplementedError: ``"8bit"`` / ``"4bit"`` moments over params not on the CPU.
+        RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer reduces the grads itself),
+            ``WORLD_SIZE > 1`` without a process group, the ranks built different optimizers (raised on every rank,
+            naming the field and each rank's value), or ``offload`` finds too little host memory or cannot pin it.
 
     Extension points for subclasses (e.g. NeMo-style wrappers):
 
@@ -220,18 +218,19 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         if store_param_remainders:
             check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
         self.store_param_remainders = store_param_remainders
-
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN))
+        self._host = HostState(self._offload, self._buckets, self._formats, dtype, grad_sync_dtype, param_sync_dtype,
+                               self._comm, len(self._params))  # where the state lives: shards/host_state.py
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
             self._params, self.param_groups, agreement.construction_options(self), self.bucket_cap_mb, self._comm,
-            self._buckets, self._device, self._formats, self._offload.agreed()))
-        self._offload.refuse_unavailable()  # after the agreement: ranks passing other values raise its error
+            self._buckets, self._device, self._formats, self._host.agreed()))
+        self._host.allocate(self._comm)  # host memory checked and pinned, agreed by every rank, before the device's
         # allocated, broadcast from rank 0 (as DDP does) and the masters initialised: a collective
         self._buffers: List[BucketBuffers] = allocate_all(
             self._buckets, self._params, self._comm, dtype, grad_sync_dtype, param_sync_dtype, self._formats,
-            store_param_remainders)
+            store_param_remainders, self._host.by_bucket())
         # chunk tables on the device, and the one prepare launch per step for every bucket's segments
         self._records = kernels.prepare(
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
@@ -248,7 +247,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         self._grad_sync = GradSync(self._buckets, self._buffers, self._params, self._comm, overlap_grad_sync,
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
                                    check_landed=self._health.check_landed, landing_flags=self._health.landing_flags,
-                                   landing_rows=self._health.landing_rows)
+                                   landing_rows=self._health.landing_rows, host=self._host)
         self._param_sync = ParamSync(self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
         n = len(self._params)
@@ -437,6 +436,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._host.refuse_capture()  # an offloaded step reads the host: no CUDA graph captures it (host_state.py)
         self._param_sync.wait()
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
         self._cycle.require(Action.STEP)
@@ -448,7 +448,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
         # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
         stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None
-                                   and not self._param_sync.gathers)
+                                   and not self._param_sync.gathers and not self._host.active)
         plan, stats = (stats, None) if isinstance(stats, grad_stats.StatsPlan) else (None, stats)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
@@ -476,8 +476,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         else:
             found_inf = stats.found_inf if bad_clip is None else torch.maximum(stats.found_inf, bad_clip)
             step_args = health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host)
-            # the first layers' params land first, each all-gather after its bucket's kernel (none: one shard rank)
-            fused_step.launch_step(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
+            # first layers first, each all-gather after its bucket's kernel (none: one shard rank); offload: host_state.py
+            self._host.launch_step(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
                                    order, grads, hparams, self._records, self.bias_correction,
                                    self._param_sync.launch if self._param_sync.gathers else None)
         self._param_sync.launched_all()

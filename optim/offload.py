@@ -1,22 +1,21 @@
-"""Where the optimizer state lives: the one declaration of the ``offload`` options.
+"""Where the optimizer state lives: the one declaration of the ``offload`` options, and what the
+host offers it.
 
-``offload="cpu"`` will keep each rank's owned fp32 master and Adam moments in pinned host memory
-and step them with the CPU kernels (docs/offload.md has the design: which buckets go to the host
-under ``offload_fraction``, the step's one host read, the copies on side streams). This module
-validates the constructor's two arguments into one frozen :class:`OffloadOptions`, which the
-ranks compare at construction (``checks/agreement.py``) and the constructor asks whether the
-option can run yet.
-
-The host state and the CPU step are not implemented yet: an ``offload="cpu"`` that passes every
-check here and agrees on every rank is refused at construction (``NotImplementedError``,
-:meth:`OffloadOptions.refuse_unavailable`), after the agreement so that ranks passing different
-values all raise the agreement's error instead of some of them waiting in it.
+``offload="cpu"`` keeps each rank's owned fp32 master and Adam moments in (pinned, where CUDA is
+available) host memory and steps them with the CPU kernels (docs/offload.md: which buckets go to
+the host under ``offload_fraction``, the step's one host read, the copies on side streams; the
+host state itself is ``shards/host_state.py``'s). This module validates the constructor's two
+arguments into one frozen :class:`OffloadOptions`, which the ranks compare at construction
+(``checks/agreement.py``), and reads what the host has: the bytes available to this process
+(:func:`host_memory_available`: ``MemAvailable`` capped by the cgroup's limit) and the ranks
+sharing it (:func:`local_ranks`). Standard library only below the options.
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 OFFLOAD_VALUES = (None, "cpu")  # what ``offload=`` accepts; NVMe offload is a non-goal
 DEFAULT_FRACTION = 1.0  # ``offload_fraction`` when ``offload`` is given without it
@@ -46,21 +45,6 @@ class OffloadOptions:
     def agreed(self) -> Dict[str, Any]:
         """What every rank must have passed (compared at construction by ``checks/agreement.py``)."""
         return {"offload": self.offload, "offload_fraction": self.fraction}
-
-    def refuse_unavailable(self) -> None:
-        """Refuse an offload the optimizer cannot run yet; nothing otherwise.
-
-        Called at construction after the ranks' agreement and before any state is allocated.
-
-        Raises:
-            NotImplementedError: ``offload`` is given (every value but ``None``).
-        """
-        if self.enabled:
-            raise NotImplementedError(
-                f"offload={self.offload!r}: optimizer state in host memory is not available yet (the "
-                f"options are validated, but the host state and the CPU step are not implemented; "
-                f"{_DESIGN} has the design); pass offload=None (the default) to keep the state on the "
-                "params' device")
 
 
 def resolve_offload(offload: Any, offload_fraction: Any, store_param_remainders: bool,
@@ -108,3 +92,73 @@ def resolve_offload(offload: Any, offload_fraction: Any, store_param_remainders:
             "host and updates the state on the CPU, which a CUDA graph cannot capture; pass capturable=False "
             "to offload, or offload=None to capture the step")
     return OffloadOptions(offload, float(fraction))
+
+
+# cgroup v2, then v1: (limit, usage) files of this process's memory controller
+_CGROUP_FILES = (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                 ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+
+
+def _read_int(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max" (no limit) or unreadable: None
+
+
+def host_memory_available(meminfo: str = "/proc/meminfo",
+                          cgroup_files: Tuple[Tuple[str, str], ...] = _CGROUP_FILES) -> Tuple[Optional[int], str]:
+    """The bytes of host memory this process may still allocate, and where the number comes from.
+
+    ``MemAvailable`` of ``meminfo``, capped by the memory cgroup's limit less its usage (v2's
+    ``memory.max`` - ``memory.current``, else v1's ``memory.limit_in_bytes`` -
+    ``memory.usage_in_bytes``; an unlimited cgroup caps nothing). Local; reads files only.
+
+    Returns:
+        ``(bytes, source)``; ``(None, "")`` where nothing can be read (the check is then skipped).
+    """
+    available: Optional[int] = None
+    source = ""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available, source = int(line.split()[1]) * 1024, "MemAvailable"
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file, usage_file in cgroup_files:
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is None or usage is None or limit >= 1 << 60:  # v1 writes a huge number for "no limit"
+            continue
+        room = max(limit - usage, 0)
+        if available is None or room < available:
+            available, source = room, f"the cgroup limit {limit_file} less its usage"
+        break
+    return available, source
+
+
+def local_ranks(environ: Optional[Dict[str, str]] = None) -> int:
+    """The ranks sharing this host: ``LOCAL_WORLD_SIZE`` (torchrun sets it), else 1."""
+    env = os.environ if environ is None else environ
+    value = env.get("LOCAL_WORLD_SIZE", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 1
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the platform tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def memory_verdict(needed_per_rank: int, ranks: int, available: Optional[int], source: str) -> str:
+    """``"fits"``, or the shortfall as the ranks compare it at construction (short: it is named
+    in the agreement's error beside each rank's value)."""
+    needed = needed_per_rank * ranks
+    if available is None or needed <= available:
+        return "fits"
+    return f"needs {needed} B ({ranks} rank(s) x {needed_per_rank} B) > {available} B available ({source})"

@@ -252,7 +252,11 @@ class OptimizerReads:
         exactly as allocated),
         ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
-        lower-precision all-gather buffers), and ``total``."""
+        lower-precision all-gather buffers), and ``total`` (these kinds: the params' device);
+        then what ``offload="cpu"`` keeps in host memory: ``host_master``, ``host_moments``
+        (the offloaded buckets' state, which ``master`` and ``moments`` then leave out),
+        ``host_copies`` (their grad and param copy buffers) and ``host_total`` (all 0 without
+        offload). Local; no host sync."""
         return memory_stats(self._buffers, self._grad_sync.alive_full_buffers())
 
     def __repr__(self) -> str:

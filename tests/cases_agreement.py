@@ -73,14 +73,50 @@ def case_offload_fraction_differs(rank, world, **kw):
                                                           offload_fraction=0.5 if rank == 1 else 1.0))}
 
 
-def case_offload_refused_on_every_rank(rank, world, **kw):
-    """Every rank asks for offload: each raises "not available yet" after the agreement, before
-    any state moves (no weights taken from rank 0)."""
-    torch.manual_seed(rank)
+def _offload_with(rank_patch, patches):
+    """Build an offloaded optimizer with ``patches`` ((module, name, value)) applied on the ranks
+    ``rank_patch`` says; the error and whether the model was left untouched."""
+    from shardamp.optim import offload
+    from shardamp.optim.shards import host_state
+
+    modules = {"offload": offload, "host_state": host_state}
+    saved = [(modules[m], n, getattr(modules[m], n)) for m, n, _ in patches]
     model = MLP()
     before = _params(model)
-    return {"error": _raised(lambda: DistributedFusedAdam(model.parameters(), offload="cpu")),
-            "untouched": _unchanged(model, before)}
+    try:
+        if rank_patch:
+            for m, n, v in patches:
+                setattr(modules[m], n, v)
+        error = _raised(lambda: DistributedFusedAdam(model.parameters(), offload="cpu"))
+    finally:
+        for module, n, v in saved:
+            setattr(module, n, v)
+    return {"error": error, "untouched": _unchanged(model, before)}
+
+
+def case_offload_host_short_on_one_rank(rank, world, **kw):
+    """One rank's host has too little memory: the agreement's error on every rank, naming that
+    rank's shortfall, before any state moves (no weights taken from rank 0)."""
+    torch.manual_seed(rank)
+    return _offload_with(rank == 1, [("offload", "host_memory_available", lambda: (1000, "MemAvailable"))])
+
+
+def case_offload_host_short_on_every_rank(rank, world, **kw):
+    """Every rank's host is short: each raises the too-little-memory error itself, before any
+    state moves."""
+    torch.manual_seed(rank)
+    return _offload_with(True, [("offload", "host_memory_available", lambda: (1000, "MemAvailable"))])
+
+
+def _pin_fails(numel, dtype, pin):
+    raise RuntimeError("cudaHostAlloc failed")
+
+
+def case_offload_pin_fails_on_one_rank(rank, world, **kw):
+    """One rank cannot pin its host state: every rank raises (the allocation's outcome is agreed),
+    before any device state exists or any weight moves."""
+    torch.manual_seed(rank)
+    return _offload_with(rank == world - 1, [("host_state", "host_empty", _pin_fails)])
 
 
 def case_two_optimizers_one_group(rank, world, **kw):

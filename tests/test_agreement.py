@@ -37,9 +37,10 @@ CONSTRUCTION = {
                                   "'exp_avg_sq': 'bfloat16'}",
     "case_lr_differs_at_construction": "param group hyperparameters",
     "case_offload_differs": "offload (offload, offload_fraction) (rank 0: {'offload': None, 'offload_fraction': "
-                            "None}, rank 1: {'offload': 'cpu', 'offload_fraction': 0.5}",
-    "case_offload_fraction_differs": "offload (offload, offload_fraction) (rank 0: {'offload': 'cpu', "
-                                     "'offload_fraction': 1.0}, rank 1: {'offload': 'cpu', 'offload_fraction': 0.5}",
+                            "None}, rank 1: {'host memory': 'fits', 'offload': 'cpu', 'offload_fraction': 0.5}",
+    "case_offload_fraction_differs": "offload (offload, offload_fraction) (rank 0: {'host memory': 'fits', "
+                                     "'offload': 'cpu', 'offload_fraction': 1.0}, rank 1: {'host memory': 'fits', "
+                                     "'offload': 'cpu', 'offload_fraction': 0.5}",
 }
 
 
@@ -54,12 +55,24 @@ def test_construction_disagreement_raises_on_every_rank(world, case):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_offload_is_refused_on_every_rank_before_state_moves(world):
-    """offload="cpu" agreed by every rank: "not available yet" on each of them (none waits in a
-    collective another left), and rank 0's weights were not broadcast."""
-    for rank, value in enumerate(case_values(_results(world), "case_offload_refused_on_every_rank")):
-        assert value["error"].startswith("NotImplementedError: offload='cpu': optimizer state in host memory "
-                                         "is not available yet"), (rank, value["error"])
+def test_offload_short_of_host_memory_or_pinning_raises_on_every_rank_before_state_moves(world):
+    """Too little host memory (on one rank: the agreement names its shortfall; on all: each raises
+    its own error naming the bytes), or a failed pin on one rank (its outcome agreed): every rank
+    raises, none waits in a collective another left, and rank 0's weights were not broadcast."""
+    for rank, value in enumerate(case_values(_results(world), "case_offload_host_short_on_one_rank")):
+        error = value["error"]
+        assert error.startswith("ValueError") and "built different optimizers" in error, (rank, error)
+        assert "offload (offload, offload_fraction) (rank 0: {'host memory': 'fits'" in error, (rank, error)
+        assert "rank 1: {'host memory': 'needs " in error and "> 1000 B available (MemAvailable)" in error
+        assert value["untouched"], rank
+    for rank, value in enumerate(case_values(_results(world), "case_offload_host_short_on_every_rank")):
+        assert value["error"].startswith("RuntimeError: DistributedFusedAdam(offload='cpu'): too little host "
+                                         "memory"), (rank, value["error"])
+        assert "1000 B are available (MemAvailable)" in value["error"] and value["untouched"], rank
+    for rank, value in enumerate(case_values(_results(world), "case_offload_pin_fails_on_one_rank")):
+        error = value["error"]
+        assert "offloaded state allocated on the host" in error, (rank, error)
+        assert f"rank {world - 1}: 'allocating " in error and "cudaHostAlloc failed" in error, (rank, error)
         assert value["untouched"], rank
 
 

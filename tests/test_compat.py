@@ -296,3 +296,16 @@ def test_clip_grad_norm_calls_its_module_globals() -> None:
     finally:
         clip_grad._get_total_norm, clip_grad._clip_grads_with_norm_ = norm_fn, clip_fn
     assert calls == ["norm", "clip"]
+
+
+def test_tensor_version_counts_in_place_ops():
+    """The offloaded step's host copy of a grad shard is current while the shard's version is the
+    one copied (shards/host_state.py): every in-place op bumps it, an out-of-place one does not."""
+    t = torch.zeros(4)
+    v = _compat.tensor_version(t)
+    t.add_(1.0)
+    t[1:].mul_(2.0)  # through a view too
+    assert _compat.tensor_version(t) == v + 2
+    t + 1.0
+    t.clone().zero_()
+    assert _compat.tensor_version(t) == v + 2

@@ -1,15 +1,29 @@
-"""The ``offload`` options (optim/offload.py): every value the constructor refuses, with the error
-naming it and the fix, and ``offload="cpu"`` itself refused as not available yet before any state
-is allocated (the multi-rank agreement on the options: test_agreement.py)."""
+"""``offload="cpu"`` (optim/offload.py, optim/shards/host_state.py): every value the constructor
+refuses, with the error naming it and the fix; the buckets chosen under ``offload_fraction``; the
+host's memory (``MemAvailable``, the cgroup's limit, the ranks on the host) and a failed pin,
+refused before any state moves; on CPU ranks the offloaded path itself (separate host tensors, the
+copies at landing, the CPU step) bitwise equal to the default run: loops A, B and D with clipping,
+``skip_grad_norm_above``, ``no_sync``, an inf on one rank, fp32 / bf16 params, bf16 and blockwise
+moments, ``offload_fraction=0.5``, at worlds 1, 2 and 3 (``cases_offload.py``), and state dicts and
+sharded checkpoints saved offloaded loaded without and with offload at other world sizes. (The
+multi-rank agreement on the options: test_agreement.py; on a GPU: test_cuda_offload.py.)"""
 from __future__ import annotations
 
+import functools
 import math
+import tempfile
 
 import pytest
 import torch
 
-from shardamp.optim import DistributedFusedAdam
+import cases_checkpoint as cc
+import cases_low_bit as cl
+import cases_offload as co
+from dist_helper import case_values, run_distributed
+from shardamp.optim import DistributedFusedAdam, config, offload
+from shardamp.optim.layout import Bucket
 from shardamp.optim.offload import OffloadOptions, resolve_offload
+from shardamp.optim.shards import host_state
 
 
 def _model(dtype=torch.float32):
@@ -21,9 +35,10 @@ def test_default_keeps_the_state_on_the_params_device():
     options = resolve_offload(None, None, False, False)
     assert options == OffloadOptions() and not options.enabled
     assert options.agreed() == {"offload": None, "offload_fraction": None}
-    options.refuse_unavailable()  # nothing to refuse
     opt = DistributedFusedAdam(_model().parameters(), offload=None)
-    assert opt.memory_stats()["master"] == 0  # fp32 params: the state as before, nothing moved
+    stats = opt.memory_stats()
+    assert stats["master"] == 0 and stats["moments"] > 0  # fp32 params: the state as before, nothing moved
+    assert stats["host_total"] == 0 and not opt._host.shards
 
 
 @pytest.mark.parametrize("fraction,expected", [(None, 1.0), (1, 1.0), (0.5, 0.5), (0.0, 0.0), (1.0, 1.0)])
@@ -73,15 +88,258 @@ def test_capturable_with_offload_raises():
         DistributedFusedAdam(_model().parameters(), capturable=True, offload="cpu", offload_fraction=0.0)
 
 
-@pytest.mark.parametrize("fraction", [None, 0.0, 0.5, 1.0])
-def test_offload_is_refused_as_not_available_before_any_state_moves(fraction):
+
+
+# ====================================================================== one process
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A float tensor's bit patterns (NaN compared as the bits it holds)."""
+    return t.detach().reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def test_buckets_chosen_from_the_first_landing_rounded_up_to_whole_buckets():
+    buckets = [Bucket(i, torch.float32, torch.device("cpu"), [], numel=n) for i, n in enumerate([100, 300, 50, 50])]
+    choose = functools.partial(host_state.choose_buckets, buckets, 12.0)
+    assert choose(0.0) == []
+    assert choose(1e-9) == [0]
+    assert choose(0.2) == [0]  # 100 of 500 reaches a fifth
+    assert choose(0.21) == [0, 1]  # rounded up: the next whole bucket
+    assert choose(0.8) == [0, 1]
+    assert choose(0.81) == [0, 1, 2]
+    assert choose(1.0) == [0, 1, 2, 3]
+
+
+def test_host_memory_reads_meminfo_capped_by_the_cgroup(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       1000 kB\nMemAvailable:    800 kB\n")
+    v2max, v2cur = tmp_path / "memory.max", tmp_path / "memory.current"
+    v1max, v1cur = tmp_path / "limit", tmp_path / "usage"
+    files = ((str(v2max), str(v2cur)), (str(v1max), str(v1cur)))
+    assert offload.host_memory_available(str(meminfo), files) == (800 * 1024, "MemAvailable")  # no cgroup files
+    v2max.write_text("max\n")
+    v2cur.write_text("5000\n")
+    assert offload.host_memory_available(str(meminfo), files)[0] == 800 * 1024  # v2 without a limit
+    v1max.write_text("400000\n")
+    v1cur.write_text("100000\n")
+    assert offload.host_memory_available(str(meminfo), files) == (300000, f"the cgroup limit {v1max} less its usage")
+    v2max.write_text("100000\n")  # v2 first, where it has a limit
+    assert offload.host_memory_available(str(meminfo), files) == (95000, f"the cgroup limit {v2max} less its usage")
+    assert offload.host_memory_available(str(tmp_path / "none"), ()) == (None, "")
+    assert offload.local_ranks({"LOCAL_WORLD_SIZE": "4"}) == 4 and offload.local_ranks({}) == 1
+    assert offload.memory_verdict(10, 4, 40, "x") == "fits" and offload.memory_verdict(10, 4, None, "") == "fits"
+    assert offload.memory_verdict(10, 4, 39, "x") == "needs 40 B (4 rank(s) x 10 B) > 39 B available (x)"
+
+
+def _untouched(model, storages, before):
+    assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_too_little_host_memory_raises_at_construction_before_any_state_moves(monkeypatch):
+    opt = DistributedFusedAdam(_model(torch.bfloat16).parameters(), offload="cpu")
+    per_rank = opt._host.needed  # master, moments, the bf16 grad copy and param return buffer: 16 B an element
+    assert per_rank == 16 * sum(b.shard_numel for b in opt._buckets)
+    assert per_rank >= 16 * sum(p.numel() for p in _model().parameters())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    monkeypatch.setattr(offload, "host_memory_available", lambda: (1000, "MemAvailable"))
+    model = _model(torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    with pytest.raises(RuntimeError) as info:
+        DistributedFusedAdam(model.parameters(), offload="cpu")
+    text = str(info.value)
+    assert text.startswith("DistributedFusedAdam(offload='cpu'): too little host memory")
+    assert f"needs {per_rank} B per rank, {3 * per_rank} B for the 3 rank(s) on this host (LOCAL_WORLD_SIZE)" in text
+    assert "1000 B are available (MemAvailable); pass a smaller offload_fraction" in text
+    _untouched(model, storages, before)
+    monkeypatch.setattr(offload, "host_memory_available", lambda: (3 * per_rank, "MemAvailable"))
+    DistributedFusedAdam(model.parameters(), offload="cpu")  # exactly enough
+
+
+def test_a_failed_pin_raises_at_construction_before_any_state_moves(monkeypatch):
+    def fail(numel, dtype, pin):
+        raise RuntimeError("CUDA error: out of memory\nmore lines")
+
+    monkeypatch.setattr(host_state, "host_empty", fail)
     model = _model()
     before = [p.detach().clone() for p in model.parameters()]
     storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
-    with pytest.raises(NotImplementedError, match=r"^offload='cpu': optimizer state in host memory is not available "
-                                                  r"yet .* pass offload=None \(the default\)"):
-        DistributedFusedAdam(model.parameters(), offload="cpu", offload_fraction=fraction)
-    # no flat buffers were made: the params are still their own tensors, unchanged
-    assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    DistributedFusedAdam(model.parameters())  # and they can still be given to an optimizer without offload
+    with pytest.raises(RuntimeError, match=r"^DistributedFusedAdam\(offload='cpu'\): allocating \d+ B of host memory "
+                                         r"failed: CUDA error: out of memory\. Page-locked memory is capped by the "
+                                         r"container's locked-memory limit .* Nothing was allocated on the device"):
+        DistributedFusedAdam(model.parameters(), offload="cpu")
+    _untouched(model, storages, before)
+
+
+def test_cpu_threads_default_to_the_cores_over_the_local_ranks_and_the_setting_overrides(monkeypatch):
+    monkeypatch.setattr(offload, "host_cores", lambda: 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert DistributedFusedAdam(_model().parameters(), offload="cpu")._host.threads == 4
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert DistributedFusedAdam(_model().parameters(), offload="cpu")._host.threads == 1
+    try:
+        config.configure(offload_threads=3)
+        opt = DistributedFusedAdam(_model().parameters(), offload="cpu")
+        assert opt._host.threads == 3
+        seen = []
+        real = torch.set_num_threads
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+        before = torch.get_num_threads()
+        _model_step(opt)
+        assert seen[0] == 3 and torch.get_num_threads() == before  # set for the CPU step, restored after
+    finally:
+        config.configure(offload_threads=None)
+    with pytest.raises(ValueError, match="SHARDAMP_OFFLOAD_THREADS"):
+        config.from_environment({"SHARDAMP_OFFLOAD_THREADS": "many"})
+
+
+def _model_step(opt, scale=1.0):
+    params = [p for g in opt.param_groups for p in g["params"]]
+    loss = sum((p.float() * (i + 1)).sum() for i, p in enumerate(params)) * scale
+    loss.backward()
+    opt.step()
+
+
+def test_the_cpu_path_is_the_offloaded_one_not_a_no_op():
+    """Separate host tensors; each grad shard copied to its host buffer as it lands in backward
+    (before step); the step writes the host state and copies the params back; a skipped step
+    leaves the host state untouched and copies nothing."""
+    model = _model(torch.bfloat16)
+    opt = DistributedFusedAdam(two_groups_seq(model), bucket_cap_mb=0.0001, offload="cpu", lr=0.1)
+    shards = opt._host.by_bucket()
+    assert len(opt._buckets) > 1 and all(s is not None for s in shards)
+    for buf, hs in zip(opt._buffers, shards):
+        assert buf.master is hs.master and buf.exp_avg is hs.exp_avg and buf.master.device.type == "cpu"
+        assert hs.out is not None and hs.out.dtype == torch.bfloat16 and hs.grad.dtype == torch.bfloat16
+        assert torch.equal(hs.master, buf.params[buf.shard].float())  # the master from the params
+    params = [p for g in opt.param_groups for p in g["params"]]
+    loss = sum((p.float() * (i + 1)).sum() for i, p in enumerate(params))
+    loss.backward()
+    for i, hs in enumerate(shards):  # landed and copied during backward, before any step
+        assert hs.copied is not None and hs.grad.data_ptr() != opt._buffers[i].grad_shard.data_ptr()
+        assert torch.equal(hs.grad, opt._buffers[i].grad_shard)
+    opt.step()
+    for buf, hs in zip(opt._buffers, shards):
+        assert torch.equal(hs.out, buf.params[buf.shard])  # the params came back from the host buffer
+        assert torch.equal(hs.out, hs.master.bfloat16()) and hs.exp_avg.abs().sum() > 0
+    opt.zero_grad()
+    assert all(hs.copied is None for hs in shards)
+    state = [(hs.master.clone(), hs.exp_avg.clone(), hs.exp_avg_sq.clone(), hs.out.clone()) for hs in shards]
+    model_before = [p.detach().clone() for p in params]
+    _model_step(opt, scale=float("inf"))  # skipped
+    assert opt.step_stats()["skipped_nonfinite"] == 1
+    for hs, (m, a, b, o) in zip(shards, state):
+        assert torch.equal(hs.master, m) and torch.equal(hs.exp_avg, a) and torch.equal(hs.exp_avg_sq, b)
+        assert torch.equal(hs.out, o)
+    assert all(torch.equal(p, b) for p, b in zip(params, model_before))
+
+
+def two_groups_seq(model):
+    ps = list(model.parameters())
+    return [{"params": ps[:2], "lr": 0.1}, {"params": ps[2:], "lr": 0.05, "weight_decay": 0.1}]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reused_grads_and_zero_fill_step_exactly_as_without_offload(dtype):
+    """The host copy follows the shard past its landing: a second step without backward (the
+    grads folded by the first step's coefficient), backward without zero_grad (added to), and
+    zero_grad(set_to_none=False) (zeros): bitwise the default run."""
+    import warnings
+
+    runs = []
+    for off in (None, "cpu"):
+        model = _model(dtype)
+        opt = DistributedFusedAdam(two_groups_seq(model), bucket_cap_mb=0.0001, offload=off, max_grad_norm=0.5)
+        trace = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the no-zero_grad warning
+            _model_step(opt)
+            opt.step()  # again, on what the first step left
+            trace.append([p.detach().clone() for p in model.parameters()])
+            _model_step(opt)  # backward without zero_grad: added to the kept grads
+            trace.append([p.detach().clone() for p in model.parameters()])
+            opt.zero_grad(set_to_none=False)
+            opt.step()
+            trace.append([p.detach().clone() for p in model.parameters()])
+        runs.append((trace, opt.state_dict()))
+    for a, b in zip(runs[0][0], runs[1][0]):
+        assert all(same(x, y) for x, y in zip(a, b))
+    cc.assert_sd_equal(runs[0][1], runs[1][1])
+
+
+# ====================================================================== several ranks
+@functools.lru_cache(maxsize=None)
+def _groups():
+    tmp = tempfile.mkdtemp(prefix="shardamp-offload-")
+    w3 = run_distributed(co.run, 3, tmp, ["case_loops", "case_save"])
+    w2 = run_distributed(co.run, 2, tmp, ["case_loops", "case_resume_from_3", "case_pipelined"])
+    w1 = run_distributed(co.run, 1, tmp, ["case_resume_from_2"])
+    return {3: w3, 2: w2, 1: w1}
+
+
+@pytest.fixture(scope="module")
+def groups():
+    return _groups()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_offloaded_loops_are_bitwise_the_default_run(groups, world):
+    for rank, value in enumerate(case_values(groups[world], "case_loops")):
+        for (config, loop), runs in value.items():
+            where = (world, rank, config, loop)
+            a, b = runs[None], runs["cpu"]
+            assert len(a["steps"]) == len(b["steps"]) == co.STEPS
+            for step, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
+                assert sorted(sa) == sorted(sb)
+                for x, y in zip(sa["params"], sb["params"]):
+                    assert same(x, y), (*where, step)
+                for key in sa:
+                    if key != "params":
+                        v, u = sa[key], sb[key]
+                        assert same(v, u) if isinstance(v, torch.Tensor) else v == u, (*where, step, key)
+            assert cl.sd_equal(a["sd"], b["sd"]) == "", where  # also the blockwise formats' entries
+            assert a["step_stats"] == b["step_stats"], where
+            assert a["last_nonfinite"] == b["last_nonfinite"], where
+            # the runs did what they test: an inf step skipped everywhere (and a spike in D), training
+            stats = b["step_stats"]
+            assert stats["skipped_nonfinite"] == 1 and stats["skipped_spike"] == (1 if loop == "D" else 0), where
+            inf = b["steps"][co.INF_STEP]
+            assert all(torch.equal(x, y) for x, y in zip(inf["params"], b["steps"][co.INF_STEP - 1]["params"]))
+            assert not any(torch.equal(x, y) for x, y in zip(b["steps"][0]["params"], b["steps"][-1]["params"]))
+            # the state did live on the host
+            assert a["host_buckets"] == [] and b["host_separate"], where
+            half = config == "fp32_half_offloaded"
+            assert b["host_buckets"] == list(range(len(b["host_buckets"]))), where  # from the first landing on
+            assert 0 < len(b["host_buckets"]) < b["buckets"] if half else len(b["host_buckets"]) == b["buckets"]
+            mem_a, mem_b = a["memory"], b["memory"]
+            assert mem_b["host_total"] == mem_b["host_master"] + mem_b["host_moments"] + mem_b["host_copies"] > 0
+            assert mem_a["host_total"] == 0
+            assert (mem_b["moments"] > 0) == half and mem_b["moments"] + mem_b["host_moments"] == mem_a["moments"]
+            assert mem_b["grad_shards"] == mem_a["grad_shards"]
+
+
+def test_checkpoints_saved_offloaded_load_without_and_with_offload_at_other_world_sizes(groups):
+    saved = case_values(groups[3], "case_save")[0]["sd"]
+    for world, source_sd in ((2, saved), (1, None)):
+        case = "case_resume_from_3" if world == 2 else "case_resume_from_2"
+        for value in case_values(groups[world], case):
+            for how in ("sd", "dcp"):
+                plain, off = value[(how, None)], value[(how, "cpu")]
+                cc.assert_sd_equal(plain["loaded"], off["loaded"])
+                if source_sd is not None:
+                    cc.assert_sd_equal(plain["loaded"], source_sd)  # bitwise what world 3 saved
+                cc.assert_sd_equal(plain["final_sd"], off["final_sd"])
+                assert all(same(x, y) for x, y in zip(plain["final"], off["final"]))
+    # world 1 loaded what world 2 saved offloaded after training on: its state dict, bitwise
+    saved_w2 = case_values(groups[2], "case_resume_from_3")[0][("dcp", "cpu")]["final_sd"]
+    for value in case_values(groups[1], "case_resume_from_2"):
+        cc.assert_sd_equal(value[("sd", None)]["loaded"], saved_w2)
+
+
+def test_grads_copied_to_the_host_during_backward_on_every_rank(groups):
+    for value in case_values(groups[2], "case_pipelined"):
+        assert value["copied_in_backward"] == [True, True, True]
+        assert value["pinned"] and not any(value["pinned"])  # CPU ranks: separate host tensors, not pinned

@@ -95,7 +95,8 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
                   if fmt.blockwise}
         # one gather per bucket, in the widest dtype of its states (bf16 -> fp32 -> bf16 is exact)
         wide = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
-        full = _gather(opt, torch.stack([t.to(wide) for t in tensors]), rank0_only)  # [world, keys, n] or None
+        # on the params' device: an offloaded bucket's state lives on the host (shards/host_state.py)
+        full = _gather(opt, torch.stack([t.to(buf.params.device, wide) for t in tensors]), rank0_only)
         if full is None:
             continue
         per_key = {k: full[:, j, :].reshape(-1).to(t.dtype) for j, (k, t) in enumerate(zip(keys, tensors))}

@@ -14,7 +14,10 @@ Per bucket, on every rank:
     bits are this rank's slice of ``params`` (``reference.join_remainders``);
   * ``exp_avg``, ``exp_avg_sq``: this rank's shard of the moments, each in its own format
     (``state_formats.py``: the state dtype by default, bf16 on request; a blockwise format is a
-    ``quant.QuantizedShard`` of codes and block scales, its blocks on the bucket's grid).
+    ``quant.QuantizedShard`` of codes and block scales, its blocks on the bucket's grid);
+  * ``host``: with ``offload="cpu"``, the bucket's ``host_state.HostShard``; ``master`` and the
+    moments are then ITS host tensors (never an alias of ``params``), so every reader of the
+    state (state dicts, checkpoints, ``memory_stats``) reads them where they live.
 The full-size grad buffer a bucket fills during backward is managed by ``grad_sync.py``.
 """
 from __future__ import annotations
@@ -58,6 +61,7 @@ class BucketBuffers:
     shard: slice
     formats: MomentFormats  # what exp_avg and exp_avg_sq are stored as (state_formats.py)
     grad_dtype: torch.dtype = torch.float32
+    host: Optional[Any] = None  # the bucket's host_state.HostShard when its state is offloaded
 
     @property
     def grad_shard(self) -> Tensor:
@@ -142,6 +146,7 @@ def allocate(
     grad_sync_dtype: torch.dtype,
     param_sync_dtype: torch.dtype,
     formats: MomentFormats,
+    host: Optional[Any] = None,
 ) -> BucketBuffers:
     """Allocate ``bucket``'s buffers and turn its params into views of the param buffer.
 
@@ -149,6 +154,8 @@ def allocate(
     the caller broadcasts the buffer so every rank starts from the same weights. The moments
     are zeros in ``formats``. ``gathers_params`` (``Comm.gathers_params``): params are
     all-gathered after the step, so a ``param_sync_dtype`` other than the bucket's gets a buffer.
+    ``host``: the bucket's ``host_state.HostShard`` (offloaded): its host moments are taken, and
+    nothing of the state is allocated on the device.
     """
     dev = bucket.device
     flat = torch.zeros(bucket.numel, dtype=bucket.dtype, device=dev)
@@ -166,11 +173,14 @@ def allocate(
         params=flat,
         sync=sync,
         grad_store=torch.zeros(n, dtype=grad_sync_dtype, device=dev),
-        master=flat[shard] if _master_is_param(bucket.dtype, state_dtype, sync) else torch.empty(0),  # init_master
-        **{m.key: moment_zeros(f, m, n, bucket.shard_start, dev) for m, f in formats.items()},
+        master=flat[shard] if host is None and _master_is_param(bucket.dtype, state_dtype, sync)
+        else torch.empty(0),  # init_master
+        **{m.key: moment_zeros(f, m, n, bucket.shard_start, dev) if host is None else getattr(host, m.key)
+           for m, f in formats.items()},
         shard=shard,
         formats=formats,
         grad_dtype=grad_sync_dtype,
+        host=host,
     )
 
 
@@ -222,14 +232,15 @@ def uses_remainders(param_dtype: torch.dtype, state_dtype: torch.dtype, store_pa
 
 def allocate_all(buckets: Sequence[Bucket], params: Sequence[torch.nn.Parameter], comm: Any, dtype: torch.dtype,
                  grad_sync_dtype: Optional[torch.dtype], param_sync_dtype: Optional[torch.dtype],
-                 formats: MomentFormats, store_param_remainders: bool) -> List[BucketBuffers]:
+                 formats: MomentFormats, store_param_remainders: bool,
+                 host: Optional[Sequence[Optional[Any]]] = None) -> List[BucketBuffers]:
     """Every bucket's buffers (``allocate``), the params broadcast from the group's rank 0 (every
     rank starts from rank 0's weights, as DDP does: a collective over ``comm``), and the masters
-    initialised from them."""
+    initialised from them. ``host[i]``: bucket ``i``'s ``HostShard`` where it is offloaded."""
     out: List[BucketBuffers] = []
-    for bucket in buckets:
+    for i, bucket in enumerate(buckets):
         out.append(allocate(bucket, params, comm.gathers_params, dtype, grad_sync_dtype or bucket.dtype,
-                            param_sync_dtype or bucket.dtype, formats))
+                            param_sync_dtype or bucket.dtype, formats, None if host is None else host[i]))
     for buf in out:
         comm.broadcast(buf.params)
     for buf in out:
@@ -255,7 +266,10 @@ def adam_launches(buffers: Sequence[BucketBuffers], buckets: Sequence[Bucket], r
 def init_master(buffers: BucketBuffers, state_dtype: torch.dtype, store_param_remainders: bool = False) -> None:
     """(Re)create the master shard from the (broadcast) model params."""
     local = buffers.params[buffers.shard]
-    if uses_remainders(buffers.params.dtype, state_dtype, store_param_remainders):
+    if buffers.host is not None:  # offloaded: the host master, a copy (the host never aliases the params)
+        buffers.master = buffers.host.master
+        buffers.master.copy_(local)
+    elif uses_remainders(buffers.params.dtype, state_dtype, store_param_remainders):
         # the master starts as the bf16 weight itself: high half = the param, low half = 0
         buffers.master = torch.zeros(local.numel(), dtype=torch.int16, device=local.device)
     elif _master_is_param(buffers.params.dtype, state_dtype, buffers.sync):
@@ -332,7 +346,7 @@ def reattach_param(buffers: BucketBuffers, slot: ParamSlot, p: Tensor, device: t
     elif buffers.master.data_ptr() != buffers.params[buffers.shard].data_ptr():
         if lo < hi:
             master = buffers.master[lo - buffers.shard.start:hi - buffers.shard.start]
-            model = buffers.params[lo:hi]
+            model = buffers.params[lo:hi].to(master.device)  # an offloaded master lives on the host
             sync_dtype = buffers.sync.dtype if buffers.sync is not None else model.dtype
             shown = master.to(sync_dtype).to(model.dtype)  # what the model holds for this master
             master.copy_(torch.where(model != shown, model.to(master.dtype), master))
@@ -340,17 +354,27 @@ def reattach_param(buffers: BucketBuffers, slot: ParamSlot, p: Tensor, device: t
 
 
 def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict:
-    """Bytes by kind for ``DistributedFusedAdam.memory_stats`` (its docstring says what each is)."""
+    """Bytes by kind for ``DistributedFusedAdam.memory_stats`` (its docstring says what each is):
+    the device's kinds and their ``total``, then the offloaded buckets' host kinds and their
+    ``host_total``."""
     def nbytes(t: Optional[Tensor]) -> int:
         return 0 if t is None else t.numel() * t.element_size()
 
     stats = {"master": 0, "moments": 0, "grad_shards": 0, "grad_buckets": 0, "param_sync": 0}
+    host = {"host_master": 0, "host_moments": 0, "host_copies": 0}
     for buf in buffers:
-        aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
-        stats["master"] += 0 if aliased else nbytes(buf.master)
-        stats["moments"] += sum(moment_nbytes(t) for _, _, t in buf.moments())
+        moments = sum(moment_nbytes(t) for _, _, t in buf.moments())
+        if buf.host is not None:
+            host["host_master"] += nbytes(buf.master)
+            host["host_moments"] += moments
+            host["host_copies"] += buf.host.copies_nbytes()
+        else:
+            aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
+            stats["master"] += 0 if aliased else nbytes(buf.master)
+            stats["moments"] += moments
         stats["grad_shards"] += nbytes(buf.grad_store)
         stats["param_sync"] += nbytes(buf.sync)
     stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)
     stats["total"] = sum(stats.values())
+    stats.update(host, host_total=sum(host.values()))
     return stats

@@ -77,6 +77,7 @@ class GradSync:
         check_landed: Callable[..., None],
         landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
         landing_rows: Callable[[int], Tensor],
+        host: Any,
     ) -> None:
         self.comm = comm
         # the step cycle: told when a backward begins and a round is launched; read for the rounds
@@ -149,7 +150,10 @@ class GradSync:
                     s.full = s.buffers.grad_shard  # the shard is the whole bucket
             elif keep_buffers:
                 s.full = s.new_full()
-        self.reductions = Reductions(comm, side, self.partials)
+        # the optimizer's HostState (shards/host_state.py): each landed shard of an offloaded bucket is
+        # copied to the host as it lands (``landed``); zero_grad makes no copy current (``dropped``)
+        self.host = host
+        self.reductions = Reductions(comm, side, self.partials, host)
         # A param belongs to the LAST optimizer built over it: an older one's hook stands aside.
         self.owner_token = object()
         self.hook_error: Optional[BaseException] = None  # met by a native hook's callback
@@ -256,6 +260,7 @@ class GradSync:
         s.full, s.dirty = full, False
         s.shard_valid = s.partial_valid = self.partials_started = True
         self.next_launch = s.index + 1
+        self.host.landed(s.index, full)
 
     def raise_hook_error(self) -> None:
         """Raise the error a native hook's callback met (once)."""
@@ -347,6 +352,7 @@ class GradSync:
             # stream (a side stream would only add a join; the flags pass reads the shard anyway)
             self.check_landed(s.index, full, s.partial, not self.partials_started)
             self.partials_started = s.partial_valid = True
+            self.host.landed(s.index, full)
             return
         self.check_landed(s.index, full)
         if self.reductions.launch(s, full, accumulate=s.shard_valid, free_full=not self.keep_buffers,
@@ -444,6 +450,7 @@ class GradSync:
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
         self.landings.dropped()  # what a plan landed is dropped with the rest (stager.clear below)
         self.wait()
+        self.host.dropped()
         self.next_launch = 0
         self.partials_started = False
         self.callback_queued = False  # a backward that raised never ran its callback

@@ -11,7 +11,7 @@ keeps O(bucket_cap_mb) of unreduced grads, not the model's (ZeRO-2).
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
@@ -30,12 +30,15 @@ class Reductions:
         comm: the optimizer's collectives.
         side: the side stream the landings are queued on (CUDA), or None (the host waits).
         partials_row: the shared statistics row the side stream adds each bucket's partial into.
+        host: the optimizer's ``HostState`` (shards/host_state.py): told of each landed shard, so an
+            offloaded bucket's copy to the host starts as it lands.
     """
 
-    def __init__(self, comm: Comm, side: Optional[torch.cuda.Stream], partials_row: Tensor) -> None:
+    def __init__(self, comm: Comm, side: Optional[torch.cuda.Stream], partials_row: Tensor, host: Any) -> None:
         self.comm = comm
         self.side = side
         self.partials_row = partials_row
+        self.host = host
         self.pending: List[Reduction] = []
         self._joined: Optional[torch.cuda.Event] = None  # the side stream's join point, recorded anew at each join
 
@@ -75,6 +78,7 @@ class Reductions:
             if first_partial:  # every partial is redone this round
                 self.partials_row.zero_()
             partials.accumulate_partial(shard, s.partial, 2.0)
+            self.host.landed(s.index, shard)  # an offloaded bucket's copy, queued behind the landing
         # freed by the caller right away: the allocator reuses the memory only once the side
         # stream (which waited for the collective) has passed this point
         out.record_stream(self.side)
@@ -91,7 +95,7 @@ class Reductions:
             r.full, r.scattered = None, True
             r.work = self.comm.reduce_replicas(r.out)
             if r.work is None:
-                _land(r)
+                _land(r, self.host)
 
     def wait(self) -> None:
         """Every reduction in flight has landed in its shard (on CUDA: the compute stream waits
@@ -100,7 +104,7 @@ class Reductions:
         for r in self.pending:
             if r.work is not None:
                 r.work.wait()
-                _land(r)
+                _land(r, self.host)
         if self.side is not None and self.pending:
             # join: the compute stream resumes after every landing; only then may the
             # buffers the side stream read be freed (they are dropped with ``pending``)
@@ -122,7 +126,8 @@ class Reductions:
         return [r.full for r in self.pending if r.full is not None]
 
 
-def _land(r: Reduction) -> None:
+def _land(r: Reduction, host: Any) -> None:
     if r.accumulate:
         r.bucket.buffers.grad_shard.add_(r.out)
     r.work, r.out, r.accumulate = None, None, False
+    host.landed(r.bucket.index, r.bucket.buffers.grad_shard)
