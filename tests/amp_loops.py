@@ -32,8 +32,8 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+import low_bit_reference
 import shardamp.optim as so
-from low_bit_reference import ReferenceLowBitAdamW
 from parity import MLP, batches, two_groups
 from shardamp.optim import DistributedFusedAdam
 from shardamp.scaler import ShardedGradScaler
@@ -90,11 +90,9 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
     if clip_in_ctor:
         kwargs["max_grad_norm"] = MAX_NORM
     opt = cls(two_groups(model), **kwargs)
-    if any(opt_kwargs.get(k) in ("8bit", "4bit") for k in ("exp_avg_dtype", "exp_avg_sq_dtype")):
+    if low_bit_reference.blockwise(opt_kwargs):
         # blockwise moments: the same quantized math unsharded, in the optimizer's bucket layout
-        ropt: torch.optim.Optimizer = ReferenceLowBitAdamW(
-            two_groups(ref), opt_kwargs.get("exp_avg_dtype"), opt_kwargs.get("exp_avg_sq_dtype"),
-            kwargs["bucket_cap_mb"], opt_kwargs.get("quant_block_size"))
+        ropt: torch.optim.Optimizer = low_bit_reference.reference_for(two_groups(ref), opt, opt_kwargs)
     else:
         ropt = torch.optim.AdamW(two_groups(ref))
     use_torch_scaler = loop in ("A", "F", "I")

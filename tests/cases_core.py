@@ -255,6 +255,40 @@ def case_remainders_bitwise(rank, world, steps=40, **kw):
     return out
 
 
+# blockwise moments ("8bit" / "4bit") against the same quantized math unsharded (parity.train
+# picks tests/low_bit_reference.py for them): torch's parity tolerance holds
+Q8 = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit")
+Q8_Q4 = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")
+Q4 = dict(exp_avg_dtype="4bit", exp_avg_sq_dtype="4bit")
+
+
+def case_low_bit_no_sync(rank, world, **kw):
+    return train(rank, world, **kw, micro_batches=3, opt_kwargs=dict(bucket_cap_mb=TINY, **Q8))
+
+
+def case_low_bit_unused_per_rank(rank, world, **kw):
+    def skip(step, r):  # as case_unused_per_rank: b never on rank 0, c on alternate steps elsewhere
+        if r == 0:
+            return ("b",)
+        return ("c",) if (step + r) % 2 else ()
+
+    return train(rank, world, **kw, skip=skip, opt_kwargs=dict(bucket_cap_mb=TINY, **Q8_Q4))
+
+
+def case_low_bit_channels_last(rank, world, **kw):
+    return train(rank, world, **kw, kind="conv", channels_last=True,
+                 opt_kwargs=dict(bucket_cap_mb=TINY, quant_block_size=32, **Q4))
+
+
+def case_low_bit_capturable(rank, world, **kw):
+    return train(rank, world, **kw, micro_batches=2, opt_kwargs=dict(capturable=True, bucket_cap_mb=TINY, **Q8_Q4))
+
+
+def case_low_bit_bf16_params_remainders(rank, world, **kw):
+    return train(rank, world, **kw, param_dtype=torch.bfloat16,
+                 opt_kwargs=dict(grad_sync_dtype=torch.float32, store_param_remainders=True, bucket_cap_mb=TINY, **Q8))
+
+
 def case_memory_stats_dtypes(rank, world, **kw):
     """memory_stats() per rank for each storage option over the same bf16 model: bytes per
     element of this rank's shards (padding included, so the ratios are exact)."""

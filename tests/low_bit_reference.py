@@ -3,7 +3,7 @@ the comparisons of tests/test_low_bit.py and the AMP loops (tests/amp_loops.py) 
 optimizer stores its moments as codes and block scales."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -19,12 +19,15 @@ class ReferenceLowBitAdamW(torch.optim.Optimizer):
     GradScaler and clip_grad_norm_ around it."""
 
     def __init__(self, groups, exp_avg_dtype: Any, exp_avg_sq_dtype: Any, bucket_cap_mb: float,
-                 quant_block_size: Any = None):
-        super().__init__(groups, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
+                 quant_block_size: Any = None, layout_dtype: Optional[torch.dtype] = None, **defaults: Any):
+        super().__init__(groups, dict(dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), **defaults))
         formats = sf.resolve_moments(torch.float32, exp_avg_dtype, exp_avg_sq_dtype, quant_block_size)
         indexed = grouped_params(self.param_groups)
         self.params = [p for p, _ in indexed]
-        self.buckets = build_layout(indexed, bucket_cap_mb, 1, 0, formats.grid(ALIGN))
+        # the buckets of the sharded optimizer's params: of their dtype (the bucket cap counts bytes)
+        typed = [(p if layout_dtype is None else torch.empty_strided(p.shape, p.stride(), dtype=layout_dtype), g)
+                 for p, g in indexed]
+        self.buckets = build_layout(typed, bucket_cap_mb, 1, 0, formats.grid(ALIGN))
         self.state_of = []
         for b in self.buckets:
             master = torch.zeros(b.numel)
@@ -50,3 +53,16 @@ class ReferenceLowBitAdamW(torch.optim.Optimizer):
                                 torch.tensor(1.0), torch.tensor(0.0), True, True)
             for s in b.slots:
                 self.params[s.index].copy_(param_view(master, s))
+
+
+def blockwise(opt_kwargs: Dict[str, Any]) -> bool:
+    """The optimizer options ask for a blockwise moment (the reference above applies)."""
+    return any(opt_kwargs.get(k) in ("8bit", "4bit") for k in ("exp_avg_dtype", "exp_avg_sq_dtype"))
+
+
+def reference_for(groups, opt: Any, opt_kwargs: Dict[str, Any], param_dtype: Optional[torch.dtype] = None,
+                  **defaults: Any) -> ReferenceLowBitAdamW:
+    """The unsharded reference of ``opt`` (a DistributedFusedAdam built with ``opt_kwargs`` over
+    params of ``param_dtype``) over the fp32 ``groups``: its formats, block size and buckets."""
+    return ReferenceLowBitAdamW(groups, opt_kwargs.get("exp_avg_dtype"), opt_kwargs.get("exp_avg_sq_dtype"),
+                                opt.bucket_cap_mb, opt_kwargs.get("quant_block_size"), param_dtype, **defaults)
