@@ -27,6 +27,7 @@ WORLD = 4
 SHAPES: List[Tuple[int, ...]] = [(1, 4), (2, 2), (4, 1), (4,)]
 PER_STEP = 12  # samples per checkpoint step: divisible by 4 and by 1
 LOOPS = ("A", "B", "C", "D", "E")
+LOW_BIT_LOOPS = ("B", "D")
 
 
 def shape_name(shape: Tuple[int, ...]) -> str:
@@ -88,6 +89,20 @@ def case_parity_capturable_no_overlap(rank: int, world: int, mesh) -> Dict[str, 
 def case_loops(rank: int, world: int, mesh) -> Dict[str, Any]:
     """The AMP loops (amp_loops.py), an inf on the last rank only at INF_STEP."""
     return {loop: run_loop(rank, world, loop, device_mesh=mesh) for loop in LOOPS}
+
+
+def case_parity_low_bit(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Blockwise moments (8-bit exp_avg, 4-bit exp_avg_sq), unused params per rank, two
+    micro-batches under no_sync: the same quantized math unsharded (tests/low_bit_reference.py)."""
+    return train(rank, world, steps=4, micro_batches=2, skip=_skip,
+                 opt_kwargs=dict(device_mesh=mesh, bucket_cap_mb=cc.TINY, exp_avg_dtype="8bit",
+                                 exp_avg_sq_dtype="4bit"))
+
+
+def case_loops_low_bit(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Loops B and D with 4-bit / 8-bit moments, an inf on the last rank only."""
+    return {loop: run_loop(rank, world, loop, device_mesh=mesh, exp_avg_dtype="4bit", exp_avg_sq_dtype="8bit")
+            for loop in LOW_BIT_LOOPS}
 
 
 def case_collectives(rank: int, world: int, mesh) -> Dict[str, Any]:
@@ -161,7 +176,7 @@ def case_group_norms(rank: int, world: int, mesh) -> Dict[str, Any]:
 
 
 CASES = ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
-         "case_parity_capturable_no_overlap", "case_loops", "case_collectives", "case_memory",
+         "case_parity_capturable_no_overlap", "case_parity_low_bit", "case_loops", "case_loops_low_bit", "case_collectives", "case_memory",
          "case_norm_types", "case_group_norms"]
 
 

@@ -34,7 +34,7 @@ def _case(name: str):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("case", ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
-                                  "case_parity_capturable_no_overlap"])
+                                  "case_parity_capturable_no_overlap", "case_parity_low_bit"])
 def test_mesh_parity_with_torch_adamw(shape: str, case: str) -> None:
     check_parity_case(_results()[1], f"{case}[{shape}]")
 
@@ -43,6 +43,13 @@ def test_mesh_parity_with_torch_adamw(shape: str, case: str) -> None:
 @pytest.mark.parametrize("loop", cm.LOOPS)
 def test_mesh_amp_loops_match_torch(shape: str, loop: str) -> None:
     per_rank = [{f"case_loop_{loop}": ("ok", value[loop])} for value in _case(f"case_loops[{shape}]")]
+    check_loop_case(per_rank, f"case_loop_{loop}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("loop", cm.LOW_BIT_LOOPS)
+def test_mesh_amp_loops_with_low_bit_moments_match_the_quantized_reference(shape: str, loop: str) -> None:
+    per_rank = [{f"case_loop_{loop}": ("ok", value[loop])} for value in _case(f"case_loops_low_bit[{shape}]")]
     check_loop_case(per_rank, f"case_loop_{loop}")
 
 
