@@ -63,17 +63,25 @@ _ADAMW = ("adamw_torch", "adamw_torch_fused")
 _LOW_BIT = {"adamw_torch_8bit": "8bit", "adamw_8bit": "8bit", "adamw_bnb_8bit": "8bit", "adamw_torch_4bit": "4bit"}
 
 
-def _moment_kwargs(optim: str, owner: str) -> Dict[str, Any]:
+def _moment_kwargs(optim: str, optim_args: Optional[str], owner: str) -> Dict[str, Any]:
     """The optimizer kwargs ``TrainingArguments.optim`` selects: ``{}`` for a plain AdamW, both
     moments' format for a low-bit AdamW (``_LOW_BIT``).
 
     Raises:
         ValueError: any other ``optim``, naming the accepted values and, for a low-bit optimizer
-            it does not map (paged, GaLore, Lion, ...), the kwargs that select the formats.
+            it does not map (paged, GaLore, Lion, ...), the kwargs that select the formats; a
+            low-bit ``optim`` with ``optim_args`` (their options, e.g. a block size, are not
+            shardamp's: they would be ignored).
     """
     if optim in _ADAMW:
         return {}
     if optim in _LOW_BIT:
+        if optim_args:
+            raise ValueError(
+                f"{owner}: TrainingArguments.optim={optim!r} with optim_args={optim_args!r}: those options are "
+                "the peer optimizer's and DistributedFusedAdam does not read them. Drop optim_args and set "
+                "shardamp_optimizer_kwargs on your trainer subclass instead, e.g. {'exp_avg_dtype': "
+                f"'{_LOW_BIT[optim]}', 'exp_avg_sq_dtype': '{_LOW_BIT[optim]}', 'quant_block_size': 128}}.")
         return {"exp_avg_dtype": _LOW_BIT[optim], "exp_avg_sq_dtype": _LOW_BIT[optim]}
     hint = ""
     for bits in ("8bit", "4bit"):
@@ -241,12 +249,14 @@ class ShardampTrainerMixin:
 
         Raises:
             ValueError: ``TrainingArguments.optim`` is none of those (for another low-bit
-                optimizer, the message names the kwargs that select the formats).
+                optimizer, the message names the kwargs that select the formats), or a low-bit
+                one comes with ``optim_args`` (not read: the message names the kwargs to use).
         """
         if self.optimizer is not None or getattr(self, "optimizer_cls_and_kwargs", None) is not None:
             return super().create_optimizer(*([model] if model is not None else []))
         args = self.args
-        moments = _moment_kwargs(str(getattr(args.optim, "value", args.optim)), type(self).__name__)
+        moments = _moment_kwargs(str(getattr(args.optim, "value", args.optim)), getattr(args, "optim_args", None),
+                                 type(self).__name__)
         groups = self.shardamp_param_groups(self.model if model is None else model)
         cls = self.shardamp_optimizer_class
         if not _accepts_param_names(cls):

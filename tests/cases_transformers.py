@@ -178,9 +178,11 @@ def case_low_bit_optim_names(rank, world, tmp: str = "", **kw):
                               ("adamw_torch", ShardampTrainer, "adamw_torch"),
                               ("8bit_kwargs_win", Bf16Sq, "adamw_torch_8bit"),
                               ("paged_adamw_8bit", ShardampTrainer, "paged_adamw_8bit"),
-                              ("lion_32bit", ShardampTrainer, "lion_32bit")):
+                              ("lion_32bit", ShardampTrainer, "lion_32bit"),
+                              ("with_optim_args", ShardampTrainer, "adamw_torch_4bit")):
         _env(rank, world)
-        trainer = cls(model=ref.make_model(), args=_targs(os.path.join(tmp, f"hf_optim_{label}"), optim=optim))
+        extra = {"optim_args": "block_size=64"} if label == "with_optim_args" else {}
+        trainer = cls(model=ref.make_model(), args=_targs(os.path.join(tmp, f"hf_optim_{label}"), optim=optim, **extra))
         try:
             opt = trainer.create_optimizer()
         except ValueError as exc:

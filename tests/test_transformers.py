@@ -103,6 +103,7 @@ def test_low_bit_optim_names_select_the_moment_formats_or_raise_naming_the_kwarg
         assert "optim='paged_adamw_8bit'" in paged and "'adamw_torch_8bit'" in paged
         assert "shardamp_optimizer_kwargs={'exp_avg_dtype': '8bit', 'exp_avg_sq_dtype': '8bit'}" in paged
         assert "optim='lion_32bit'" in v["lion_32bit"] and "shardamp_optimizer_kwargs" not in v["lion_32bit"]
+        assert "optim_args='block_size=64'" in v["with_optim_args"] and "'quant_block_size'" in v["with_optim_args"]
 
 
 @pytest.mark.parametrize("world", [WORLD])
