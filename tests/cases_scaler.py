@@ -93,6 +93,18 @@ for _i, (_name, _loop) in enumerate((("A", "A"), ("B", "B"), ("C", "C"), ("D", "
     globals()[f"case_loop_{_name}_lowbit"] = _low_bit_case(_loop, LOW_BIT_FORMATS[_i % len(LOW_BIT_FORMATS)])
 
 
+def _low_bit_spike_case(loop: str, formats):
+    def case(rank, world, **kw):
+        return run_loop(rank, world, loop, spike=True, **formats, **kw)
+
+    return case
+
+
+# case_loop_<name>_lowbit_spike: skip_grad_norm_above over blockwise moments
+for _name, _loop, _formats in (("B", "B", LOW_BIT_FORMATS[1]), ("D", "D", LOW_BIT_FORMATS[0])):
+    globals()[f"case_loop_{_name}_lowbit_spike"] = _low_bit_spike_case(_loop, _formats)
+
+
 @contextlib.contextmanager
 def _counted_all_reduces():
     """Yields the list of every all-reduce shardamp issues meanwhile (its tensor's numel; the
