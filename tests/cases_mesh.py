@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -183,16 +184,26 @@ CASES = ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro"
 # ====================================================================== checkpoints across meshes
 def checkpoint_cases(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     """Train on 2x2 to SAVE_AT, save a state dict and a DCP checkpoint, train on to TOTAL (the
-    uninterrupted run); then on 1x4, 4x1 and the 1-D mesh: load both, resume, compare."""
+    uninterrupted run); then on 1x4, 4x1 and the 1-D mesh: load both, resume, compare. The same
+    with blockwise moments under ``"low_bit"`` (loaded in the same bucket layout: bitwise)."""
+    out = _checkpoint_round(rank, world, tmp, "", 2 * cc.TINY)
+    out["low_bit"] = _checkpoint_round(rank, world, tmp, "_low_bit", cc.TINY, **LOW_BIT_CKPT)
+    return out
+
+
+LOW_BIT_CKPT = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")
+
+
+def _checkpoint_round(rank: int, world: int, tmp: str, tag: str, load_cap: float, **opts: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    model, opt = cc.build(bucket_cap_mb=cc.TINY, device_mesh=mesh_of((2, 2)))
+    model, opt = cc.build(bucket_cap_mb=cc.TINY, device_mesh=mesh_of((2, 2)), **opts)
     scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
     cc.train(model, opt, range(cc.SAVE_AT), rank, world, scaler=scaler, per_step=PER_STEP)
-    sd = opt.state_dict()
-    out["rank0_only"] = opt.state_dict(rank0_only=True)  # gathered over the shard dim, kept on rank 0
-    save_sharded(opt, os.path.join(tmp, "dcp_2x2"), scaler=scaler)
+    sd = _sd(opt)
+    out["rank0_only"] = _sd(opt, rank0_only=True)  # gathered over the shard dim, kept on rank 0
+    save_sharded(opt, os.path.join(tmp, f"dcp_2x2{tag}"), scaler=scaler)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    cc._save({"model": weights, "opt": sd, "scaler": scaler.state_dict()}, tmp, "mesh_2x2.pt", rank)
+    cc._save({"model": weights, "opt": sd, "scaler": scaler.state_dict()}, tmp, f"mesh_2x2{tag}.pt", rank)
     cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world, scaler=scaler, per_step=PER_STEP)
     out["saved_sd"] = sd
     out["final"] = cc.params_of(model)
@@ -200,20 +211,26 @@ def checkpoint_cases(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     for shape in [(1, 4), (4, 1), (4,)]:
         resumed = {}
         for how in ("sd", "dcp"):
-            model, opt = cc.build(bucket_cap_mb=2 * cc.TINY, device_mesh=mesh_of(shape))
+            model, opt = cc.build(bucket_cap_mb=load_cap, device_mesh=mesh_of(shape), **opts)
             model.load_state_dict(weights)
             scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
             if how == "sd":
                 opt.load_state_dict(sd)
-                scaler.load_state_dict(cc._load(tmp, "mesh_2x2.pt")["scaler"])
+                scaler.load_state_dict(cc._load(tmp, f"mesh_2x2{tag}.pt")["scaler"])
             else:
-                load_sharded(opt, os.path.join(tmp, "dcp_2x2"), scaler=scaler)
-            loaded = opt.state_dict()
+                load_sharded(opt, os.path.join(tmp, f"dcp_2x2{tag}"), scaler=scaler)
+            loaded = _sd(opt)
             cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world, scaler=scaler, per_step=PER_STEP)
             resumed[how] = {"sd": loaded, "final": cc.params_of(model)}
             del opt
         out[shape_name(shape)] = resumed
     return out
+
+
+def _sd(opt: DistributedFusedAdam, **kw: Any):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # low-bit moments: torch needs to_torch_state_dict (test_low_bit.py)
+        return opt.state_dict(**kw)
 
 
 def run(rank: int, world: int, tmp: str) -> Dict[str, Any]:
