@@ -18,6 +18,7 @@ Runs (``--runs`` picks some):
 - ``fp32``, ``bf16``, ``8bit``, ``4bit``: both moments in that format (shardamp, every param);
 - ``8bit_small_fp32``, ``4bit_small_fp32``: the same with params under 4096 elements in a second
   ``DistributedFusedAdam`` with fp32 moments (what torchao and bitsandbytes do with small tensors);
+- ``4bit_b32``: 4-bit moments with ``quant_block_size=32`` (4x the default's scales);
 - ``torchao_8bit``, ``torchao_4bit``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` (their defaults:
   blocks 256 / 128, tensors under 4096 elements or not a multiple of the block kept fp32);
 - ``bnb_8bit``: ``bitsandbytes.optim.AdamW8bit`` (blockwise, ``min_8bit_size=4096``).
@@ -52,7 +53,7 @@ from shardamp.scaler import ShardedGradScaler  # noqa: E402
 WORLD, PER_RANK = 2, 16  # the main job's ranks and per-rank batch
 SMALL = 4096  # torchao's and bitsandbytes' threshold (bitsandbytes' min_8bit_size)
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit", "4bit": "4bit"}
-RUNS = ("fp32", "bf16", "8bit", "4bit", "8bit_small_fp32", "4bit_small_fp32",
+RUNS = ("fp32", "bf16", "8bit", "4bit", "8bit_small_fp32", "4bit_small_fp32", "4bit_b32",
         "torchao_8bit", "torchao_4bit", "bnb_8bit")
 
 
@@ -68,7 +69,8 @@ def make_model(data: CharData, seed: int, dtype: torch.dtype = torch.float32) ->
     return GPT(GPTConfig(data.vocab_size, 64, 128, 4, 4)).to(dtype)  # the main job's defaults
 
 
-def shardamp_opts(model: GPT, rec: Recipe, fmt: Any, small_fp32: bool, **kw: Any) -> List[torch.optim.Optimizer]:
+def shardamp_opts(model: GPT, rec: Recipe, fmt: Any, small_fp32: bool = False,
+                  **kw: Any) -> List[torch.optim.Optimizer]:
     """One DistributedFusedAdam with both moments in ``fmt``; with ``small_fp32`` the params under
     SMALL elements go to a second one with fp32 moments."""
     common = dict(lr=rec.lr, betas=rec.betas, eps=rec.eps, **kw)
@@ -78,7 +80,8 @@ def shardamp_opts(model: GPT, rec: Recipe, fmt: Any, small_fp32: bool, **kw: Any
     big = [dict(g, params=[p for p in g["params"] if p.numel() >= SMALL]) for g in groups]
     small = [dict(g, params=[p for p in g["params"] if p.numel() < SMALL]) for g in groups]
     return [DistributedFusedAdam([g for g in big if g["params"]], exp_avg_dtype=fmt, exp_avg_sq_dtype=fmt, **common),
-            DistributedFusedAdam([g for g in small if g["params"]], **common)]
+            DistributedFusedAdam([g for g in small if g["params"]],
+                                 **{k: v for k, v in common.items() if k != "quant_block_size"})]
 
 
 def peer_opt(name: str, model: GPT, rec: Recipe) -> torch.optim.Optimizer:
@@ -103,8 +106,9 @@ def train(name: str, seed: int, steps: int) -> Dict[str, Any]:
     model = make_model(data, seed)
     ours = not name.startswith(("torchao", "bnb"))
     if ours:
-        fmt = name.split("_")[0]
-        opts = shardamp_opts(model, rec, FORMATS[fmt], name.endswith("small_fp32"))
+        fmt, _, variant = name.partition("_")
+        block = dict(quant_block_size=int(variant[1:])) if variant.startswith("b") else {}
+        opts = shardamp_opts(model, rec, FORMATS[fmt], variant == "small_fp32", **block)
         scaler: Any = ShardedGradScaler("cpu", **rec.scaler_kwargs())
     else:
         opts = [peer_opt(name, model, rec)]
@@ -240,11 +244,11 @@ def print_tables(results, errors, memory, args) -> None:
               f"{m:.4f} | {m - base:+.4f} | {100 * (m - base) / base:+.2f}% |")
     for name, err in errors.items():
         print(f"| {name} | did not run: {err} |")
-    print("\n| setting | format | " + " | ".join(k for k in memory[0] if k not in ("setting", "format", "n_params", "owned"))
-          + " |")
+    labels = ("setting", "format", "n_params", "owned")
+    print("\n| setting | format | " + " | ".join(k for k in memory[0] if k not in labels) + " |")
     for row in memory:
-        print(f"| {row['setting']} | {row['format']} | " + " | ".join(
-            f"{v:.3f}" for k, v in row.items() if k not in ("setting", "format", "n_params", "owned")) + " |")
+        print(f"| {row['setting']} | {row['format']} | "
+              + " | ".join(f"{v:.3f}" for k, v in row.items() if k not in labels) + " |")
     for name, per_seed in results.items():
         r = next(iter(per_seed.values()))
         if "state_bytes" in r:
