@@ -1,6 +1,9 @@
 """The unsharded reference for blockwise moments ("8bit" / "4bit"): torch.optim.AdamW's place in
-the comparisons of tests/test_low_bit.py and the AMP loops (tests/amp_loops.py) when the sharded
-optimizer stores its moments as codes and block scales."""
+the comparisons of tests/test_low_bit.py, the AMP loops (tests/amp_loops.py), the parity cases
+(tests/parity.py's ``train``) and the mesh checkpoints when the sharded optimizer stores its
+moments as codes and block scales. Its buckets are the sharded optimizer's (the same params,
+dtype, bucket cap and block grid), so the blocks hold the same elements and the quantized math
+agrees with the sharded step to fp32 round-off of the grads' reduction order."""
 from __future__ import annotations
 
 from typing import Any, Dict, Optional
