@@ -58,6 +58,42 @@ from .accelerate import ShardampAccelerator, _unwrap
 __all__ = ["ShardampTrainerMixin", "ShardampTrainer"]
 
 _ADAMW = ("adamw_torch", "adamw_torch_fused")
+# TrainingArguments.optim names of an AdamW with low-bit moments (torchao's AdamW8bit / AdamW4bit,
+# bitsandbytes' blockwise 8-bit AdamW): the same AdamW with both moments in shardamp's format
+_LOW_BIT = {"adamw_torch_8bit": "8bit", "adamw_8bit": "8bit", "adamw_bnb_8bit": "8bit", "adamw_torch_4bit": "4bit"}
+
+
+def _moment_kwargs(optim: str, optim_args: Optional[str], owner: str) -> Dict[str, Any]:
+    """The optimizer kwargs ``TrainingArguments.optim`` selects: ``{}`` for a plain AdamW, both
+    moments' format for a low-bit AdamW (``_LOW_BIT``).
+
+    Raises:
+        ValueError: any other ``optim``, naming the accepted values and, for a low-bit optimizer
+            it does not map (paged, GaLore, Lion, ...), the kwargs that select the formats; a
+            low-bit ``optim`` with ``optim_args`` (their options, e.g. a block size, are not
+            shardamp's: they would be ignored).
+    """
+    if optim in _ADAMW:
+        return {}
+    if optim in _LOW_BIT:
+        if optim_args:
+            raise ValueError(
+                f"{owner}: TrainingArguments.optim={optim!r} with optim_args={optim_args!r}: those options are "
+                "the peer optimizer's and DistributedFusedAdam does not read them. Drop optim_args and set "
+                "shardamp_optimizer_kwargs on your trainer subclass instead, e.g. {'exp_avg_dtype': "
+                f"'{_LOW_BIT[optim]}', 'exp_avg_sq_dtype': '{_LOW_BIT[optim]}', 'quant_block_size': 128}}.")
+        return {"exp_avg_dtype": _LOW_BIT[optim], "exp_avg_sq_dtype": _LOW_BIT[optim]}
+    hint = ""
+    for bits in ("8bit", "4bit"):
+        if bits in optim:
+            hint = (f" For {bits} Adam moments use optim='adamw_torch' with shardamp_optimizer_kwargs="
+                    f"{{'exp_avg_dtype': '{bits}', 'exp_avg_sq_dtype': '{bits}'}} (a class attribute of your "
+                    "trainer subclass).")
+    raise ValueError(
+        f"{owner}: TrainingArguments.optim={optim!r}; ShardampTrainerMixin trains DistributedFusedAdam (AdamW), "
+        f"so optim must be one of {_ADAMW + tuple(_LOW_BIT)} (the low-bit ones select the moment formats "
+        f"{sorted(set(_LOW_BIT.values()))}).{hint} Pass optimizers=(opt, scheduler) to use another optimizer."
+    )
 
 
 def _accepts_param_names(optimizer_class: type) -> bool:
@@ -205,25 +241,28 @@ class ShardampTrainerMixin:
             ``optimizers=(opt, ...)`` or an ``optimizer_cls_and_kwargs`` goes to the trainer's own
             ``create_optimizer`` instead.
 
+        ``TrainingArguments.optim`` ``"adamw_torch"`` / ``"adamw_torch_fused"`` build it with the
+        default moments; ``"adamw_torch_8bit"``, ``"adamw_8bit"``, ``"adamw_bnb_8bit"`` with
+        ``exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit"`` and ``"adamw_torch_4bit"`` with both
+        ``"4bit"`` (torchao's and bitsandbytes' low-bit AdamW; the formats are shardamp's own,
+        docs/low-bit-states.md). ``shardamp_optimizer_kwargs`` is merged over these.
+
         Raises:
-            ValueError: ``TrainingArguments.optim`` is not an AdamW (``adamw_torch``,
-                ``adamw_torch_fused``).
+            ValueError: ``TrainingArguments.optim`` is none of those (for another low-bit
+                optimizer, the message names the kwargs that select the formats), or a low-bit
+                one comes with ``optim_args`` (not read: the message names the kwargs to use).
         """
         if self.optimizer is not None or getattr(self, "optimizer_cls_and_kwargs", None) is not None:
             return super().create_optimizer(*([model] if model is not None else []))
         args = self.args
-        optim = str(getattr(args.optim, "value", args.optim))
-        if optim not in _ADAMW:
-            raise ValueError(
-                f"{type(self).__name__}: TrainingArguments.optim={optim!r}; ShardampTrainerMixin trains "
-                f"DistributedFusedAdam (AdamW), so optim must be one of {_ADAMW}. Pass "
-                "optimizers=(opt, scheduler) to use another optimizer."
-            )
+        moments = _moment_kwargs(str(getattr(args.optim, "value", args.optim)), getattr(args, "optim_args", None),
+                                 type(self).__name__)
         groups = self.shardamp_param_groups(self.model if model is None else model)
         cls = self.shardamp_optimizer_class
         if not _accepts_param_names(cls):
             groups = [{k: v for k, v in g.items() if k != "param_names"} for g in groups]
-        kwargs = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        kwargs = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                      **moments)
         self.optimizer = cls(groups, **{**kwargs, **self.shardamp_optimizer_kwargs})
         return self.optimizer
 

@@ -16,7 +16,9 @@ sharded and against the unsharded torch reference:
 ``run_loop(rank, world, loop)`` trains the MLP of parity.py for a few steps with loop A..G,
 injecting an inf into ONE rank's batch at ``INF_STEP``, and returns per step the params, the
 scale and the returned norm for both runs, what ``last_nonfinite()`` named, and at the end
-``step_stats()`` beside the reference's counts. ``spike=True``: ``skip_grad_norm_above`` is set
+``step_stats()`` beside the reference's counts. Blockwise moments in ``opt_kwargs``
+(``exp_avg_dtype="8bit"``, ...): the reference is the same quantized math unsharded
+(tests/low_bit_reference.py) under torch's GradScaler and clip. ``spike=True``: ``skip_grad_norm_above`` is set
 and the batches of ``SPIKE_STEPS`` are scaled up; the reference skips the steps whose unscaled
 norm exceeds it (its scaler neither backs off nor stops counting toward growth).
 """
@@ -30,6 +32,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+import low_bit_reference
 import shardamp.optim as so
 from parity import MLP, batches, two_groups
 from shardamp.optim import DistributedFusedAdam
@@ -87,7 +90,11 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
     if clip_in_ctor:
         kwargs["max_grad_norm"] = MAX_NORM
     opt = cls(two_groups(model), **kwargs)
-    ropt = torch.optim.AdamW(two_groups(ref))
+    if low_bit_reference.blockwise(opt_kwargs):
+        # blockwise moments: the same quantized math unsharded, in the optimizer's bucket layout
+        ropt: torch.optim.Optimizer = low_bit_reference.reference_for(two_groups(ref), opt, opt_kwargs)
+    else:
+        ropt = torch.optim.AdamW(two_groups(ref))
     use_torch_scaler = loop in ("A", "F", "I")
     no_scaler = loop in ("D0", "H0")
     scaler = None

@@ -7,6 +7,7 @@ accelerate's documented one: prepare, accumulate, backward, clip_grad_norm_, ste
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any, Dict, Optional
 
 import torch
@@ -26,7 +27,8 @@ def _env(rank: int, world: int) -> None:
 
 def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int = 1, steps: int = N_STEPS,
            save: Optional[str] = None, load: Optional[str] = None, skip_steps: int = 0,
-           poison_step: Optional[int] = None, skip_above: Optional[float] = None) -> Dict[str, Any]:
+           poison_step: Optional[int] = None, skip_above: Optional[float] = None,
+           **opt_kwargs: Any) -> Dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     from shardamp.integrations.accelerate import ShardampAccelerator
@@ -40,7 +42,7 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
         acc.native_amp, acc.scaler = True, torch.amp.GradScaler("cpu")
     model = ref.make_model()
     opt = DistributedFusedAdam(ref.decay_groups(model), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
-                               bucket_cap_mb=0.0004, skip_grad_norm_above=skip_above)
+                               bucket_cap_mb=0.0004, skip_grad_norm_above=skip_above, **opt_kwargs)
     initial = [p.detach().clone() for p in model.parameters()]
     x, y = ref.dataset(N_STEPS * world * BATCH * accumulate)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
@@ -84,6 +86,7 @@ def _train(rank: int, world: int, mixed_precision: str = "no", accumulate: int =
         "scaler": type(acc.scaler).__name__ if acc.scaler is not None else None,
         "world": inner.world_size, "buckets": len(inner._buckets),
         "files": sorted(os.listdir(save)) if save is not None else [],
+        "moments": (inner.exp_avg_dtype, inner.exp_avg_sq_dtype),
     }
 
 
@@ -113,6 +116,18 @@ def case_save_load_state(rank, world, tmp: str = "", **kw):
     path = os.path.join(tmp, "acc_state")
     full = _train(rank, world, mixed_precision="bf16", save=path)
     resumed = _train(rank, world, mixed_precision="bf16", load=path, skip_steps=N_STEPS // 2)
+    return {"full": full, "resumed": resumed}
+
+
+def case_low_bit_accumulate_save_load_state(rank, world, tmp: str = "", **kw):
+    """Blockwise moments chosen through the optimizer's kwargs: accumulation under no_sync, clip,
+    save_state half-way, load_state and resume."""
+    path = os.path.join(tmp, "acc_state_low_bit")
+    formats = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the low-bit state dict's note for torch (test_low_bit.py)
+        full = _train(rank, world, accumulate=2, save=path, **formats)
+        resumed = _train(rank, world, accumulate=2, load=path, skip_steps=N_STEPS // 2, **formats)
     return {"full": full, "resumed": resumed}
 
 

@@ -56,6 +56,20 @@ def case_moment_format_differs(rank, world, **kw):
     return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), exp_avg_sq_dtype=fmt))}
 
 
+def case_low_bit_format_differs(rank, world, **kw):
+    # a blockwise format on one rank only: its shards are whole blocks, the others' are not
+    torch.manual_seed(0)
+    fmt = "4bit" if rank == 1 else torch.bfloat16
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), exp_avg_dtype=fmt, bucket_cap_mb=TINY))}
+
+
+def case_quant_block_size_differs(rank, world, **kw):
+    torch.manual_seed(0)
+    block = 64 if rank == 1 else None
+    return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), exp_avg_dtype="8bit",
+                                                          exp_avg_sq_dtype="8bit", quant_block_size=block))}
+
+
 def case_lr_differs_at_construction(rank, world, **kw):
     torch.manual_seed(0)
     return {"error": _raised(lambda: DistributedFusedAdam(MLP().parameters(), lr=2e-3 if rank == 1 else 1e-3))}

@@ -255,6 +255,40 @@ def case_remainders_bitwise(rank, world, steps=40, **kw):
     return out
 
 
+# blockwise moments ("8bit" / "4bit") against the same quantized math unsharded (parity.train
+# picks tests/low_bit_reference.py for them): torch's parity tolerance holds
+Q8 = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit")
+Q8_Q4 = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")
+Q4 = dict(exp_avg_dtype="4bit", exp_avg_sq_dtype="4bit")
+
+
+def case_low_bit_no_sync(rank, world, **kw):
+    return train(rank, world, **kw, micro_batches=3, opt_kwargs=dict(bucket_cap_mb=TINY, **Q8))
+
+
+def case_low_bit_unused_per_rank(rank, world, **kw):
+    def skip(step, r):  # as case_unused_per_rank: b never on rank 0, c on alternate steps elsewhere
+        if r == 0:
+            return ("b",)
+        return ("c",) if (step + r) % 2 else ()
+
+    return train(rank, world, **kw, skip=skip, opt_kwargs=dict(bucket_cap_mb=TINY, **Q8_Q4))
+
+
+def case_low_bit_channels_last(rank, world, **kw):
+    return train(rank, world, **kw, kind="conv", channels_last=True,
+                 opt_kwargs=dict(bucket_cap_mb=TINY, quant_block_size=32, **Q4))
+
+
+def case_low_bit_capturable(rank, world, **kw):
+    return train(rank, world, **kw, micro_batches=2, opt_kwargs=dict(capturable=True, bucket_cap_mb=TINY, **Q8_Q4))
+
+
+def case_low_bit_bf16_params_remainders(rank, world, **kw):
+    return train(rank, world, **kw, param_dtype=torch.bfloat16,
+                 opt_kwargs=dict(grad_sync_dtype=torch.float32, store_param_remainders=True, bucket_cap_mb=TINY, **Q8))
+
+
 def case_memory_stats_dtypes(rank, world, **kw):
     """memory_stats() per rank for each storage option over the same bf16 model: bytes per
     element of this rank's shards (padding included, so the ratios are exact)."""
@@ -277,7 +311,25 @@ def case_memory_stats_dtypes(rank, world, **kw):
     return out
 
 
+def case_memory_stats_low_bit(rank, world, **kw):
+    """memory_stats() per rank with blockwise moments over a bf16 model with remainders and bf16
+    grads (the lightest state): bytes per element of this rank's shards."""
+    from shardamp.optim import DistributedFusedAdam
+
+    out = {}
+    for name, fmt in (("8bit", Q8), ("4bit", Q4), ("8bit_4bit", Q8_Q4)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(48, 48) for _ in range(3)]).bfloat16()
+        opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=0.01, store_param_remainders=True, **fmt)
+        model(torch.randn(2, 48).bfloat16()).float().sum().backward()
+        opt.step()
+        out[name] = {"stats": opt.memory_stats(), "shard": sum(b.shard_numel for b in opt._buckets)}
+        del opt  # one live optimizer per process group
+    return out
+
+
 CASES = [name for name in dir() if name.startswith("case_")]
 # cases that check bookkeeping (memory, staging), not parity with torch
 NOT_PARITY = ("case_grad_memory_bounded", "case_memory_stats", "case_grad_staging_and_release",
-              "case_memory_stats_dtypes", "case_remainders_bitwise", "case_bf16_moments", "case_bf16_exp_avg_sq_only")
+              "case_memory_stats_dtypes", "case_memory_stats_low_bit", "case_remainders_bitwise", "case_bf16_moments",
+              "case_bf16_exp_avg_sq_only")

@@ -12,6 +12,7 @@ import importlib
 import importlib.util
 import os
 import shutil
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -32,8 +33,10 @@ def lr_lambda(step: int) -> float:
     return 1.0 - step / 8.0
 
 
-def make_module_class(pl: Any, accumulate: int = 1, schedule: bool = False, poison_step: Optional[int] = None):
-    """A LightningModule of package ``pl`` over framework_ref's model, recording what each rank saw."""
+def make_module_class(pl: Any, accumulate: int = 1, schedule: bool = False, poison_step: Optional[int] = None,
+                      opt_kwargs: Optional[Dict[str, Any]] = None):
+    """A LightningModule of package ``pl`` over framework_ref's model, recording what each rank saw
+    (``opt_kwargs``: more keyword arguments for its DistributedFusedAdam)."""
     from shardamp.optim import DistributedFusedAdam
 
     class Module(pl.LightningModule):
@@ -62,7 +65,7 @@ def make_module_class(pl: Any, accumulate: int = 1, schedule: bool = False, pois
 
         def configure_optimizers(self):
             opt = DistributedFusedAdam(ref.decay_groups(self.net), lr=ref.LR, betas=ref.BETAS, eps=ref.EPS,
-                                       bucket_cap_mb=0.0004)
+                                       bucket_cap_mb=0.0004, **(opt_kwargs or {}))
             if not schedule:
                 return opt
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
@@ -74,7 +77,7 @@ def make_module_class(pl: Any, accumulate: int = 1, schedule: bool = False, pois
 def _fit(rank: int, world: int, pkg: str = "lightning.pytorch", strategy: Any = None, precision: str = "32-true",
          accumulate: int = 1, max_steps: int = N_STEPS, ckpt_dir: Optional[str] = None, top1_dir: Optional[str] = None,
          resume: Optional[str] = None, sharded: bool = False, schedule: bool = False,
-         poison_step: Optional[int] = None) -> Dict[str, Any]:
+         poison_step: Optional[int] = None, opt_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     pl = importlib.import_module(pkg)
@@ -90,7 +93,7 @@ def _fit(rank: int, world: int, pkg: str = "lightning.pytorch", strategy: Any = 
     if top1_dir is not None:  # keeps the latest only: removes the older checkpoint (and its shards)
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=top1_dir, every_n_train_steps=2, save_top_k=1,
                                                       filename="{step}", mode="max"))  # mode: a state key of its own
-    module = make_module_class(pl, accumulate, schedule, poison_step)()
+    module = make_module_class(pl, accumulate, schedule, poison_step, opt_kwargs)()
     plugins = []
     if precision == "16-mixed":  # on CPU the string turns into bf16-mixed; the plugin stays fp16
         plugins, precision = [importlib.import_module(f"{pkg}.plugins.precision").MixedPrecision("16-mixed", "cpu")], None
@@ -132,6 +135,7 @@ def _result(trainer: Any, module: Any, ckpt_dir: Optional[str] = None, top1_dir:
         "init_scale": 2.0 ** 16,  # torch.amp.GradScaler's default, which Lightning's plugin makes
         "world": opt.world_size,
         "buckets": len(opt._buckets),
+        "moments": (opt.exp_avg_dtype, opt.exp_avg_sq_dtype),
         "ckpts": listing(ckpt_dir),
         "top1": listing(top1_dir),
         **_after_teardown(module),
@@ -197,6 +201,19 @@ def case_checkpoint_resume_sharded(rank, world, tmp: str = "", **kw):
     resumed = _fit(rank, world, max_steps=N_STEPS, resume=os.path.join(tmp, "pl_dcp", "step=2.ckpt"), sharded=True)
     entry = _checkpoint(os.path.join(tmp, "pl_dcp", "step=2.ckpt"))["optimizer_states"][0]
     return {"full": full, "resumed": resumed, "entry": entry}
+
+
+def case_low_bit_checkpoint_resume_sharded(rank, world, tmp: str = "", **kw):
+    """Blockwise moments chosen in configure_optimizers: accumulation, clipping, a sharded
+    checkpoint (codes and scales per rank) and a resume from it."""
+    formats = dict(exp_avg_dtype="4bit", exp_avg_sq_dtype="8bit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the low-bit state dict's note for torch (test_low_bit.py)
+        full = _fit(rank, world, max_steps=N_STEPS, accumulate=2, ckpt_dir=os.path.join(tmp, "pl_low_bit"),
+                    sharded=True, opt_kwargs=formats)
+        resumed = _fit(rank, world, max_steps=N_STEPS, accumulate=2,
+                       resume=os.path.join(tmp, "pl_low_bit", "step=2.ckpt"), sharded=True, opt_kwargs=formats)
+    return {"full": full, "resumed": resumed}
 
 
 def case_checkpoint_sharded_url_moved_and_old_format(rank, world, tmp: str = "", **kw):

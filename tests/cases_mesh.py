@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import traceback
+import warnings
 from typing import Any, Dict, List, Tuple
 
 import torch
@@ -27,6 +28,7 @@ WORLD = 4
 SHAPES: List[Tuple[int, ...]] = [(1, 4), (2, 2), (4, 1), (4,)]
 PER_STEP = 12  # samples per checkpoint step: divisible by 4 and by 1
 LOOPS = ("A", "B", "C", "D", "E")
+LOW_BIT_LOOPS = ("B", "D")
 
 
 def shape_name(shape: Tuple[int, ...]) -> str:
@@ -88,6 +90,20 @@ def case_parity_capturable_no_overlap(rank: int, world: int, mesh) -> Dict[str, 
 def case_loops(rank: int, world: int, mesh) -> Dict[str, Any]:
     """The AMP loops (amp_loops.py), an inf on the last rank only at INF_STEP."""
     return {loop: run_loop(rank, world, loop, device_mesh=mesh) for loop in LOOPS}
+
+
+def case_parity_low_bit(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Blockwise moments (8-bit exp_avg, 4-bit exp_avg_sq), unused params per rank, two
+    micro-batches under no_sync: the same quantized math unsharded (tests/low_bit_reference.py)."""
+    return train(rank, world, steps=4, micro_batches=2, skip=_skip,
+                 opt_kwargs=dict(device_mesh=mesh, bucket_cap_mb=cc.TINY, exp_avg_dtype="8bit",
+                                 exp_avg_sq_dtype="4bit"))
+
+
+def case_loops_low_bit(rank: int, world: int, mesh) -> Dict[str, Any]:
+    """Loops B and D with 4-bit / 8-bit moments, an inf on the last rank only."""
+    return {loop: run_loop(rank, world, loop, device_mesh=mesh, exp_avg_dtype="4bit", exp_avg_sq_dtype="8bit")
+            for loop in LOW_BIT_LOOPS}
 
 
 def case_collectives(rank: int, world: int, mesh) -> Dict[str, Any]:
@@ -161,23 +177,33 @@ def case_group_norms(rank: int, world: int, mesh) -> Dict[str, Any]:
 
 
 CASES = ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
-         "case_parity_capturable_no_overlap", "case_loops", "case_collectives", "case_memory",
+         "case_parity_capturable_no_overlap", "case_parity_low_bit", "case_loops", "case_loops_low_bit", "case_collectives", "case_memory",
          "case_norm_types", "case_group_norms"]
 
 
 # ====================================================================== checkpoints across meshes
 def checkpoint_cases(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     """Train on 2x2 to SAVE_AT, save a state dict and a DCP checkpoint, train on to TOTAL (the
-    uninterrupted run); then on 1x4, 4x1 and the 1-D mesh: load both, resume, compare."""
+    uninterrupted run); then on 1x4, 4x1 and the 1-D mesh: load both, resume, compare. The same
+    with blockwise moments under ``"low_bit"`` (loaded in the same bucket layout: bitwise)."""
+    out = _checkpoint_round(rank, world, tmp, "", 2 * cc.TINY)
+    out["low_bit"] = _checkpoint_round(rank, world, tmp, "_low_bit", cc.TINY, **LOW_BIT_CKPT)
+    return out
+
+
+LOW_BIT_CKPT = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")
+
+
+def _checkpoint_round(rank: int, world: int, tmp: str, tag: str, load_cap: float, **opts: Any) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
-    model, opt = cc.build(bucket_cap_mb=cc.TINY, device_mesh=mesh_of((2, 2)))
+    model, opt = cc.build(bucket_cap_mb=cc.TINY, device_mesh=mesh_of((2, 2)), **opts)
     scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
     cc.train(model, opt, range(cc.SAVE_AT), rank, world, scaler=scaler, per_step=PER_STEP)
-    sd = opt.state_dict()
-    out["rank0_only"] = opt.state_dict(rank0_only=True)  # gathered over the shard dim, kept on rank 0
-    save_sharded(opt, os.path.join(tmp, "dcp_2x2"), scaler=scaler)
+    sd = _sd(opt)
+    out["rank0_only"] = _sd(opt, rank0_only=True)  # gathered over the shard dim, kept on rank 0
+    save_sharded(opt, os.path.join(tmp, f"dcp_2x2{tag}"), scaler=scaler)
     weights = {k: v.clone() for k, v in model.state_dict().items()}
-    cc._save({"model": weights, "opt": sd, "scaler": scaler.state_dict()}, tmp, "mesh_2x2.pt", rank)
+    cc._save({"model": weights, "opt": sd, "scaler": scaler.state_dict()}, tmp, f"mesh_2x2{tag}.pt", rank)
     cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world, scaler=scaler, per_step=PER_STEP)
     out["saved_sd"] = sd
     out["final"] = cc.params_of(model)
@@ -185,20 +211,26 @@ def checkpoint_cases(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     for shape in [(1, 4), (4, 1), (4,)]:
         resumed = {}
         for how in ("sd", "dcp"):
-            model, opt = cc.build(bucket_cap_mb=2 * cc.TINY, device_mesh=mesh_of(shape))
+            model, opt = cc.build(bucket_cap_mb=load_cap, device_mesh=mesh_of(shape), **opts)
             model.load_state_dict(weights)
             scaler = ShardedGradScaler("cpu", init_scale=2.0**10)
             if how == "sd":
                 opt.load_state_dict(sd)
-                scaler.load_state_dict(cc._load(tmp, "mesh_2x2.pt")["scaler"])
+                scaler.load_state_dict(cc._load(tmp, f"mesh_2x2{tag}.pt")["scaler"])
             else:
-                load_sharded(opt, os.path.join(tmp, "dcp_2x2"), scaler=scaler)
-            loaded = opt.state_dict()
+                load_sharded(opt, os.path.join(tmp, f"dcp_2x2{tag}"), scaler=scaler)
+            loaded = _sd(opt)
             cc.train(model, opt, range(cc.SAVE_AT, cc.TOTAL), rank, world, scaler=scaler, per_step=PER_STEP)
             resumed[how] = {"sd": loaded, "final": cc.params_of(model)}
             del opt
         out[shape_name(shape)] = resumed
     return out
+
+
+def _sd(opt: DistributedFusedAdam, **kw: Any):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # low-bit moments: torch needs to_torch_state_dict (test_low_bit.py)
+        return opt.state_dict(**kw)
 
 
 def run(rank: int, world: int, tmp: str) -> Dict[str, Any]:

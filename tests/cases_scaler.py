@@ -72,6 +72,38 @@ for _name, _loop in (("A", "A"), ("B", "B"), ("C", "C"), ("D", "D"), ("D_no_scal
                      ("F", "F"), ("G", "G"), ("Gf", "Gf")):
     globals()[f"case_loop_{_name}_spike"] = _spike_case(_loop)
 
+# case_loop_<name>_lowbit: each loop with blockwise moments (the formats and a block size taken in
+# turn), against the same quantized math unsharded
+LOW_BIT_FORMATS = (dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="8bit"),
+                   dict(exp_avg_dtype="4bit", exp_avg_sq_dtype="4bit"),
+                   dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit"),
+                   dict(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype="8bit", quant_block_size=64))
+
+
+def _low_bit_case(loop: str, formats):
+    def case(rank, world, **kw):
+        return run_loop(rank, world, loop, **formats, **kw)
+
+    return case
+
+
+for _i, (_name, _loop) in enumerate((("A", "A"), ("B", "B"), ("C", "C"), ("D", "D"), ("D_no_scaler", "D0"),
+                                     ("E", "E"), ("F", "F"), ("G", "G"), ("Gf", "Gf"), ("H", "H"), ("H0", "H0"),
+                                     ("I", "I"))):
+    globals()[f"case_loop_{_name}_lowbit"] = _low_bit_case(_loop, LOW_BIT_FORMATS[_i % len(LOW_BIT_FORMATS)])
+
+
+def _low_bit_spike_case(loop: str, formats):
+    def case(rank, world, **kw):
+        return run_loop(rank, world, loop, spike=True, **formats, **kw)
+
+    return case
+
+
+# case_loop_<name>_lowbit_spike: skip_grad_norm_above over blockwise moments
+for _name, _loop, _formats in (("B", "B", LOW_BIT_FORMATS[1]), ("D", "D", LOW_BIT_FORMATS[0])):
+    globals()[f"case_loop_{_name}_lowbit_spike"] = _low_bit_spike_case(_loop, _formats)
+
 
 @contextlib.contextmanager
 def _counted_all_reduces():

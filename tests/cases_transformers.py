@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import warnings
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -156,6 +157,47 @@ def case_param_names_when_the_optimizer_accepts_them(rank, world, tmp: str = "",
         out[label] = {"type": type(opt).__name__, "buckets": len(opt._buckets),
                       "groups": [(g.get("param_names"), g["weight_decay"], len(g["params"])) for g in opt.param_groups],
                       "state_names": [g.get("param_names") for g in opt.state_dict()["param_groups"]]}
+    return out
+
+
+def case_low_bit_optim_names(rank, world, tmp: str = "", **kw):
+    """TrainingArguments.optim names of low-bit AdamWs build DistributedFusedAdam with the moment
+    formats (shardamp_optimizer_kwargs over them); another low-bit optimizer raises naming the
+    kwargs. Returns, per optim, the moments' formats of the optimizer built (or the error), and
+    one step's state-dict codes of the 4-bit one."""
+    from shardamp.integrations.transformers import ShardampTrainer
+
+    class Bf16Sq(ShardampTrainer):
+        shardamp_optimizer_kwargs = {"exp_avg_sq_dtype": torch.bfloat16}
+
+    out: Dict[str, Any] = {}
+    for label, cls, optim in (("adamw_torch_8bit", ShardampTrainer, "adamw_torch_8bit"),
+                              ("adamw_torch_4bit", ShardampTrainer, "adamw_torch_4bit"),
+                              ("adamw_8bit", ShardampTrainer, "adamw_8bit"),
+                              ("adamw_bnb_8bit", ShardampTrainer, "adamw_bnb_8bit"),
+                              ("adamw_torch", ShardampTrainer, "adamw_torch"),
+                              ("8bit_kwargs_win", Bf16Sq, "adamw_torch_8bit"),
+                              ("paged_adamw_8bit", ShardampTrainer, "paged_adamw_8bit"),
+                              ("lion_32bit", ShardampTrainer, "lion_32bit"),
+                              ("with_optim_args", ShardampTrainer, "adamw_torch_4bit")):
+        _env(rank, world)
+        extra = {"optim_args": "block_size=64"} if label == "with_optim_args" else {}
+        trainer = cls(model=ref.make_model(), args=_targs(os.path.join(tmp, f"hf_optim_{label}"), optim=optim, **extra))
+        try:
+            opt = trainer.create_optimizer()
+        except ValueError as exc:
+            out[label] = str(exc)
+            continue
+        out[label] = (opt.exp_avg_dtype, opt.exp_avg_sq_dtype)
+        if label == "adamw_torch_4bit":
+            model = trainer.model
+            model(torch.randn(BATCH, ref.DIM)).sum().backward()
+            opt.step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the low-bit state dict's note for torch
+                sd = opt.state_dict()
+            out["4bit_codes"] = {i: (e["exp_avg"].dtype, e["exp_avg_scales"].dtype) for i, e in sd["state"].items()}
+        del opt, trainer  # one live optimizer over the group at a time
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import low_bit_reference
 from shardamp.optim import DistributedFusedAdam
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -206,7 +207,11 @@ def train(
     ref_cls = torch.optim.AdamW if adam_w else torch.optim.Adam
     ref_defaults = dict(defaults)
     ref_defaults.setdefault("weight_decay", 0.0)  # torch.optim.AdamW's default is 0.01, ours 0.0
-    ropt = ref_cls(ref_params, **ref_defaults)
+    if low_bit_reference.blockwise(opt_kwargs):  # the same quantized math, unsharded
+        assert adam_w and opt_kwargs.get("bias_correction", True)
+        ropt = low_bit_reference.reference_for(ref_params, opt, opt_kwargs, param_dtype, **ref_defaults)
+    else:
+        ropt = ref_cls(ref_params, **ref_defaults)
     if channels_last:
         for p in model.parameters():
             if p.dim() in (4, 5):

@@ -88,6 +88,16 @@ def test_save_state_load_state_resume_exactly(world) -> None:
 
 
 @pytest.mark.parametrize("world", [WORLD])
+def test_low_bit_moments_through_the_optimizer_kwargs_resume_exactly(world) -> None:
+    for v in case_values(_results(world), "case_low_bit_accumulate_save_load_state"):
+        assert v["full"]["moments"] == v["resumed"]["moments"] == ("8bit", "4bit")
+        assert len(v["full"]["norms"]) == cases.N_STEPS and "optimizer.bin" in v["full"]["files"]
+        assert any(not torch.equal(a, b) for a, b in zip(v["full"]["params"], v["full"]["initial"]))
+        for a, b in zip(v["full"]["params"], v["resumed"]["params"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [WORLD])
 def test_other_optimizers_behave_as_accelerator(world) -> None:
     _check_run(case_values(_results(world), "case_plain_accelerator_is_unchanged_for_torch_optimizers"),
                wrapped="DistributedDataParallel")

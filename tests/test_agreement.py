@@ -35,6 +35,12 @@ CONSTRUCTION = {
     "case_moment_format_differs": "moment formats (exp_avg_dtype, exp_avg_sq_dtype) (rank 0: {'exp_avg': "
                                   "'float32', 'exp_avg_sq': 'float32'}, rank 1: {'exp_avg': 'float32', "
                                   "'exp_avg_sq': 'bfloat16'}",
+    "case_low_bit_format_differs": "moment formats (exp_avg_dtype, exp_avg_sq_dtype) (rank 0: {'exp_avg': "
+                                   "'bfloat16', 'exp_avg_sq': 'float32'}, rank 1: {'exp_avg': '4bit (block 128)', "
+                                   "'exp_avg_sq': 'float32'}",
+    "case_quant_block_size_differs": "moment formats (exp_avg_dtype, exp_avg_sq_dtype) (rank 0: {'exp_avg': "
+                                     "'8bit (block 256)', 'exp_avg_sq': '8bit (block 256)'}, rank 1: {'exp_avg': "
+                                     "'8bit (block 64)', 'exp_avg_sq': '8bit (block 64)'}",
     "case_lr_differs_at_construction": "param group hyperparameters",
     "case_offload_differs": "offload (offload, offload_fraction) (rank 0: {'offload': None, 'offload_fraction': "
                             "None}, rank 1: {'host memory': 'fits', 'offload': 'cpu', 'offload_fraction': 0.5}",

@@ -111,6 +111,19 @@ def check_memory_stats_dtypes(per_rank, world: int) -> None:
 
 
 @pytest.mark.parametrize("world", WORLDS)
+def test_memory_stats_low_bit_moments(world: int) -> None:
+    """8-bit moments + bf16 remainders + bf16 grads: 6 B per owned element plus the block scales
+    (one fp32 per 256 elements of each moment), exactly; 4-bit moments 1 B + scales per 128."""
+    per_element = {"8bit": 2 + 2 * 4 / 256, "4bit": 1 + 2 * 4 / 128, "8bit_4bit": 1.5 + 4 / 256 + 4 / 128}
+    for value in case_values(_results(world), "case_memory_stats_low_bit"):
+        for name, v in value.items():
+            st, n = v["stats"], v["shard"]
+            assert st["moments"] == per_element[name] * n and st["master"] == 2 * n and st["grad_shards"] == 2 * n
+            # 8bit: 6 B + 8 / 256 B of scales per element, exactly
+            assert st["moments"] + st["master"] + st["grad_shards"] == (per_element[name] + 4) * n, name
+
+
+@pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", PARITY_CASES)
 def test_parity_with_torch_adamw(world: int, case: str) -> None:
     check_parity_case(_results(world), case)

@@ -118,6 +118,14 @@ def test_model_checkpoint_resume_equals_uninterrupted(world, case) -> None:
 
 
 @pytest.mark.parametrize("world", [WORLD])
+def test_low_bit_moments_from_configure_optimizers_resume_exactly(world) -> None:
+    for v in _values(world, "case_low_bit_checkpoint_resume_sharded"):
+        assert v["full"]["moments"] == v["resumed"]["moments"] == ("4bit", "8bit")
+        assert "step=2.ckpt" in v["full"]["ckpts"] and "step=2.ckpt.optim0" in v["full"]["ckpts"]
+        _assert_resumed_exactly(v["full"], v["resumed"])
+
+
+@pytest.mark.parametrize("world", [WORLD])
 def test_sharded_checkpoint_names_its_shards_relative_and_removes_them_with_the_file(world) -> None:
     for v in _values(world, "case_checkpoint_resume_sharded"):
         assert v["entry"] == {"shardamp_dcp_dir": "step=2.ckpt.optim0"}  # a name beside the file, not a path

@@ -18,11 +18,10 @@ import torch
 import cases_checkpoint as cc
 import cases_low_bit as cl
 from dist_helper import case_values, run_distributed
+from low_bit_reference import ReferenceLowBitAdamW
 from parity import two_groups
 from shardamp.optim import DistributedFusedAdam, state_formats as sf, to_torch_state_dict
-from shardamp.optim.kernels import quant, reference
-from shardamp.optim.layout import ALIGN, build_layout, grouped_params
-from shardamp.optim.shards.buffers import param_view
+from shardamp.optim.kernels import quant
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,45 +114,6 @@ def test_ranks_with_different_formats_fail_on_every_rank(groups):
     for text in case_values(groups[2], "case_mixed_formats"):
         assert "built different optimizers" in text and "exp_avg_dtype" in text, text
         assert "rank 0: {'exp_avg': '8bit (block 256)'" in text and "rank 1: {'exp_avg': '4bit (block 128)'" in text
-
-
-class ReferenceLowBitAdamW(torch.optim.Optimizer):
-    """The unsharded reference: the params laid out in buckets as the optimizer lays them at
-    world 1, each bucket's step ``reference.adam_step`` over blockwise moments; torch's
-    GradScaler and clip_grad_norm_ around it."""
-
-    def __init__(self, groups, exp_avg_dtype, exp_avg_sq_dtype, bucket_cap_mb):
-        super().__init__(groups, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0))
-        formats = sf.resolve_moments(torch.float32, exp_avg_dtype, exp_avg_sq_dtype)
-        indexed = grouped_params(self.param_groups)
-        self.params = [p for p, _ in indexed]
-        self.buckets = build_layout(indexed, bucket_cap_mb, 1, 0, formats.grid(ALIGN))
-        self.state_of = []
-        for b in self.buckets:
-            master = torch.zeros(b.numel)
-            for s in b.slots:
-                param_view(master, s).copy_(self.params[s.index].detach())
-            self.state_of.append((master, quant.QuantizedShard.zeros(formats.exp_avg, True, b.numel, 0, master.device)
-                                  if formats.exp_avg.blockwise else torch.zeros(b.numel),
-                                  quant.QuantizedShard.zeros(formats.exp_avg_sq, False, b.numel, 0, master.device)
-                                  if formats.exp_avg_sq.blockwise else torch.zeros(b.numel)))
-        self.steps = torch.zeros(len(self.params))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        touched = torch.tensor([float(p.grad is not None) for p in self.params])
-        self.steps += touched
-        hp = torch.tensor([[g["lr"], g["betas"][0], g["betas"][1], g["eps"], g["weight_decay"]]
-                           for g in self.param_groups], dtype=torch.float64)
-        for b, (master, m, v) in zip(self.buckets, self.state_of):
-            grad = torch.zeros(b.numel)
-            for s in b.slots:
-                if self.params[s.index].grad is not None:
-                    param_view(grad, s).copy_(self.params[s.index].grad)
-            reference.adam_step(grad, master, m, v, None, b.segments.table, hp, self.steps, touched,
-                                torch.tensor(1.0), torch.tensor(0.0), True, True)
-            for s in b.slots:
-                self.params[s.index].copy_(param_view(master, s))
 
 
 @pytest.mark.parametrize("name", ["q8_q4", "q4"])

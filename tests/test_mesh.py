@@ -34,7 +34,7 @@ def _case(name: str):
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("case", ["case_parity", "case_parity_sum_micro", "case_parity_reduce_each_micro",
-                                  "case_parity_capturable_no_overlap"])
+                                  "case_parity_capturable_no_overlap", "case_parity_low_bit"])
 def test_mesh_parity_with_torch_adamw(shape: str, case: str) -> None:
     check_parity_case(_results()[1], f"{case}[{shape}]")
 
@@ -43,6 +43,13 @@ def test_mesh_parity_with_torch_adamw(shape: str, case: str) -> None:
 @pytest.mark.parametrize("loop", cm.LOOPS)
 def test_mesh_amp_loops_match_torch(shape: str, loop: str) -> None:
     per_rank = [{f"case_loop_{loop}": ("ok", value[loop])} for value in _case(f"case_loops[{shape}]")]
+    check_loop_case(per_rank, f"case_loop_{loop}")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("loop", cm.LOW_BIT_LOOPS)
+def test_mesh_amp_loops_with_low_bit_moments_match_the_quantized_reference(shape: str, loop: str) -> None:
+    per_rank = [{f"case_loop_{loop}": ("ok", value[loop])} for value in _case(f"case_loops_low_bit[{shape}]")]
     check_loop_case(per_rank, f"case_loop_{loop}")
 
 
@@ -100,15 +107,18 @@ def _checkpoint():
     return case_values(_results()[1], "checkpoint")
 
 
-def test_mesh_checkpoints_reshard_across_mesh_shapes() -> None:
+@pytest.mark.parametrize("low_bit", [False, True])
+def test_mesh_checkpoints_reshard_across_mesh_shapes(low_bit: bool) -> None:
     """Saved on 2x2: the state dict is the same on every rank; loaded (state dict or DCP) on
     1x4, 4x1 and 1-D, the state dicts are bitwise the saved one and the resumed runs follow the
-    uninterrupted one (and torch's)."""
-    values = _checkpoint()
+    uninterrupted one (and torch's; with blockwise moments, the same quantized math unsharded)."""
+    values = [v["low_bit"] for v in _checkpoint()] if low_bit else _checkpoint()
     saved = values[0]["saved_sd"]
-    ref_model, _ = cc.torch_run(per_step=cm.PER_STEP)
+    ref_model, _ = (_low_bit_reference_run() if low_bit else cc.torch_run(per_step=cm.PER_STEP))
     cc.assert_sd_equal(values[0]["rank0_only"], saved)
     assert all(value["rank0_only"] is None for value in values[1:])
+    if low_bit:
+        assert next(iter(saved["state"].values()))["exp_avg"].dtype == torch.uint8
     for value in values:
         cc.assert_sd_equal(value["saved_sd"], saved)
         for a, b in zip(value["final"], ref_model.parameters()):
@@ -121,19 +131,33 @@ def test_mesh_checkpoints_reshard_across_mesh_shapes() -> None:
                     torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
 
 
-def test_mesh_checkpoint_loads_at_world_1() -> None:
+def _low_bit_reference_run():
+    """cases_checkpoint.torch_run's training with the unsharded quantized reference (the mesh
+    run's formats and buckets) in place of torch.optim.AdamW."""
+    from low_bit_reference import ReferenceLowBitAdamW
+
+    model = cc.new_model()
+    opt = ReferenceLowBitAdamW(two_groups(model), cm.LOW_BIT_CKPT["exp_avg_dtype"],
+                               cm.LOW_BIT_CKPT["exp_avg_sq_dtype"], cc.TINY)
+    cc.train(model, opt, range(cc.TOTAL), per_step=cm.PER_STEP)
+    return model, opt
+
+
+@pytest.mark.parametrize("low_bit", [False, True])
+def test_mesh_checkpoint_loads_at_world_1(low_bit: bool) -> None:
     tmp, _ = _results()
-    saved = _checkpoint()[0]["saved_sd"]
-    blob = cc._load(tmp, "mesh_2x2.pt")
+    tag, cap, opts = ("_low_bit", cc.TINY, cm.LOW_BIT_CKPT) if low_bit else ("", 3 * cc.TINY, {})
+    saved = (_checkpoint()[0]["low_bit"] if low_bit else _checkpoint()[0])["saved_sd"]
+    blob = cc._load(tmp, f"mesh_2x2{tag}.pt")
     for how in ("sd", "dcp"):
         model = cc.new_model()
         model.load_state_dict(blob["model"])
-        opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=3 * cc.TINY)
+        opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=cap, **opts)
         if how == "sd":
             opt.load_state_dict(blob["opt"])
         else:
-            load_sharded(opt, os.path.join(tmp, "dcp_2x2"))
-        cc.assert_sd_equal(opt.state_dict(), saved)
+            load_sharded(opt, os.path.join(tmp, f"dcp_2x2{tag}"))
+        cc.assert_sd_equal(cm._sd(opt), saved)
 
 
 def test_scaling_model_rows() -> None:

@@ -91,6 +91,22 @@ def test_param_names_go_to_an_optimizer_that_accepts_them(world) -> None:
 
 
 @pytest.mark.parametrize("world", [WORLD])
+def test_low_bit_optim_names_select_the_moment_formats_or_raise_naming_the_kwargs(world) -> None:
+    for v in case_values(_results(world), "case_low_bit_optim_names"):
+        for optim in ("adamw_torch_8bit", "adamw_8bit", "adamw_bnb_8bit"):
+            assert v[optim] == ("8bit", "8bit"), optim
+        assert v["adamw_torch_4bit"] == ("4bit", "4bit")
+        assert v["adamw_torch"] == (torch.float32, torch.float32)
+        assert v["8bit_kwargs_win"] == ("8bit", torch.bfloat16)  # shardamp_optimizer_kwargs over optim's
+        assert v["4bit_codes"] and all(c == (torch.uint8, torch.float32) for c in v["4bit_codes"].values())
+        paged = v["paged_adamw_8bit"]
+        assert "optim='paged_adamw_8bit'" in paged and "'adamw_torch_8bit'" in paged
+        assert "shardamp_optimizer_kwargs={'exp_avg_dtype': '8bit', 'exp_avg_sq_dtype': '8bit'}" in paged
+        assert "optim='lion_32bit'" in v["lion_32bit"] and "shardamp_optimizer_kwargs" not in v["lion_32bit"]
+        assert "optim_args='block_size=64'" in v["with_optim_args"] and "'quant_block_size'" in v["with_optim_args"]
+
+
+@pytest.mark.parametrize("world", [WORLD])
 def test_trl_sft_trainer_with_the_mixin_matches_the_plain_sft_trainer(world) -> None:
     """fp32: bf16 autocast would make even torch's fused and foreach AdamW drift apart."""
     pytest.importorskip("trl")
