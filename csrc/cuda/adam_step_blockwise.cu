@@ -72,9 +72,12 @@ __device__ __forceinline__ void load_moment(const MomentP& q, const float* smap,
       else load8(static_cast<const __nv_bfloat16*>(q.values) + e, x);
       return;
     }
-    for (int k = 0; k < n; ++k) {
-      x[k] = q.kind == quant::kFloat32 ? static_cast<const float*>(q.values)[e + k]
-                                       : __bfloat162float(static_cast<const __nv_bfloat16*>(q.values)[e + k]);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {  // constant bounds: the arrays stay in registers
+      if (k < n) {
+        x[k] = q.kind == quant::kFloat32 ? static_cast<const float*>(q.values)[e + k]
+                                         : __bfloat162float(static_cast<const __nv_bfloat16*>(q.values)[e + k]);
+      }
     }
     return;
   }
@@ -90,7 +93,10 @@ __device__ __forceinline__ void load_moment(const MomentP& q, const float* smap,
       }
       return;
     }
-    for (int k = 0; k < n; ++k) x[k] = quant::dequantize(smap, codes[e + k], s);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      if (k < n) x[k] = quant::dequantize(smap, codes[e + k], s);
+    }
     return;
   }
   if (vec && n == kE) {
@@ -99,7 +105,10 @@ __device__ __forceinline__ void load_moment(const MomentP& q, const float* smap,
     for (int k = 0; k < kE; ++k) x[k] = quant::dequantize(smap, (w >> (4 * k)) & 0xf, s);
     return;
   }
-  for (int k = 0; k < n; ++k) x[k] = quant::dequantize(smap, quant::code4(codes, e + k), s);
+#pragma unroll
+  for (int k = 0; k < kE; ++k) {
+    if (k < n) x[k] = quant::dequantize(smap, quant::code4(codes, e + k), s);
+  }
 }
 
 // The absmax of each quant block over its threads' values: every thread returns its block's.
@@ -129,7 +138,9 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
       else store8(static_cast<__nv_bfloat16*>(q.values) + e, x);
       return;
     }
-    for (int k = 0; k < n; ++k) {
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      if (k >= n) break;
       if (q.kind == quant::kFloat32) static_cast<float*>(q.values)[e + k] = x[k];
       else static_cast<__nv_bfloat16*>(q.values)[e + k] = __float2bfloat16_rn(x[k]);
     }
@@ -158,7 +169,10 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
       *reinterpret_cast<uint2*>(codes + e) = w;
       return;
     }
-    for (int k = 0; k < n; ++k) codes[e + k] = static_cast<uint8_t>(c[k]);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      if (k < n) codes[e + k] = static_cast<uint8_t>(c[k]);
+    }
     return;
   }
   if (vec && n == kE) {
@@ -168,7 +182,10 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
     *reinterpret_cast<uint32_t*>(codes + e / 2) = w;
     return;
   }
-  for (int k = 0; k < n; k += 2) codes[(e + k) / 2] = quant::pack4(c[k], k + 1 < n ? c[k + 1] : 0);
+#pragma unroll
+  for (int k = 0; k < kE; k += 2) {
+    if (k < n) codes[(e + k) / 2] = quant::pack4(c[k], k + 1 < n ? c[k + 1] : 0);
+  }
 }
 
 __device__ __forceinline__ SegmentScalars record_scalars(const float4* rec, bool& skip) {
@@ -211,10 +228,12 @@ __device__ __forceinline__ void update(const Params& P, int64_t e, int n, float 
     }
     return;
   }
-  for (int k = 0; k < n; ++k) {  // segment edges, padding, unaligned tensors: element by element
+#pragma unroll
+  for (int k = 0; k < kE; ++k) {  // segment edges, padding, unaligned tensors: element by element
+    if (k >= n) break;  // (constant bounds: m / v stay in registers)
     const int64_t i = e + k;
     while (s < s_end && seg_end(s) <= i) ++s;
-    if (s >= s_end) return;
+    if (s >= s_end) break;
     if (__ldg(P.segments + 4 * s) > i) continue;  // padding before the next segment
     bool skip;
     const SegmentScalars sc = record_scalars(P.records + 3 * s, skip);
