@@ -19,7 +19,7 @@ import torch
 import cases_checkpoint as cc
 from dist_helper import run_cases
 from parity import two_groups
-from shardamp.optim import DistributedFusedAdam
+from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.checkpoint import load_sharded, save_sharded
 from shardamp.scaler import ShardedGradScaler
 
@@ -104,7 +104,8 @@ def case_steps(rank: int, world: int, tmp: str) -> Dict[str, Any]:
         train_exact(model, opt, range(SAVE_AT, TOTAL))
         out[name] = {"mid": mid, "final_sd": quiet_sd(opt), "final": cc.params_of(model),
                      "moments_bytes": opt.memory_stats()["moments"],
-                     "shard": sum(b.shard_numel for b in opt._buckets)}
+                     "shard": sum(b.shard_numel for b in opt._buckets),
+                     "backend": kernels.backend(torch.device("cpu"))}  # native: the compiled blockwise step ran
         del opt  # one live optimizer over the group at a time
     return out
 

