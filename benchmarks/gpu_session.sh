@@ -23,7 +23,9 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # no DeepSpeed and no network: the wheels carried in .whl/ (benchmarks/README.md) are installed
 # into /tmp/site first where deepspeed is not importable), low_bit (benchmarks/low_bit_train.py: GPT-2's
 # loss, step time and peak memory per moment format against torch and the peers' 8-bit optimizers;
-# LOW_BIT_MODEL, LOW_BIT_STEPS, LOW_BIT_RUNS, LOW_BIT_MEM_MODELS, LOW_BIT_MEM_RUNS). BUDGET (seconds, default 3000) caps the whole
+# LOW_BIT_MODEL, LOW_BIT_STEPS, LOW_BIT_RUNS, LOW_BIT_MEM_MODELS, LOW_BIT_MEM_RUNS), offload
+# (benchmarks/bench_offload.py: sizes under memory caps, speed against DeepSpeed's CPU offload, the
+# roofline; OFFLOAD_ARGS, OFFLOAD_TIMEOUT). BUDGET (seconds, default 3000) caps the whole
 # session: each part gets at most what is left of it, so a slow part cannot starve the rest of
 # their logs.
 PARTS="${PARTS:-tests bench overlap}"
@@ -49,7 +51,7 @@ if [[ " $PARTS " == *" tests "* ]]; then
     tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py \
     tests/test_checkpoint_faults.py tests/test_grad_stager.py tests/test_kernel_knobs.py tests/test_release_thread.py \
     tests/test_collective_watchdog.py tests/test_compat.py tests/test_fused_step.py tests/test_landing_plan.py \
-    tests/test_cuda_low_bit.py} \
+    tests/test_cuda_low_bit.py tests/test_cuda_offload.py} \
     -k "not empty_and_cached and not rejects_non_fp32${TEST_K:+ and ($TEST_K)}" >"$OUT/tests.log" 2>&1 || status=1
   # the docs' GPU snippets (<!-- snippet: gpu -->): CUDA graphs
   timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_docs.py -k "cuda-graphs" \
@@ -119,6 +121,19 @@ if [[ " $PARTS " == *" low_bit "* ]]; then
     --model "${LOW_BIT_MEM_MODELS:-124m,1.3b}" --runs "${LOW_BIT_MEM_RUNS:-torch,fp32,bf16,8bit,4bit,8bit-rem,torchao8bit,bnb8bit}" \
     --out "$OUT" >"$OUT/low_bit_memory.log" 2>&1 || status=1
   tail -20 "$OUT/low_bit_memory.log"
+fi
+if [[ " $PARTS " == *" offload "* ]]; then
+  # benchmarks/bench_offload.py: the largest GPT under 24 / 80 GB caps, the offloaded step's speed
+  # against DeepSpeed's CPU offload (its wheels carried in .whl/, as the deepspeed part installs
+  # them) and the step's host-link roofline; OFFLOAD_ARGS adds flags (split on spaces)
+  if [[ -d .whl ]] && ! python3 -c 'import deepspeed' >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >"$OUT/offload_install.log" 2>&1 || { status=1; tail -5 "$OUT/offload_install.log"; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+  timeout "$(left "${OFFLOAD_TIMEOUT:-540}")" python3 benchmarks/bench_offload.py --device cuda ${OFFLOAD_ARGS:-} \
+    --out "$OUT/offload" >"$OUT/offload.log" 2>&1 || status=1
+  tail -30 "$OUT/offload.log"
 fi
 if [[ " $PARTS " == *" deepspeed "* ]]; then
   if [[ -d .whl ]] && ! python3 -c 'import deepspeed' >/dev/null 2>&1; then
