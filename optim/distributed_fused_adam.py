@@ -2,7 +2,8 @@
 
 This file is the optimizer's constructor and its step protocol's entry points; a third of it is the class's
 documentation (every constructor argument, the extension points), which the API reference is built from. Its
-reading methods are in reads.py, its communication methods in sync/optimizer_sync.py. The step's phase:
+reading methods are in reads.py, its communication methods in sync/optimizer_sync.py, the hooks
+ShardedGradScaler calls in step/torch_scaler.py. The step's phase:
 step/cycle.py (its values: step/step_round.py); slices: layout.py; buffers: shards/; backward and the all-gather:
 sync/; collectives: comm/; the one all-reduce: step/grad_stats.py; ranks that disagree: checks/; norms: norms.py;
 the step's math: kernels/; where the state lives: offload.py.
@@ -19,6 +20,7 @@ from torch import Tensor
 from .checks import agreement
 from .step import torch_scaler, grad_stats
 from .step.cycle import Action, StepCycle
+from .step.torch_scaler import ScalerHooks
 from . import kernels
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_remainders, check_views,
@@ -43,7 +45,7 @@ from .offload import resolve_offload
 from .shards.host_state import HostState
 
 
-class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer):
+class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.optim.Optimizer):
     """ZeRO-2 sharded Adam/AdamW with fused, scaler-aware unscale, clip and step.
 
     Every rank keeps the fp32 master params, ``exp_avg`` and ``exp_avg_sq`` of one contiguous
@@ -107,7 +109,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         exp_avg_dtype: storage of ``exp_avg``: ``torch.float32`` or ``torch.bfloat16`` (default
             ``dtype``; read as fp32 by the step, written back rounded to nearest even), or
             ``"8bit"`` / ``"4bit"`` (codes plus one fp32 absmax scale per block, requantized per
-            block by the step; docs/low-bit-states.md); CUDA params need the compiled CUDA kernels.
+            block by the step; docs/low-bit-states.md); CUDA params need the compiled CUDA
+            kernels with the blockwise step (``SHARDAMP_KERNELS=reference``: the reference math).
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
@@ -129,8 +132,10 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
     Raises:
         ValueError: an invalid hyperparameter or option (naming it and the fix), params on
             several devices or on the meta device, a param given twice, or storage options that
-            do not fit the params' dtypes, or ``offload`` options that do not fit them.
-        NotImplementedError: ``"8bit"`` / ``"4bit"`` moments over params not on the CPU.
+            do not fit the params' dtypes, or ``offload`` options that do not fit them, or on CUDA a
+            ``quant_block_size`` over the blockwise kernel's tile.
+        NotImplementedError: ``"8bit"`` / ``"4bit"`` moments over CUDA params where the loaded CUDA
+            kernels lack the blockwise step (none built, or built before it); never for CPU params.
         RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer reduces the grads itself),
             ``WORLD_SIZE > 1`` without a process group, the ranks built different optimizers (raised on every rank,
             naming the field and each rank's value), or ``offload`` finds too little host memory or cannot pin it.
@@ -449,37 +454,28 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
         stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None
                                    and not self._param_sync.gathers and not self._host.active)
-        plan, stats = (stats, None) if isinstance(stats, grad_stats.StatsPlan) else (None, stats)
+        planned = isinstance(stats, grad_stats.StatsPlan)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
         table = self._hparam_table
         hparams = table.table if self._cycle.problem else table.refresh(self.param_groups, r.lrs, key)
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
-        coef = self._coef
+        coef, health = self._coef, self._health
         bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
-        # one launch: the grad coefficient (avg * inv_scale * clip), the step's skip (found-inf or a
-        # norm spike), the step counts and the health counters
-        health = self._health
-        record_host = self._deferred.record_target(stats, bad_clip, health.record)  # read back without a copy
-        launches = self._launches
-        if launches is None or (launches[0].adam_w_mode, launches[0].bias_correction) != (
-                self.adam_w_mode, self.bias_correction):
-            # built at the first step (the state buffers persist), again after load_state_dict changed an option
-            launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
-                                                      coef, self.adam_w_mode, self.bias_correction)
-        order, grads = forward_order(len(self._buckets)), [b.grad_shard for b in self._buffers]
-        if plan is not None:  # the stats' finish and the step's launches: one native call
-            stats = plan.step(coef, r.coef_parts(), self._steps, health.step_args(None, r.inv_scale, self._avg_factor,
-                              record_host), launches, order, grads, hparams, self._records, self.bias_correction)
+        record_host = self._deferred.record_target(None if planned else stats, bad_clip, health.record)  # no copy
+        # built at the first step (the state buffers persist), again after load_state_dict changed an option
+        launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
+                                                  coef, self.adam_w_mode, self.bias_correction, self._launches)
+        step_args = functools.partial(health.step_args, inv_scale=r.inv_scale, avg=self._avg_factor,
+                                      record_host=record_host)
+        # first layers first, each all-gather after its bucket's kernel (none: one shard rank); offload: host_state.py
+        stats = grad_stats.launch_step(stats, bad_clip, self._host.launch_step, step_args, coef, r.coef_parts(),
+                                       self._steps, launches, forward_order(len(self._buckets)),
+                                       [b.grad_shard for b in self._buffers], hparams, self._records,
+                                       self.bias_correction, self._param_sync.launch if self._param_sync.gathers else None)
+        if planned:  # the step's one native call finished them
             r.set_stats(stats)
-        else:
-            found_inf = stats.found_inf if bad_clip is None else torch.maximum(stats.found_inf, bad_clip)
-            step_args = health.step_args(stats.raw_norm, r.inv_scale, self._avg_factor, record_host)
-            # first layers first, each all-gather after its bucket's kernel (none: one shard rank); offload: host_state.py
-            self._host.launch_step(coef, r.coef_parts(), found_inf, self._steps, stats.touched, step_args, launches,
-                                   order, grads, hparams, self._records, self.bias_correction,
-                                   self._param_sync.launch if self._param_sync.gathers else None)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip)
@@ -487,21 +483,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, torch.optim.Optimizer)
         self._cycle.stepped([c for c, _ in r.clips], r.raw_norms, cache_after_step=not self.capturable)
         self._grad_sync.step_done()
         return loss
-
-    # ------------------------------------------------------------------ step health (optim/step/health.py)
-    def _note_scaler(self, scaler: Any) -> None:
-        """A scaler unscales (or steps) this optimizer: ``step_stats()`` reports its scale."""
-        self._health.note_scaler(scaler)
-
-    def _found_inf_after_backward(self, scaler: Any) -> Optional[Tensor]:  # ShardedGradScaler.step's
-        return torch_scaler.unscale_after_backward(scaler, self, self._cycle, self.unscale_grads)
-
-    def _note_step_skipped_by_scaler(self) -> None:
-        """A scaler skipped this round's ``step`` on the host (``_step_supports_amp_scaling = False``): the
-        health counts and reports a found-inf step (every rank: the scaler's found-inf is agreed)."""
-        r = self._current_round()
-        if r.stats is not None:
-            self._health.host_skipped(r.norm(r.first_norm_type()), r.inv_scale)
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]

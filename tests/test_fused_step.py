@@ -18,6 +18,7 @@ from conftest import set_env
 from kernel_shards import DEVICES, ext_for
 from landings import count_landings
 from shardamp.optim import DistributedFusedAdam, kernels
+from shardamp.optim.step import grad_stats
 from shardamp.scaler import ShardedGradScaler
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -368,3 +369,16 @@ def test_a_hook_landing_failing_after_taking_the_grads_raises_rejects_non_fp32_f
     model(x).square().mean().backward()
     opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_a_stats_plan_with_an_all_gather_between_buckets_is_refused():
+    """grad_stats.launch_step: a plan's one native call steps every bucket, so an all-gather after
+    each bucket (several shard ranks) has no place in it: refused before anything runs, and the
+    launch handed in is never called."""
+    plan = grad_stats.StatsPlan(*([None] * len(grad_stats.StatsPlan._fields)))
+    launched = []
+    with pytest.raises(ValueError, match="stats plan.*no all-gather"):
+        grad_stats.launch_step(plan, None, lambda *a: launched.append(a), lambda norm: {}, torch.zeros(()),
+                               (torch.ones(()), 1.0, None, 0.0), torch.zeros(1), [], [0], [], torch.zeros(1, 5),
+                               None, True, after_bucket=lambda i: None)
+    assert launched == []

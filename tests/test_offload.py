@@ -5,7 +5,8 @@ refused before any state moves; on CPU ranks the offloaded path itself (separate
 copies at landing, the CPU step) bitwise equal to the default run: loops A, B and D with clipping,
 ``skip_grad_norm_above``, ``no_sync``, an inf on one rank, fp32 / bf16 params, bf16 and blockwise
 moments, ``offload_fraction=0.5``, at worlds 1, 2 and 3 (``cases_offload.py``), and state dicts and
-sharded checkpoints saved offloaded loaded without and with offload at other world sizes. (The
+sharded checkpoints saved offloaded loaded without and with offload at other world sizes; at one process
+without a clip, the offloaded step through the host state where the default one is one native call. (The
 multi-rank agreement on the options: test_agreement.py; on a GPU: test_cuda_offload.py.)"""
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from shardamp.optim import DistributedFusedAdam, config, offload
 from shardamp.optim.layout import Bucket
 from shardamp.optim.offload import OffloadOptions, resolve_offload
 from shardamp.optim.shards import host_state
+from shardamp.optim.step import grad_stats
 
 
 def _model(dtype=torch.float32):
@@ -268,6 +270,46 @@ def test_reused_grads_and_zero_fill_step_exactly_as_without_offload(dtype):
     for a, b in zip(runs[0][0], runs[1][0]):
         assert all(same(x, y) for x, y in zip(a, b))
     cc.assert_sd_equal(runs[0][1], runs[1][1])
+
+
+@pytest.mark.parametrize("moments", ["fp32", "q8_q4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_process_without_a_clip_steps_through_the_host_state(dtype, moments, monkeypatch):
+    """One process, no max_grad_norm, no clip, no scaler: without offload the step finishes the
+    stats in its one native call (StatsPlan.step); offloaded, the stats are finished first and
+    HostState.launch_step steps the host shards (blockwise moments: the native blockwise CPU
+    kernel). Bitwise the same params, state and health, an inf step skipped by both."""
+    planned = []
+    plan_step = grad_stats.StatsPlan.step
+    monkeypatch.setattr(grad_stats.StatsPlan, "step", lambda *a, **k: planned.append(1) or plan_step(*a, **k))
+    formats = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit") if moments == "q8_q4" else {}
+    x = torch.randn(6, 7, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for off in (None, "cpu"):
+        model = _model(dtype)
+        opt = DistributedFusedAdam(two_groups_seq(model), bucket_cap_mb=0.0001, offload=off, **formats)
+        planned.clear()
+        trace = []
+        for step in range(4):
+            opt.zero_grad()
+            scale = math.inf if step == 2 else 1.0
+            (model(x.to(dtype)).float().pow(2).sum() * scale).backward()
+            opt.step()
+            trace.append([p.detach().clone() for p in model.parameters()])
+        runs[off] = (trace, cl.quiet_sd(opt), opt.step_stats(), len(planned))
+        if off is not None:
+            shards = opt._host.by_bucket()
+            assert len(shards) > 1 and all(hs is not None and hs.launch is not None for hs in shards)
+            if formats:  # the host launches took the compiled blockwise step
+                assert all(hs.launch.blockwise_natives is not None for hs in shards)
+    (trace_a, sd_a, stats_a, planned_a), (trace_b, sd_b, stats_b, planned_b) = runs[None], runs["cpu"]
+    assert planned_a == 4 and planned_b == 0  # the one-call step without offload only
+    for a, b in zip(trace_a, trace_b):
+        assert all(same(u, v) for u, v in zip(a, b))
+    assert all(same(u, v) for u, v in zip(trace_a[2], trace_a[1]))  # the inf step skipped
+    assert not any(same(u, v) for u, v in zip(trace_a[0], trace_a[-1]))  # and the others trained
+    assert cl.sd_equal(sd_a, sd_b) == ""
+    assert stats_a == stats_b and stats_b["skipped_nonfinite"] == 1
 
 
 # ====================================================================== several ranks

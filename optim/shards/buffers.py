@@ -249,14 +249,17 @@ def allocate_all(buckets: Sequence[Bucket], params: Sequence[torch.nn.Parameter]
 
 
 def adam_launches(buffers: Sequence[BucketBuffers], buckets: Sequence[Bucket], record_offsets: Sequence[int],
-                  steps: Tensor, coef: Tensor, adam_w_mode: bool, bias_correction: bool) -> List["kernels.AdamLaunch"]:
+                  steps: Tensor, coef: Tensor, adam_w_mode: bool, bias_correction: bool,
+                  current: Optional[List["kernels.AdamLaunch"]] = None) -> List["kernels.AdamLaunch"]:
     """Each bucket's step launch over its persistent state (a param re-attached after a broken
     view keeps it), the step counts and the grad coefficient (device tensors written in place
     every step). The grad shard (None here: none is held between steps), the hyperparameter
     table, the records, the touched pattern and the skip flag are the step's:
     ``kernels.launch_adam_all`` takes them each step (until then the step counts stand in for
-    them). ``adam_w_mode`` and ``bias_correction`` are fixed here:
-    the optimizer builds the launches again when a loaded state dict changes them."""
+    them). ``adam_w_mode`` and ``bias_correction`` are fixed here: ``current`` (the launches built
+    before) is returned as it is unless a loaded state dict changed them."""
+    if current and (current[0].adam_w_mode, current[0].bias_correction) == (adam_w_mode, bias_correction):
+        return current
     return [kernels.AdamLaunch(None, buf.master, buf.exp_avg, buf.exp_avg_sq, buf.model_out(),
                                bucket.segments, steps, steps, steps, coef, steps, adam_w_mode, bias_correction, None,
                                record_offsets[i])

@@ -201,6 +201,38 @@ class StatsPlan(NamedTuple):
         return ReducedStats(GradStats(self.norm_type, raw, found_inf, touched, views=more), False, self.names)
 
 
+def launch_step(stats: Union[GradStats, StatsPlan], bad_clip: Optional[Tensor], launch: Callable[..., None],
+                step_args: Callable[[Optional[Tensor]], Dict[str, Any]], coef_out: Tensor,
+                coef_parts: Tuple[Tensor, float, Optional[Tensor], float], steps: Tensor, launches: Sequence[Any],
+                order: Sequence[int], grads: Sequence[Tensor], hparams: Tensor, prepare: Any, bias_correction: bool,
+                after_bucket: Optional[Callable[[int], None]] = None) -> GradStats:
+    """The step's launches, from its reduced stats or from their plan; returns the stats.
+
+    The scalar launch (the grad coefficient ``avg * inv_scale * clip``, the skip flag: found-inf, an
+    invalid ``max_norm`` (``bad_clip``) or a norm spike; the step counts and the health counters),
+    then each bucket's update in ``order``. A :class:`StatsPlan` (one process, nothing asked for the
+    stats before the step) is finished in the step's one native call (:meth:`StatsPlan.step`); there
+    is no all-gather between its buckets (``after_bucket`` None) and nothing offloaded (the caller
+    defers the stats only then). Otherwise ``launch`` (``fused_step.launch_step``'s signature: the
+    optimizer's ``HostState.launch_step``, which steps offloaded buckets on the host) runs them,
+    ``after_bucket(i)`` after bucket ``i``'s kernel. ``step_args(raw_norm)``: the health's
+    ``step_scalars`` keywords (``StepHealth.step_args``). No collective; no host sync but an
+    offloaded step's one (host_state.py).
+
+    Raises:
+        ValueError: a plan with ``after_bucket`` (its one call has no place for an all-gather).
+    """
+    if isinstance(stats, StatsPlan):
+        if after_bucket is not None:
+            raise ValueError("launch_step: a stats plan steps every bucket in one call; no all-gather between them")
+        return stats.step(coef_out, coef_parts, steps, step_args(None), launches, order, grads, hparams, prepare,
+                          bias_correction)
+    found_inf = stats.found_inf if bad_clip is None else torch.maximum(stats.found_inf, bad_clip)
+    launch(coef_out, coef_parts, found_inf, steps, stats.touched, step_args(stats.raw_norm), launches, order, grads,
+           hparams, prepare, bias_correction, after_bucket)
+    return stats
+
+
 def _group_partials(buckets: Sequence[Any], grad_shards: Sequence[Tensor], out: Tensor, norm_type: float,
                     n_params: int) -> None:
     for bucket, shard in zip(buckets, grad_shards):

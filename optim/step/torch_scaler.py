@@ -1,7 +1,11 @@
-"""torch.amp.GradScaler's hand-over to ``DistributedFusedAdam.step(grad_scaler=)`` (loops A and F).
+"""The scalers' side of the optimizer: torch.amp.GradScaler's hand-over to
+``DistributedFusedAdam.step(grad_scaler=)`` (loops A and F), and the hooks ShardedGradScaler calls.
 
 torch's GradScaler calls ``step(grad_scaler=self)`` for optimizers with
 ``_step_supports_amp_scaling``; its internals are reached through ``_compat`` only.
+:class:`ScalerHooks` is a base of ``DistributedFusedAdam`` (as reads.py's ``OptimizerReads``):
+the methods ``shardamp.scaler.ShardedGradScaler`` looks for on an optimizer, each handing the work
+to the step's health or the step cycle. It keeps no state of its own.
 """
 from __future__ import annotations
 
@@ -61,3 +65,29 @@ def take_over(scaler: Any, optimizer: Any, cycle: StepCycle, unscale_grads: Call
     found_inf = cycle.current().stats.found_inf
     scale_device = _compat.scaler_scale(scaler).device
     state["found_inf_per_device"] = {scale_device: found_inf.to(scale_device)}
+
+
+class ScalerHooks:
+    """What ``ShardedGradScaler`` calls on ``DistributedFusedAdam`` besides ``unscale_grads`` and
+    ``step`` (it looks each up by name: an optimizer without them still steps). No collective."""
+
+    # what DistributedFusedAdam builds, used here
+    _health: Any
+    _cycle: StepCycle
+    unscale_grads: Callable[..., Tensor]
+
+    def _note_scaler(self, scaler: Any) -> None:
+        """A scaler unscales (or steps) this optimizer: ``step_stats()`` reports its scale."""
+        self._health.note_scaler(scaler)
+
+    def _found_inf_after_backward(self, scaler: Any) -> Optional[Tensor]:
+        """ShardedGradScaler.step's: :func:`unscale_after_backward` with this optimizer's ``unscale_grads``."""
+        return unscale_after_backward(scaler, self, self._cycle, self.unscale_grads)
+
+    def _note_step_skipped_by_scaler(self) -> None:
+        """A scaler skipped this round's ``step`` on the host (``_step_supports_amp_scaling = False``): the
+        health counts and reports a found-inf step (every rank: the scaler's found-inf is agreed). A host
+        sync, as the scaler's own."""
+        r = self._cycle.current()
+        if r.stats is not None:
+            self._health.host_skipped(r.norm(r.first_norm_type()), r.inv_scale)
