@@ -150,7 +150,9 @@ void adam_step_blockwise(const at::Tensor& grad, const at::Tensor& master, const
 }  // namespace
 
 void register_blockwise(py::module& m) {  // module.cpp calls it
-  py::class_<QuantMoment>(m, "QuantMoment",
+  // module_local: each CPU variant (generic, AVX2, AVX-512) binds it, and an ahead-of-time build's
+  // modules can be imported into one process (as AdamLaunch in binding.cpp)
+  py::class_<QuantMoment>(m, "QuantMoment", py::module_local(),
                           "One moment as adam_step_blockwise takes it: a float tensor (kind 0 fp32, 1 bf16), or codes "
                           "(kind 2: 8-bit, 3: 4-bit packed) with fp32 block scales, code map and midpoints")
       .def(py::init([](at::Tensor values, int64_t kind, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> map,
