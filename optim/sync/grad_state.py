@@ -9,13 +9,13 @@ into the shard shards/buffers.py holds; nothing below calls back up."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import kernels
-from ..layout import Bucket
+from ..layout import Bucket, ParamSlot
 from ..shards.buffers import BucketBuffers
 
 
@@ -129,3 +129,32 @@ class Reduction:
     out: Optional[Tensor]  # where the reduced shard lands: the shard, or a temporary to add to it
     accumulate: bool  # add ``out`` into the shard once landed
     scattered: bool  # the reduce-scatter has landed (or is waited for on the side stream)
+
+
+# World > 1: staged (not yet copied) grads a bucket may hold, as a fraction of the bucket, on
+# top of its full-size buffer: ZeRO-2's O(bucket_cap_mb) backward memory grows by at most this.
+STAGE_FRACTION = 4
+
+
+def grad_states(buckets: Sequence[Bucket], buffers: Sequence[BucketBuffers], params: Sequence[torch.nn.Parameter],
+                slots: Dict[int, ParamSlot], partial: Tensor, staged: bool
+                ) -> Tuple[List[BucketGrads], Dict[int, ParamGrad], List[ParamGrad]]:
+    """The backward state of an optimizer's buckets and params: a :class:`BucketGrads` per bucket
+    (``staged``: grads wait for their bucket's copy, up to 1 / ``STAGE_FRACTION`` of it; else each
+    lands at once), and a :class:`ParamGrad` per param with a slot, by ``id(param)`` and in the
+    params' order (the grad stager's indexing). ``partial``: the shared stats row every bucket
+    adds its norm partial into."""
+    divisor = STAGE_FRACTION if staged else 1
+    states = [BucketGrads(i, b, buffers[i], expected=sum(s.requires_grad for s in b.slots),
+                          flush_bytes=b.numel * buffers[i].grad_dtype.itemsize // divisor, partial=partial)
+              for i, b in enumerate(buckets)]
+    record: Dict[int, ParamGrad] = {}
+    ordered: List[ParamGrad] = []
+    for i, p in enumerate(params):
+        if i in slots:
+            slot = slots[i]
+            entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), states[slot.bucket].index)
+            states[slot.bucket].params.append(entry)
+            record[id(p)] = entry
+            ordered.append(entry)
+    return states, record, ordered

@@ -44,17 +44,13 @@ from . import backward_order, grad_stager
 from ..shards.buffers import BucketBuffers
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
-from .grad_state import BucketGrads, ParamGrad
+from .grad_state import BucketGrads, ParamGrad, grad_states
 from .merged_landings import MergedLandings, fresh_shard
 from .reductions import Reductions
 
 if TYPE_CHECKING:  # the cycle is handed in; only its type is named here
     from ..step.cycle import StepCycle
 
-
-# World > 1: staged (not yet copied) grads a bucket may hold, as a fraction of the bucket, on
-# top of its full-size buffer: ZeRO-2's O(bucket_cap_mb) backward memory grows by at most this.
-STAGE_FRACTION = 4
 
 
 class GradSync:
@@ -124,24 +120,10 @@ class GradSync:
         side = torch.cuda.Stream(device) if device.type == "cuda" and not self.in_place else None
         self.partials = torch.zeros(norms.PARTIAL, dtype=torch.float32, device=device)
         self.partials_started = False  # a bucket of this round wrote the row: the next ones add to it
-        divisor = 1 if self.in_place else STAGE_FRACTION
-        self.states = [
-            BucketGrads(i, b, buffers[i], expected=sum(s.requires_grad for s in b.slots),
-                        flush_bytes=b.numel * buffers[i].grad_dtype.itemsize // divisor, partial=self.partials)
-            for i, b in enumerate(buckets)
-        ]
-        # per param, what the hook needs
-        self.record: dict[int, ParamGrad] = {}
-        # the stager indexes params by their position here (the optimizer's order, params with a slot)
-        self.by_stager_index: List[ParamGrad] = []
-        for i, p in enumerate(params):
-            if i in self.slots:
-                slot = self.slots[i]
-                state = self.states[slot.bucket]
-                entry = ParamGrad(i, p, slot.offset, slot.numel * p.element_size(), state.index)
-                state.params.append(entry)
-                self.record[id(p)] = entry
-                self.by_stager_index.append(entry)
+        # per bucket its grads' state; per param (by id) what the hook needs; the params in the
+        # stager's indexing (the optimizer's order, params with a slot)
+        self.states, self.record, self.by_stager_index = grad_states(buckets, buffers, params, self.slots,
+                                                                     self.partials, staged=not self.in_place)
         for s in self.states:
             if self.in_place:
                 if self.release_shards:
