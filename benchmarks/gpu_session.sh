@@ -36,6 +36,14 @@ left() {  # seconds a part may take: its own cap, or what is left of BUDGET (at 
   ((rest < 10)) && rest=10
   echo $(( $1 < rest ? $1 : rest ))
 }
+carried_wheels() {  # $1: a module; $2: the log's name. The wheels carried in .whl/ (the machine has no
+  # network) go into /tmp/site, first on PYTHONPATH, unless $1 already imports
+  if [[ -d .whl ]] && ! python3 -c "import $1" >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+      >"$OUT/$2_install.log" 2>&1 || { status=1; tail -5 "$OUT/$2_install.log"; }
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+}
 if [[ " $PARTS " == *" kernel_tests "* ]]; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_kernels_light_state.py \
     tests/test_kernels_stats.py -k "not empty_and_cached and not rejects_non_fp32" \
@@ -108,11 +116,7 @@ if [[ " $PARTS " == *" low_bit "* ]]; then
   # benchmarks/low_bit_train.py: GPT-2 trained with each moment format beside torch's fused AdamW
   # and the peers' 8-bit optimizers (torchao, bitsandbytes: carried as wheels in .whl/, installed
   # into /tmp/site where they do not import), then the peak memory of each at LOW_BIT_MEM_MODELS
-  if [[ -d .whl ]] && ! python3 -c 'import torchao' >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      >"$OUT/low_bit_install.log" 2>&1 || { status=1; tail -5 "$OUT/low_bit_install.log"; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-  fi
+  carried_wheels torchao low_bit
   timeout "$(left "${LOW_BIT_TIMEOUT:-420}")" python3 benchmarks/low_bit_train.py --device cuda \
     --model "${LOW_BIT_MODEL:-124m}" --steps "${LOW_BIT_STEPS:-2000}" ${LOW_BIT_RUNS:+--runs "$LOW_BIT_RUNS"} \
     --out "$OUT" >"$OUT/low_bit.log" 2>&1 || status=1
@@ -126,21 +130,13 @@ if [[ " $PARTS " == *" offload "* ]]; then
   # benchmarks/bench_offload.py: the largest GPT under 24 / 80 GB caps, the offloaded step's speed
   # against DeepSpeed's CPU offload (its wheels carried in .whl/, as the deepspeed part installs
   # them) and the step's host-link roofline; OFFLOAD_ARGS adds flags (split on spaces)
-  if [[ -d .whl ]] && ! python3 -c 'import deepspeed' >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      >"$OUT/offload_install.log" 2>&1 || { status=1; tail -5 "$OUT/offload_install.log"; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-  fi
+  carried_wheels deepspeed offload
   timeout "$(left "${OFFLOAD_TIMEOUT:-540}")" python3 benchmarks/bench_offload.py --device cuda ${OFFLOAD_ARGS:-} \
     --out "$OUT/offload" >"$OUT/offload.log" 2>&1 || status=1
   tail -30 "$OUT/offload.log"
 fi
 if [[ " $PARTS " == *" deepspeed "* ]]; then
-  if [[ -d .whl ]] && ! python3 -c 'import deepspeed' >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      >"$OUT/deepspeed_install.log" 2>&1 || { status=1; tail -5 "$OUT/deepspeed_install.log"; }
-    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
-  fi
+  carried_wheels deepspeed deepspeed
   ds_budget=$(left "${DS_TIMEOUT:-420}")  # the script stops starting processes past it; timeout is the backstop
   timeout $((ds_budget + 60)) python3 benchmarks/bench_deepspeed.py --model "${DS_MODELS:-124m,350m}" \
     --repeats "${DS_REPEATS:-3}" --budget "$ds_budget" ${DS_ARGS:-} --out "$OUT/deepspeed" >"$OUT/deepspeed.log" 2>&1 || status=1
