@@ -135,6 +135,9 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
         (scaler.scale(loss) if scaler else loss).backward()
         norm: Optional[torch.Tensor] = None
         guard = sync_check and step > 0 and device == "cuda"
+        # torch's idiom reads the scale on the host itself (GradScaler.get_scale: .item()): the
+        # user's sync, made before the guarded region that proves the library makes none
+        scale = scaler.get_scale() if loop == "Gf" else None
         with warnings.catch_warnings(record=True) as w, _sync_debug(guard):
             warnings.simplefilter("always")
             if loop in ("B", "E"):
@@ -156,7 +159,6 @@ def run_loop(rank: int, world: int, loop: str, device: str = "cpu", sync_check: 
                 norm = opt.clip_grad_norm(MAX_NORM)  # before unscaling: resolved at step
             elif loop == "Gf":
                 # torch's idiom before unscale_: the scaled norm against the scaled threshold, as torch
-                scale = scaler.get_scale()
                 norm = so.clip_grad_norm_(model.parameters(), MAX_NORM * scale) / scale
             if scaler:
                 scaler.step(opt)

@@ -8,7 +8,7 @@ import torch
 
 import cases_core
 from dist_helper import case_values, run_cases, run_distributed
-from parity import ATOL, RTOL
+from parity import ATOL, RTOL, close_up_to_code_flips
 from shardamp.optim.kernels.reference import split_remainders
 
 WORLDS = [1, 2, 3, 4]
@@ -129,27 +129,13 @@ def test_parity_with_torch_adamw(world: int, case: str) -> None:
     check_parity_case(_results(world), case)
 
 
-def _close_up_to_code_flips(ours: torch.Tensor, ref: torch.Tensor, i: int) -> None:
-    """Blockwise moments against the same quantized math unsharded: the sharded grads are summed
-    in another order (fp32 round-off), which can move a moment across a code boundary now and then;
-    that element's updates then differ by up to a few lr-sized steps. So: at most 1% of a param's
-    elements (at least one) outside torch's tolerance, each within the cases' steps x largest lr
-    (6 x 2e-2); everything else at torch's tolerance."""
-    off = ~torch.isclose(ours, ref, rtol=RTOL, atol=ATOL)
-    count = int(off.sum())
-    assert count <= max(1, ours.numel() // 100), f"param {i}: {count} of {ours.numel()} elements off"
-    if count:
-        worst = float((ours - ref).abs().max())
-        assert worst <= 6 * 2e-2, f"param {i}: an element {worst} away, more than a code flip explains"
-
-
 def check_parity_case(per_rank, case: str) -> None:
     """Every rank: params equal the unsharded reference's; every rank ends with the same model."""
     for value in case_values(per_rank, case):
         assert len(value["ours"]) == len(value["ref"])
         for i, (ours, ref) in enumerate(zip(value["ours"], value["ref"])):
             if "low_bit" in case:
-                _close_up_to_code_flips(ours, ref, i)
+                close_up_to_code_flips(ours, ref, f"param {i}", steps=6)
             else:
                 torch.testing.assert_close(ours, ref, rtol=RTOL, atol=ATOL, msg=lambda m: f"param {i}: {m}")
         for p, dtype in zip(value["model"], value["model_dtype"]):
