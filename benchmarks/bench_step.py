@@ -323,11 +323,19 @@ def init_world_one(device: torch.device, tmp: str) -> None:
     dist.init_process_group(backend, init_method=f"file://{tmp}/pg", rank=0, world_size=1)
 
 
+def default_numel(device: torch.device) -> int:
+    """256M elements on a GPU of >= 120 GiB, 128M below (every variant's tensors are held at once so
+    they can be interleaved: 256M of them fill an 80 GB card), 16M on the CPU."""
+    if device.type != "cuda":
+        return 16 << 20
+    return 256 << 20 if torch.cuda.get_device_properties(device).total_memory >= 120 << 30 else 128 << 20
+
+
 def run(args) -> Dict:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
-    total = args.numel or (256 << 20 if device.type == "cuda" else 16 << 20)
+    total = args.numel or default_numel(device)
     sizes = _sizes(total)
     timer = Timer(device)
     bw = copy_bandwidth(device, timer, args.iters)
@@ -476,7 +484,7 @@ def report(result: Dict, out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--numel", type=int, default=0, help="total elements (default 256M GPU, 16M CPU)")
+    parser.add_argument("--numel", type=int, default=0, help="total elements (default 256M on a GPU of >= 120 GiB, 128M on a smaller one, 16M on a CPU)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")

@@ -136,7 +136,10 @@ def train(run: str, args, data: CharData, device: torch.device, steps: int) -> D
     for step in range(steps):
         x, y = (t.to(device) for t in data.batch(step, 0, args.batch))
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps)
+            if isinstance(g["lr"], torch.Tensor):  # torchao keeps lr as a tensor and refuses a float
+                g["lr"].fill_(lr_at(step, steps))
+            else:
+                g["lr"] = lr_at(step, steps)
         sync(device)
         t0 = time.perf_counter()
         loss = loss_of(model, x, y, device)
