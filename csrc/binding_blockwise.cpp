@@ -63,6 +63,9 @@ int64_t check_moment(const at::Tensor& grad, const QuantMoment& q, const char* n
                  q.block, " (", (n + q.block - 1) / q.block, "), got ", q.scales.numel());
   SHARDAMP_CHECK(q.map.numel() == (int64_t(1) << bits) && q.mids.numel() == (int64_t(1) << bits) - 1, kFn, ": ",
                  name, ": a ", bits, "-bit map has ", 1 << bits, " values and ", (1 << bits) - 1, " midpoints");
+  check_tensor(grad, q.search, "search");
+  SHARDAMP_CHECK(q.search.scalar_type() == at::kInt && q.search.numel() == quant::kSearchEntries + 1, kFn, ": ", name,
+                 " search must be the int32 table of quant.search_table (", quant::kSearchEntries + 1, " entries)");
   return q.block;
 }
 
@@ -154,14 +157,15 @@ void register_blockwise(py::module& m) {  // module.cpp calls it
   // modules can be imported into one process (as AdamLaunch in binding.cpp)
   py::class_<QuantMoment>(m, "QuantMoment", py::module_local(),
                           "One moment as adam_step_blockwise takes it: a float tensor (kind 0 fp32, 1 bf16), or codes "
-                          "(kind 2: 8-bit, 3: 4-bit packed) with fp32 block scales, code map and midpoints")
+                          "(kind 2: 8-bit, 3: 4-bit packed) with fp32 block scales, code map, midpoints and their search table")
       .def(py::init([](at::Tensor values, int64_t kind, c10::optional<at::Tensor> scales, c10::optional<at::Tensor> map,
-                       c10::optional<at::Tensor> mids, int64_t block) {
+                       c10::optional<at::Tensor> mids, c10::optional<at::Tensor> search, int64_t block) {
              return QuantMoment{values, scales.value_or(at::Tensor()), map.value_or(at::Tensor()),
-                                mids.value_or(at::Tensor()), kind, block};
+                                mids.value_or(at::Tensor()), search.value_or(at::Tensor()), kind, block};
            }),
            py::kw_only(), py::arg("values"), py::arg("kind"), py::arg("scales") = py::none(),
-           py::arg("map") = py::none(), py::arg("mids") = py::none(), py::arg("block") = 0)
+           py::arg("map") = py::none(), py::arg("mids") = py::none(), py::arg("search") = py::none(),
+           py::arg("block") = 0)
       .def_readonly("kind", &QuantMoment::kind)
       .def_readonly("block", &QuantMoment::block);
   m.def("adam_step_blockwise", &adam_step_blockwise,

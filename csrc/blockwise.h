@@ -13,9 +13,9 @@ constexpr int64_t kBlockwiseCudaTile = 2048;
 
 // One moment as the blockwise step takes it: a float tensor (kind kFloat32 / kBFloat16), or
 // codes (kCodes8: one uint8 per element; kCodes4: two per byte) with one fp32 scale per `block`
-// elements, the fp32 code map and its midpoints.
+// elements, the fp32 code map, its midpoints and their search table (quant.h: nearest_code_in).
 struct QuantMoment {
-  at::Tensor values, scales, map, mids;
+  at::Tensor values, scales, map, mids, search;
   int64_t kind = quant::kFloat32;
   int64_t block = 0;
 };

@@ -5,11 +5,13 @@
 // map[code] * scale (one rounded fp32 multiply). An element x quantizes to the number of the map's
 // midpoints ((map[i] + map[i + 1]) * 0.5, fp32, handed in as a table) strictly below
 // y = x / scale (0 for a zero scale): the nearest code, ties to the lower one, exactly
-// torch.searchsorted(midpoints, y) as the reference does. 4-bit codes are packed two to a byte,
+// torch.searchsorted(midpoints, y) as the reference does (found through a search table). 4-bit codes are packed two to a byte,
 // the even element in the low nibble.
 #pragma once
 
 #include "common.h"
+
+#include <cstring>
 
 namespace shardamp {
 namespace quant {
@@ -19,16 +21,34 @@ enum MomentKind : int { kFloat32 = 0, kBFloat16 = 1, kCodes8 = 2, kCodes4 = 3 };
 
 SHARDAMP_HD bool is_codes(int kind) { return kind == kCodes8 || kind == kCodes4; }
 
-// The number of the 2^Bits - 1 sorted midpoints strictly below y (a branch-free binary search:
-// every step compares against one table entry). NaN gives 0 (inputs are finite: the step skips
-// on a non-finite grad).
-template <int Bits>
-SHARDAMP_HD int nearest_code(const float* mid, float y) {
-  int pos = 0;
+// The search table (optim/kernels/quant.py: search_table): the top kSearchKeyBits of an
+// order-preserving transform of y's fp32 bits name a bucket; entry [key] holds the number of
+// midpoints in the buckets below (low 16 bits) and in it (high 16 bits); entry [kSearchEntries] the
+// largest power of two not above any bucket's count. -0 is keyed as +0 (they compare equal).
+constexpr int kSearchKeyBits = 13;
+constexpr int kSearchEntries = 1 << kSearchKeyBits;
+
+SHARDAMP_HD uint32_t search_key(float y) {
+  const float c = y == 0.0f ? 0.0f : y;
 #if defined(__CUDA_ARCH__)
-#pragma unroll
+  const uint32_t bits = __float_as_uint(c);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &c, sizeof(bits));
 #endif
-  for (int step = 1 << (Bits - 1); step > 0; step >>= 1) pos += mid[pos + step - 1] < y ? step : 0;
+  return ((bits >> 31) ? ~bits : (bits | 0x80000000u)) >> (32 - kSearchKeyBits);
+}
+
+// The number of the sorted midpoints strictly below y (torch.searchsorted(mids, y)), from the
+// search table: midpoints in lower buckets are below y, those in higher ones above it, so only the
+// bucket's own few are compared, by halving steps from first_step (table[kSearchEntries]).
+SHARDAMP_HD int nearest_code_in(const float* mid, const int32_t* table, int first_step, float y) {
+  const int32_t entry = table[search_key(y)];
+  int pos = entry & 0xffff;
+  const int end = pos + (entry >> 16);
+  for (int step = first_step; step > 0; step >>= 1) {
+    if (pos + step <= end && mid[pos + step - 1] < y) pos += step;
+  }
   return pos;
 }
 

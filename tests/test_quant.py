@@ -153,3 +153,39 @@ def test_maps_are_sorted_and_span_the_unit_range(kind, bits, signed):
     assert (float(qmap.min()) > 0) == kind.endswith("_nz")
     if signed and kind != "dynamic":  # the symmetric maps hold -1 as well
         assert float(qmap.min()) == -1.0
+
+
+def _table_search(mids: torch.Tensor, table: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """csrc/quant.h's nearest_code_in, element by element in Python: the kernels' search."""
+    keys = quant.search_keys(y)
+    first = int(table[-1])
+    out = []
+    for key, yv in zip(keys.tolist(), y.tolist()):
+        entry = int(table[key])
+        pos, end = entry & 0xFFFF, (entry & 0xFFFF) + (entry >> 16)
+        step = first
+        while step > 0:
+            if pos + step <= end and float(mids[pos + step - 1]) < yv:
+                pos += step
+            step >>= 1
+        out.append(pos)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("kind,bits,signed", [(k, b, s) for k in quant.MAP_KINDS for b, s in CHOSEN
+                                               if not (s and k.endswith("_nz"))])  # _nz: unsigned maps
+def test_the_kernels_search_table_finds_torchs_searchsorted_count(kind, bits, signed):
+    """The table-started search (what the compiled kernels run) gives torch.searchsorted's code for
+    every midpoint, its fp32 neighbours on both sides, +-0, +-1, values beyond them and a spread
+    over 10 decades: the keys order as the values, so only the bucket's own midpoints decide."""
+    mids = quant._midpoints(quant.code_map(kind, bits, signed))
+    table = quant.search_table(mids)
+    assert table.dtype == torch.int32 and table.numel() == 2 ** quant.SEARCH_KEY_BITS + 1
+    inf = torch.tensor(float("inf"))
+    y = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf),
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 1.5, -1.5, 1e-30, -1e-30, 1e-45, -1e-45]),
+                   _sample(400, signed=True, seed=3).clamp(-1, 1), torch.rand(400) * 2 - 1])
+    assert torch.equal(_table_search(mids, table, y), torch.searchsorted(mids, y))
+    # the search's first step covers the fullest bucket
+    counts = table[:-1] >> 16
+    assert int(table[-1]) <= int(counts.max()) < 2 * max(1, int(table[-1]))

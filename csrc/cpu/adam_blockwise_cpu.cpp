@@ -6,8 +6,8 @@
 // unit-sized fp32 buffers of its own (codes dequantized, bf16 widened), the update of every
 // segment crossing the unit (adam_chunk, the float-moment step's vectorized loop, over the
 // buffers), then the buffers stored back (each block against its new absmax, bf16 rounded to
-// nearest even). The code map lookups and the nearest-code search run a vector of elements at a
-// time through gathers (at::vec, the module's ISA): the same compares and rounded operations as
+// nearest even). The code map lookups and the nearest-code search (its table, quant.h) run a
+// vector of elements at a time through gathers (at::vec, the module's ISA): the same compares and rounded operations as
 // the scalar quant.h functions the tails use, so the same bits. Every element of a unit is stored again, those of untouched params and padding
 // too, as the reference does. The buffers live for one unit: no fp32 copy of a moment outlives
 // the call. Found-inf and the touched flags are host memory here: read directly.
@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace shardamp {
@@ -43,24 +44,33 @@ inline void dequantize_run(const float* map, const int32_t* idx, int64_t n, floa
   for (; k < n; ++k) out[k] = quant::dequantize(map, idx[k], scale);
 }
 
-// codes[k] = quant::nearest_code<Bits>(mids, scaled(x[k], absmax)) for k < n: the binary search
-// run on a vector of elements at once (a gather per step), the same compares as the scalar one.
-template <int Bits>
-inline void codes_run(const float* mids, const float* x, int64_t n, float absmax, int32_t* codes) {
+// codes[k] = quant::nearest_code_in(mids, table, ..., scaled(x[k], absmax)) for k < n: the table
+// search run on a vector of elements at once (gathers), the same keys and compares as the scalar
+// one, so the same codes. last: the index of the last midpoint (a gather never reads past it).
+inline void codes_run(const float* mids, const int32_t* table, int last, const float* x, int64_t n, float absmax,
+                      int32_t* codes) {
+  const int first = table[quant::kSearchEntries];
   int64_t k = 0;
   if (absmax > 0.0f) {
-    const fVec s(absmax);
+    const fVec s(absmax), zero(0.0f);
     for (; k + kW <= n; k += kW) {
-      const fVec y = fVec::loadu(x + k) / s;
-      iVec pos(0);
-      for (int step = 1 << (Bits - 1); step > 0; step >>= 1) {
-        const fVec mid = at::vec::gather<4>(mids, pos + iVec(step - 1));
-        pos = pos + (at::vec::cast<int32_t>(mid < y) & iVec(step));  // the compare's mask: all ones
+      fVec y = fVec::loadu(x + k) / s;
+      y = fVec::blendv(y, zero, y == zero);  // -0 keyed as +0
+      const iVec bits = at::vec::cast<int32_t>(y);  // the float's bits
+      const iVec ordered = bits ^ ((bits >> iVec(31)) | iVec(std::numeric_limits<int32_t>::min()));
+      const iVec key = (ordered >> iVec(32 - quant::kSearchKeyBits)) & iVec(quant::kSearchEntries - 1);
+      const iVec entry = at::vec::gather<4>(table, key);
+      iVec pos = entry & iVec(0xffff);
+      const iVec end = pos + (entry >> iVec(16));
+      for (int step = first; step > 0; step >>= 1) {
+        const iVec next = pos + iVec(step);
+        const fVec mid = at::vec::gather<4>(mids, at::vec::minimum(next - iVec(1), iVec(last)));
+        pos = pos + (at::vec::cast<int32_t>(mid < y) & (next <= end) & iVec(step));  // masks: all ones
       }
       pos.store(codes + k);
     }
   }
-  for (; k < n; ++k) codes[k] = quant::nearest_code<Bits>(mids, quant::scaled(x[k], absmax));
+  for (; k < n; ++k) codes[k] = quant::nearest_code_in(mids, table, first, quant::scaled(x[k], absmax));
 }
 
 inline float absmax_run(const float* x, int64_t n) {
@@ -114,6 +124,8 @@ void store_moment(const QuantMoment& q, int64_t lo, int64_t n, const float* buf,
     return;
   }
   const float* mids = q.mids.data_ptr<float>();
+  const int32_t* table = q.search.data_ptr<int32_t>();
+  const int last = static_cast<int>(q.mids.numel()) - 1;
   float* scales = q.scales.data_ptr<float>();
   uint8_t* codes = q.values.data_ptr<uint8_t>();
   const int64_t block = q.block;
@@ -121,11 +133,7 @@ void store_moment(const QuantMoment& q, int64_t lo, int64_t n, const float* buf,
     const int64_t len = std::min(n, b0 + block) - b0;
     const float absmax = absmax_run(buf + b0, len);
     scales[(lo + b0) / block] = absmax;
-    if (q.kind == quant::kCodes8) {
-      codes_run<8>(mids, buf + b0, len, absmax, idx + b0);
-    } else {
-      codes_run<4>(mids, buf + b0, len, absmax, idx + b0);
-    }
+    codes_run(mids, table, last, buf + b0, len, absmax, idx + b0);
   }
   if (q.kind == quant::kCodes8) {
     uint8_t* c = codes + lo;

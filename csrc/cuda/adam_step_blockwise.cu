@@ -9,7 +9,8 @@
 // elements its segments touch, then the block's new absmax is formed in registers (warp shuffles
 // among the lanes of one quant block when they are a power of two <= 32, the default 256 /
 // 128-element blocks; else a shared-memory atomicMax on the non-negative floats' bits), and each
-// thread requantizes and stores its 8 codes (8-bit: one 8-byte store; 4-bit: one 4-byte store).
+// thread requantizes and stores its 8 codes (8-bit: one 8-byte store; 4-bit: one 4-byte store),
+// each found from the midpoints' search table (quant.h) in a few compares, not one per code bit.
 // Loads of grads, params, remainders and float moments are 16 bytes wide where aligned.
 //
 // Found-inf, the grad coefficient, the step counts and touched flags are read on the device (the
@@ -44,6 +45,7 @@ struct MomentP {
   float* scales;  // one per block (codes)
   const float* map;
   const float* mids;
+  const int32_t* search;  // the midpoints' search table (quant.h), read through the L1 cache
   int kind;
   int block;
 };
@@ -183,12 +185,10 @@ __device__ __forceinline__ void store_moment(const MomentP& q, const float* smid
   if (n <= 0) return;
   if (e % q.block == 0) q.scales[e / q.block] = absmax;
   uint8_t* codes = static_cast<uint8_t*>(q.values);
+  const int first = __ldg(q.search + quant::kSearchEntries);
   int c[kE];
 #pragma unroll
-  for (int k = 0; k < kE; ++k) {
-    const float y = quant::scaled(x[k], absmax);
-    c[k] = q.kind == quant::kCodes8 ? quant::nearest_code<8>(smid, y) : quant::nearest_code<4>(smid, y);
-  }
+  for (int k = 0; k < kE; ++k) c[k] = quant::nearest_code_in(smid, q.search, first, quant::scaled(x[k], absmax));
   if (q.kind == quant::kCodes8) {
     if (vec && n == kE) {
       uint2 w;
@@ -330,6 +330,7 @@ MomentP moment_params(const QuantMoment& q) {
     p.scales = q.scales.data_ptr<float>();
     p.map = q.map.data_ptr<float>();
     p.mids = q.mids.data_ptr<float>();
+    p.search = q.search.data_ptr<int32_t>();
     p.block = static_cast<int>(q.block);
   }
   return p;

@@ -74,7 +74,8 @@ def native_moment(ext: Any, state: Union[Tensor, QuantizedShard]) -> Any:
     """``state`` as the kernel's ``QuantMoment``."""
     if isinstance(state, QuantizedShard):
         return ext.QuantMoment(values=state.codes, kind=_CODES[state.fmt.bits], scales=state.scales,
-                               map=state.qmap(), mids=state.midpoints(), block=state.block_size)
+                               map=state.qmap(), mids=state.midpoints(), search=state.search_table(),
+                               block=state.block_size)
     return ext.QuantMoment(values=state, kind=_KINDS[state.dtype])
 
 

@@ -149,6 +149,39 @@ def _midpoints(qmap: Tensor) -> Tensor:
     return (qmap[:-1] + qmap[1:]) * 0.5
 
 
+# The compiled kernels' code search (csrc/quant.h: nearest_code_in) starts from a table of the
+# midpoints per range of fp32 bit patterns: the top SEARCH_KEY_BITS of an order-preserving
+# transform of y's bits (sign, exponent, 4 mantissa bits) name a bucket, whose entry says which
+# midpoints lie in it. The midpoints below the bucket are below y and those above it above y (the
+# key never decreases as y grows), so a few compares inside the bucket finish the count: the same
+# number torch.searchsorted gives, in a few steps instead of one per code bit.
+SEARCH_KEY_BITS = 13
+
+
+def search_keys(y: Tensor) -> Tensor:
+    """The bucket of each fp32 ``y`` (int64): ``-0.0`` as ``+0.0``; negative values' bits inverted,
+    the others' sign bit set, so the keys order as the values; then the top ``SEARCH_KEY_BITS``."""
+    y = torch.where(y == 0, torch.zeros_like(y), y.float())
+    bits = y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    ordered = torch.where(bits >= 0x80000000, 0xFFFFFFFF - bits, bits | 0x80000000)
+    return ordered >> (32 - SEARCH_KEY_BITS)
+
+
+def search_table(mids: Tensor) -> Tensor:
+    """int32 ``[2**SEARCH_KEY_BITS + 1]`` on ``mids``' device: entry ``b`` holds the number of
+    midpoints in buckets below ``b`` (low 16 bits) and in ``b`` (high 16 bits); the last entry the
+    largest power of two not above any bucket's count (the search's first step; 0 if none holds
+    two). ``mids``: sorted fp32 midpoints (``_midpoints``)."""
+    keys = search_keys(mids.cpu())
+    buckets = torch.arange(1 << SEARCH_KEY_BITS, dtype=torch.int64)
+    below = torch.searchsorted(keys, buckets, right=False)
+    inside = torch.searchsorted(keys, buckets, right=True) - below
+    most = int(inside.max())
+    first_step = 1 << (most.bit_length() - 1) if most else 0
+    table = torch.cat([below | (inside << 16), torch.tensor([first_step])])
+    return table.to(torch.int32).to(mids.device)
+
+
 def _check_grid(block_size: int, offset: int) -> None:
     if block_size <= 0 or block_size % 2:
         raise ValueError(f"block_size={block_size}: expected an even number > 0 (4-bit codes pair up in bytes)")
@@ -284,6 +317,14 @@ class QuantizedShard:
         key = ("mids", self.codes.device)
         if key not in self._maps:
             self._maps[key] = _midpoints(self.qmap())
+        return self._maps[key]
+
+    def search_table(self) -> Tensor:
+        """The midpoints' search table on the codes' device (cached; ``search_table``): what the
+        compiled kernels start their code search from."""
+        key = ("search", self.codes.device)
+        if key not in self._maps:
+            self._maps[key] = search_table(self.midpoints())
         return self._maps[key]
 
     def dequantize(self) -> Tensor:
