@@ -4,7 +4,10 @@ with clipping, ``skip_grad_norm_above``, ``no_sync``, an inf on one rank, fp32 /
 moments and ``offload_fraction=0.5`` (cases_offload.py), to the CPU-vs-CUDA kernel tolerance; the
 same skips, norms, step stats and non-finite reports; grads copied during backward with no host
 sync outside step; a CUDA graph capturing an offloaded step refused. NCCL at world 1 (and 2 where
-two GPUs are visible). Skipped without a GPU; run with ``python -m pytest -q tests/test_cuda_offload.py``."""
+two GPUs are visible). Blockwise moments on CUDA params with every bucket offloaded run on the CPU
+kernels without the CUDA blockwise kernel, bitwise the run on CPU params, and their state dict
+round-trips; half offloaded they need that kernel. Skipped without a GPU; run with
+``python -m pytest -q tests/test_cuda_offload.py``."""
 from __future__ import annotations
 
 import functools
@@ -13,9 +16,12 @@ import tempfile
 import pytest
 import torch
 
+import cases_low_bit as cl
 import cases_offload as co
 from dist_helper import case_values, run_distributed
 from parity import ATOL, RTOL
+from shardamp.optim import DistributedFusedAdam, kernels
+from shardamp.optim.kernels import blockwise
 from shardamp.optim.shards.host_state import CAPTURE_ERROR
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -73,3 +79,53 @@ def test_offloaded_copies_pinned_during_backward_without_host_syncs(world):
 def test_capturing_an_offloaded_step_raises(world):
     for error in case_values(_results(world), "case_capture_refused"):
         assert error == CAPTURE_ERROR
+
+
+LOW_BIT = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit")
+
+
+def _linear_loss_run(device: str, steps: int = 4, **options):
+    """Two groups, several buckets; a loss linear in the params, so each grad is its coefficient
+    (made on the CPU) exactly, on any device; an inf step at step 2. The params per step and the
+    optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 20)).to(device)
+    ps = list(model.parameters())
+    opt = DistributedFusedAdam([{"params": ps[:2], "lr": 0.01, "weight_decay": 0.1}, {"params": ps[2:], "lr": 0.02}],
+                               bucket_cap_mb=0.002, **LOW_BIT, **options)
+    gen = torch.Generator().manual_seed(1)
+    trace = []
+    for step in range(steps):
+        opt.zero_grad()
+        coefs = [torch.randn(p.shape, generator=gen) for p in ps]
+        scale = float("inf") if step == 2 else 1.0
+        (sum((p * c.to(device)).sum() for p, c in zip(ps, coefs)) * scale).backward()
+        opt.step()
+        trace.append([p.detach().cpu().clone() for p in ps])
+    return trace, opt, model
+
+
+def test_blockwise_moments_all_offloaded_need_no_cuda_blockwise_kernel(monkeypatch):
+    """offload_fraction=1.0: every bucket's "8bit" / "4bit" moments live on the host and the CPU
+    kernel steps them, so CUDA params construct and train with the CUDA module's blockwise step
+    hidden (a bucket stepped on the GPU would raise), bitwise the same run on CPU params; its
+    state dict (scales gathered from the host) equals that run's and loads back (codes written on
+    the host). offload_fraction=0.5 keeps buckets on the GPU: refused at construction, naming
+    the fix."""
+    cuda_ext = kernels.native_module(torch.device("cuda"))
+    real = blockwise.has_kernel
+    monkeypatch.setattr(blockwise, "has_kernel", lambda ext: real(ext) and ext is not cuda_ext)
+    ref_trace, ref_opt, _ = _linear_loss_run("cpu")
+    trace, opt, _ = _linear_loss_run("cuda", offload="cpu")
+    assert len(opt._buckets) > 1 and sorted(opt._host.shards) == list(range(len(opt._buckets)))
+    assert all(hs.launch.blockwise_natives is not None for hs in opt._host.shards.values())  # the native CPU step
+    for step, (a, b) in enumerate(zip(ref_trace, trace)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), step
+    assert all(torch.equal(x, y) for x, y in zip(trace[2], trace[1]))  # the inf step skipped
+    sd = cl.quiet_sd(opt)
+    assert cl.sd_equal(cl.quiet_sd(ref_opt), sd) == ""
+    _, loaded, _ = _linear_loss_run("cuda", steps=0, offload="cpu")
+    loaded.load_state_dict(sd)
+    assert cl.sd_equal(sd, cl.quiet_sd(loaded)) == ""
+    with pytest.raises(NotImplementedError, match=r"offload='cpu' with offload_fraction=1.0"):
+        _linear_loss_run("cuda", steps=0, offload="cpu", offload_fraction=0.5)
