@@ -164,12 +164,12 @@ def loop_g(model, opt, rank, world, dtype, record) -> None:
         opt.zero_grad()
         scaler.scale(_spiked(_loss(model, step, rank, world, dtype), step, rank)).backward()
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the clip-before-unscale warning
+            warnings.simplefilter("ignore")  # the clip-before-unscale warning (at the step's unscale)
             if step % 2 == 0:
                 norm = opt.clip_grad_norm(0.05)
             else:
                 norm = so.clip_grad_norm_(model.parameters(), 0.05 * scaler.get_scale())
-        scaler.step(opt)
+            scaler.step(opt)
         scaler.update()
         record(step, norm=norm, scale=float(scaler.get_scale()))
 
