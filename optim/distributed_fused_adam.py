@@ -226,10 +226,12 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self.store_param_remainders = store_param_remainders
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN))
-        self._host = HostState(self._offload, self._buckets, self._formats, dtype, grad_sync_dtype, param_sync_dtype,
-                               self._comm, len(self._params))  # where the state lives: shards/host_state.py
+        self._host = HostState(self._offload, self._buckets, self._device, self._formats, dtype, grad_sync_dtype,
+                               param_sync_dtype, self._comm, len(self._params))  # where the state lives: shards/host_state.py
         # the formats against where each bucket's state lives (an offloaded one takes the CPU kernels)
         kernels.check_formats(self._formats, self._host.state_devices(), kernels.native_module(self._device))
+        if self._host.active and self._device.type != "cpu":  # the CPU kernels step the offloaded buckets: any
+            kernels.backend(torch.device("cpu"))  # build of theirs before the first collective, as the device's
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
             self._params, self.param_groups, agreement.construction_options(self), self.bucket_cap_mb, self._comm,

@@ -3,9 +3,12 @@ against the same run with the state on the params' device, which runs the same C
 same values, so every step's params, the state dicts, ``step_stats()``, ``grad_norm()`` and
 ``last_nonfinite()`` must be bitwise the same.
 
-Each loop runs over the parity MLP in two param groups (bucket_cap_mb tiny: params straddle
-buckets and uneven shards at world 3), each rank its own batch, an inf in the LAST rank's loss at
-step 2 only, and the ``b`` layer left out on odd steps (untouched params beside touched ones).
+Each loop (A to G of docs/amp-loops.md: ``LOOPS``) runs over the parity MLP in two param groups
+(bucket_cap_mb tiny: params straddle buckets and uneven shards at world 3), each rank its own
+batch, an inf in the LAST rank's loss at step 2 only, the ``b`` layer left out on odd steps
+(untouched params beside touched ones), a spike on rank 0 at step 3 where the loop sets
+``skip_grad_norm_above`` (C, D, G), ``no_sync`` micro-batches in D and F, ``max_grad_norm`` in D
+and E. ``run_loop`` takes more optimizer options (a hybrid ``device_mesh``: cases_mesh.py).
 On GPUs (test_cuda_offload.py, ``run(..., device="cuda")``) the offloaded run's CPU kernels stand
 against the CUDA kernels: the same to their documented tolerance.
 """

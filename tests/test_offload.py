@@ -2,11 +2,14 @@
 refuses, with the error naming it and the fix; the buckets chosen under ``offload_fraction``; the
 host's memory (``MemAvailable``, the cgroup's limit, the ranks on the host) and a failed pin,
 refused before any state moves; on CPU ranks the offloaded path itself (separate host tensors, the
-copies at landing, the CPU step) bitwise equal to the default run: loops A, B and D with clipping,
+copies at landing, the CPU step) bitwise equal to the default run: loops A to G with clipping,
 ``skip_grad_norm_above``, ``no_sync``, an inf on one rank, fp32 / bf16 params, bf16 and blockwise
-moments, ``offload_fraction=0.5``, at worlds 1, 2 and 3 (``cases_offload.py``), and state dicts and
+moments, ``offload_fraction=0.5``, at worlds 1, 2 and 3 (``cases_offload.py``; on a 2x2 hybrid
+mesh: test_mesh.py with ``check_offloaded_loop``), and state dicts and
 sharded checkpoints saved offloaded loaded without and with offload at other world sizes; at one process
-without a clip, the offloaded step through the host state where the default one is one native call. (The
+without a clip, the offloaded step through the host state where the default one is one native call; the
+construction's format check against where each bucket's state lives (blockwise moments over CUDA
+params all offloaded need no CUDA kernel: decided without a GPU). (The
 multi-rank agreement on the options: test_agreement.py; on a GPU: test_cuda_offload.py.)"""
 from __future__ import annotations
 
@@ -131,7 +134,8 @@ def test_blockwise_moments_need_the_cuda_kernel_only_where_a_bucket_state_stays_
 
     def devices(off, fraction):
         options = resolve_offload(off, fraction, False, False)
-        return host_state.HostState(options, buckets, formats, torch.float32, None, None, comm, 3).state_devices()
+        return host_state.HostState(options, buckets, cuda, formats, torch.float32, None, None, comm,
+                                    3).state_devices()
 
     assert devices("cpu", 1.0) == [cpu, cpu, cpu]
     assert devices("cpu", 0.5) == [cpu, cpu, cuda]  # 768 of 1024 elements reach a half: two buckets
@@ -154,6 +158,29 @@ def test_blockwise_moments_need_the_cuda_kernel_only_where_a_bucket_state_stays_
         kernels.check_formats(formats, devices("cpu", 0.5), small_tile)
     float_formats = resolve_moments(torch.float32, torch.bfloat16, None, None)
     kernels.check_formats(float_formats, devices(None, None), no_kernel)  # float moments: any kernels
+
+
+def test_construction_checks_the_formats_where_the_state_lives(monkeypatch):
+    """The optimizer asks the check with its buckets' state devices: over params it takes for CUDA
+    ones (no GPU here: the device faked, no CUDA module), blockwise moments all offloaded pass the
+    format check (construction goes on to the pinned host allocation, which a CPU-only torch
+    cannot make), half offloaded are refused by the check."""
+    from shardamp.optim import distributed_fused_adam as dfa
+
+    monkeypatch.setattr(dfa, "params_device", lambda params: torch.device("cuda", 0))
+    monkeypatch.setattr(dfa.kernels, "backend", lambda device: "reference")
+    monkeypatch.setattr(dfa.kernels, "native_module", lambda device: None)
+    low_bit = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit", bucket_cap_mb=0.0001)
+    try:
+        config.configure(kernels="auto")
+        with pytest.raises(RuntimeError) as info:  # past the check: the pinned allocation needs CUDA
+            DistributedFusedAdam(_model().parameters(), offload="cpu", **low_bit)
+        assert not isinstance(info.value, NotImplementedError), info.value
+        assert any(entry.name == "allocate" for entry in info.traceback), info.value
+        with pytest.raises(NotImplementedError, match=r"exp_avg_dtype='8bit'.*adam_step_blockwise.*offload_fraction=1.0"):
+            DistributedFusedAdam(_model().parameters(), offload="cpu", offload_fraction=0.5, **low_bit)
+    finally:
+        config.configure(kernels=None)
 
 
 def test_host_memory_reads_meminfo_capped_by_the_cgroup(tmp_path):

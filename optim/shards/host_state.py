@@ -97,6 +97,7 @@ class HostState:
     Args:
         options: the validated ``offload`` options.
         buckets: the layout (this rank's shards).
+        device: the params' device (where a bucket's state stays unless offloaded).
         formats: the moments' formats.
         state_dtype: the masters' dtype.
         grad_sync_dtype: the constructor's (None: each bucket's dtype).
@@ -106,11 +107,11 @@ class HostState:
         n_params: the optimizer's param count (the step counts' length).
     """
 
-    def __init__(self, options: OffloadOptions, buckets: Sequence[Bucket], formats: MomentFormats,
-                 state_dtype: torch.dtype, grad_sync_dtype: Optional[torch.dtype],
+    def __init__(self, options: OffloadOptions, buckets: Sequence[Bucket], device: torch.device,
+                 formats: MomentFormats, state_dtype: torch.dtype, grad_sync_dtype: Optional[torch.dtype],
                  param_sync_dtype: Optional[torch.dtype], comm: Any, n_params: int) -> None:
         self.options = options
-        device = self.device = buckets[0].device if buckets else torch.device("cpu")
+        self.device = device
         grad_dtypes = [grad_sync_dtype or b.dtype for b in buckets]
         out_dtypes = [param_sync_dtype if param_sync_dtype and comm.gathers_params else b.dtype for b in buckets]
         self.pin = device.type == "cuda"
