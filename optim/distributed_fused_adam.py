@@ -110,7 +110,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             ``dtype``; read as fp32 by the step, written back rounded to nearest even), or
             ``"8bit"`` / ``"4bit"`` (codes plus one fp32 absmax scale per block, requantized per
             block by the step; docs/low-bit-states.md); CUDA params need the compiled CUDA
-            kernels with the blockwise step (``SHARDAMP_KERNELS=reference``: the reference math).
+            kernels with the blockwise step (``SHARDAMP_KERNELS=reference``: the reference math)
+            unless every bucket's state is offloaded (the CPU kernels step it).
         exp_avg_sq_dtype: the same for ``exp_avg_sq``.
         store_param_remainders: bf16 params with an fp32 master (``dtype=torch.float32``):
             keep only the low 16 bits of each master, whose high 16 bits are the bf16 param
@@ -133,9 +134,10 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         ValueError: an invalid hyperparameter or option (naming it and the fix), params on
             several devices or on the meta device, a param given twice, or storage options that
             do not fit the params' dtypes, or ``offload`` options that do not fit them, or on CUDA a
-            ``quant_block_size`` over the blockwise kernel's tile.
+            ``quant_block_size`` over the blockwise kernel's tile (where some bucket's state stays on the GPU).
         NotImplementedError: ``"8bit"`` / ``"4bit"`` moments over CUDA params where the loaded CUDA
-            kernels lack the blockwise step (none built, or built before it); never for CPU params.
+            kernels lack the blockwise step (none built, or built before it); never for CPU params,
+            nor with every bucket's state offloaded to the host.
         RuntimeError: the model is wrapped in ``DistributedDataParallel`` (the optimizer reduces the grads itself),
             ``WORLD_SIZE > 1`` without a process group, the ranks built different optimizers (raised on every rank,
             naming the field and each rank's value), or ``offload`` finds too little host memory or cannot pin it.
@@ -213,7 +215,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             p._shardamp_optimizer = weakref.ref(self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
-        kernels.check_formats(self._formats, self._device, kernels.native_module(self._device))
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
         self.device_mesh = device_mesh
@@ -225,8 +226,12 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self.store_param_remainders = store_param_remainders
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN))
-        self._host = HostState(self._offload, self._buckets, self._formats, dtype, grad_sync_dtype, param_sync_dtype,
-                               self._comm, len(self._params))  # where the state lives: shards/host_state.py
+        self._host = HostState(self._offload, self._buckets, self._device, self._formats, dtype, grad_sync_dtype,
+                               param_sync_dtype, self._comm, len(self._params))  # where the state lives: shards/host_state.py
+        # the formats against where each bucket's state lives (an offloaded one takes the CPU kernels)
+        kernels.check_formats(self._formats, self._host.state_devices(), kernels.native_module(self._device))
+        if self._host.active and self._device.type != "cpu":  # the CPU kernels step the offloaded buckets: any
+            kernels.backend(torch.device("cpu"))  # build of theirs before the first collective, as the device's
         # before anything is allocated or communicated: every rank built the same optimizer
         agreement.agree_on_construction(self._comm, self._device, agreement.describe(
             self._params, self.param_groups, agreement.construction_options(self), self.bucket_cap_mb, self._comm,

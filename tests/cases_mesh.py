@@ -5,7 +5,8 @@
 Every parity case compares with unsharded torch fed the union of all 4 ranks' batches, with
 two param groups, tiny buckets (uneven shards) and an inf on one rank only (the AMP loops).
 ``run`` also saves a checkpoint on 2x2 and loads it on every other shape; the test loads it
-once more at world 1 in its own process.
+once more at world 1 in its own process. Last, ``offload="cpu"`` on the 2x2 mesh against the same
+runs without offload (``offload_cases``).
 """
 from __future__ import annotations
 
@@ -233,6 +234,23 @@ def _sd(opt: DistributedFusedAdam, **kw: Any):
         return opt.state_dict(**kw)
 
 
+# ====================================================================== offload on a hybrid mesh
+# (cases_offload.CONFIGS name, loop): offload="cpu" on the 2x2 mesh against the same run without
+OFFLOAD_CASES = [("fp32", "B"), ("bf16_params", "D"), ("q8_q4", "C"), ("fp32_half_offloaded", "F"),
+                 ("bf16_moments", "G"), ("fp32", "E"), ("fp32_half_offloaded", "A")]
+
+
+def offload_cases(rank: int, world: int, tmp: str) -> Dict[str, Any]:
+    """``offload="cpu"`` on the 2x2 mesh (shard inside each replica, replicate across): the loops
+    of cases_offload.py (two groups, uneven shards, an inf on the last rank, spikes, no_sync,
+    blockwise moments, half the buckets offloaded), each without and with offload."""
+    import cases_offload as co
+
+    mesh = mesh_of((2, 2))
+    return {(config, loop): {off: co.run_loop(config, loop, off, rank, world, device_mesh=mesh)
+                             for off in (None, "cpu")} for config, loop in OFFLOAD_CASES}
+
+
 def run(rank: int, world: int, tmp: str) -> Dict[str, Any]:
     """Every case for every mesh shape (one spawned group), then the checkpoint cases."""
     out: Dict[str, Any] = {}
@@ -245,9 +263,11 @@ def run(rank: int, world: int, tmp: str) -> Dict[str, Any]:
             except BaseException:  # noqa: BLE001
                 out[key] = ("error", traceback.format_exc())
                 return out  # the ranks' collectives may be out of step now
-    try:
-        out["checkpoint"] = ("ok", checkpoint_cases(rank, world, tmp))
-    except BaseException:  # noqa: BLE001
-        out["checkpoint"] = ("error", traceback.format_exc())
+    for key, cases in (("checkpoint", checkpoint_cases), ("offload", offload_cases)):
+        try:
+            out[key] = ("ok", cases(rank, world, tmp))
+        except BaseException:  # noqa: BLE001
+            out[key] = ("error", traceback.format_exc())
+            break
     dist.barrier()
     return out

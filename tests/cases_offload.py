@@ -3,9 +3,12 @@ against the same run with the state on the params' device, which runs the same C
 same values, so every step's params, the state dicts, ``step_stats()``, ``grad_norm()`` and
 ``last_nonfinite()`` must be bitwise the same.
 
-Each loop runs over the parity MLP in two param groups (bucket_cap_mb tiny: params straddle
-buckets and uneven shards at world 3), each rank its own batch, an inf in the LAST rank's loss at
-step 2 only, and the ``b`` layer left out on odd steps (untouched params beside touched ones).
+Each loop (A to G of docs/amp-loops.md: ``LOOPS``) runs over the parity MLP in two param groups
+(bucket_cap_mb tiny: params straddle buckets and uneven shards at world 3), each rank its own
+batch, an inf in the LAST rank's loss at step 2 only, the ``b`` layer left out on odd steps
+(untouched params beside touched ones), a spike on rank 0 at step 3 where the loop sets
+``skip_grad_norm_above`` (C, D, G), ``no_sync`` micro-batches in D and F, ``max_grad_norm`` in D
+and E. ``run_loop`` takes more optimizer options (a hybrid ``device_mesh``: cases_mesh.py).
 On GPUs (test_cuda_offload.py, ``run(..., device="cuda")``) the offloaded run's CPU kernels stand
 against the CUDA kernels: the same to their documented tolerance.
 """
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 import cases_checkpoint as cc
 from dist_helper import run_cases
 from parity import batches, two_groups
+import shardamp.optim as so
 from shardamp.optim import DistributedFusedAdam
 from shardamp.optim.checkpoint import load_sharded, save_sharded
 from shardamp.scaler import ShardedGradScaler
@@ -41,8 +45,9 @@ CONFIGS: Dict[str, Any] = {
     "fp32_bf16_gather": (torch.float32, dict(param_sync_dtype=torch.bfloat16)),
     "bf16_overlap_param_sync": (torch.bfloat16, dict(overlap_param_sync=True)),
 }
-# the loops each config runs (default: all); the blockwise formats run on CPU params only
-CONFIG_LOOPS = {"q8_q4": ("B", "D"), "fp32_bf16_gather": ("B", "D"), "bf16_overlap_param_sync": ("B",)}
+# the loops each config runs (default: all, A-G); the blockwise formats run on CPU params only here
+CONFIG_LOOPS = {"q8_q4": ("B", "D", "C", "G"), "bf16_moments": ("B", "D", "E", "F"), "fp32_bf16_gather": ("B", "D"),
+                "bf16_overlap_param_sync": ("B",)}
 
 
 def _loss(model: torch.nn.Module, step: int, rank: int, world: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,8 +100,90 @@ def loop_d(model, opt, rank, world, dtype, record) -> None:
         record(step, norm=opt.grad_norm())
 
 
-LOOPS: Dict[str, Callable] = {"B": loop_b, "A": loop_a, "D": loop_d}
-LOOP_OPTIONS = {"B": {}, "A": {}, "D": dict(max_grad_norm=0.05, skip_grad_norm_above=50.0)}
+def _spiked(loss: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    """Rank 0's loss scaled up at SPIKE_STEP: the global norm spikes above skip_grad_norm_above."""
+    return loss * 1e6 if step == SPIKE_STEP and rank == 0 else loss
+
+
+def loop_c(model, opt, rank, world, dtype, record) -> None:
+    """Loop C: ShardedGradScaler, unscale_, the drop-in shardamp.optim.clip_grad_norm_ over
+    model.parameters(); skip_grad_norm_above with a spike at SPIKE_STEP."""
+    scaler = ShardedGradScaler(DEVICE, init_scale=2.0 ** 8, growth_interval=2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(_spiked(_loss(model, step, rank, world, dtype), step, rank)).backward()
+        scaler.unscale_(opt)
+        norm = so.clip_grad_norm_(model.parameters(), 0.05)
+        scaler.step(opt)
+        scaler.update()
+        record(step, norm=norm, scale=float(scaler.get_scale()))
+
+
+class NeMoStyleAdam(DistributedFusedAdam):
+    """Loop E: a subclass opting out of in-step scaling (ShardedGradScaler skips an overflowing
+    step through torch's path, reading found-inf on the host), as NeMo does."""
+
+    _step_supports_amp_scaling = False
+
+
+def loop_e(model, opt, rank, world, dtype, record) -> None:
+    """Loop E: the NeMo-style subclass (built by run_loop), ShardedGradScaler, unscale_ and
+    max_grad_norm= clipping in the step."""
+    assert isinstance(opt, NeMoStyleAdam)
+    scaler = ShardedGradScaler(DEVICE, init_scale=2.0 ** 8, growth_interval=2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(_loss(model, step, rank, world, dtype)).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        record(step, scale=float(scaler.get_scale()), skipped=bool(scaler.last_step_skipped))
+
+
+def loop_f(model, opt, rank, world, dtype, record) -> None:
+    """Loop F: torch.amp.GradScaler, unscale_ and torch.nn.utils.clip_grad_norm_ (through the
+    grads param.grad shows), two micro-batches accumulated under no_sync."""
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=2.0 ** 8, growth_interval=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's note about the hand-over
+        for step in range(STEPS):
+            opt.zero_grad()
+            with opt.no_sync():
+                scaler.scale(_loss(model, step + 100, rank, world, dtype) * 0.5).backward()
+            scaler.scale(_loss(model, step, rank, world, dtype)).backward()
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            scaler.step(opt)
+            scaler.update()
+            record(step, norm=norm, scale=float(scaler.get_scale()))
+
+
+def loop_g(model, opt, rank, world, dtype, record) -> None:
+    """Loop G: clipping before unscale_: opt.clip_grad_norm on even steps (the plain max_norm,
+    resolved at step), torch's idiom shardamp.optim.clip_grad_norm_(params, max_norm * scale) on
+    odd ones (the scaled norm); skip_grad_norm_above with a spike at SPIKE_STEP."""
+    scaler = ShardedGradScaler(DEVICE, init_scale=2.0 ** 8, growth_interval=2)
+    for step in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(_spiked(_loss(model, step, rank, world, dtype), step, rank)).backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the clip-before-unscale warning (at the step's unscale)
+            if step % 2 == 0:
+                norm = opt.clip_grad_norm(0.05)
+            else:
+                norm = so.clip_grad_norm_(model.parameters(), 0.05 * scaler.get_scale())
+            scaler.step(opt)
+        scaler.update()
+        record(step, norm=norm, scale=float(scaler.get_scale()))
+
+
+LOOPS: Dict[str, Callable] = {"B": loop_b, "A": loop_a, "D": loop_d, "C": loop_c, "E": loop_e, "F": loop_f,
+                              "G": loop_g}
+SPIKE_ABOVE = 50.0  # the unscaled norms are below 10 here, millions at a spike
+LOOP_OPTIONS = {"B": {}, "A": {}, "D": dict(max_grad_norm=0.05, skip_grad_norm_above=SPIKE_ABOVE),
+                "C": dict(skip_grad_norm_above=SPIKE_ABOVE), "E": dict(max_grad_norm=0.05), "F": {},
+                "G": dict(skip_grad_norm_above=SPIKE_ABOVE)}
+SPIKE_LOOPS = ("D", "C", "G")  # the loops whose step SPIKE_STEP is skipped for a spike
 
 
 def _quiet_sd(opt) -> Dict[str, Any]:
@@ -105,14 +192,16 @@ def _quiet_sd(opt) -> Dict[str, Any]:
         return opt.state_dict()
 
 
-def run_loop(config: str, loop: str, offload: Optional[str], rank: int, world: int) -> Dict[str, Any]:
+def run_loop(config: str, loop: str, offload: Optional[str], rank: int, world: int, **extra: Any) -> Dict[str, Any]:
+    """One config x loop, with ``offload`` or without; ``extra``: more optimizer options (a
+    ``device_mesh``: cases_mesh.py)."""
     dtype, options = CONFIGS[config]
-    options = dict(options)
+    options = dict(options, **extra)
     if offload is None:
         options.pop("offload_fraction", None)
     model = cc.new_model(dtype=dtype, device=DEVICE)
-    opt = DistributedFusedAdam(two_groups(model), bucket_cap_mb=cc.TINY, offload=offload,
-                               **options, **LOOP_OPTIONS[loop])
+    cls = NeMoStyleAdam if loop == "E" else DistributedFusedAdam
+    opt = cls(two_groups(model), bucket_cap_mb=cc.TINY, offload=offload, **options, **LOOP_OPTIONS[loop])
     steps: List[Dict[str, Any]] = []
 
     def record(step: int, **values: Any) -> None:

@@ -1,6 +1,6 @@
 """Hybrid sharding over a DeviceMesh (tests/cases_mesh.py): 4 gloo ranks as 1x4, 2x2, 4x1 and a
 1-D mesh of 4, each against unsharded torch fed all 4 ranks' batches; checkpoints saved on 2x2
-load on every other shape and at world 1."""
+load on every other shape and at world 1; ``offload="cpu"`` on 2x2 bitwise the run without it."""
 from __future__ import annotations
 
 import functools
@@ -129,6 +129,21 @@ def test_mesh_checkpoints_reshard_across_mesh_shapes(low_bit: bool) -> None:
                 cc.assert_sd_equal(got["sd"], saved)
                 for a, b in zip(got["final"], value["final"]):
                     torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL)
+
+
+def test_mesh_offload_is_bitwise_the_state_on_the_params_device() -> None:
+    """offload="cpu" on the 2x2 mesh (shard inside each replica, replicate across): loops A-G over
+    fp32 / bf16 params, bf16 and blockwise moments, half the buckets offloaded, each bitwise the
+    same run without offload (cases_mesh.offload_cases; the checks of test_offload.py)."""
+    from test_offload import check_offloaded_loop
+
+    values = case_values(_results()[1], "offload")
+    assert len(values) == cm.WORLD
+    for rank, value in enumerate(values):
+        assert sorted(value) == sorted(cm.OFFLOAD_CASES)
+        for (config, loop), runs in value.items():
+            check_offloaded_loop(config, loop, runs, ("2x2", rank))
+    assert {loop for _, loop in cm.OFFLOAD_CASES} == set("ABCDEFG")
 
 
 def _low_bit_reference_run():

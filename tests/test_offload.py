@@ -2,11 +2,14 @@
 refuses, with the error naming it and the fix; the buckets chosen under ``offload_fraction``; the
 host's memory (``MemAvailable``, the cgroup's limit, the ranks on the host) and a failed pin,
 refused before any state moves; on CPU ranks the offloaded path itself (separate host tensors, the
-copies at landing, the CPU step) bitwise equal to the default run: loops A, B and D with clipping,
+copies at landing, the CPU step) bitwise equal to the default run: loops A to G with clipping,
 ``skip_grad_norm_above``, ``no_sync``, an inf on one rank, fp32 / bf16 params, bf16 and blockwise
-moments, ``offload_fraction=0.5``, at worlds 1, 2 and 3 (``cases_offload.py``), and state dicts and
+moments, ``offload_fraction=0.5``, at worlds 1, 2 and 3 (``cases_offload.py``; on a 2x2 hybrid
+mesh: test_mesh.py with ``check_offloaded_loop``), and state dicts and
 sharded checkpoints saved offloaded loaded without and with offload at other world sizes; at one process
-without a clip, the offloaded step through the host state where the default one is one native call. (The
+without a clip, the offloaded step through the host state where the default one is one native call; the
+construction's format check against where each bucket's state lives (blockwise moments over CUDA
+params all offloaded need no CUDA kernel: decided without a GPU). (The
 multi-rank agreement on the options: test_agreement.py; on a GPU: test_cuda_offload.py.)"""
 from __future__ import annotations
 
@@ -112,6 +115,72 @@ def test_buckets_chosen_from_the_first_landing_rounded_up_to_whole_buckets():
     assert choose(0.8) == [0, 1]
     assert choose(0.81) == [0, 1, 2]
     assert choose(1.0) == [0, 1, 2, 3]
+
+
+def test_blockwise_moments_need_the_cuda_kernel_only_where_a_bucket_state_stays_on_the_gpu():
+    """The construction's format check (kernels.check_formats) asks where each bucket's state lives
+    (HostState.state_devices): with offload_fraction=1.0 every bucket is on the host and the CPU
+    kernels step it, so "8bit" / "4bit" over CUDA params need no CUDA blockwise kernel (nor its
+    tile); a bucket left on the GPU does. Decided before anything is allocated: no GPU needed."""
+    import types
+
+    from shardamp.optim import kernels
+    from shardamp.optim.state_formats import resolve_moments
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    buckets = [Bucket(i, torch.float32, cuda, [], numel=n, shard_numel=n) for i, n in enumerate([256, 512, 256])]
+    formats = resolve_moments(torch.float32, "8bit", "4bit", None)
+    comm = types.SimpleNamespace(gathers_params=False)
+
+    def devices(off, fraction):
+        options = resolve_offload(off, fraction, False, False)
+        return host_state.HostState(options, buckets, cuda, formats, torch.float32, None, None, comm,
+                                    3).state_devices()
+
+    assert devices("cpu", 1.0) == [cpu, cpu, cpu]
+    assert devices("cpu", 0.5) == [cpu, cpu, cuda]  # 768 of 1024 elements reach a half: two buckets
+    assert devices("cpu", 0.0) == [cuda, cuda, cuda] == devices(None, None)
+    no_kernel = None  # no CUDA module built or loaded
+    kernels.check_formats(formats, devices("cpu", 1.0), no_kernel)  # all on the host: nothing refused
+    try:
+        config.configure(kernels="auto")  # (the reference math on the GPU would be allowed)
+        for refused in (devices("cpu", 0.5), devices(None, None)):
+            with pytest.raises(NotImplementedError, match=r"exp_avg_dtype='8bit', exp_avg_sq_dtype='4bit': the "
+                                                          r"blockwise moment formats on CUDA need the compiled "
+                                                          r"adam_step_blockwise .*offload='cpu' with "
+                                                          r"offload_fraction=1.0"):
+                kernels.check_formats(formats, refused, no_kernel)
+    finally:
+        config.configure(kernels=None)
+    small_tile = types.SimpleNamespace(adam_step_blockwise=None, BLOCKWISE_CUDA_TILE=128)  # blocks of 256 > 128
+    kernels.check_formats(formats, devices("cpu", 1.0), small_tile)
+    with pytest.raises(ValueError, match=r"quant_block_size=256: the CUDA step over blockwise moments takes blocks"):
+        kernels.check_formats(formats, devices("cpu", 0.5), small_tile)
+    float_formats = resolve_moments(torch.float32, torch.bfloat16, None, None)
+    kernels.check_formats(float_formats, devices(None, None), no_kernel)  # float moments: any kernels
+
+
+def test_construction_checks_the_formats_where_the_state_lives(monkeypatch):
+    """The optimizer asks the check with its buckets' state devices: over params it takes for CUDA
+    ones (no GPU here: the device faked, no CUDA module), blockwise moments all offloaded pass the
+    format check (construction goes on to the pinned host allocation, which a CPU-only torch
+    cannot make), half offloaded are refused by the check."""
+    from shardamp.optim import distributed_fused_adam as dfa
+
+    monkeypatch.setattr(dfa, "params_device", lambda params: torch.device("cuda", 0))
+    monkeypatch.setattr(dfa.kernels, "backend", lambda device: "reference")
+    monkeypatch.setattr(dfa.kernels, "native_module", lambda device: None)
+    low_bit = dict(exp_avg_dtype="8bit", exp_avg_sq_dtype="4bit", bucket_cap_mb=0.0001)
+    try:
+        config.configure(kernels="auto")
+        with pytest.raises(RuntimeError) as info:  # past the check: the pinned allocation needs CUDA
+            DistributedFusedAdam(_model().parameters(), offload="cpu", **low_bit)
+        assert not isinstance(info.value, NotImplementedError), info.value
+        assert any(entry.name == "allocate" for entry in info.traceback), info.value
+        with pytest.raises(NotImplementedError, match=r"exp_avg_dtype='8bit'.*adam_step_blockwise.*offload_fraction=1.0"):
+            DistributedFusedAdam(_model().parameters(), offload="cpu", offload_fraction=0.5, **low_bit)
+    finally:
+        config.configure(kernels=None)
 
 
 def test_host_memory_reads_meminfo_capped_by_the_cgroup(tmp_path):
@@ -327,40 +396,58 @@ def groups():
     return _groups()
 
 
+def check_offloaded_loop(config: str, loop: str, runs, where) -> None:
+    """One config x loop of cases_offload.run_loop: the offloaded run bitwise the default one at
+    every step (params, norms, scales), in its state dict, step_stats() and last_nonfinite(); the
+    run did what it tests (the inf step skipped, a spike skipped where the loop has one,
+    training); the state did live on the host (all buckets, or some under offload_fraction), and
+    memory_stats() counts it there."""
+    where = (*where, config, loop)
+    a, b = runs[None], runs["cpu"]
+    assert len(a["steps"]) == len(b["steps"]) == co.STEPS
+    for step, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
+        assert sorted(sa) == sorted(sb)
+        for x, y in zip(sa["params"], sb["params"]):
+            assert same(x, y), (*where, step)
+        for key in sa:
+            if key != "params":
+                v, u = sa[key], sb[key]
+                assert same(v, u) if isinstance(v, torch.Tensor) else v == u, (*where, step, key)
+    assert cl.sd_equal(a["sd"], b["sd"]) == "", where  # also the blockwise formats' entries
+    assert a["step_stats"] == b["step_stats"], where
+    assert a["last_nonfinite"] == b["last_nonfinite"], where
+    # the runs did what they test: an inf step skipped everywhere (and a spike where the loop has one)
+    stats = b["step_stats"]
+    assert stats["skipped_spike"] == (loop in co.SPIKE_LOOPS), where
+    assert stats["skipped_nonfinite"] == 1, where
+    if loop == "E":  # skipped in torch's path: ShardedGradScaler never calls step
+        assert [s["skipped"] for s in b["steps"]] == [i == co.INF_STEP for i in range(co.STEPS)], where
+    inf = b["steps"][co.INF_STEP]
+    assert all(torch.equal(x, y) for x, y in zip(inf["params"], b["steps"][co.INF_STEP - 1]["params"])), where
+    assert not any(torch.equal(x, y) for x, y in zip(b["steps"][0]["params"], b["steps"][-1]["params"])), where
+    # the state did live on the host
+    assert a["host_buckets"] == [] and b["host_separate"], where
+    half = config == "fp32_half_offloaded"
+    assert b["host_buckets"] == list(range(len(b["host_buckets"]))), where  # from the first landing on
+    assert 0 < len(b["host_buckets"]) < b["buckets"] if half else len(b["host_buckets"]) == b["buckets"]
+    mem_a, mem_b = a["memory"], b["memory"]
+    assert mem_b["host_total"] == mem_b["host_master"] + mem_b["host_moments"] + mem_b["host_copies"] > 0
+    assert mem_a["host_total"] == 0
+    assert (mem_b["moments"] > 0) == half and mem_b["moments"] + mem_b["host_moments"] == mem_a["moments"]
+    assert mem_b["grad_shards"] == mem_a["grad_shards"]
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_offloaded_loops_are_bitwise_the_default_run(groups, world):
+    """Loops A-G x the configs (cases_offload.CONFIGS / CONFIG_LOOPS) at worlds 2 and 3."""
+    seen = set()
     for rank, value in enumerate(case_values(groups[world], "case_loops")):
         for (config, loop), runs in value.items():
-            where = (world, rank, config, loop)
-            a, b = runs[None], runs["cpu"]
-            assert len(a["steps"]) == len(b["steps"]) == co.STEPS
-            for step, (sa, sb) in enumerate(zip(a["steps"], b["steps"])):
-                assert sorted(sa) == sorted(sb)
-                for x, y in zip(sa["params"], sb["params"]):
-                    assert same(x, y), (*where, step)
-                for key in sa:
-                    if key != "params":
-                        v, u = sa[key], sb[key]
-                        assert same(v, u) if isinstance(v, torch.Tensor) else v == u, (*where, step, key)
-            assert cl.sd_equal(a["sd"], b["sd"]) == "", where  # also the blockwise formats' entries
-            assert a["step_stats"] == b["step_stats"], where
-            assert a["last_nonfinite"] == b["last_nonfinite"], where
-            # the runs did what they test: an inf step skipped everywhere (and a spike in D), training
-            stats = b["step_stats"]
-            assert stats["skipped_nonfinite"] == 1 and stats["skipped_spike"] == (1 if loop == "D" else 0), where
-            inf = b["steps"][co.INF_STEP]
-            assert all(torch.equal(x, y) for x, y in zip(inf["params"], b["steps"][co.INF_STEP - 1]["params"]))
-            assert not any(torch.equal(x, y) for x, y in zip(b["steps"][0]["params"], b["steps"][-1]["params"]))
-            # the state did live on the host
-            assert a["host_buckets"] == [] and b["host_separate"], where
-            half = config == "fp32_half_offloaded"
-            assert b["host_buckets"] == list(range(len(b["host_buckets"]))), where  # from the first landing on
-            assert 0 < len(b["host_buckets"]) < b["buckets"] if half else len(b["host_buckets"]) == b["buckets"]
-            mem_a, mem_b = a["memory"], b["memory"]
-            assert mem_b["host_total"] == mem_b["host_master"] + mem_b["host_moments"] + mem_b["host_copies"] > 0
-            assert mem_a["host_total"] == 0
-            assert (mem_b["moments"] > 0) == half and mem_b["moments"] + mem_b["host_moments"] == mem_a["moments"]
-            assert mem_b["grad_shards"] == mem_a["grad_shards"]
+            check_offloaded_loop(config, loop, runs, (world, rank))
+            seen.add((config, loop))
+    assert {loop for _, loop in seen} == set("ABCDEFG")
+    assert {loop for config, loop in seen if config == "q8_q4"} >= {"C", "G"}
+    assert {loop for config, loop in seen if config == "fp32_half_offloaded"} == set("ABCDEFG")
 
 
 def test_checkpoints_saved_offloaded_load_without_and_with_offload_at_other_world_sizes(groups):

@@ -91,8 +91,8 @@ def gather_state_dict(opt: Any, *, rank0_only: bool = False, cpu_offload: bool =
         tensors = [quantized.gathered_values(t) if fmt.blockwise else fmt.state_dict_value(t)
                    for _, fmt, t in buf.moments()]
         tensors += [buf.master_values()] if MASTER_KEY in keys else []
-        scales = {m.key: _gather(opt, t.scales.reshape(1, -1), rank0_only) for m, fmt, t in buf.moments()
-                  if fmt.blockwise}
+        scales = {m.key: _gather(opt, t.scales.reshape(1, -1).to(buf.params.device), rank0_only)
+                  for m, fmt, t in buf.moments() if fmt.blockwise}
         # one gather per bucket, in the widest dtype of its states (bf16 -> fp32 -> bf16 is exact)
         wide = functools.reduce(torch.promote_types, [t.dtype for t in tensors])
         # on the params' device: an offloaded bucket's state lives on the host (shards/host_state.py)
@@ -380,9 +380,10 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
         separate = buf.master.data_ptr() != buf.params[buf.shard].data_ptr()
         local_params = buf.params[buf.shard]
         # a blockwise moment is written whole: its fp32 values (zeros where no param has state,
-        # padding included) quantized block by block once every segment is in
-        staged = {m.key: torch.zeros(buf.shard_numel, device=local_params.device)
-                  for m, fmt, _ in buf.moments() if fmt.blockwise}
+        # padding included) quantized block by block once every segment is in, where its codes
+        # live (an offloaded bucket's on the host)
+        staged = {m.key: torch.zeros(buf.shard_numel, device=t.codes.device)
+                  for m, fmt, t in buf.moments() if fmt.blockwise}
         for seg in bucket.segments.segments:
             dst = slice(seg.start, seg.start + seg.length)
             lo, hi = seg.param_offset, seg.param_offset + seg.length
@@ -390,7 +391,7 @@ def write_state(opt: Any, source: Callable[[int, str, int, int], Optional[Tensor
                 src = source(seg.param_index, moment.key, lo, hi)
                 if moment.key in staged:
                     if src is not None:
-                        staged[moment.key][dst] = src.to(device=local_params.device, dtype=torch.float32)
+                        staged[moment.key][dst] = src.to(device=staged[moment.key].device, dtype=torch.float32)
                 elif src is None:
                     target[dst].zero_()
                 else:

@@ -16,7 +16,7 @@ on the segment table: no step reads a device value on the host.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -56,7 +56,8 @@ def require_kernel(ext: Optional[Any], device: torch.device, what: str) -> None:
     raise NotImplementedError(
         f"{what}: the blockwise moment formats on CUDA need the compiled adam_step_blockwise kernel, and {why} "
         "(python -m shardamp.report --build says why); pass exp_avg_dtype / exp_avg_sq_dtype torch.float32 or "
-        "torch.bfloat16, or set SHARDAMP_KERNELS=reference to run the reference math on the GPU (slow)")
+        "torch.bfloat16, keep every bucket's state in host memory (offload='cpu' with offload_fraction=1.0: the CPU "
+        "kernels step it), or set SHARDAMP_KERNELS=reference to run the reference math on the GPU (slow)")
 
 
 def _dtypes_native(launch: Any, grad: Tensor) -> bool:
@@ -147,18 +148,24 @@ def launch(ext: Optional[Any], launch: Any, host_rows: Tensor) -> None:
                         launch.adam_w_mode, launch.bias_correction)
 
 
-def check_formats(formats: Any, device: torch.device, ext: Optional[Any]) -> None:
-    """At construction: the moment formats ``formats`` (``state_formats.MomentFormats``) can run on
-    ``device`` with the compiled module ``ext`` (``dispatch.native_module``).
+def check_formats(formats: Any, state_devices: Sequence[torch.device], ext: Optional[Any]) -> None:
+    """At construction: the moment formats ``formats`` (``state_formats.MomentFormats``) can run
+    where each bucket's state lives, ``state_devices`` (one per bucket: the params' device, or
+    the host for a bucket offloaded by ``offload="cpu"``, ``HostState.state_devices``), with
+    ``ext``, the compiled module of the params' device (``dispatch.native_module``). A bucket
+    whose state is on the host is stepped by the CPU kernels, so blockwise moments need the CUDA
+    kernel (and its tile) only where some bucket's state stays on a GPU.
 
     Raises:
-        NotImplementedError: blockwise moments on CUDA without the kernel (:func:`require_kernel`).
-        ValueError: on CUDA, blocks whose least common multiple exceeds the kernel's tile.
+        NotImplementedError: blockwise moments with some bucket's state on CUDA and no kernel
+            (:func:`require_kernel`).
+        ValueError: the same, blocks whose least common multiple exceeds the kernel's tile.
     """
-    if not formats.blockwise or device.type != "cuda":
+    cuda = next((d for d in state_devices if d.type == "cuda"), None)
+    if not formats.blockwise or cuda is None:
         return
     exp_avg, exp_avg_sq = formats.attribute_values()
-    require_kernel(ext, device, f"exp_avg_dtype={exp_avg!r}, exp_avg_sq_dtype={exp_avg_sq!r}")
+    require_kernel(ext, cuda, f"exp_avg_dtype={exp_avg!r}, exp_avg_sq_dtype={exp_avg_sq!r}")
     blocks = [f.block_size for _, f in formats.items() if f.blockwise]
     tile = getattr(ext, "BLOCKWISE_CUDA_TILE", 0) if has_kernel(ext) else 0
     if tile and math.lcm(*blocks) > tile:

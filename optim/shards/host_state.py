@@ -97,6 +97,7 @@ class HostState:
     Args:
         options: the validated ``offload`` options.
         buckets: the layout (this rank's shards).
+        device: the params' device (where a bucket's state stays unless offloaded).
         formats: the moments' formats.
         state_dtype: the masters' dtype.
         grad_sync_dtype: the constructor's (None: each bucket's dtype).
@@ -106,14 +107,16 @@ class HostState:
         n_params: the optimizer's param count (the step counts' length).
     """
 
-    def __init__(self, options: OffloadOptions, buckets: Sequence[Bucket], formats: MomentFormats,
-                 state_dtype: torch.dtype, grad_sync_dtype: Optional[torch.dtype],
+    def __init__(self, options: OffloadOptions, buckets: Sequence[Bucket], device: torch.device,
+                 formats: MomentFormats, state_dtype: torch.dtype, grad_sync_dtype: Optional[torch.dtype],
                  param_sync_dtype: Optional[torch.dtype], comm: Any, n_params: int) -> None:
         self.options = options
-        device = self.device = buckets[0].device if buckets else torch.device("cpu")
+        self.device = device
         grad_dtypes = [grad_sync_dtype or b.dtype for b in buckets]
         out_dtypes = [param_sync_dtype if param_sync_dtype and comm.gathers_params else b.dtype for b in buckets]
         self.pin = device.type == "cuda"
+        self.stream: Optional[torch.cuda.Stream] = None  # the copies' side stream (CUDA), made at allocate()
+        self._event: Optional[torch.cuda.Event] = None
         self._plan = []  # (bucket, grad dtype, out dtype or None) per offloaded bucket
         self.shards: Dict[int, HostShard] = {}
         self.verdict = "fits"
@@ -141,13 +144,19 @@ class HostState:
         self._n_params = n_params
         threads = config.settings().offload_threads
         self.threads = threads if threads > 0 else max(1, offload.host_cores() // self.ranks)
-        self.stream = torch.cuda.Stream(device) if self.pin else None
-        self._event = torch.cuda.Event() if self.pin else None
 
     @property
     def active(self) -> bool:
         """Whether any bucket's state is on the host (else the step is the device's alone)."""
         return bool(self._plan)
+
+    def state_devices(self) -> List[torch.device]:
+        """Where each bucket's master and moments live (decided at construction, before anything is
+        allocated): the host for an offloaded bucket (the CPU kernels step it), else the params'
+        device. What the construction's format check asks (``kernels.check_formats``: blockwise
+        moments need the CUDA kernel only for a bucket whose state stays on a GPU)."""
+        offloaded = {b.index for b, _, _ in self._plan}
+        return [torch.device("cpu") if i in offloaded else self.device for i in range(self.n_buckets)]
 
     # ------------------------------------------------------------------ construction
     def agreed(self) -> Dict[str, Any]:
@@ -176,6 +185,8 @@ class HostState:
                 "host memory. Nothing was allocated.")
         if not self._plan:
             return
+        if self.pin:
+            self.stream, self._event = torch.cuda.Stream(self.device), torch.cuda.Event()
         outcome = "allocated"
         try:
             for bucket, grad_dtype, out_dtype in self._plan:
@@ -202,7 +213,7 @@ class HostState:
         n = bucket.shard_numel
         moments: Dict[str, Any] = {}
         for m, f in self._formats.items():
-            if f.blockwise:  # codes and scales (CPU params only: nothing to pin)
+            if f.blockwise:  # codes and scales: only the CPU kernels read them, never copied (not pinned)
                 moments[m.key] = moment_zeros(f, m, n, bucket.shard_start, torch.device("cpu"))
             else:
                 moments[m.key] = host_empty(n, f.storage_dtype, self.pin).zero_()
