@@ -64,6 +64,29 @@ def test_adam_step_fp32_model_out_and_unaligned(device):
     assert torch.equal(state["model_out"][start:start + length], state["master"][start:start + length])
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("out_dtype", [None, torch.float32])
+@pytest.mark.parametrize("adam_w,bias,beta1", [(True, True, 0.9), (False, True, 0.9), (True, False, 0.3),
+                                               (False, False, 0.3)])
+def test_adam_step_fp32_cpu_is_bitwise_the_reference(offset, out_dtype, adam_w, bias, beta1):
+    """fp32 grads, master and moments on the CPU: bit for bit the reference (whatever vector width
+    the build's update runs at: 256 bits in the AVX-512 build, csrc/cpu/adam_vec.h), both of
+    torch.lerp's formulas (beta1 above and below 0.5), aligned and one element off."""
+    ext = ext_for("cpu")
+    state, table, hparams, steps, touched = shard("cpu", torch.float32, out_dtype, seed=5, offset=offset)
+    hparams = hparams.clone()
+    hparams[:, 1] = beta1
+    coef, found_inf = torch.tensor(0.37), torch.zeros(())
+    ref = clone_state(state)
+    run_step(reference.adam_step, ref, table, hparams, steps, touched, coef, found_inf, adam_w, bias)
+    run_step(ext.adam_step, state, table, hparams, steps, touched, coef, found_inf, adam_w, bias)
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        assert torch.equal(state[key].view(torch.int32), ref[key].view(torch.int32)), key
+    if out_dtype is not None:
+        start, length = SEGMENTS[1][:2]
+        assert torch.equal(state["model_out"][start:start + length], state["master"][start:start + length])
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES)
 def test_adam_step_found_inf_writes_nothing(device, grad_dtype):

@@ -16,6 +16,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <cmath>
+#include <type_traits>
 #include <tuple>
 #include <vector>
 
@@ -51,9 +52,48 @@ struct Partial {
   float acc, bad;
 };
 
+#if defined(CPU_CAPABILITY_AVX512)
+// chunk_partial's L2 sums of fp32 grads at 256 bits in the AVX-512 build, lane for lane its
+// 512-bit loop's (a0's 16 lanes are acc[0] and acc[1], a1's acc[2] and acc[3]; the same adds in
+// the same order), so the bits are the same; why 256: as the step's update (adam_vec.h,
+// update_fp32_256), the loop measured faster in the iteration at this width.
+inline Partial chunk_partial_l2_256(const float* g, int64_t lo, int64_t hi) {
+  __m256 acc[4], bad[4];
+  for (int k = 0; k < 4; ++k) acc[k] = bad[k] = _mm256_setzero_ps();
+  int64_t i = lo;
+  for (; i + kV <= hi; i += kV) {
+    for (int k = 0; k < 4; ++k) {
+      const __m256 x = _mm256_loadu_ps(g + i + 8 * k);
+      acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, x));
+      bad[k] = _mm256_add_ps(bad[k], _mm256_sub_ps(x, x));
+    }
+  }
+  alignas(64) float la[2 * 8], lb[2 * 8];
+  _mm256_store_ps(la, _mm256_add_ps(acc[0], acc[2]));
+  _mm256_store_ps(la + 8, _mm256_add_ps(acc[1], acc[3]));
+  _mm256_store_ps(lb, _mm256_add_ps(bad[0], bad[2]));
+  _mm256_store_ps(lb + 8, _mm256_add_ps(bad[1], bad[3]));
+  float s = 0.f, f = 0.f;
+  for (int64_t k = 0; k < 16; ++k) {
+    s = s + la[k];
+    f += lb[k];
+  }
+  for (; i < hi; ++i) {
+    const float x = g[i];
+    s = s + x * x;
+    f += x - x;
+  }
+  return Partial{s, f};
+}
+static_assert(kW == 16 && kV == 32, "chunk_partial_l2_256 mirrors the 512-bit loop: two vectors of 16 lanes a step");
+#endif
+
 // One chunk's partial [lo, hi): the unit of grad_stats' fixed summation order.
 template <typename T, Norm N>
 inline Partial chunk_partial(const T* g, int64_t lo, int64_t hi, float p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float> && N == Norm::kTwo) return chunk_partial_l2_256(g, lo, hi);
+#endif
   const fVec vp(p);
   // Two accumulators per lane keep two independent dependency chains in flight. `bad`
   // sums x - x, which is 0 for finite x and NaN for inf/NaN, and stays NaN once it is.
