@@ -3,6 +3,7 @@ param against fp32 and bf16 moments and against torchao's and bitsandbytes' low-
 CPU (docs/low-bit-states.md has the tables and what they decide).
 
     nice python benchmarks/low_bit_accuracy.py [--steps 200] [--seeds 0 1 2] [--json out.json]
+    python benchmarks/low_bit_accuracy.py --tables a.json b.json   # the tables of earlier runs, merged
 
 The main job is examples/train.py's char GPT with its recipe (examples/recipe.py: lr 3e-3 with
 warmup and cosine decay, betas (0.9, 0.95), weight decay 0.1 on matrices and embeddings, global
@@ -18,7 +19,7 @@ Runs (``--runs`` picks some):
 - ``fp32``, ``bf16``, ``8bit``, ``4bit``: both moments in that format (shardamp, every param);
 - ``8bit_small_fp32``, ``4bit_small_fp32``: the same with params under 4096 elements in a second
   ``DistributedFusedAdam`` with fp32 moments (what torchao and bitsandbytes do with small tensors);
-- ``4bit_b32``: 4-bit moments with ``quant_block_size=32`` (4x the default's scales);
+- ``4bit_b32``, ``4bit_b64``, ``4bit_b128``: 4-bit moments with that ``quant_block_size``;
 - ``torchao_8bit``, ``torchao_4bit``: ``torchao.optim.AdamW8bit`` / ``AdamW4bit`` (their defaults:
   blocks 256 / 128, tensors under 4096 elements or not a multiple of the block kept fp32);
 - ``bnb_8bit``: ``bitsandbytes.optim.AdamW8bit`` (blockwise, ``min_8bit_size=4096``).
@@ -53,8 +54,12 @@ from shardamp.scaler import ShardedGradScaler  # noqa: E402
 WORLD, PER_RANK = 2, 16  # the main job's ranks and per-rank batch
 SMALL = 4096  # torchao's and bitsandbytes' threshold (bitsandbytes' min_8bit_size)
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": "8bit", "4bit": "4bit"}
-RUNS = ("fp32", "bf16", "8bit", "4bit", "8bit_small_fp32", "4bit_small_fp32", "4bit_b32",
-        "torchao_8bit", "torchao_4bit", "bnb_8bit")
+RUNS = ("fp32", "bf16", "8bit", "4bit", "8bit_small_fp32", "4bit_small_fp32", "4bit_b32", "4bit_b64",
+        "4bit_b128", "torchao_8bit", "torchao_4bit", "bnb_8bit")
+# two-sided 95% Student t quantiles by degrees of freedom (the paired intervals over seeds)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
 
 
 def recipe(steps: int) -> Recipe:
@@ -192,8 +197,41 @@ def memory_table() -> List[Dict[str, Any]]:
     return rows
 
 
-def spread(values: List[float]) -> Tuple[float, float, float]:
-    return statistics.mean(values), min(values), max(values)
+def paired(results: Dict[str, Dict[int, Dict[str, Any]]], name: str, base: str,
+           key: str = "val") -> Optional[Tuple[List[float], float, float, float]]:
+    """The per-seed relative differences of run ``name`` from run ``base`` on the seeds both ran
+    (``key``: "val" or "train"), their mean and its two-sided 95% Student t interval."""
+    seeds = sorted(set(results.get(name, {})) & set(results.get(base, {})))
+    if not seeds:
+        return None
+    diffs = [(results[name][s][key] - results[base][s][key]) / results[base][s][key] for s in seeds]
+    m = statistics.mean(diffs)
+    if len(diffs) < 2:
+        return diffs, m, float("nan"), float("nan")
+    half = T975[min(len(diffs) - 2, len(T975) - 1)] * statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return diffs, m, m - half, m + half
+
+
+def merge(paths: List[str]) -> Tuple[Dict[str, Dict[int, Dict[str, Any]]], Dict[str, str], List[Dict[str, Any]], int]:
+    """The results of several ``--json`` files as one (a run and seed found twice must agree)."""
+    results: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    errors: Dict[str, str] = {}
+    memory: List[Dict[str, Any]] = []
+    steps = set()
+    for path in paths:
+        doc = json.loads(Path(path).read_text())
+        steps.add(doc["args"]["steps"])
+        errors.update(doc["errors"])
+        memory = memory or doc.get("memory") or []
+        for name, per_seed in doc["results"].items():
+            for seed, r in per_seed.items():
+                old = results.setdefault(name, {}).get(int(seed))
+                if old is not None and (old["train"], old["val"]) != (r["train"], r["val"]):
+                    raise ValueError(f"{path}: {name} seed {seed} differs from an earlier file's")
+                results[name][int(seed)] = r
+    if len(steps) != 1:
+        raise ValueError(f"--tables: the files ran different --steps: {sorted(steps)}")
+    return results, errors, memory, steps.pop()
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -203,7 +241,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    ap.add_argument("--tables", nargs="+", default=None, metavar="JSON",
+                    help="run nothing: print the tables of these --json files, merged")
     args = ap.parse_args(argv)
+    if args.tables:
+        results, errors, memory, steps = merge(args.tables)
+        print_tables(results, errors, memory, steps)
+        return
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     results: Dict[str, Dict[int, Dict[str, Any]]] = {}
@@ -221,8 +266,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             results.setdefault(name, {})[seed] = r
             print(f"{name} seed {seed}: train {r['train']:.4f} val {r['val']:.4f} "
                   f"({r['s_per_step'] * 1e3:.0f} ms/step)", flush=True)
-    memory = memory_table()
-    print_tables(results, errors, memory, args)
+    memory = [] if args.no_memory else memory_table()
+    print_tables(results, errors, memory, args.steps)
     print(f"total {time.perf_counter() - t0:.0f} s")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -230,25 +275,48 @@ def main(argv: Optional[List[str]] = None) -> None:
                                                "memory": memory}, indent=1))
 
 
-def print_tables(results, errors, memory, args) -> None:
-    print(f"\n{args.steps} steps, seeds {args.seeds}; train: mean of the last 20 steps' loss; val: 8 batches")
-    print("| moments | train loss, seeds " + " / ".join(map(str, args.seeds)) + " | val loss, seeds "
-          + " / ".join(map(str, args.seeds)) + " | val mean | val minus fp32's, mean | val rel. to fp32 |")
-    print("|---|---|---|---|---|---|")
-    base = statistics.mean(r["val"] for r in results["fp32"].values()) if "fp32" in results else float("nan")
+def _interval(p: Optional[Tuple[List[float], float, float, float]]) -> str:
+    if p is None:
+        return "- | -"
+    return f"{100 * p[1]:+.2f}% | [{100 * p[2]:+.2f}%, {100 * p[3]:+.2f}%]"
+
+
+def print_tables(results: Dict[str, Dict[int, Dict[str, Any]]], errors: Dict[str, str],
+                 memory: List[Dict[str, Any]], steps: int) -> None:
+    seeds = sorted({s for per_seed in results.values() for s in per_seed})
+    print(f"\n{steps} steps, seeds {seeds}; train: mean of the last 20 steps' loss; val: 8 batches; "
+          "vs a run: the mean over the seeds both ran of the per-seed relative difference, and its 95% t interval")
+    print("| moments | seeds | train, mean | val, mean | val vs fp32, per seed | val vs fp32, mean | 95% interval "
+          "| train vs fp32, mean | 95% interval |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, per_seed in results.items():
-        tr = [per_seed[s]["train"] for s in args.seeds if s in per_seed]
-        va = [per_seed[s]["val"] for s in args.seeds if s in per_seed]
-        m = statistics.mean(va)
-        print(f"| {name} | {' / '.join(f'{v:.4f}' for v in tr)} | {' / '.join(f'{v:.4f}' for v in va)} | "
-              f"{m:.4f} | {m - base:+.4f} | {100 * (m - base) / base:+.2f}% |")
+        ran = sorted(per_seed)
+        tr = statistics.mean(per_seed[s]["train"] for s in ran)
+        va = statistics.mean(per_seed[s]["val"] for s in ran)
+        pv = paired(results, name, "fp32") if name != "fp32" else None
+        each = " / ".join(f"{100 * d:+.2f}" for d in pv[0]) if pv else "-"
+        print(f"| {name} | {len(ran)} | {tr:.4f} | {va:.4f} | {each} | {_interval(pv)} | "
+              f"{_interval(paired(results, name, 'fp32', 'train') if name != 'fp32' else None)} |")
+    # the variants against the default block, and ours against the peers of the same width
+    for base, prefix in (("4bit", "4bit_"), ("8bit", "8bit_"), ("torchao_4bit", "4bit"), ("torchao_8bit", "8bit"),
+                         ("bnb_8bit", "8bit")):
+        if base not in results:
+            continue
+        rows = [n for n in results if n.startswith(prefix) and n != base]
+        if rows:
+            print(f"\n| moments | val vs {base}, mean | 95% interval | train vs {base}, mean | 95% interval |")
+            print("|---|---|---|---|---|")
+            for name in rows:
+                print(f"| {name} | {_interval(paired(results, name, base))} | "
+                      f"{_interval(paired(results, name, base, 'train'))} |")
     for name, err in errors.items():
         print(f"| {name} | did not run: {err} |")
     labels = ("setting", "format", "n_params", "owned")
-    print("\n| setting | format | " + " | ".join(k for k in memory[0] if k not in labels) + " |")
-    for row in memory:
-        print(f"| {row['setting']} | {row['format']} | "
-              + " | ".join(f"{v:.3f}" for k, v in row.items() if k not in labels) + " |")
+    if memory:
+        print("\n| setting | format | " + " | ".join(k for k in memory[0] if k not in labels) + " |")
+        for row in memory:
+            print(f"| {row['setting']} | {row['format']} | "
+                  + " | ".join(f"{v:.3f}" for k, v in row.items() if k not in labels) + " |")
     for name, per_seed in results.items():
         r = next(iter(per_seed.values()))
         if "state_bytes" in r:
