@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -304,28 +304,25 @@ class QuantizedShard:
         """Bytes held: codes plus scales, as allocated."""
         return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
+    def _cached(self, what: str, make: Callable[[], Tensor]) -> Tensor:
+        key = (what, self.codes.device)
+        if key not in self._maps:
+            self._maps[key] = make()
+        return self._maps[key]
+
     def qmap(self) -> Tensor:
         """This moment's code map on the codes' device (cached)."""
-        dev = self.codes.device
-        if dev not in self._maps:
-            self._maps[dev] = format_map(self.fmt, self.signed)[0].to(dev)
-        return self._maps[dev]
+        return self._cached("map", lambda: format_map(self.fmt, self.signed)[0].to(self.codes.device))
 
     def midpoints(self) -> Tensor:
         """The code map's midpoints on the codes' device (cached): what ``quantize`` searches,
         and what the compiled kernels are handed."""
-        key = ("mids", self.codes.device)
-        if key not in self._maps:
-            self._maps[key] = _midpoints(self.qmap())
-        return self._maps[key]
+        return self._cached("mids", lambda: _midpoints(self.qmap()))
 
     def search_table(self) -> Tensor:
         """The midpoints' search table on the codes' device (cached; ``search_table``): what the
         compiled kernels start their code search from."""
-        key = ("search", self.codes.device)
-        if key not in self._maps:
-            self._maps[key] = search_table(self.midpoints())
-        return self._maps[key]
+        return self._cached("search", lambda: search_table(self.midpoints()))
 
     def dequantize(self) -> Tensor:
         """The shard's fp32 values (a new tensor)."""
