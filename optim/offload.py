@@ -62,8 +62,9 @@ def resolve_offload(offload: Any, offload_fraction: Any, store_param_remainders:
 
     Raises:
         ValueError: an unknown ``offload``; ``offload_fraction`` outside [0, 1], not a number, or
-            given without ``offload``; ``store_param_remainders=True`` or ``capturable=True``
-            with ``offload`` (each message says why and the fix).
+            given without ``offload``; ``store_param_remainders=True`` with ``offload``, or
+            ``capturable=True`` with some state offloaded (``offload_fraction`` > 0; each message
+            says why and the fix).
     """
     if not (offload is None or (isinstance(offload, str) and offload in OFFLOAD_VALUES)):
         raise ValueError(
@@ -86,7 +87,7 @@ def resolve_offload(offload: Any, offload_fraction: Any, store_param_remainders:
             f"store_param_remainders=True with offload={offload!r}: the host keeps the fp32 master of the "
             "owned shard, so there is no master on the device to split into the bf16 param and a 16-bit "
             "remainder, and nothing left to save there; pass store_param_remainders=False")
-    if capturable:
+    if capturable and fraction > 0:  # 0: no bucket goes to the host (choose_buckets), nothing to refuse
         raise ValueError(
             f"capturable=True with offload={offload!r}: an offloaded step reads its grad coefficient on the "
             "host and updates the state on the CPU, which a CUDA graph cannot capture; pass capturable=False "

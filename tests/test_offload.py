@@ -87,10 +87,28 @@ def test_param_remainders_with_offload_raise_saying_why():
         DistributedFusedAdam(_model(torch.bfloat16).parameters(), store_param_remainders=True, offload="cpu")
 
 
-def test_capturable_with_offload_raises():
+@pytest.mark.parametrize("fraction", [None, 1e-9, 0.5])
+def test_capturable_with_offload_raises(fraction):
     with pytest.raises(ValueError, match=r"capturable=True with offload='cpu': an offloaded step reads its grad "
                                          r"coefficient on the host .* which a CUDA graph cannot capture"):
-        DistributedFusedAdam(_model().parameters(), capturable=True, offload="cpu", offload_fraction=0.0)
+        DistributedFusedAdam(_model().parameters(), capturable=True, offload="cpu", offload_fraction=fraction)
+
+
+def test_capturable_with_nothing_offloaded_steps_as_without_offload():
+    """offload_fraction=0.0 puts no bucket on the host, so a capturable step has nothing to refuse:
+    it runs and gives the bits of the same optimizer without offload."""
+    runs = []
+    for kwargs in (dict(offload="cpu", offload_fraction=0.0), {}):
+        model = _model()
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, capturable=True, **kwargs)
+        assert not opt._host.shards and opt.memory_stats()["host_total"] == 0
+        for step in range(3):
+            model(torch.full((4, 7), 0.1 * (step + 1))).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(same(a, b) for a, b in zip(*runs))
+    assert not any(same(a, b) for a, b in zip(runs[0], _model().parameters()))  # the steps moved every param
 
 
 
