@@ -10,6 +10,7 @@
 #include "common.h"
 #include "land_grads.h"
 #include "fused_step.h"
+#include "grad_parts.h"
 #include "step_scalars.h"
 #include "view_check.h"
 
@@ -149,14 +150,20 @@ void check_step_scalars(const at::Tensor& ref, const at::Tensor& hparams, const 
   SHARDAMP_CHECK(touched.numel() == steps.numel(), fn, ": touched and steps must have one entry per param");
 }
 
-void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
-               const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
-               const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-               const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-               bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks,
-               const c10::optional<at::Tensor>& records, int64_t record_offset, int64_t shape) {
+// ``parts`` (CPU): the grads where autograd left them (grad_parts.h), ``grad`` an empty tensor of
+// their dtype; the state's sizes are then checked against ``master``.
+void adam_step_of(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
+                  const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
+                  const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                  const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                  bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks,
+                  const c10::optional<at::Tensor>& records, int64_t record_offset, int64_t shape,
+                  const std::vector<GradPart>* parts) {
   SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "adam_step: grad must be fp32/bf16/fp16, got ", grad.scalar_type());
   SHARDAMP_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
+  SHARDAMP_CHECK(parts == nullptr || (grad.is_cpu() && grad.numel() == 0),
+                 "adam_step: grad parts are for CPU shards, with an empty grad of their dtype");
+  const at::Tensor& ref = parts == nullptr ? grad : master;  // what the state's sizes are checked against
   SHARDAMP_CHECK(master.scalar_type() == at::kFloat || master.scalar_type() == at::kShort,
                  "adam_step: master must be fp32, or int16 remainders under a bf16 model_out (got ",
                  master.scalar_type(), "); other master dtypes go through the reference (optim/kernels/dispatch.py)");
@@ -165,13 +172,13 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                  exp_avg_sq.scalar_type(), "); other dtypes go through the reference (optim/kernels/dispatch.py)");
   SHARDAMP_CHECK(master.scalar_type() != at::kShort || (model_out && model_out->scalar_type() == at::kBFloat16),
                  "adam_step: int16 master remainders need model_out in bf16 (the masters' high halves)");
-  check_flat(grad, master, "master");
-  check_flat(grad, exp_avg, "exp_avg");
-  check_flat(grad, exp_avg_sq, "exp_avg_sq");
+  check_flat(ref, master, "master");
+  check_flat(ref, exp_avg, "exp_avg");
+  check_flat(ref, exp_avg_sq, "exp_avg_sq");
   if (model_out) {
     SHARDAMP_CHECK(is_float_type(model_out->scalar_type()), "adam_step: model_out must be fp32/bf16/fp16, got ",
                 model_out->scalar_type());
-    check_flat(grad, *model_out, "model_out");
+    check_flat(ref, *model_out, "model_out");
   }
   SHARDAMP_CHECK(segments.is_contiguous(), "adam_step: segments must be contiguous");
   check_same_device(grad, segments, "segments");
@@ -185,10 +192,10 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   }
 
   AdamArgs args{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched, grad_coef,
-                found_inf, adam_w_mode, bias_correction};
+                found_inf, adam_w_mode, bias_correction, parts};
   // Without a cached table, build one now: correct, but it copies the segments to the host.
   at::Tensor table = chunks ? *chunks
-                            : build_chunks(segments, grad.numel(), steps.numel(), hparams.size(0),
+                            : build_chunks(segments, ref.numel(), steps.numel(), hparams.size(0),
                                            grad.is_cuda() ? kCudaChunk : kChunk);
   SHARDAMP_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.size(1) == 2 && table.is_contiguous(),
               "adam_step: chunks must be a contiguous int64 [C, 2] tensor from build_chunks");
@@ -204,6 +211,16 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
   SHARDAMP_CHECK(grad.is_cpu(), "adam_step: unsupported device ", grad.device());
   SHARDAMP_CHECK(table.is_cpu(), "adam_step: chunks for CPU tensors must be on the CPU");
   cpu::adam_step(args, table);  // forms each chunk's scalars itself: records and shape are CUDA's
+}
+
+void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
+               const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
+               const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+               const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+               bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks,
+               const c10::optional<at::Tensor>& records, int64_t record_offset, int64_t shape) {
+  adam_step_of(grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched, grad_coef, found_inf,
+               adam_w_mode, bias_correction, chunks, records, record_offset, shape, nullptr);
 }
 
 // One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
@@ -395,46 +412,6 @@ std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_
   return result;
 }
 
-void adam_launch(const AdamLaunch& l) {
-  adam_step(l.grad, l.master, l.exp_avg, l.exp_avg_sq, l.model_out, l.segments, l.hparams, l.steps, l.touched,
-            l.grad_coef, l.found_inf, l.adam_w_mode, l.bias_correction, l.chunks, l.records, l.record_offset,
-            l.shape);
-}
-
-// The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
-// launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
-// flag and records (CUDA; None on the CPU), or with ``prepare`` (CUDA: the segments of every
-// launch, kernels.StepRecords' table) the records formed first by adam_prepare over the step
-// counts, grad coefficient and bias correction the launches share (the optimizer's). Every launch
-// lets go of its grad afterwards, also when a launch or the prepare raises: the grad shards are
-// released between steps.
-void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                     const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
-                     c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
-  struct Release {
-    const std::vector<AdamLaunch*>& launches;
-    ~Release() {
-      for (AdamLaunch* l : launches) l->grad = at::Tensor();
-    }
-  } release{launches};
-  SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
-                 " launches, ", grads.size(), " grads)");
-  if (prepare && !launches.empty()) {
-    SHARDAMP_CHECK(!records, "adam_launch_all: records or prepare, not both");
-    const AdamLaunch& first = *launches.front();
-    records = adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf, first.bias_correction);
-  }
-  for (size_t i = 0; i < launches.size(); ++i) {
-    AdamLaunch& l = *launches[i];
-    l.grad = grads[i];
-    l.hparams = hparams;
-    l.touched = touched;
-    l.found_inf = found_inf;
-    l.records = records;
-    adam_launch(l);
-  }
-}
-
 }  // namespace
 
 // stager_state.cpp's planned landing: bucket_stats with the binding's own checks.
@@ -457,10 +434,15 @@ void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double sc
   step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale, avg,
                skip_above, counters, record, ranks, record_host);
 }
-void checked_adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                             const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
-                             const c10::optional<at::Tensor>& records, const c10::optional<at::Tensor>& prepare) {
-  adam_launch_all(launches, grads, hparams, touched, found_inf, records, prepare);
+void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts) {
+  adam_step_of(l.grad, l.master, l.exp_avg, l.exp_avg_sq, l.model_out, l.segments, l.hparams, l.steps, l.touched,
+               l.grad_coef, l.found_inf, l.adam_w_mode, l.bias_correction, l.chunks, l.records, l.record_offset,
+               l.shape, parts);
+}
+at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                                const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                                bool bias_correction) {
+  return adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
 }
 void register_bindings(py::module& m);
 }  // namespace shardamp
@@ -474,34 +456,6 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
         py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none(),
         py::arg("records") = py::none(), py::arg("record_offset") = 0, py::arg("shape") = 0);
-  // module_local: the CPU and CUDA modules (one process may load both) each register this type
-  // (fused_step.h: shared by two files, so not in an anonymous namespace as the other types are)
-  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", py::module_local(), "One bucket's step launch: adam_step's arguments by name")
-      .def(py::init([](at::Tensor grad, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                       c10::optional<at::Tensor> model_out, at::Tensor segments, at::Tensor hparams, at::Tensor steps,
-                       at::Tensor touched, at::Tensor grad_coef, at::Tensor found_inf, bool adam_w_mode,
-                       bool bias_correction) {
-             return shardamp::AdamLaunch{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps,
-                                         touched, grad_coef, found_inf, adam_w_mode, bias_correction};
-           }),
-           py::kw_only(), py::arg("grad"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
-           py::arg("model_out"), py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"),
-           py::arg("grad_coef"), py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"))
-      .def_readwrite("grad", &shardamp::AdamLaunch::grad)
-      .def_readwrite("touched", &shardamp::AdamLaunch::touched)
-      .def_readwrite("found_inf", &shardamp::AdamLaunch::found_inf)
-      .def_readwrite("grad_coef", &shardamp::AdamLaunch::grad_coef)
-      .def_readwrite("hparams", &shardamp::AdamLaunch::hparams)
-      .def_readwrite("chunks", &shardamp::AdamLaunch::chunks)
-      .def_readwrite("records", &shardamp::AdamLaunch::records)
-      .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
-      .def_readwrite("shape", &shardamp::AdamLaunch::shape);
-  m.def("adam_launch", &shardamp::adam_launch, "adam_step over a prepared AdamLaunch", py::arg("launch"));
-  m.def("adam_launch_all", &shardamp::adam_launch_all,
-        "adam_launch over each prepared launch in turn with its grad and the step's hparams, touched, found_inf and "
-        "records; every launch's grad is released afterwards",
-        py::arg("launches"), py::arg("grads"), py::arg("hparams"), py::arg("touched"), py::arg("found_inf"),
-        py::arg("records"), py::arg("prepare") = py::none());
   m.def("adam_prepare", &shardamp::adam_prepare,
         "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <type_traits>
+#include <vector>
 
 #if defined(__CUDACC__)
 #define SHARDAMP_HD __host__ __device__ __forceinline__
@@ -238,6 +239,8 @@ void dispatch_step(const at::Tensor& grad, const at::Tensor& master, const at::T
   });
 }
 
+struct GradPart;  // grad_parts.h
+
 // The validated arguments of adam_step, as the binding hands them to either device.
 struct AdamArgs {
   at::Tensor grad, master, exp_avg, exp_avg_sq;
@@ -245,6 +248,9 @@ struct AdamArgs {
   at::Tensor segments, hparams, steps, touched, grad_coef, found_inf;
   bool adam_w_mode;
   bool bias_correction;
+  // CPU: the grads where autograd left them (grad_parts.h), read in place; ``grad`` is then an
+  // empty tensor of their dtype
+  const std::vector<GradPart>* parts = nullptr;
 };
 
 }  // namespace shardamp

@@ -3,13 +3,62 @@
 // the host microseconds on the CPU and tens of them on a GPU host before its kernel is launched.
 // Each is the separate calls in the same order with the same checks (binding.cpp), so the
 // results are bitwise the same; on CUDA every launch goes to the current stream, as theirs.
+// Also the bucket launch objects' runs (adam_launch, adam_launch_all), which every step path takes.
 #include "fused_step.h"
 
 #include <cstring>
 
 #include "common.h"
+#include "grad_parts.h"
 
 namespace shardamp {
+
+void adam_launch(const AdamLaunch& l) {
+  std::vector<GradPart> parts;
+  if (!l.part_grads.empty()) parts = grad_parts(l.part_grads, l.part_offsets, l.grad.scalar_type(), l.master.numel(),
+                                                "adam_launch");
+  checked_adam_step(l, l.part_grads.empty() ? nullptr : &parts);
+}
+
+// The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
+// launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
+// flag and records (CUDA; None on the CPU), or with ``prepare`` (CUDA: the segments of every
+// launch, kernels.StepRecords' table) the records formed first by adam_prepare over the step
+// counts, grad coefficient and bias correction the launches share (the optimizer's). Every launch
+// lets go of its grad afterwards, also when a launch or the prepare raises: the grad shards are
+// released between steps.
+void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                     const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                     c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
+  struct Release {
+    const std::vector<AdamLaunch*>& launches;
+    ~Release() {
+      for (AdamLaunch* l : launches) {
+        l->grad = at::Tensor();
+        l->part_grads.clear();
+        l->part_offsets.clear();
+      }
+    }
+  } release{launches};
+  SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
+                 " launches, ", grads.size(), " grads)");
+  if (prepare && !launches.empty()) {
+    SHARDAMP_CHECK(!records, "adam_launch_all: records or prepare, not both");
+    const AdamLaunch& first = *launches.front();
+    records = checked_adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf,
+                                   first.bias_correction);
+  }
+  for (size_t i = 0; i < launches.size(); ++i) {
+    AdamLaunch& l = *launches[i];
+    l.grad = grads[i];
+    l.hparams = hparams;
+    l.touched = touched;
+    l.found_inf = found_inf;
+    l.records = records;
+    adam_launch(l);
+  }
+}
+
 namespace {
 
 // ``torch.cat(parts)`` (1-d parts). CPU fp32 parts are copied by memcpy into a new tensor: the
@@ -56,7 +105,7 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
                  const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare) {
   checked_step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale,
                        avg, skip_above, counters, record, ranks, record_host);
-  checked_adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
+  adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
 }
 
 // The whole launch sequence of a step whose stats nothing asked for before it (no clip, no
@@ -90,6 +139,39 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
 
 void register_fused_step(pybind11::module_& m) {
   namespace py = pybind11;
+  // module_local: the CPU and CUDA modules (one process may load both) each register this type
+  // (fused_step.h: shared by two files, so not in an anonymous namespace as the other types are)
+  py::class_<shardamp::AdamLaunch>(m, "AdamLaunch", py::module_local(), "One bucket's step launch: adam_step's arguments by name")
+      .def(py::init([](at::Tensor grad, at::Tensor master, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                       c10::optional<at::Tensor> model_out, at::Tensor segments, at::Tensor hparams, at::Tensor steps,
+                       at::Tensor touched, at::Tensor grad_coef, at::Tensor found_inf, bool adam_w_mode,
+                       bool bias_correction) {
+             return shardamp::AdamLaunch{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps,
+                                         touched, grad_coef, found_inf, adam_w_mode, bias_correction};
+           }),
+           py::kw_only(), py::arg("grad"), py::arg("master"), py::arg("exp_avg"), py::arg("exp_avg_sq"),
+           py::arg("model_out"), py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"),
+           py::arg("grad_coef"), py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"))
+      .def_readwrite("grad", &shardamp::AdamLaunch::grad)
+      .def_readwrite("touched", &shardamp::AdamLaunch::touched)
+      .def_readwrite("found_inf", &shardamp::AdamLaunch::found_inf)
+      .def_readwrite("grad_coef", &shardamp::AdamLaunch::grad_coef)
+      .def_readwrite("hparams", &shardamp::AdamLaunch::hparams)
+      .def_readwrite("chunks", &shardamp::AdamLaunch::chunks)
+      .def_readwrite("records", &shardamp::AdamLaunch::records)
+      .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
+      .def_readwrite("shape", &shardamp::AdamLaunch::shape)
+      .def("set_parts", [](shardamp::AdamLaunch& l, std::vector<at::Tensor> grads, std::vector<int64_t> offsets) {
+             l.part_grads = std::move(grads);
+             l.part_offsets = std::move(offsets);
+           }, "The next launch's grads where autograd left them (CPU): each at its offset in the shard, grad then "
+              "an empty tensor of their dtype; dropped after the launch", py::arg("grads"), py::arg("offsets"));
+  m.def("adam_launch", &adam_launch, "adam_step over a prepared AdamLaunch", py::arg("launch"));
+  m.def("adam_launch_all", &adam_launch_all,
+        "adam_launch over each prepared launch in turn with its grad and the step's hparams, touched, found_inf and "
+        "records; every launch's grad is released afterwards",
+        py::arg("launches"), py::arg("grads"), py::arg("hparams"), py::arg("touched"), py::arg("found_inf"),
+        py::arg("records"), py::arg("prepare") = py::none());
   m.def("stats_cat_finish", &stats_cat_finish,
         "stats_finish over torch.cat(parts) (one process: nothing reduces between): [stats, norm, found_inf, *views]",
         py::arg("parts"), py::arg("end"), py::arg("norm_type"), py::arg("views"));

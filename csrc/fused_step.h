@@ -1,5 +1,5 @@
 // The one-process step's merged calls (fused_step.cpp) and what they are made of: the bucket's
-// launch structure and binding.cpp's checked entry points (each merged call runs the same
+// launch structure, its runs and binding.cpp's checked entry points (each merged call runs the same
 // checks and the same kernels, in the same order, as the separate calls: bitwise the same).
 #pragma once
 
@@ -24,9 +24,13 @@ struct AdamLaunch {
   c10::optional<at::Tensor> chunks, records;
   int64_t record_offset = 0;
   int64_t shape = 0;
+  // CPU, one process: the grads where autograd left them, each at its offset in the shard
+  // (grad_parts.h; ``grad`` is then an empty tensor of their dtype), assigned before a launch
+  std::vector<at::Tensor> part_grads;
+  std::vector<int64_t> part_offsets;
 };
 
-// binding.cpp: stats_finish, step_scalars and adam_launch_all as bound (checks included)
+// binding.cpp: stats_finish, step_scalars, adam_step and adam_prepare as bound (checks included)
 std::vector<at::Tensor> checked_stats_finish(at::Tensor stats, int64_t end, double norm_type,
                                              const std::vector<std::pair<int64_t, int64_t>>& views);
 void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale,
@@ -36,9 +40,18 @@ void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double sc
                           double avg, double skip_above, const c10::optional<at::Tensor>& counters,
                           const c10::optional<at::Tensor>& record, const c10::optional<at::Tensor>& ranks,
                           const c10::optional<at::Tensor>& record_host);
-void checked_adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                             const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
-                             const c10::optional<at::Tensor>& records, const c10::optional<at::Tensor>& prepare);
+struct GradPart;  // grad_parts.h
+// adam_step over ``l``'s arguments with its checks (``parts``: the grads where autograd left them)
+void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts);
+at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                                const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                                bool bias_correction);
+
+// fused_step.cpp: the launch objects' runs (bound as adam_launch, adam_launch_all)
+void adam_launch(const AdamLaunch& l);
+void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                     const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                     c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare);
 
 void register_fused_step(pybind11::module_& m);  // fused_step.cpp
 

@@ -170,17 +170,31 @@ class GradStager {
     s.prearmed = true;
   }
 
-  // Ends the plan: the buckets it landed, in order, as (bucket, shard), and the error of a
-  // landing that failed after taking its grads ("" if none).
-  std::pair<std::vector<std::pair<int64_t, at::Tensor>>, std::string> finish_plan() {
+  // Ends the plan: the buckets it landed, in order, as (bucket, shard, params, grads): a shard
+  // and no grads, or (held in place, set_hold) no shard (None) and the bucket's params and grads;
+  // and the error of a landing that failed after taking its grads ("" if none).
+  std::pair<py::list, std::string> finish_plan() {
     auto& s = *state_;
-    std::lock_guard<std::mutex> lock(s.mu);
-    s.reset_plan_locked();
-    std::vector<std::pair<int64_t, at::Tensor>> landed;
-    std::swap(landed, s.plan_landed);
+    std::vector<StagerState::Landed> landed;
     std::string error;
-    std::swap(error, s.plan_error);
-    return {std::move(landed), std::move(error)};
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      s.reset_plan_locked();
+      std::swap(landed, s.plan_landed);
+      std::swap(error, s.plan_error);
+    }
+    py::list out;
+    for (auto& l : landed) {
+      py::object full = l.full.defined() ? py::cast(l.full) : py::none();
+      out.append(py::make_tuple(l.bucket, full, py::cast(l.params), py::cast(l.grads)));
+    }
+    return {out, std::move(error)};
+  }
+
+  // Let complete CPU buckets be held in place under the plan (StagerState::hold_planned).
+  void set_hold(bool hold) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->hold = hold;
   }
 
   py::bytes touched() {
@@ -286,6 +300,7 @@ void register_grad_stager(py::module& m) {
       .def("land", &GradStager::land, py::arg("bucket"), py::arg("full"), py::arg("zero_rest") = false)
       .def("set_plan", &GradStager::set_plan, py::arg("next"), py::arg("assign"), py::arg("entries"))
       .def("finish_plan", &GradStager::finish_plan)
+      .def("set_hold", &GradStager::set_hold, py::arg("hold"))
       .def("set_standing", &GradStager::set_standing, py::arg("entries"))
       .def("prearm", &GradStager::prearm, py::arg("flags"))
       .def("is_staged", &GradStager::is_staged, py::arg("index"))

@@ -50,7 +50,17 @@ struct StagerState {
   bool plan_active = false;
   int64_t plan_next = 0;  // the next bucket to launch, as GradSync.next_launch
   bool plan_assign = false;  // the next landing's partial replaces the shared row's values
-  std::vector<std::pair<int64_t, at::Tensor>> plan_landed;  // in landing order
+  // A bucket the plan landed: its shard, or (``hold``) its grads left where autograd put them
+  // (params and grads, in staging order; ``full`` undefined): read in place by the flags' pass
+  // here and by the step, the shard made only if something else reads it (grad_parts.h)
+  struct Landed {
+    int64_t bucket;
+    at::Tensor full;
+    std::vector<int64_t> params;
+    std::vector<at::Tensor> grads;
+  };
+  std::vector<Landed> plan_landed;  // in landing order
+  bool hold = false;  // set_hold: a CPU bucket's grads are held in place where they allow it (holdable)
   std::string plan_error;  // a landing that failed after taking its grads: Python raises it
   // The standing plan (set_standing): the entries every pre-armed backward starts from, without
   // their flags. prearm(flags) (zero_grad, every bucket released) arms the stager and sets the
@@ -74,6 +84,11 @@ struct StagerState {
   // allocation that fails leaves the grads staged and hands the bucket to Python (which raises
   // it); a failure after the grads were taken is kept for Python to raise (finish_plan).
   void land_planned(int64_t b);
+
+  // land_planned's zero-copy landing of bucket b (``hold``): where every staged grad is a dense
+  // CPU tensor in its param's layout and dtype and the bucket holds no inf/NaN, its flags' pass
+  // runs over the grads in place and they are taken as held (true); else nothing changes (false)
+  bool hold_planned(int64_t b, const PlanEntry& e, bool assign);
 
   // land() into `full` (allocated uninitialized: zero_rest) and the flags' and partial's pass
   // over it: the hook's merged landing under the plan (land_planned)

@@ -10,7 +10,6 @@
 #include "common.h"
 
 namespace shardamp {
-namespace {
 
 // ``g`` puts every element where ``p`` does: equal sizes, and equal strides wherever a size is not
 // 1 (a size-1 dim's stride moves no element). Autograd hands grads over in exactly this form (its
@@ -26,6 +25,8 @@ bool same_layout(const at::Tensor& g, const at::Tensor& p) {
   }
   return true;
 }
+
+namespace {
 
 // Zeroing ranges (null src) for the bytes of [base, base + total) outside every ``covered``
 // (start, bytes) span, appended to ``out``. Spans never overlap (each is one param's slot).

@@ -24,6 +24,9 @@ struct CopyRange {
 // through views and one multi-tensor op. ``zero_rest`` (copies only): every byte of ``full`` no
 // byte range writes is zeroed in the same pass (a buffer allocated uninitialized: the zero fill
 // is not a launch of its own). Throws std::runtime_error only.
+// ``g`` puts every element where ``p`` does: equal sizes, and equal strides wherever a size is not 1.
+bool same_layout(const at::Tensor& g, const at::Tensor& p);
+
 void land_grads(at::Tensor& full, const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& like,
                 const std::vector<int64_t>& offsets, bool accumulate, bool zero_rest = false);
 

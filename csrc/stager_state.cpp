@@ -7,6 +7,7 @@
 
 #include "common.h"
 #include "grad_release.h"
+#include "grad_parts.h"
 #include "land_grads.h"
 
 namespace shardamp {
@@ -95,13 +96,50 @@ void StagerState::hook_body(int64_t i) {
   }
 }
 
+bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
+  // under `mu` throughout: the grads checked are the grads taken
+  std::lock_guard<std::mutex> lock(mu);
+  std::vector<at::Tensor> grads;
+  std::vector<int64_t> offsets;
+  for (const auto& pg : pending[b]) {
+    const at::Tensor& g = pg.second;
+    const at::Tensor& p = params[pg.first];
+    if (!g.is_cpu() || g.scalar_type() != e.like.scalar_type() || g.is_sparse() ||
+        !g.is_non_overlapping_and_dense() || !p.is_non_overlapping_and_dense() || !same_layout(g, p)) {
+      return false;
+    }
+    grads.push_back(g);
+    offsets.push_back(offset[pg.first]);
+  }
+  if (grads.empty() || !checked_bucket_stats_parts(grads, offsets, e.numel, e.partial, assign)) return false;
+  Landed held{b, at::Tensor(), {}, std::move(grads)};
+  for (auto& pg : pending[b]) {
+    held.params.push_back(pg.first);
+    staged[pg.first] = 0;
+  }
+  pending[b].clear();
+  staged_bytes[b] = 0;
+  plan_landed.push_back(std::move(held));
+  plan_next = b + 1;
+  plan_assign = false;
+  return true;
+}
+
 void StagerState::land_planned(int64_t b) {
   PlanEntry e;
   bool assign;
+  bool held;
   {
     std::lock_guard<std::mutex> lock(mu);
     std::swap(e, plan[b]);
     assign = plan_assign;
+    held = hold;
+  }
+  if (held) {
+    try {
+      if (hold_planned(b, e, assign)) return;
+    } catch (const std::exception&) {  // nothing was taken or written: the grads land below
+    }
   }
   at::Tensor full;
   try {
@@ -123,7 +161,7 @@ void StagerState::land_planned(int64_t b) {
     return;
   }
   std::lock_guard<std::mutex> lock(mu);
-  plan_landed.emplace_back(b, std::move(full));
+  plan_landed.push_back({b, std::move(full), {}, {}});
   plan_next = b + 1;
   plan_assign = false;
 }

@@ -80,6 +80,9 @@ class Settings:
         python_grad_hooks: land grads through Python hooks even where native ones exist (the
             path compiled autograd traces: the native hooks are opaque to it).
         async_grad_release: free landed CUDA grads on the release thread (else inline).
+        copy_grads: one process on the CPU, land every grad in its bucket's flat shard (a copy)
+            even where the step could read it where autograd left it (``SHARDAMP_COPY_GRADS``:
+            for A/B measurements and to rule the zero-copy landing out).
         offload_threads: threads of an offloaded step's CPU kernels, 0 for the cores divided by
             the ranks on the host (docs/offload.md).
     """
@@ -97,6 +100,7 @@ class Settings:
     python_grad_hooks: bool = False
     async_grad_release: bool = True
     offload_threads: int = 0
+    copy_grads: bool = False
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -191,6 +195,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_PYTHON_GRAD_HOOKS": ("python_grad_hooks", lambda n, v: _flag(n, v, False)),
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
     "SHARDAMP_OFFLOAD_THREADS": ("offload_threads", _threads),
+    "SHARDAMP_COPY_GRADS": ("copy_grads", lambda n, v: _flag(n, v, False)),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

@@ -23,7 +23,7 @@ from .step.cycle import Action, StepCycle
 from .step.torch_scaler import ScalerHooks
 from . import kernels
 from .comm.collectives import Comm, make_comm
-from .shards.buffers import (BucketBuffers, adam_launches, allocate_all, check_remainders, check_views,
+from .shards.buffers import (BucketBuffers, ShardGrads, adam_launches, allocate_all, check_remainders, check_views,
                              reattach_param)
 from .checks.misuse import check_setup
 from .step.grad_stats import HEADER, GradStats, TouchedPatterns
@@ -350,7 +350,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         r = self._current_round()
         if r.stats is not None:
             if norm_type not in r.raw_norms:
-                shards, reduce = [b.grad_shard for b in self._buffers], self._reduce_grad_stats
+                shards, reduce = ShardGrads(self._buffers), self._reduce_grad_stats
                 r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, reduce))
             return r.stats
         self._deferred.check_last_step(force=True)
@@ -362,7 +362,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         problem = problem or self._grad_sync.refusal
         # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
         r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
-        shards = [b.grad_shard for b in self._buffers]
+        shards = ShardGrads(self._buffers)
         reduce = self._reduce_grad_stats
         if (not self._comm.has_peers
                 and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
@@ -477,7 +477,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         # first layers first, each all-gather after its bucket's kernel (none: one shard rank); offload: host_state.py
         stats = grad_stats.launch_step(stats, bad_clip, self._host.launch_step, step_args, coef, r.coef_parts(),
                                        self._steps, launches, forward_order(len(self._buckets)),
-                                       [b.grad_shard for b in self._buffers], hparams, self._records,
+                                       ShardGrads(self._buffers), hparams, self._records,
                                        self.bias_correction, self._param_sync.launch if self._param_sync.gathers else None)
         if planned:  # the step's one native call finished them
             r.set_stats(stats)

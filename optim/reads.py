@@ -250,7 +250,8 @@ class OptimizerReads:
         (exp_avg + exp_avg_sq as their format stores them, ``StateFormat.nbytes``: 4 B/element
         each in fp32, 2 in bf16; a blockwise format's codes plus one fp32 scale per block,
         exactly as allocated),
-        ``grad_shards`` (reduced grads), ``grad_buckets`` (full-size bucket buffers alive now:
+        ``grad_shards`` (reduced grads; at one process on the CPU, grads the step reads where
+        autograd left them count here too), ``grad_buckets`` (full-size bucket buffers alive now:
         with ``capturable`` all of them, else at most the ones in flight), ``param_sync`` (the
         lower-precision all-gather buffers), and ``total`` (these kinds: the params' device);
         then what ``offload="cpu"`` keeps in host memory: ``host_master``, ``host_moments``

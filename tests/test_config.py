@@ -32,6 +32,7 @@ def test_defaults_without_environment() -> None:
     ("SHARDAMP_COLLECTIVE_WATCHDOG", "force", "collective_watchdog", "force"),
     ("SHARDAMP_PYTHON_GRAD_HOOKS", "1", "python_grad_hooks", True),
     ("SHARDAMP_ASYNC_GRAD_RELEASE", "0", "async_grad_release", False),
+    ("SHARDAMP_COPY_GRADS", "1", "copy_grads", True),
 ])
 def test_each_variable_parses_into_its_field(var, raw, field, value) -> None:
     assert getattr(config.from_environment({var: raw}), field) == value

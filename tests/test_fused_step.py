@@ -146,8 +146,11 @@ def test_merged_calls_train_bit_for_bit_as_the_separate_landings(device, monkeyp
     other = separate["calls"]
     assert other["stats_cat_finish"] == other["step_launch"] == 6
     assert other["bucket_stats"] == 7 * b  # the Python hooks: every bucket lands the separate way
-    # the second pass's and the kept shards' adds: one call a bucket, either way
-    assert calls["land_grads"] == 2 * b and other["land_grads"] >= 2 * b
+    # the second pass's and the kept shards' adds: one call a bucket, either way; on the CPU the
+    # buckets the first pass held in place (every one the hook landed: all but the out-of-order
+    # one) are landed in their shards first, one call each
+    held = b - 1 if device == "cpu" else 0
+    assert calls["land_grads"] == 2 * b + held and other["land_grads"] >= 2 * b
     assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
     assert "planned" not in other
     for a, b in zip(merged["params"], separate["params"]):
@@ -168,7 +171,7 @@ def _train_unscaled(device: str, monkeypatch, merged: bool, steps: int = 7) -> D
         monkeypatch.delattr(ext, "stats_step")
     calls: Counter = Counter()
     for name in ("stats_step", "stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
-                 "group_partials"):
+                 "group_partials", "group_partials_parts"):
         if hasattr(ext, name):
             monkeypatch.setattr(ext, name, _counted(calls, name, getattr(ext, name)))
     torch.manual_seed(0)
@@ -215,7 +218,10 @@ def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
     # four unclipped steps of seven: one call each; the clipped ones finish at the clip
     assert calls["stats_step"] == 4 and calls["stats_cat_finish"] == calls["step_launch"] == 3
     assert other["stats_cat_finish"] == other["step_launch"] == 7 and "stats_step" not in other
-    assert calls["group_partials"] == other["group_partials"] == 7 * merged["buckets"]
+    # each bucket's group partials every step, over its shard or (CPU) its grads held in place
+    for counts in (calls, other):
+        assert counts.get("group_partials", 0) + counts.get("group_partials_parts", 0) == 7 * merged["buckets"]
+        assert (counts.get("group_partials_parts", 0) > 0) == (device == "cpu")
     assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
     for a, b in zip(merged["params"], separate["params"]):
         assert torch.equal(a, b)
@@ -350,11 +356,13 @@ def test_a_hook_landing_that_cannot_allocate_lands_from_python(monkeypatch):
 
 
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
-def test_a_hook_landing_failing_after_taking_the_grads_raises_rejects_non_fp32_flags():
+def test_a_hook_landing_failing_after_taking_the_grads_raises_rejects_non_fp32_flags(monkeypatch):
     """The hook's flags pass fails once the grads were taken (flags of the wrong dtype): the
     backward raises, naming the bucket, instead of stepping on a bucket of missing grads; under a
-    plan armed at the first grad and under one set at zero_grad alike.
+    plan armed at the first grad and under one set at zero_grad alike. (The landing that copies:
+    held in place, finite grads have no flag to write.)
     (benchmarks/gpu_session.sh leaves it out by name: the error is raised inside an extension.)"""
+    set_env(monkeypatch, "SHARDAMP_COPY_GRADS", "1")
     model, _, opt, _ = _residual_with_plan(lambda e: (*e[:4], e[4].double(), e[5]))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
     for _ in range(2):  # no zero_grad before the first backward: armed at its first grad; then at zero_grad

@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.scaler import ShardedGradScaler
 
+from conftest import set_env
 from landings import count_landings
 
 # ops that launch nothing: views, metadata, allocation, profiler markers
@@ -121,15 +122,21 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("scaled", [True, False])
-def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: bool) -> None:
+@pytest.mark.parametrize("copy", [False, True])
+def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: bool, copy: bool,
+                                               monkeypatch) -> None:
     """Per bucket: one call that lands its grads and passes over them once for their non-finite
     flags (the step's health) and the norm partial (one rank: the bucket is the shard; the
-    stager's hook under a landing plan, which runs ``bucket_stats``); with several
-    groups each group's partial too; per step one call that assembles and finishes the stats (one
-    process: nothing reduces them in between) and one call for the scalar launch and every
-    bucket's step (one rank: nothing is all-gathered between them); where nothing asked for the
-    stats before the step (no unscale, no clip) those two are the step's ONE call. A new pass
-    over the grads shows up here."""
+    stager's hook under a landing plan, which runs ``bucket_stats``, or on the CPU the same pass
+    over the grads where autograd left them, no copy: ``copy`` False); with several
+    groups each group's partial too (over the held grads: ``group_partials_parts``); per step one
+    call that assembles and finishes the stats (one process: nothing reduces them in between)
+    and one call for the scalar launch and every bucket's step (one rank: nothing is
+    all-gathered between them); where nothing asked for the stats before the step (no unscale,
+    no clip) those two are the step's ONE call. A new pass over the grads, or a landing the
+    zero-copy path should not make, shows up here."""
+    if copy:
+        set_env(monkeypatch, "SHARDAMP_COPY_GRADS", "1")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
     params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
@@ -142,7 +149,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     assert buckets >= 2  # the per-bucket counts are told apart from the per-step ones
     want = {"stats_cat_finish": 1, "step_launch": 1} if scaled or clip else {"stats_step": 1}
     if groups > 1:
-        want["group_partials"] = buckets
+        want["group_partials" if copy else "group_partials_parts"] = buckets
     calls = _native_calls(opt, scaler, model, clip)
     # every bucket lands in the hook, under the plan set at zero_grad
     assert calls.pop("planned", 0) == buckets

@@ -70,7 +70,7 @@ inline void split_block(const fVec& a, const fVec& b, uint16_t* hi, int16_t* lo)
 // fp32 elements took 210 us at 512 bits and 181 us at 256 (torch's fused AdamW there, also
 // 256-bit, 160-168 us). Each element's operations are the same IEEE operations
 // in the same order at either width (no contraction: -ffp-contract=off), so the results are the
-// same bit for bit (grad_stats' L2 sums likewise, lane for lane: fused_adam_cpu.cpp).
+// same bit for bit (grad_stats' L2 sums likewise, lane for lane: grad_stats_cpu.cpp).
 template <typename G, typename O, typename M, typename V, bool R>
 constexpr bool kUpdate256 =
 #if defined(CPU_CAPABILITY_AVX512)

@@ -1,333 +1,26 @@
-// CPU versions of the two kernels whose contract is written at the top of optim/kernels/reference.py:
-// grad_stats (sum |g|^p or max|g|, plus a non-finite flag, in one read pass) and adam_step
-// (one fused pass over the segments of a shard).
-//
-// Both split their work into fixed-size chunks and hand chunks to at::parallel_for. The chunk
-// size, not the thread count, decides the summation order of grad_stats, so its result is the
-// same bit for bit on 1 or N threads.
+// The CPU version of adam_step, whose contract is written at the top of
+// optim/kernels/reference.py: one fused pass over the segments of a shard, chunk by chunk with
+// at::parallel_for; the grads read from the flat shard or where autograd left them (grad_parts.h).
 //
 // optim/kernels/build.py compiles this file for the vector ISA torch itself uses (at::vec's
 // CPU_CAPABILITY_AVX512 / _AVX2) or baseline x86-64, each into a separately named module.
 
 #include "adam_vec.h"
+#include "../grad_parts.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
 #include <tuple>
 #include <vector>
 
 namespace shardamp {
 namespace cpu {
-
-// ---------------------------------------------------------------------------------------------
-// grad_stats
-
-constexpr int64_t kStatsChunk = 1 << 16;
-
-// Finite p: accumulate |g|^p; kMax: NaN-propagating max of |g| (torch.maximum semantics).
-enum class Norm { kTwo, kOne, kGeneric, kMax };
-
-template <Norm N>
-inline fVec stat_combine(const fVec& acc, const fVec& x, const fVec& p) {
-  if constexpr (N == Norm::kTwo) return acc + x * x;
-  if constexpr (N == Norm::kOne) return acc + x.abs();
-  if constexpr (N == Norm::kGeneric) return acc + x.abs().pow(p);
-  return at::vec::maximum(acc, x.abs());  // propagates NaN
-}
-
-template <Norm N>
-inline float stat_combine(float acc, float x, float p) {
-  if constexpr (N == Norm::kTwo) return acc + x * x;
-  if constexpr (N == Norm::kOne) return acc + std::fabs(x);
-  if constexpr (N == Norm::kGeneric) return acc + std::pow(std::fabs(x), p);
-  return nan_max(acc, std::fabs(x));
-}
-
-// A type of this namespace, so that std::vector<Partial> is instantiated once per CPU build.
-struct Partial {
-  float acc, bad;
-};
-
-#if defined(CPU_CAPABILITY_AVX512)
-// chunk_partial's L2 sums of fp32 grads at 256 bits in the AVX-512 build, lane for lane its
-// 512-bit loop's (a0's 16 lanes are acc[0] and acc[1], a1's acc[2] and acc[3]; the same adds in
-// the same order), so the bits are the same; why 256: as the step's update (adam_vec.h,
-// update_fp32_256), the loop measured faster in the iteration at this width.
-inline Partial chunk_partial_l2_256(const float* g, int64_t lo, int64_t hi) {
-  __m256 acc[4], bad[4];
-  for (int k = 0; k < 4; ++k) acc[k] = bad[k] = _mm256_setzero_ps();
-  int64_t i = lo;
-  for (; i + kV <= hi; i += kV) {
-    for (int k = 0; k < 4; ++k) {
-      const __m256 x = _mm256_loadu_ps(g + i + 8 * k);
-      acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, x));
-      bad[k] = _mm256_add_ps(bad[k], _mm256_sub_ps(x, x));
-    }
-  }
-  alignas(64) float la[2 * 8], lb[2 * 8];
-  _mm256_store_ps(la, _mm256_add_ps(acc[0], acc[2]));
-  _mm256_store_ps(la + 8, _mm256_add_ps(acc[1], acc[3]));
-  _mm256_store_ps(lb, _mm256_add_ps(bad[0], bad[2]));
-  _mm256_store_ps(lb + 8, _mm256_add_ps(bad[1], bad[3]));
-  float s = 0.f, f = 0.f;
-  for (int64_t k = 0; k < 16; ++k) {
-    s = s + la[k];
-    f += lb[k];
-  }
-  for (; i < hi; ++i) {
-    const float x = g[i];
-    s = s + x * x;
-    f += x - x;
-  }
-  return Partial{s, f};
-}
-static_assert(kW == 16 && kV == 32, "chunk_partial_l2_256 mirrors the 512-bit loop: two vectors of 16 lanes a step");
-#endif
-
-// One chunk's partial [lo, hi): the unit of grad_stats' fixed summation order.
-template <typename T, Norm N>
-inline Partial chunk_partial(const T* g, int64_t lo, int64_t hi, float p) {
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float> && N == Norm::kTwo) return chunk_partial_l2_256(g, lo, hi);
-#endif
-  const fVec vp(p);
-  // Two accumulators per lane keep two independent dependency chains in flight. `bad`
-  // sums x - x, which is 0 for finite x and NaN for inf/NaN, and stays NaN once it is.
-  fVec a0(0.f), a1(0.f), b0(0.f), b1(0.f);
-  int64_t i = lo;
-  for (; i + kV <= hi; i += kV) {
-    fVec x0, x1;
-    load2(g + i, x0, x1);
-    a0 = stat_combine<N>(a0, x0, vp);
-    a1 = stat_combine<N>(a1, x1, vp);
-    b0 = b0 + (x0 - x0);
-    b1 = b1 + (x1 - x1);
-  }
-  float s = 0.f, f = 0.f;
-  alignas(64) float la[kW], lb[kW];
-  if constexpr (N == Norm::kMax) {
-    at::vec::maximum(a0, a1).store(la);
-  } else {
-    (a0 + a1).store(la);
-  }
-  (b0 + b1).store(lb);
-  for (int64_t k = 0; k < kW; ++k) {
-    s = N == Norm::kMax ? nan_max(s, la[k]) : s + la[k];
-    f += lb[k];
-  }
-  for (; i < hi; ++i) {
-    const float x = static_cast<float>(g[i]);
-    s = stat_combine<N>(s, x, p);
-    f += x - x;
-  }
-  return Partial{s, f};
-}
-
-// Every chunk's partial, in parallel, in chunk order.
-template <typename T, Norm N>
-std::vector<Partial> chunk_partials(const T* g, int64_t n, float p) {
-  const int64_t nchunks = (n + kStatsChunk - 1) / kStatsChunk;
-  std::vector<Partial> part(nchunks);
-  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      part[c] = chunk_partial<T, N>(g, c * kStatsChunk, std::min(n, (c + 1) * kStatsChunk), p);
-    }
-  });
-  return part;
-}
-
-// The chunks' partials folded in chunk order into out (assigned instead of added to if `assign`).
-template <Norm N>
-void fold_partials(const std::vector<Partial>& part, float* out, bool assign) {
-  const float before0 = assign ? 0.f : out[0];
-  float s = N == Norm::kMax ? before0 : 0.f, f = 0.f;
-  for (const Partial& q : part) {
-    s = N == Norm::kMax ? nan_max(s, q.acc) : s + q.acc;
-    f += q.bad;
-  }
-  out[0] = N == Norm::kMax ? s : before0 + s;
-  const float before1 = assign ? 0.f : out[1];
-  out[1] = f != 0.f ? std::fmax(before1, 1.f) : before1;  // NaN != 0 too
-}
-
-template <typename T, Norm N>
-void stats_impl(const T* g, int64_t n, float p, float* out) {
-  fold_partials<N>(chunk_partials<T, N>(g, n, p), out, false);
-}
-
-template <typename T>
-void stats_dispatch_norm(const T* g, int64_t n, double norm_type, float* out) {
-  if (std::isinf(norm_type)) return stats_impl<T, Norm::kMax>(g, n, 0.f, out);
-  if (norm_type == 2.0) return stats_impl<T, Norm::kTwo>(g, n, 2.f, out);
-  if (norm_type == 1.0) return stats_impl<T, Norm::kOne>(g, n, 1.f, out);
-  stats_impl<T, Norm::kGeneric>(g, n, static_cast<float>(norm_type), out);
-}
-
-void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type) {
-  const int64_t n = grad.numel();
-  if (n == 0) return;
-  float* o = out.data_ptr<float>();
-  switch (grad.scalar_type()) {
-    case at::kFloat: return stats_dispatch_norm(grad.data_ptr<float>(), n, norm_type, o);
-    case at::kBFloat16: return stats_dispatch_norm(grad.data_ptr<at::BFloat16>(), n, norm_type, o);
-    case at::kHalf: return stats_dispatch_norm(grad.data_ptr<at::Half>(), n, norm_type, o);
-    default: SHARDAMP_CHECK(false, "grad_stats: unsupported grad dtype ", grad.scalar_type());
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// group_partials: each param group's partial of a shard, segment by segment, with grad_stats'
-// arithmetic: a segment of at most one chunk is one chunk's partial (many small segments are
-// computed in parallel, each by one thread), a longer one goes through stats_impl; folded into
-// out[group] in segment order, so the result does not depend on the thread count.
-template <typename T, Norm N>
-void groups_impl(const T* g, const int64_t* rows, int64_t count, float p, float* o) {
-  std::vector<float> part(count, 0.f);
-  at::parallel_for(0, count, 256, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t start = rows[4 * r], len = rows[4 * r + 1];
-      if (len > 0 && len <= kStatsChunk) part[r] = chunk_partial<T, N>(g + start, 0, len, p).acc;
-    }
-  });
-  for (int64_t r = 0; r < count; ++r) {
-    const int64_t start = rows[4 * r], len = rows[4 * r + 1], group = rows[4 * r + 3];
-    if (len == 0) continue;
-    if (len > kStatsChunk) {
-      float big[2] = {0.f, 0.f};
-      stats_impl<T, N>(g + start, len, p, big);
-      part[r] = big[0];
-    }
-    o[group] = N == Norm::kMax ? nan_max(o[group], part[r]) : o[group] + part[r];
-  }
-}
-
-template <typename T>
-void groups_dispatch_norm(const T* g, const int64_t* rows, int64_t count, double norm_type, float* o) {
-  if (std::isinf(norm_type)) return groups_impl<T, Norm::kMax>(g, rows, count, 0.f, o);
-  if (norm_type == 2.0) return groups_impl<T, Norm::kTwo>(g, rows, count, 2.f, o);
-  if (norm_type == 1.0) return groups_impl<T, Norm::kOne>(g, rows, count, 1.f, o);
-  groups_impl<T, Norm::kGeneric>(g, rows, count, static_cast<float>(norm_type), o);
-}
-
-void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type) {
-  const int64_t* rows = segments.data_ptr<int64_t>();
-  const int64_t count = segments.size(0);
-  float* o = out.data_ptr<float>();
-  switch (grad.scalar_type()) {
-    case at::kFloat: return groups_dispatch_norm(grad.data_ptr<float>(), rows, count, norm_type, o);
-    case at::kBFloat16: return groups_dispatch_norm(grad.data_ptr<at::BFloat16>(), rows, count, norm_type, o);
-    case at::kHalf: return groups_dispatch_norm(grad.data_ptr<at::Half>(), rows, count, norm_type, o);
-    default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", grad.scalar_type());
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// nonfinite_flags: one vectorized pass over the buffer (x - x is NaN exactly for inf/NaN), chunk
-// by chunk in parallel; only a chunk holding a non-finite value is read again, element by
-// element, each such element's row found by binary search (rows sorted by start).
-
-constexpr int64_t kFlagsChunk = 1 << 16;
-
-template <typename T>
-float chunk_bad(const T* x, int64_t lo, int64_t hi) {
-  fVec b0(0.f), b1(0.f);
-  int64_t i = lo;
-  for (; i + kV <= hi; i += kV) {
-    fVec x0, x1;
-    load2(x + i, x0, x1);
-    b0 = b0 + (x0 - x0);
-    b1 = b1 + (x1 - x1);
-  }
-  alignas(64) float lb[kW];
-  (b0 + b1).store(lb);
-  float f = 0.f;
-  for (int64_t k = 0; k < kW; ++k) f += lb[k];
-  for (; i < hi; ++i) {
-    const float v = static_cast<float>(x[i]);
-    f += v - v;
-  }
-  return f;
-}
-
-// Chunk c, known to hold an inf/NaN, read again element by element: each such element's row set.
-template <typename T>
-void flag_chunk(const T* x, int64_t n, int64_t c, const int64_t* rows, int64_t n_rows, float* flags,
-                int64_t any_index) {
-  for (int64_t i = c * kFlagsChunk, hi = std::min(n, (c + 1) * kFlagsChunk); i < hi; ++i) {
-    const float v = static_cast<float>(x[i]);
-    if (v - v == 0.f) continue;
-    const int64_t row = find_row(rows, n_rows, i);
-    if (row >= 0) {
-      flags[rows[3 * row + 2]] = 1.f;
-      flags[any_index] = 1.f;
-    }
-  }
-}
-
-template <typename T>
-void flags_impl(const T* x, int64_t n, const int64_t* rows, int64_t n_rows, float* flags, int64_t any_index) {
-  const int64_t nchunks = (n + kFlagsChunk - 1) / kFlagsChunk;
-  std::vector<char> bad(nchunks, 0);
-  at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      bad[c] = chunk_bad(x, c * kFlagsChunk, std::min(n, (c + 1) * kFlagsChunk)) != 0.f;  // NaN != 0 too
-    }
-  });
-  for (int64_t c = 0; c < nchunks; ++c) {
-    if (bad[c]) flag_chunk(x, n, c, rows, n_rows, flags, any_index);
-  }
-}
-
-// bucket_stats: grad_stats' chunk partials (norm 2, so its sum exactly), whose non-finite sums
-// also say which chunks to read again for the flags: one pass over the bucket unless it holds an
-// inf/NaN.
-template <typename T>
-void bucket_stats_impl(const T* x, int64_t n, const int64_t* rows, int64_t n_rows, float* flags, int64_t any_index,
-                       float* out, bool assign) {
-  static_assert(kFlagsChunk == kStatsChunk, "a stats chunk is the flags' chunk");
-  const std::vector<Partial> part = chunk_partials<T, Norm::kTwo>(x, n, 2.f);
-  for (int64_t c = 0; c < static_cast<int64_t>(part.size()); ++c) {
-    if (part[c].bad != 0.f) flag_chunk(x, n, c, rows, n_rows, flags, any_index);  // NaN != 0 too
-  }
-  fold_partials<Norm::kTwo>(part, out, assign);
-}
-
-void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out, bool assign) {
-  const int64_t n = full.numel(), n_rows = rows.size(0);
-  float* o = out.data_ptr<float>();
-  if (n == 0) {
-    if (assign) o[0] = o[1] = 0.f;
-    return;
-  }
-  const int64_t* r = rows.data_ptr<int64_t>();
-  float* f = flags.data_ptr<float>();
-  const int64_t any = flags.numel() - 1;
-  switch (full.scalar_type()) {
-    case at::kFloat: return bucket_stats_impl(full.data_ptr<float>(), n, r, n_rows, f, any, o, assign);
-    case at::kBFloat16: return bucket_stats_impl(full.data_ptr<at::BFloat16>(), n, r, n_rows, f, any, o, assign);
-    case at::kHalf: return bucket_stats_impl(full.data_ptr<at::Half>(), n, r, n_rows, f, any, o, assign);
-    default: SHARDAMP_CHECK(false, "bucket_stats: unsupported dtype ", full.scalar_type());
-  }
-}
-
-void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags) {
-  const int64_t n = full.numel(), n_rows = rows.size(0);
-  if (n == 0 || n_rows == 0) return;
-  const int64_t* r = rows.data_ptr<int64_t>();
-  float* f = flags.data_ptr<float>();
-  const int64_t any = flags.numel() - 1;
-  switch (full.scalar_type()) {
-    case at::kFloat: return flags_impl(full.data_ptr<float>(), n, r, n_rows, f, any);
-    case at::kBFloat16: return flags_impl(full.data_ptr<at::BFloat16>(), n, r, n_rows, f, any);
-    case at::kHalf: return flags_impl(full.data_ptr<at::Half>(), n, r, n_rows, f, any);
-    default: SHARDAMP_CHECK(false, "nonfinite_flags: unsupported dtype ", full.scalar_type());
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // adam_step
 
@@ -337,9 +30,28 @@ struct Step {
   SegmentScalars sc;
 };
 
+// With the grads where autograd left them (AdamArgs::parts): per segment, a pointer indexed as the
+// shard is (element i of the segment at [i]), into the part that holds the segment.
+template <typename G>
+std::vector<const G*> segment_grads(const std::vector<GradPart>& parts, const std::vector<Step>& segs) {
+  std::vector<const G*> out(segs.size(), nullptr);
+  for (size_t k = 0; k < segs.size(); ++k) {
+    const Step& s = segs[k];
+    if (s.skip || s.len == 0) continue;
+    auto it = std::upper_bound(parts.begin(), parts.end(), s.start,
+                               [](int64_t i, const GradPart& q) { return i < q.start + q.len; });
+    SHARDAMP_CHECK(it != parts.end() && it->start <= s.start && s.start + s.len <= it->start + it->len,
+                   "adam_step: no grad part holds segment ", k, " (elements ", s.start, " to ", s.start + s.len, ")");
+    out[k] = reinterpret_cast<const G*>(reinterpret_cast<std::uintptr_t>(it->data) -
+                                        static_cast<std::uintptr_t>(it->start) * sizeof(G));
+  }
+  return out;
+}
+
 template <typename G, typename O, typename M, typename V, bool R>
 void adam_impl(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* chunks, int64_t nchunks) {
-  const G* g = a.grad.data_ptr<G>();
+  const G* g = a.parts == nullptr ? a.grad.data_ptr<G>() : nullptr;
+  const std::vector<const G*> seg_g = a.parts == nullptr ? std::vector<const G*>() : segment_grads<G>(*a.parts, segs);
   void* p = a.master.data_ptr();
   M* m = a.exp_avg.data_ptr<M>();
   V* v = a.exp_avg_sq.data_ptr<V>();
@@ -348,9 +60,11 @@ void adam_impl(const AdamArgs& a, const std::vector<Step>& segs, const int64_t* 
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t start = chunks[2 * c], packed = chunks[2 * c + 1];
-      const Step& s = segs[chunk_segment(packed)];
+      const int64_t seg = chunk_segment(packed);
+      const Step& s = segs[seg];
       if (s.skip) continue;
-      adam_chunk<G, O, M, V, R>(g, p, m, v, o, start, start + chunk_length(packed), s.sc, a.adam_w_mode);
+      adam_chunk<G, O, M, V, R>(a.parts == nullptr ? g : seg_g[seg], p, m, v, o, start, start + chunk_length(packed), s.sc,
+                                a.adam_w_mode);
     }
   });
 }
@@ -395,3 +109,4 @@ const char* capability() { return "DEFAULT"; }
 
 }  // namespace cpu
 }  // namespace shardamp
+

@@ -237,6 +237,19 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
     ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
 
 
+def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float) -> bool:
+    """:func:`group_partials` over a bucket's grads held where autograd left them
+    (``shards.buffers.HeldGrads``: one process, CPU), the same sums as over its landed shard;
+    False where the compiled kernels do not take them (the caller reads the shard)."""
+    if not segments.segments:
+        return True
+    ext = _native(held.marker.device)
+    if ext is None or not hasattr(ext, "group_partials_parts"):
+        return False
+    ext.group_partials_parts(held.grads, held.offsets, held.numel, _host_rows(segments), out, float(norm_type))
+    return True
+
+
 def stats_finish(stats: Tensor, end: int, norm_type: float,
                  views: Sequence[Tuple[int, int]] = ()) -> List[Tensor]:
     """``[norm, found_inf, *views]`` from the reduced stats, their touched counts ``stats[2:end]``
@@ -371,7 +384,7 @@ def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor) -> Op
             adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
         native.record_offset = launch.record_offset
     light = light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, grad.dtype)
-    native.chunks = shard_chunks(ext, launch.segments, grad, launch.steps, hparams, light)
+    native.chunks = shard_chunks(ext, launch.segments, grad.device, launch.master.numel(), launch.steps, hparams, light)
     native.shape = tuned[0] if tuned is not None else 0
     launch._tuned, launch._grad_dtype = tuned, grad.dtype
     return native
@@ -389,7 +402,9 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
     call where it can. The launches let go of their grad shards afterwards."""
     if not order:
         return
-    device = grads[order[0]].device
+    held = getattr(grads, "held", None)  # shards.buffers.ShardGrads: a bucket's grads may be read in place
+    first = held(order[0]) if held is not None else None
+    device = first.marker.device if first is not None else grads[order[0]].device
     ext = _native(device)
     cuda = device.type == "cuda"
     natives: Optional[List[Any]] = None  # every launch's native object, if all take the compiled kernels
@@ -417,16 +432,26 @@ def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[in
                     hparams: Tensor) -> Tuple[Optional[List[Any]], List[Tensor]]:
     """The extension's launch objects of ``launches[i]`` for each ``i`` of ``order`` that has
     segments, and their grad shards; ``(None, [])`` if some launch does not take the compiled
-    kernels (its state kinds)."""
-    natives, shards = [], []
+    kernels (its state kinds). Where ``grads`` holds a bucket's grads in place
+    (``shards.buffers.ShardGrads.held``: one process, CPU) its launch is handed them
+    (``set_parts``, the launch then drops them) and an empty tensor stands in for its shard, so
+    no shard is made for the step; the caller must launch what this returns."""
+    natives, shards, parts = [], [], []
+    held_of = getattr(grads, "held", None)
     for i in order:
         if not launches[i].segments.segments:
             continue
-        native = _prepared(ext, launches[i], grads[i], hparams)
+        held = held_of(i) if held_of is not None else None
+        grad = grads[i] if held is None else held.marker
+        native = _prepared(ext, launches[i], grad, hparams)
         if native is None:
             return None, []
+        if held is not None:
+            parts.append((native, held))
         natives.append(native)
-        shards.append(grads[i])
+        shards.append(grad)
+    for native, held in parts:  # only once every launch is native: none is left holding them
+        native.set_parts(held.grads, held.offsets)
     return natives, shards
 
 

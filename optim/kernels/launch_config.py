@@ -89,17 +89,18 @@ def chunk_size(ext: Any, device: torch.device, light: int) -> int:
     return knobs()[1] or (int(light) if light else ext.CUDA_CHUNK)
 
 
-def shard_chunks(ext: Any, segments: SegmentTable, grad: Tensor, steps: Tensor, hparams: Tensor,
+def shard_chunks(ext: Any, segments: SegmentTable, device: torch.device, numel: int, steps: Tensor, hparams: Tensor,
                  light_state: int = 0) -> Tensor:
-    """The kernels' block-to-chunk map of ``segments``, cached on the table (built at
-    construction by ``prepare``; rebuilt from the host-side segments if the chunk size changed):
-    no device-to-host copy and no sync, even on the first step. ``light_state``: the kind's chunk
-    size from ``light_state()`` (0: the fp32 states' ``CUDA_CHUNK``)."""
-    size = chunk_size(ext, grad.device, light_state)
-    key = f"native_chunks_{size}_{grad.device}"
+    """The kernels' block-to-chunk map of ``segments`` over a shard of ``numel`` elements on
+    ``device``, cached on the table (built at construction by ``prepare``; rebuilt from the
+    host-side segments if the chunk size changed): no device-to-host copy and no sync, even on
+    the first step. ``light_state``: the kind's chunk size from ``light_state()`` (0: the fp32
+    states' ``CUDA_CHUNK``)."""
+    size = chunk_size(ext, device, light_state)
+    key = f"native_chunks_{size}_{device}"
     chunks = segments.extra.get(key)
     if chunks is None:
-        store(segments, key, chunk_table(segments, grad.numel(), steps.numel(), hparams.shape[0], size), grad.device)
+        store(segments, key, chunk_table(segments, numel, steps.numel(), hparams.shape[0], size), device)
         chunks = segments.extra[key]
     return chunks
 

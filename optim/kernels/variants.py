@@ -39,8 +39,8 @@ CPU_FLAGS: Dict[str, Tuple[str, ...]] = {
 # name is compiled into module.cpp only): an ahead-of-time build compiles them once, with the
 # baseline flags, and links those objects into every CPU module (setup.py).
 SHARED_CPP_SOURCES = ("binding.cpp", "binding_blockwise.cpp", "grad_stager.cpp", "stager_state.cpp", "land_grads.cpp",
-                      "fused_step.cpp")
-CPP_SOURCES = SHARED_CPP_SOURCES + ("module.cpp", "cpu/fused_adam_cpu.cpp", "cpu/adam_blockwise_cpu.cpp",
+                      "fused_step.cpp", "grad_parts.cpp")
+CPP_SOURCES = SHARED_CPP_SOURCES + ("module.cpp", "cpu/fused_adam_cpu.cpp", "cpu/grad_stats_cpu.cpp", "cpu/adam_blockwise_cpu.cpp",
                                      "cpu/step_scalars_cpu.cpp")
 # Plain -O3, no --use_fast_math: sqrt and division must stay IEEE-rounded so the kernels agree
 # with the reference to fp32 round-off. The -gencode flags are added per build (archs.py).

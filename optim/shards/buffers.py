@@ -50,6 +50,21 @@ def param_alias(buffer: Tensor, slot: ParamSlot) -> Tensor:
     return _compat.storage_alias(buffer, buffer.storage_offset() + slot.offset, slot.numel, slot.shape, slot.stride)
 
 
+@dataclass(eq=False)
+class HeldGrads:
+    """One process on the CPU: a bucket's grads left where autograd put them (the zero-copy
+    landing, sync/merged_landings.py), ``grads[i]`` being the slot of ``like[i]`` (its param) at
+    element ``offsets[i]`` of the shard. The step reads them in place; whatever else reads the
+    shard makes it first (:attr:`BucketBuffers.grad_shard`). ``marker``: an empty tensor of their
+    dtype, what the step's launch takes in the shard's place."""
+
+    grads: List[Tensor]
+    like: List[Tensor]
+    offsets: List[int]
+    marker: Tensor
+    numel: int  # the shard's elements
+
+
 @dataclass
 class BucketBuffers:
     params: Tensor
@@ -62,14 +77,18 @@ class BucketBuffers:
     formats: MomentFormats  # what exp_avg and exp_avg_sq are stored as (state_formats.py)
     grad_dtype: torch.dtype = torch.float32
     host: Optional[Any] = None  # the bucket's host_state.HostShard when its state is offloaded
+    held: Optional[HeldGrads] = None  # the grads in place of the shard (world 1, CPU), until it is made
 
     @property
     def grad_shard(self) -> Tensor:
         """This rank's reduced grads. A released shard (world 1 between ``zero_grad`` and the
-        next backward: no grads exist, as in torch) comes back as zeros when read. While a
-        backward may still land it (world 1: the grad hook's landing plan), read it through
-        ``GradSync``, whose entry points adopt what the hook landed first (``GradSync.shard``)."""
+        next backward: no grads exist, as in torch) comes back as zeros when read; held grads
+        (:class:`HeldGrads`) are landed in it first. While a backward may still land it (world
+        1: the grad hook's landing plan), read it through ``GradSync``, whose entry points adopt
+        what the hook landed first (``GradSync.shard``)."""
         if self.grad_store is None:
+            if self.held is not None:
+                return self.landing_shard()[0]
             n = self.shard.stop - self.shard.start
             self.grad_store = torch.zeros(n, dtype=self.grad_dtype, device=self.params.device)
         return self.grad_store
@@ -77,15 +96,36 @@ class BucketBuffers:
     def landing_shard(self) -> Tuple[Tensor, bool]:
         """The shard for a landing of grads, and True where it was released and is now allocated
         uninitialized: that landing must zero what it does not write (``land_grads``'
-        ``zero_rest``), so a released shard costs no zero fill of its own."""
+        ``zero_rest``), so a released shard costs no zero fill of its own. Held grads are landed
+        in it first (then it is not fresh)."""
         if self.grad_store is not None:
             return self.grad_store, False
         n = self.shard.stop - self.shard.start
-        self.grad_store = torch.empty(n, dtype=self.grad_dtype, device=self.params.device)
-        return self.grad_store, True
+        store = torch.empty(n, dtype=self.grad_dtype, device=self.params.device)
+        held = self.held
+        if held is None:
+            self.grad_store = store
+            return store, True
+        kernels.land_grads(store, held.grads, held.like, held.offsets, accumulate=False, zero_rest=True)
+        self.grad_store, self.held = store, None
+        return store, False
 
     def release_grad_shard(self) -> None:
         self.grad_store = None
+        self.held = None
+
+    def hold_grads(self, held: HeldGrads) -> None:
+        """A released shard's grads, left where autograd put them (the grad hook's zero-copy
+        landing): the step reads them in place, anything else that reads the shard makes it."""
+        if not self.released:
+            raise RuntimeError("hold_grads: the shard is held already (read directly while a backward could land it: "
+                               "read it through GradSync.shard)")
+        self.held = held
+
+    def zero_grads(self) -> None:
+        """``zero_grad(set_to_none=False)``: the shard as zeros (held grads dropped, not landed)."""
+        self.held = None
+        self.grad_shard.zero_()
 
     def moments(self) -> List[Tuple[Moment, StateFormat, Union[Tensor, QuantizedShard]]]:
         """This rank's shard of each moment with its format, in ``state_formats.MOMENTS``' order."""
@@ -98,11 +138,11 @@ class BucketBuffers:
     @property
     def released(self) -> bool:
         """The grad shard is released (no grads exist; reading ``grad_shard`` would allocate zeros)."""
-        return self.grad_store is None
+        return self.grad_store is None and self.held is None
 
     def adopt_grad_shard(self, shard: Tensor) -> None:
         """A released shard allocated (and landed in) elsewhere: the grad hook's planned landing."""
-        if self.grad_store is not None or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:
+        if not self.released or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:
             raise RuntimeError("adopt_grad_shard: the shard is held already (read directly while a backward could "
                                "land it: read it through GradSync.shard), or the new one does not fit")
         self.grad_store = shard
@@ -136,6 +176,27 @@ class BucketBuffers:
         if self.master.data_ptr() == self.params[self.shard].data_ptr():
             return None
         return self.params[self.shard]
+
+
+class ShardGrads(Sequence[Tensor]):
+    """Every bucket's grad shard (``BucketBuffers.grad_shard``), each made only when read. Where
+    a bucket's grads are held in place (:class:`HeldGrads`), the step's native launch reads them
+    through :meth:`held` instead (``kernels.dispatch.native_launches``), and no shard is made."""
+
+    def __init__(self, buffers: Sequence[BucketBuffers]) -> None:
+        self._buffers = buffers
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [b.grad_shard for b in self._buffers[index]]
+        return self._buffers[index].grad_shard
+
+    def held(self, index: int) -> Optional[HeldGrads]:
+        """Bucket ``index``'s grads where autograd left them, or None (its shard is read)."""
+        return self._buffers[index].held
 
 
 def allocate(
@@ -375,7 +436,7 @@ def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict
             aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
             stats["master"] += 0 if aliased else nbytes(buf.master)
             stats["moments"] += moments
-        stats["grad_shards"] += nbytes(buf.grad_store)
+        stats["grad_shards"] += nbytes(buf.grad_store) + (sum(nbytes(g) for g in buf.held.grads) if buf.held else 0)
         stats["param_sync"] += nbytes(buf.sync)
     stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)
     stats["total"] = sum(stats.values())

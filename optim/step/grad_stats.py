@@ -235,8 +235,11 @@ def launch_step(stats: Union[GradStats, StatsPlan], bad_clip: Optional[Tensor], 
 
 def _group_partials(buckets: Sequence[Any], grad_shards: Sequence[Tensor], out: Tensor, norm_type: float,
                     n_params: int) -> None:
-    for bucket, shard in zip(buckets, grad_shards):
-        kernels.group_partials(shard, bucket.segments, out, norm_type, n_params)
+    held_of = getattr(grad_shards, "held", None)  # shards.buffers.ShardGrads: grads may be held in place
+    for i, bucket in enumerate(buckets):
+        held = held_of(i) if held_of is not None else None
+        if held is None or not kernels.group_partials_held(held, bucket.segments, out, norm_type):
+            kernels.group_partials(grad_shards[i], bucket.segments, out, norm_type, n_params)
 
 
 def reduce_norm(norm_type: float, grad_shards: Sequence[Tensor], device: Any,

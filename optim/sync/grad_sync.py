@@ -41,7 +41,7 @@ from torch import Tensor
 
 from .. import _compat, kernels, norms
 from . import backward_order, grad_stager
-from ..shards.buffers import BucketBuffers
+from ..shards.buffers import BucketBuffers, HeldGrads
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
 from .grad_state import BucketGrads, ParamGrad, grad_states
@@ -149,7 +149,7 @@ class GradSync:
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       device)
+                                       device, hold=not host.active)
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -224,8 +224,14 @@ class GradSync:
         if not self.landings.planned:
             return
         landed, error = self.landings.take()
-        for index, full in landed:
-            self._adopt_landed(self.states[index], full)
+        for index, full, held, grads in landed:
+            if full is None:  # held in place: the shard is made only if something reads it
+                entries = [self.by_stager_index[k] for k in held]
+                s = self.states[index]
+                self._adopt_landed(s, HeldGrads(grads, [e.param for e in entries], [e.offset for e in entries],
+                                                self.landings.like[index], s.buffers.shard_numel))
+            else:
+                self._adopt_landed(self.states[index], full)
         if error:
             raise RuntimeError(f"DistributedFusedAdam: landing the grads of {error}")
 
@@ -235,14 +241,20 @@ class GradSync:
         if event == grad_stager.COMPLETE and self._enabled and self.overlap and not self._defer_launches:
             self._launch_ready()
 
-    def _adopt_landed(self, s: BucketGrads, full: Tensor) -> None:
+    def _adopt_landed(self, s: BucketGrads, full: "Tensor | HeldGrads") -> None:
         """Bucket ``s`` was allocated, landed and checked as ``full`` by the grad hook under the
-        plan (its flags and partial formed): it is launched, its shard is ``full``."""
-        s.buffers.adopt_grad_shard(full)
-        s.full, s.dirty = full, False
+        plan (its flags and partial formed), or its grads were checked where they are and held
+        (``HeldGrads``: no offload then): it is launched, its shard is ``full`` or made from them
+        when read."""
+        if isinstance(full, HeldGrads):
+            s.buffers.hold_grads(full)
+            s.full, s.dirty = None, False
+        else:
+            s.buffers.adopt_grad_shard(full)
+            s.full, s.dirty = full, False
+            self.host.landed(s.index, full)
         s.shard_valid = s.partial_valid = self.partials_started = True
         self.next_launch = s.index + 1
-        self.host.landed(s.index, full)
 
     def raise_hook_error(self) -> None:
         """Raise the error a native hook's callback met (once)."""
@@ -451,7 +463,7 @@ class GradSync:
                 s.shard_valid = False
         else:
             for s in self.states:
-                s.buffers.grad_shard.zero_()
+                s.buffers.zero_grads()
         if self.release_shards and set_to_none:
             # one process: no grads exist until the next backward, as in torch (peak memory)
             for s in self.states:

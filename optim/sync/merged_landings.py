@@ -22,11 +22,12 @@ hook hands to Python, a bucket completing out of launch order) lands the separat
 (grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and with the Python hooks."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
+from .. import config
 from .grad_state import BucketGrads
 
 # grad dtypes the compiled flags' pass takes (kernels.bucket_stats: others run the reference)
@@ -50,11 +51,13 @@ class MergedLandings:
         landing_flags: health.py's ``StepHealth.landing_flags``.
         landing_rows: ``StepHealth.landing_rows``.
         device: the buckets' device.
+        hold: a complete CPU bucket's grads may stay where autograd left them (the zero-copy
+            landing, see below): False where something must read every landed shard (offload).
     """
 
     def __init__(self, stager: Any, states: Sequence[BucketGrads], release_shards: bool,
                  landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
-                 landing_rows: Callable[[int], Tensor], device: torch.device) -> None:
+                 landing_rows: Callable[[int], Tensor], device: torch.device, hold: bool = False) -> None:
         self.stager = stager
         self.states = states
         self.landing_flags = landing_flags
@@ -68,6 +71,15 @@ class MergedLandings:
         self.prearms = self.plans and all(s.buffers.grad_dtype in NATIVE_GRADS for s in states)
         if self.prearms:
             stager.set_standing(self.standing_entries())
+        # The zero-copy landing (CPU): a complete bucket whose grads are dense in their params'
+        # layouts and finite is not copied into its shard; the flags' pass reads the grads where
+        # they are and they are held (shards/buffers.py HeldGrads) for the step to read in place.
+        # The copy of ~1 MB of grads was ~50 us of a ~1.2 ms small-model iteration on the CPU
+        # (docs/performance.md); on CUDA the copy is a device kernel under the backward, not host time.
+        self.holds = (self.plans and hold and device.type == "cpu" and hasattr(stager, "set_hold")
+                      and not config.settings().copy_grads)
+        if self.holds:
+            stager.set_hold(True)
 
     def arm(self, next_launch: int, assign: bool) -> None:
         """Inside a backward: hand the stager the landings it may run itself, each bucket from
@@ -98,10 +110,11 @@ class MergedLandings:
         """``zero_grad``: the stager's ``clear`` drops the plan and what it landed."""
         self.planned = False
 
-    def take(self) -> Tuple[List[Tuple[int, Tensor]], str]:
-        """End the plan: the ``(bucket, shard)`` pairs the hook landed under it, in landing order
-        (the caller adopts them), and the error of a landing that failed after it took its
-        bucket's grads (``""`` if none; the caller raises it); nothing where no plan was set."""
+    def take(self) -> Tuple[List[Tuple[int, Optional[Tensor], List[int], List[Tensor]]], str]:
+        """End the plan: the buckets the hook landed under it, in landing order, each ``(bucket,
+        shard, [], [])`` or, held in place, ``(bucket, None, stager indices, grads)`` (the caller
+        adopts them); and the error of a landing that failed after it took its bucket's grads
+        (``""`` if none; the caller raises it); nothing where no plan was set."""
         if not self.planned:
             return [], ""
         self.planned = False

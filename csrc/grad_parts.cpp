@@ -1,0 +1,95 @@
+// grad_parts (grad_parts.h), the stager's checked flags' pass over the parts, and the Python
+// entry points of the kernels over parts (the step's per-group partials; tests).
+#include "grad_parts.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "common.h"
+
+namespace shardamp {
+
+namespace cpu {  // cpu/grad_stats_cpu.cpp
+void group_partials_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, const at::Tensor& segments,
+                          at::Tensor& out, double norm_type);
+}  // namespace cpu
+
+std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
+                                 at::ScalarType dtype, int64_t numel, const char* what) {
+  SHARDAMP_CHECK(grads.size() == offsets.size(), what, ": one offset per grad part (", grads.size(), " grads, ",
+                 offsets.size(), " offsets)");
+  std::vector<GradPart> parts;
+  parts.reserve(grads.size());
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const at::Tensor& g = grads[i];
+    SHARDAMP_CHECK(g.defined() && g.is_cpu() && g.scalar_type() == dtype && g.is_non_overlapping_and_dense(), what,
+                   ": grad part ", i, " must be a dense CPU tensor of ", dtype);
+    SHARDAMP_CHECK(offsets[i] >= 0 && offsets[i] + g.numel() <= numel, what, ": grad part ", i, " (", g.numel(),
+                   " elements at ", offsets[i], ") does not fit in ", numel, " elements");
+    // dense: its elements are the numel() from data_ptr on, in its layout's order (the param's)
+    if (g.numel() > 0) parts.push_back({g.data_ptr(), offsets[i], g.numel()});
+  }
+  std::sort(parts.begin(), parts.end(), [](const GradPart& a, const GradPart& b) { return a.start < b.start; });
+  for (size_t i = 1; i < parts.size(); ++i) {
+    SHARDAMP_CHECK(parts[i - 1].start + parts[i - 1].len <= parts[i].start, what, ": grad parts overlap at element ",
+                   parts[i].start);
+  }
+  return parts;
+}
+
+bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
+                                int64_t numel, at::Tensor partial, bool assign) {
+  SHARDAMP_CHECK(!grads.empty(), "bucket_stats_parts: no grads");
+  SHARDAMP_CHECK(partial.is_cpu() && partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+                     partial.numel() >= 2,
+                 "bucket_stats_parts: partial must be a contiguous CPU float32 row of at least 2");
+  const std::vector<GradPart> parts = grad_parts(grads, offsets, grads.front().scalar_type(), numel,
+                                                 "bucket_stats_parts");
+  return cpu::bucket_stats_parts(parts, grads.front().scalar_type(), numel, partial.data_ptr<float>(), assign);
+}
+
+namespace {
+
+// group_partials over grads held in place: each segment's partial read from the part holding it
+// (none: the segment's slot would be zeros, its partial 0), as over the landed shard.
+void group_partials_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets, int64_t numel,
+                          const at::Tensor& segments, at::Tensor out, double norm_type) {
+  SHARDAMP_CHECK(!grads.empty(), "group_partials_parts: no grads");
+  SHARDAMP_CHECK(segments.is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+                     segments.size(1) == 4 && segments.is_contiguous(),
+                 "group_partials_parts: segments must be a contiguous CPU int64 [S, 4] tensor");
+  SHARDAMP_CHECK(out.is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+                 "group_partials_parts: out must be a contiguous CPU float32 tensor");
+  SHARDAMP_CHECK(!std::isnan(norm_type), "group_partials_parts: norm_type is NaN");
+  const int64_t* rows = segments.data_ptr<int64_t>();
+  for (int64_t r = 0; r < segments.size(0); ++r) {
+    SHARDAMP_CHECK(rows[4 * r] >= 0 && rows[4 * r + 1] >= 0 && rows[4 * r] + rows[4 * r + 1] <= numel &&
+                       rows[4 * r + 3] >= 0 && rows[4 * r + 3] < out.numel(),
+                   "group_partials_parts: segment ", r, " lies outside the shard or names no group of out");
+  }
+  const at::ScalarType dtype = grads.front().scalar_type();
+  cpu::group_partials_parts(grad_parts(grads, offsets, dtype, numel, "group_partials_parts"), dtype, segments, out,
+                            norm_type);
+}
+
+// bucket_stats over grads held in place (tests): false where some element is inf/NaN
+bool bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets, int64_t numel,
+                        at::Tensor partial, bool assign) {
+  return checked_bucket_stats_parts(grads, offsets, numel, partial, assign);
+}
+
+}  // namespace
+
+void register_grad_parts(pybind11::module_& m) {  // module.cpp calls it
+  namespace py = pybind11;
+  m.def("group_partials_parts", &group_partials_parts,
+        "group_partials over grads held in place: grads[i] at element offsets[i] of a numel-element shard",
+        py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("segments"), py::arg("out"),
+        py::arg("norm_type"));
+  m.def("bucket_stats_parts", &bucket_stats_parts,
+        "bucket_stats' L2 partial over grads held in place into partial[0:2] (assigned where assign); False, "
+        "writing nothing, where an element is inf/NaN",
+        py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("partial"), py::arg("assign"));
+}
+
+}  // namespace shardamp
