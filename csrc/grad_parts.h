@@ -27,7 +27,8 @@ std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std
 namespace cpu {
 // bucket_stats over the parts (cpu/grad_stats_cpu.cpp): the L2 partial folded into out[0:2] (assigned
 // where ``assign``) exactly as bucket_stats folds it over the landed shard, and true; false, with
-// nothing written, where some element is inf/NaN (the caller lands the shard and flags it there).
+// nothing written, where some element is inf/NaN or the sum overflows (the caller lands the shard
+// and its own pass decides).
 bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, int64_t n, float* out, bool assign);
 }  // namespace cpu
 

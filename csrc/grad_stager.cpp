@@ -73,6 +73,8 @@ class GradStager {
     s.staged_bytes.assign(s.expected.size(), 0);
     s.pending.resize(s.expected.size());
     s.callback = std::move(callback);
+    s.quiet_end = py::none();
+    s.self = state_;
   }
 
   ~GradStager() { remove(false); }
@@ -112,6 +114,8 @@ class GradStager {
     if (state_ && Py_IsInitialized()) {
       py::gil_scoped_acquire gil;
       state_->callback = py::none();
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->quiet_end = py::none();
     }
   }
 
@@ -183,12 +187,48 @@ class GradStager {
       std::swap(landed, s.plan_landed);
       std::swap(error, s.plan_error);
     }
-    py::list out;
-    for (auto& l : landed) {
-      py::object full = l.full.defined() ? py::cast(l.full) : py::none();
-      out.append(py::make_tuple(l.bucket, full, py::cast(l.params), py::cast(l.grads)));
+    return {landed_list(landed), std::move(error)};
+  }
+
+  // A quietly begun backward's end (set_quiet_begin): (began, landed, error, complete), where
+  // began is take_quiet_begin's answer and landed and error finish_plan's; complete: the plan
+  // landed every bucket and nothing is staged, so the round is over: the stager is disarmed and
+  // its fired counts reset here (end_of_backward's own calls, made in this one).
+  py::tuple end_quiet() {
+    auto& s = *state_;
+    std::vector<StagerState::Landed> landed;
+    std::string error;
+    bool began, complete;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      began = s.began_quietly;
+      s.began_quietly = false;
+      complete = s.plan_error.empty() && s.plan_next == static_cast<int64_t>(s.pending.size());
+      for (const auto& bucket : s.pending) complete = complete && bucket.empty();
+      s.reset_plan_locked();
+      std::swap(landed, s.plan_landed);
+      std::swap(error, s.plan_error);
+      if (complete) {
+        s.armed = false;
+        s.prearmed = false;
+        std::fill(s.fired.begin(), s.fired.end(), 0);
+      }
     }
-    return {out, std::move(error)};
+    return py::make_tuple(began, landed_list(landed), error, complete);
+  }
+
+  // The quiet begin (StagerState::queue_quiet_end): `end` (a callable, None: kBegan again) runs
+  // when a pre-armed backward finishes, instead of a kBegan call at its first grad.
+  void set_quiet_begin(py::object end) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->quiet_end = std::move(end);
+  }
+  // Whether a backward began quietly since the last call (and forget it).
+  bool take_quiet_begin() {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    const bool began = state_->began_quietly;
+    state_->began_quietly = false;
+    return began;
   }
 
   // Let complete CPU buckets be held in place under the plan (StagerState::hold_planned).
@@ -236,6 +276,7 @@ class GradStager {
     s.reset_plan_locked();
     s.plan_landed.clear();
     s.plan_error.clear();
+    s.began_quietly = false;
   }
   void set_armed(bool armed) {
     std::lock_guard<std::mutex> lock(state_->mu);
@@ -280,6 +321,15 @@ class GradStager {
     return plan;
   }
 
+  static py::list landed_list(std::vector<StagerState::Landed>& landed) {
+    py::list out;
+    for (auto& l : landed) {
+      py::object full = l.full.defined() ? py::cast(l.full) : py::none();
+      out.append(py::make_tuple(l.bucket, full, py::cast(l.params), py::cast(l.grads)));
+    }
+    return out;
+  }
+
   std::shared_ptr<StagerState> state_;
   std::vector<std::pair<AccPtr, uintptr_t>> hooks_;
 };
@@ -301,6 +351,9 @@ void register_grad_stager(py::module& m) {
       .def("set_plan", &GradStager::set_plan, py::arg("next"), py::arg("assign"), py::arg("entries"))
       .def("finish_plan", &GradStager::finish_plan)
       .def("set_hold", &GradStager::set_hold, py::arg("hold"))
+      .def("set_quiet_begin", &GradStager::set_quiet_begin, py::arg("end"))
+      .def("take_quiet_begin", &GradStager::take_quiet_begin)
+      .def("end_quiet", &GradStager::end_quiet)
       .def("set_standing", &GradStager::set_standing, py::arg("entries"))
       .def("prearm", &GradStager::prearm, py::arg("flags"))
       .def("is_staged", &GradStager::is_staged, py::arg("index"))

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <atomic>
+#include <memory>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -68,6 +69,17 @@ struct StagerState {
   // the backward began (kBegan), instead of deciding the first grad and arming the plan itself.
   std::vector<PlanEntry> standing;
   bool prearmed = false;  // armed by prearm, no grad seen since
+  // The quiet begin (set_quiet_begin; one process): a pre-armed backward's first grad queues
+  // `quiet_end` (a Python callable) to run when that backward finishes, as Python's
+  // queue_callback would, instead of calling Python with kBegan; Python learns of the begin at
+  // its next entry point (take_quiet_begin) or in `quiet_end`. One Python call a backward less.
+  py::object quiet_end;  // None: kBegan as above
+  bool began_quietly = false;  // a backward began quietly and Python has not taken it yet
+  std::weak_ptr<StagerState> self;  // what the queued callback holds (the stager may be gone by then)
+
+  // Queue quiet_end on the current graph task (the hook runs inside it): its Python error, if
+  // any, is raised from backward() as the error of a Python callback queued there would be.
+  void queue_quiet_end();
 
   int stage_locked(int64_t i, at::Tensor& grad_slot);
 

@@ -2,6 +2,9 @@
 // Python, the bucket landings (land_grads.h) and the landing plan's landings in the hook.
 #include "grad_stager.h"
 
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/engine.h>
+
 #include <algorithm>
 #include <memory>
 
@@ -68,7 +71,7 @@ void StagerState::report(const char* what) {
 void StagerState::hook_body(int64_t i) {
   int event = kNone;
   int64_t arg = i;
-  bool planned = false, began = false;
+  bool planned = false, began = false, quiet = false;
   {
     std::lock_guard<std::mutex> lock(mu);
     at::Tensor& grad = params[i].mutable_grad();
@@ -82,18 +85,47 @@ void StagerState::hook_body(int64_t i) {
     }
     began = prearmed;  // the first grad of a pre-armed backward
     prearmed = false;
+    quiet = began && quiet_end.ptr() != nullptr && !quiet_end.is_none();
+    if (quiet) began_quietly = true;
     if (event == kComplete && plan_active && arg == plan_next && plan[arg].on) {
       planned = true;
     } else if (event != kNone) {
       plan_active = false;  // Python decides from here on (it adopts what was landed first)
     }
   }
-  if (began) call(kBegan, 0);  // before any other event of this backward reaches Python
+  if (quiet) {
+    queue_quiet_end();
+  } else if (began) {
+    call(kBegan, 0);  // before any other event of this backward reaches Python
+  }
   if (planned) {
     land_planned(arg);
   } else if (event != kNone) {
     call(event, arg);
   }
+}
+
+void StagerState::queue_quiet_end() {
+  std::weak_ptr<StagerState> weak = self;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak]() {
+    auto st = weak.lock();
+    if (!st) return;
+    py::gil_scoped_acquire gil;
+    py::object end;
+    {
+      std::lock_guard<std::mutex> lock(st->mu);
+      end = st->quiet_end;
+    }
+    if (end.is_none()) return;  // removed since
+    try {
+      end();
+    } catch (py::error_already_set& e) {  // raised from backward(), as a Python callback's error is
+      e.restore();
+      python_error err;
+      err.persist();
+      throw err;
+    }
+  });
 }
 
 bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {

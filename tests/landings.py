@@ -1,6 +1,6 @@
 """Counting the one-process merged landings (test_fused_step.py, test_step_ops.py): those the native
-stager makes in its hook under a landing plan (``set_plan`` or ``prearm``, then ``finish_plan``: no
-Python call at the landing, so they are counted when Python adopts them)."""
+stager makes in its hook under a landing plan (``set_plan`` or ``prearm``, then ``finish_plan`` or
+``end_quiet``: no Python call at the landing, so they are counted when Python adopts them)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -29,13 +29,21 @@ class PlannedLandings:
 
     def finish_plan(self):
         landed, error = self._stager.finish_plan()
+        self._count(landed)
+        return landed, error
+
+    def end_quiet(self):  # a quietly begun backward's end: its plan finished as finish_plan's
+        began, landed, error, complete = self._stager.end_quiet()
+        self._count(landed)
+        return began, landed, error, complete
+
+    def _count(self, landed: list) -> None:
         for k, _ in enumerate(landed):
             self._calls["planned"] += 1
             if self._assigned is not None:
                 self._assigned.append(self._assign and k == 0)
         if landed:
             self._assign = False
-        return landed, error
 
 
 def count_landings(sync: Any, calls: Counter, assigned: Optional[List[bool]] = None) -> None:

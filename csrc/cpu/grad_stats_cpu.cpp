@@ -102,7 +102,7 @@ struct PartsSrc {
 // 512-bit loop's (a0's 16 lanes are acc[0] and acc[1], a1's acc[2] and acc[3]; the same adds in
 // the same order), so the bits are the same; why 256: as the step's update (adam_vec.h,
 // update_fp32_256), the loop measured faster in the iteration at this width.
-template <typename Src>
+template <bool Bad, typename Src>
 inline Partial chunk_partial_l2_256(Src& src, int64_t lo, int64_t hi) {
   __m256 acc[4], bad[4];
   for (int k = 0; k < 4; ++k) acc[k] = bad[k] = _mm256_setzero_ps();
@@ -112,7 +112,7 @@ inline Partial chunk_partial_l2_256(Src& src, int64_t lo, int64_t hi) {
     for (int k = 0; k < 4; ++k) {
       const __m256 x = _mm256_loadu_ps(g + 8 * k);
       acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, x));
-      bad[k] = _mm256_add_ps(bad[k], _mm256_sub_ps(x, x));
+      if constexpr (Bad) bad[k] = _mm256_add_ps(bad[k], _mm256_sub_ps(x, x));
     }
   }
   alignas(64) float la[2 * 8], lb[2 * 8];
@@ -128,7 +128,7 @@ inline Partial chunk_partial_l2_256(Src& src, int64_t lo, int64_t hi) {
   for (; i < hi; ++i) {
     const float x = src.at(i);
     s = s + x * x;
-    f += x - x;
+    if constexpr (Bad) f += x - x;
   }
   return Partial{s, f};
 }
@@ -136,10 +136,12 @@ static_assert(kW == 16 && kV == 32, "chunk_partial_l2_256 mirrors the 512-bit lo
 #endif
 
 // One chunk's partial [lo, hi) read from ``src``: the unit of grad_stats' fixed summation order.
-template <typename T, Norm N, typename Src>
+// ``Bad`` false: no non-finite sum (``bad`` 0), for a caller that treats a non-finite ``acc`` (an
+// inf/NaN element, or an overflow) as "read it again with the sum" (the same ``acc`` either way).
+template <typename T, Norm N, typename Src, bool Bad = true>
 inline Partial chunk_partial_src(Src& src, int64_t lo, int64_t hi, float p) {
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<T, float> && N == Norm::kTwo) return chunk_partial_l2_256(src, lo, hi);
+  if constexpr (std::is_same_v<T, float> && N == Norm::kTwo) return chunk_partial_l2_256<Bad>(src, lo, hi);
 #endif
   const fVec vp(p);
   // Two accumulators per lane keep two independent dependency chains in flight. `bad`
@@ -151,8 +153,10 @@ inline Partial chunk_partial_src(Src& src, int64_t lo, int64_t hi, float p) {
     load2(src.block(i), x0, x1);
     a0 = stat_combine<N>(a0, x0, vp);
     a1 = stat_combine<N>(a1, x1, vp);
-    b0 = b0 + (x0 - x0);
-    b1 = b1 + (x1 - x1);
+    if constexpr (Bad) {
+      b0 = b0 + (x0 - x0);
+      b1 = b1 + (x1 - x1);
+    }
   }
   float s = 0.f, f = 0.f;
   alignas(64) float la[kW], lb[kW];
@@ -169,7 +173,7 @@ inline Partial chunk_partial_src(Src& src, int64_t lo, int64_t hi, float p) {
   for (; i < hi; ++i) {
     const float x = static_cast<float>(src.at(i));
     s = stat_combine<N>(s, x, p);
-    f += x - x;
+    if constexpr (Bad) f += x - x;
   }
   return Partial{s, f};
 }
@@ -415,11 +419,13 @@ bool parts_stats_impl(const std::vector<GradPart>& parts, int64_t n, float* out,
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t lo = c * kStatsChunk;
       PartsSrc<T> src(parts, lo);
-      part[c] = chunk_partial_src<T, Norm::kTwo>(src, lo, std::min(n, lo + kStatsChunk), 2.f);
+      // no non-finite sum: a finite sum of squares has only finite terms (then the sum would be
+      // 0 exactly); a non-finite one goes to the landed shard's pass, which flags what it must
+      part[c] = chunk_partial_src<T, Norm::kTwo, PartsSrc<T>, false>(src, lo, std::min(n, lo + kStatsChunk), 2.f);
     }
   });
   for (const Partial& q : part) {
-    if (q.bad != 0.f) return false;  // NaN != 0 too: the landed shard's pass flags it
+    if (!std::isfinite(q.acc)) return false;
   }
   fold_partials<Norm::kTwo>(part, out, assign);
   return true;

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gc
 import os
+import warnings
 from typing import Any, Dict, Iterable, Optional, Sequence
 
 import torch
@@ -116,3 +117,16 @@ CLIP_BEFORE_UNSCALE = (
     "unscaled max_norm. torch.nn.utils.clip_grad_norm_ and shardamp.optim.clip_grad_norm_ there clip as torch "
     "does: their max_norm is compared with the scaled norm (torch's idiom passes max_norm * scaler.get_scale())."
 )
+
+
+def warn_backward_without_zero_grad() -> None:
+    """A backward after ``step()`` without ``opt.zero_grad()`` (warned once per optimizer)."""
+    warnings.warn(
+        "DistributedFusedAdam: backward after step() without opt.zero_grad(): the new "
+        "grads are ADDED to the grads that step left, as param.grad showed them (unscaled "
+        "and clipped as the step applied them), as torch adds to param.grad when it is not "
+        "zeroed. model.zero_grad() cannot clear them (they live in the optimizer's shards; "
+        "param.grad only shows them): call opt.zero_grad() every step.",
+        UserWarning,
+        stacklevel=3,
+    )

@@ -30,6 +30,9 @@ Events (``callback(event, arg)``):
 * ``BEGAN`` (arg: 0): the first grad of a backward the stager was pre-armed for
   (``prearm(flags)``, from a standing plan set once with ``set_standing``) was staged: Python
   records that a backward began, nothing else. Sent before any other event of that backward.
+  With ``set_quiet_begin(end)`` (one process) it is not sent: the hook queues ``end`` on the
+  backward's graph task instead (it runs when the backward finishes, its error raised from
+  ``backward()``) and ``take_quiet_begin()`` says, once, that such a backward began.
 
 ``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
 touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
@@ -210,6 +213,19 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
                        on_event, on_param)
 
 
+def quiet_end_callback(sync: Any) -> Callable[[], None]:
+    """The native stager's quiet end for ``sync`` (``set_quiet_begin``): ``sync.quiet_end()``,
+    holding ``sync`` weakly (the stager must not pin it)."""
+    ref = weakref.ref(sync)
+
+    def end() -> None:
+        me = ref()
+        if me is not None:
+            me.quiet_end()
+
+    return end
+
+
 _DRAINED_AT_EXIT: set = set()
 
 
@@ -232,4 +248,4 @@ def _python_hooks_forced() -> bool:
     return config.settings().python_grad_hooks
 
 
-__all__ = ["PyStager", "make_stager", "for_grad_sync", "NONE", "SLOW", "FLUSH", "COMPLETE", "BEGAN"]
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE", "BEGAN"]

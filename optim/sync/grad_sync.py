@@ -25,21 +25,22 @@ exists only from the first flush of a backward to ``zero_grad`` (unless capturab
 grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There, with the
 native stager, a complete bucket that is next to launch is allocated, landed and passed over for
 its flags and norm partial inside the grad hook, under a landing plan (merged_landings.py), so
-such a bucket calls no Python at all. The plan is set at ``zero_grad`` for the whole next
-backward (``prearm``: its first grad only tells Python the backward began), and by Python inside
-a backward after any event that called it (``_arm_plan``).
+such a bucket calls no Python at all (on the CPU its grads are not even copied: held in place,
+``HeldGrads``). The plan is set at ``zero_grad`` for the whole next backward (``prearm``: the
+hook queues that backward's end itself, ``quiet_end``, and Python catches its begin up at its
+first entry point), and by Python inside a backward after any event that called it (``_arm_plan``).
 """
 from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import _compat, kernels, norms
+from ..checks.misuse import warn_backward_without_zero_grad
 from . import backward_order, grad_stager
 from ..shards.buffers import BucketBuffers, HeldGrads
 from ..comm.collectives import Comm
@@ -149,7 +150,13 @@ class GradSync:
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       device, hold=not host.active)
+                                       device, hold=not host.active, entries=self.by_stager_index)
+        # one process, the plan pre-armed at zero_grad: the stager queues the backward's end itself
+        # at its first grad (``_quiet_end``) instead of calling Python there; Python catches the
+        # begin up at its first entry point (``_take_planned``): one Python call a backward less
+        self.quiet = (self.landings.prearms and not comm.has_peers and hasattr(self.stager, "set_quiet_begin"))
+        if self.quiet:
+            self.stager.set_quiet_begin(grad_stager.quiet_end_callback(self))
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
@@ -177,13 +184,35 @@ class GradSync:
             self._flush(self.states[entry.bucket])
         self._staged(self.states[entry.bucket], self.stager.stage(k))
 
-    def _begin(self) -> None:
-        """A backward's first grad reached this optimizer: count the backward, queue its end."""
+    def _begin(self, queue_end: bool = True) -> None:
+        """A backward's first grad reached this optimizer: count the backward, queue its end
+        (``queue_end`` False: the stager queued it, a quiet begin)."""
         self.callback_queued = True
         stepped = self.cycle.backward_began()
-        backward_order.begin(self)  # queues the end of this backward (the group's, if shared)
+        if queue_end:
+            backward_order.begin(self)  # queues the end of this backward (the group's, if shared)
         if stepped:
             self._warn_no_zero_grad()
+
+    def quiet_end(self) -> None:
+        """A quietly begun backward finished (the stager queued this at its first grad): its begin
+        caught up (unless an entry point inside it did), then its end, as a queued end would.
+        Where the plan landed every bucket, the round ends here without end_of_backward's calls
+        (the stager made them: ``end_quiet``)."""
+        if self.landings.planned:
+            began, landed, error, complete = self.landings.end_quiet()
+            if began and not self.callback_queued:
+                self._begin(queue_end=False)
+            self._adopt_all(landed, error)
+            if (complete and self.callback_queued and self.hook_error is None and self.next_launch == len(self.states)
+                    and self.overlap and self._enabled and not self._hold_launches):
+                self.callback_queued = False
+                self.next_launch = 0  # _finish_round's, with nothing left to launch
+                self.cycle.round_launched()
+                self.partials_started = False
+                return
+        if self.callback_queued:
+            self.end_of_backward()
 
     def on_event(self, event: int, arg: int) -> None:
         if event == grad_stager.BEGAN:  # a pre-armed backward's first grad: staged, its plan set
@@ -223,15 +252,13 @@ class GradSync:
         the plan: every other entry point calls this first, so Python's state is the stager's again."""
         if not self.landings.planned:
             return
-        landed, error = self.landings.take()
-        for index, full, held, grads in landed:
-            if full is None:  # held in place: the shard is made only if something reads it
-                entries = [self.by_stager_index[k] for k in held]
-                s = self.states[index]
-                self._adopt_landed(s, HeldGrads(grads, [e.param for e in entries], [e.offset for e in entries],
-                                                self.landings.like[index], s.buffers.shard_numel))
-            else:
-                self._adopt_landed(self.states[index], full)
+        if self.quiet and not self.callback_queued and self.stager.take_quiet_begin():
+            self._begin(queue_end=False)
+        self._adopt_all(*self.landings.take())
+
+    def _adopt_all(self, landed: List[Tuple[int, "Tensor | HeldGrads"]], error: str) -> None:
+        for index, full in landed:
+            self._adopt_landed(self.states[index], full)
         if error:
             raise RuntimeError(f"DistributedFusedAdam: landing the grads of {error}")
 
@@ -265,15 +292,7 @@ class GradSync:
     def _warn_no_zero_grad(self) -> None:
         if not self.warned_no_zero_grad:
             self.warned_no_zero_grad = True
-            warnings.warn(
-                "DistributedFusedAdam: backward after step() without opt.zero_grad(): the new "
-                "grads are ADDED to the grads that step left, as param.grad showed them (unscaled "
-                "and clipped as the step applied them), as torch adds to param.grad when it is not "
-                "zeroed. model.zero_grad() cannot clear them (they live in the optimizer's shards; "
-                "param.grad only shows them): call opt.zero_grad() every step.",
-                UserWarning,
-                stacklevel=2,
-            )
+            warn_backward_without_zero_grad()
 
     def _writable_full(self, s: BucketGrads) -> Tensor:
         """Bucket ``s``'s full-size buffer, allocated (zeros) or zeroed if stale."""
@@ -496,3 +515,4 @@ class GradSync:
         stager = getattr(self, "stager", None)
         if stager is not None:  # inside a backward its hooks may be iterated: only disarm them
             stager.remove(not _compat.in_backward())
+

@@ -28,7 +28,8 @@ import torch
 from torch import Tensor
 
 from .. import config
-from .grad_state import BucketGrads
+from ..shards.buffers import HeldGrads
+from .grad_state import BucketGrads, ParamGrad
 
 # grad dtypes the compiled flags' pass takes (kernels.bucket_stats: others run the reference)
 NATIVE_GRADS = (torch.float32, torch.bfloat16, torch.float16)
@@ -53,13 +54,16 @@ class MergedLandings:
         device: the buckets' device.
         hold: a complete CPU bucket's grads may stay where autograd left them (the zero-copy
             landing, see below): False where something must read every landed shard (offload).
+        entries: the GradSync's params by stager index (``by_stager_index``).
     """
 
     def __init__(self, stager: Any, states: Sequence[BucketGrads], release_shards: bool,
                  landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
-                 landing_rows: Callable[[int], Tensor], device: torch.device, hold: bool = False) -> None:
+                 landing_rows: Callable[[int], Tensor], device: torch.device, hold: bool = False,
+                 entries: Sequence[ParamGrad] = ()) -> None:
         self.stager = stager
         self.states = states
+        self.entries = entries  # the params by stager index (what a held bucket's indices name)
         self.landing_flags = landing_flags
         self.landing_rows = landing_rows
         # False: no plan here (more than one process, shards kept, or the Python hooks)
@@ -110,13 +114,33 @@ class MergedLandings:
         """``zero_grad``: the stager's ``clear`` drops the plan and what it landed."""
         self.planned = False
 
-    def take(self) -> Tuple[List[Tuple[int, Optional[Tensor], List[int], List[Tensor]]], str]:
+    def take(self) -> Tuple[List[Tuple[int, "Tensor | HeldGrads"]], str]:
         """End the plan: the buckets the hook landed under it, in landing order, each ``(bucket,
-        shard, [], [])`` or, held in place, ``(bucket, None, stager indices, grads)`` (the caller
-        adopts them); and the error of a landing that failed after it took its bucket's grads
-        (``""`` if none; the caller raises it); nothing where no plan was set."""
+        shard)`` or, held in place, ``(bucket, HeldGrads)`` (the caller adopts them); and the error
+        of a landing that failed after it took its bucket's grads (``""`` if none; the caller
+        raises it); nothing where no plan was set."""
         if not self.planned:
             return [], ""
         self.planned = False
         landed, error = self.stager.finish_plan()
-        return list(landed), error
+        return self._landed(landed), error
+
+    def end_quiet(self) -> Tuple[bool, List[Tuple[int, "Tensor | HeldGrads"]], str, bool]:
+        """A quietly begun backward's end (the plan is set): ``(began, landed, error, complete)``:
+        whether a backward began quietly since Python last asked, :meth:`take`'s two, and whether
+        the plan landed every bucket with nothing left staged (the stager then disarmed itself and
+        reset its fired counts: the round is over)."""
+        self.planned = False
+        began, landed, error, complete = self.stager.end_quiet()
+        return began, self._landed(landed), error, complete
+
+    def _landed(self, landed: Sequence[Tuple[int, Optional[Tensor], List[int], List[Tensor]]]
+                ) -> List[Tuple[int, "Tensor | HeldGrads"]]:
+        out: List[Tuple[int, "Tensor | HeldGrads"]] = []
+        for index, full, held, grads in landed:
+            if full is None:  # held in place: the shard is made only if something reads it
+                entries = [self.entries[k] for k in held]
+                full = HeldGrads(grads, [e.param for e in entries], [e.offset for e in entries], self.like[index],
+                                 self.states[index].buffers.shard_numel)
+            out.append((index, full))
+        return out
