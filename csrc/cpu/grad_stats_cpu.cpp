@@ -58,12 +58,16 @@ struct Partial {
 };
 
 // Where a chunk's elements are read from: the flat shard (FlatSrc), or the grads of a bucket left
-// where autograd put them (PartsSrc, grad_parts.h). ``block(i)``: kV elements from index i;
-// ``at(i)``: one. Reads go up within a chunk.
+// where autograd put them (PartsSrc, grad_parts.h). ``run(i, hi, n)``: the elements from index i
+// on, ``n`` >= 1 whole blocks of kV of them readable from there in a row (i + n * kV <= hi);
+// ``at(i)``: one element. Reads go up within a chunk.
 template <typename T>
 struct FlatSrc {
   const T* g;
-  const T* block(int64_t i) const { return g + i; }
+  const T* run(int64_t i, int64_t hi, int64_t& n) const {
+    n = (hi - i) / kV;
+    return g + i;
+  }
   T at(int64_t i) const { return g[i]; }
 };
 
@@ -81,12 +85,14 @@ struct PartsSrc {
                            [](int64_t i, const GradPart& q) { return i < q.start + q.len; }) - p.begin();
   }
   const T* data(int64_t k) const { return static_cast<const T*>(parts[k].data); }
-  const T* block(int64_t i) {
+  const T* run(int64_t i, int64_t hi, int64_t& n) {
     while (cur < n_parts && parts[cur].start + parts[cur].len <= i) ++cur;
     if (cur < n_parts && parts[cur].start <= i && i + kV <= parts[cur].start + parts[cur].len) {
+      n = (std::min(hi, parts[cur].start + parts[cur].len) - i) / kV;
       return data(cur) + (i - parts[cur].start);
     }
     for (int64_t k = 0; k < kV; ++k) tmp[k] = at(i + k);  // across a part's edge, or a gap (zeros)
+    n = 1;
     return tmp;
   }
   T at(int64_t i) const {
@@ -107,13 +113,17 @@ inline Partial chunk_partial_l2_256(Src& src, int64_t lo, int64_t hi) {
   __m256 acc[4], bad[4];
   for (int k = 0; k < 4; ++k) acc[k] = bad[k] = _mm256_setzero_ps();
   int64_t i = lo;
-  for (; i + kV <= hi; i += kV) {
-    const float* g = src.block(i);
-    for (int k = 0; k < 4; ++k) {
-      const __m256 x = _mm256_loadu_ps(g + 8 * k);
-      acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, x));
-      if constexpr (Bad) bad[k] = _mm256_add_ps(bad[k], _mm256_sub_ps(x, x));
+  while (i + kV <= hi) {
+    int64_t n;
+    const float* g = src.run(i, hi, n);
+    for (const float* end = g + n * kV; g != end; g += kV) {
+      for (int k = 0; k < 4; ++k) {
+        const __m256 x = _mm256_loadu_ps(g + 8 * k);
+        acc[k] = _mm256_add_ps(acc[k], _mm256_mul_ps(x, x));
+        if constexpr (Bad) bad[k] = _mm256_add_ps(bad[k], _mm256_sub_ps(x, x));
+      }
     }
+    i += n * kV;
   }
   alignas(64) float la[2 * 8], lb[2 * 8];
   _mm256_store_ps(la, _mm256_add_ps(acc[0], acc[2]));
@@ -148,15 +158,20 @@ inline Partial chunk_partial_src(Src& src, int64_t lo, int64_t hi, float p) {
   // sums x - x, which is 0 for finite x and NaN for inf/NaN, and stays NaN once it is.
   fVec a0(0.f), a1(0.f), b0(0.f), b1(0.f);
   int64_t i = lo;
-  for (; i + kV <= hi; i += kV) {
-    fVec x0, x1;
-    load2(src.block(i), x0, x1);
-    a0 = stat_combine<N>(a0, x0, vp);
-    a1 = stat_combine<N>(a1, x1, vp);
-    if constexpr (Bad) {
-      b0 = b0 + (x0 - x0);
-      b1 = b1 + (x1 - x1);
+  while (i + kV <= hi) {
+    int64_t n;
+    const T* g = src.run(i, hi, n);
+    for (const T* end = g + n * kV; g != end; g += kV) {
+      fVec x0, x1;
+      load2(g, x0, x1);
+      a0 = stat_combine<N>(a0, x0, vp);
+      a1 = stat_combine<N>(a1, x1, vp);
+      if constexpr (Bad) {
+        b0 = b0 + (x0 - x0);
+        b1 = b1 + (x1 - x1);
+      }
     }
+    i += n * kV;
   }
   float s = 0.f, f = 0.f;
   alignas(64) float la[kW], lb[kW];
