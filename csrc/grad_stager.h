@@ -77,8 +77,8 @@ struct StagerState {
   bool began_quietly = false;  // a backward began quietly and Python has not taken it yet
   std::weak_ptr<StagerState> self;  // what the queued callback holds (the stager may be gone by then)
 
-  // Queue quiet_end on the current graph task (the hook runs inside it): its Python error, if
-  // any, is raised from backward() as the error of a Python callback queued there would be.
+  // Queue quiet_end on the current graph task (the hook runs inside it); quiet_end raises nothing
+  // (an error it meets is raised from backward() by a Python callback it queues there).
   void queue_quiet_end();
 
   int stage_locked(int64_t i, at::Tensor& grad_slot);

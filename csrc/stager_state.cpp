@@ -2,7 +2,6 @@
 // Python, the bucket landings (land_grads.h) and the landing plan's landings in the hook.
 #include "grad_stager.h"
 
-#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
@@ -117,13 +116,14 @@ void StagerState::queue_quiet_end() {
       end = st->quiet_end;
     }
     if (end.is_none()) return;  // removed since
-    try {
-      end();
-    } catch (py::error_already_set& e) {  // raised from backward(), as a Python callback's error is
-      e.restore();
-      python_error err;
-      err.persist();
-      throw err;
+    // No C++ exception leaves here (a throw out of this module kills Python on some toolchains:
+    // NOTES.md): `end` raises nothing; an error it meets it queues as a Python callback of its own,
+    // which torch raises from backward() (grad_stager.py quiet_end_callback).
+    PyObject* result = PyObject_CallObject(end.ptr(), nullptr);
+    if (result == nullptr) {
+      PyErr_WriteUnraisable(end.ptr());
+    } else {
+      Py_DECREF(result);
     }
   });
 }

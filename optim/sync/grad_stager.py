@@ -54,7 +54,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 from torch import Tensor
 
-from .. import config, kernels
+from .. import _compat, config, kernels
 
 NONE, SLOW, FLUSH, COMPLETE, BEGAN = 0, 1, 2, 3, 4
 
@@ -215,13 +215,23 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
 
 def quiet_end_callback(sync: Any) -> Callable[[], None]:
     """The native stager's quiet end for ``sync`` (``set_quiet_begin``): ``sync.quiet_end()``,
-    holding ``sync`` weakly (the stager must not pin it)."""
+    holding ``sync`` weakly (the stager must not pin it). It raises nothing into the native
+    caller: an error is queued as a callback of the same backward that raises it, so
+    ``backward()`` raises it as it raises a queued Python callback's error (torch runs
+    callbacks queued while its callbacks run)."""
     ref = weakref.ref(sync)
 
     def end() -> None:
         me = ref()
-        if me is not None:
+        if me is None:
+            return
+        try:
             me.quiet_end()
+        except BaseException as exc:  # noqa: BLE001 - raised from backward() below
+            def reraise(exc: BaseException = exc) -> None:
+                raise exc
+
+            _compat.queue_backward_callback(reraise)
 
     return end
 
