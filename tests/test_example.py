@@ -206,14 +206,17 @@ def test_bench_frameworks_two_ranks_cpu_smoke(tmp_path: Path) -> None:
 
 def test_profile_backward_cpu_smoke(tmp_path: Path) -> None:
     """benchmarks/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
-    first grad and the bucket events: at least one each per backward), the tables written."""
+    first grad and the bucket events, or the end the hook queued: at least one each per backward),
+    the tables written."""
     script = BENCHMARKS / "profile_backward.py"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--iters", "2", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = (tmp_path / "summary.txt").read_text()
-    assert "backward host: torch" in summary and "callbacks:" in summary, summary
+    # the callbacks, or at one process the one end the hook queued (no callback at the first grad)
+    assert "backward host: torch" in summary, summary
+    assert "callbacks:" in summary or "end of backward, queued by the hook" in summary, summary
     assert "the first grad's bookkeeping" in summary and "end of backward" in summary, summary
     assert (tmp_path / "backward_shardamp.txt").stat().st_size > 0 and (tmp_path / "backward_torch.txt").exists()
 
