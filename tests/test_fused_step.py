@@ -337,7 +337,9 @@ def _residual_with_plan(spoil):
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 def test_a_hook_landing_that_cannot_allocate_lands_from_python(monkeypatch):
     """The hook's allocation fails (a size no allocator gives): the grads stay staged and the
-    bucket is handed to Python, which lands it the separate way; training matches torch's AdamW."""
+    bucket is handed to Python, which lands it the separate way; training matches torch's AdamW.
+    (The landing that copies: held in place, nothing is allocated, see the next test.)"""
+    set_env(monkeypatch, "SHARDAMP_COPY_GRADS", "1")
     model, ref, opt, calls = _residual_with_plan(lambda e: (e[0], 2 ** 50, *e[2:]))
     ext = kernels.native_module(torch.device("cpu"))
     monkeypatch.setattr(ext, "bucket_stats", _counted(calls, "bucket_stats", ext.bucket_stats))
@@ -351,6 +353,27 @@ def test_a_hook_landing_that_cannot_allocate_lands_from_python(monkeypatch):
         opt.step()
         torch_opt.step()
     assert calls["planned"] == 0 and calls["bucket_stats"] == 3 * len(opt._buckets)
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+def test_a_held_bucket_allocates_nothing_whatever_size_its_plan_names(monkeypatch):
+    """The zero-copy landing (CPU) allocates no shard and passes over the grads only: a plan naming
+    an absurd shard size (2**50 elements: the zeros past the last grad add nothing) still holds
+    every bucket, in bounded memory, and trains as torch's AdamW."""
+    model, ref, opt, calls = _residual_with_plan(lambda e: (e[0], 2 ** 50, *e[2:]))
+    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
+    for step in range(3):
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        assert all(b.held is not None for b in opt._buffers)
+        opt.step()
+        torch_opt.step()
+    assert calls["planned"] == 3 * len(opt._buckets)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

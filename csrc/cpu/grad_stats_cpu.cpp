@@ -428,7 +428,10 @@ void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& fl
 // each read through PartsSrc (its gaps as zeros, as a landed shard's), so the same partials.
 template <typename T>
 bool parts_stats_impl(const std::vector<GradPart>& parts, int64_t n, float* out, bool assign) {
-  const int64_t nchunks = (n + kStatsChunk - 1) / kStatsChunk;
+  // the chunks wholly past the last part are zeros: their partials are +0, which the fold adds as
+  // nothing (a chunk the last part reaches keeps its whole range: its lanes sum as the shard's)
+  const int64_t end = parts.empty() ? 0 : std::min(n, parts.back().start + parts.back().len);
+  const int64_t nchunks = (end + kStatsChunk - 1) / kStatsChunk;
   std::vector<Partial> part(nchunks);
   at::parallel_for(0, nchunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
