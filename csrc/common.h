@@ -106,6 +106,18 @@ SHARDAMP_HD int64_t find_row(const int64_t* rows, int64_t n_rows, int64_t i) {
   return (found >= 0 && i < rows[3 * found] + rows[3 * found + 1]) ? found : -1;
 }
 
+// The flags' passes on both devices: element ``i`` (value ``v``) is inf/NaN (v - v is NaN then,
+// and NaN != 0 too): its row's flag (``rows``' third column names it) and the any flag set.
+SHARDAMP_HD void flag_nonfinite(float v, int64_t i, const int64_t* rows, int64_t n_rows, float* flags,
+                                int64_t any_index) {
+  if (v - v == 0.f) return;
+  const int64_t row = find_row(rows, n_rows, i);
+  if (row >= 0) {
+    flags[rows[3 * row + 2]] = 1.f;
+    flags[any_index] = 1.f;
+  }
+}
+
 struct SegmentScalars {
   float coef;             // grad_coef
   float decay;            // 1 - lr * wd        (AdamW)

@@ -343,6 +343,12 @@ def test_a_hook_landing_that_cannot_allocate_lands_from_python(monkeypatch):
     model, ref, opt, calls = _residual_with_plan(lambda e: (e[0], 2 ** 50, *e[2:]))
     ext = kernels.native_module(torch.device("cpu"))
     monkeypatch.setattr(ext, "bucket_stats", _counted(calls, "bucket_stats", ext.bucket_stats))
+    _train_as_torch(model, ref, opt)
+    assert calls["planned"] == 0 and calls["bucket_stats"] == 3 * len(opt._buckets)
+
+
+def _train_as_torch(model, ref, opt, after_backward=lambda: None) -> None:
+    """Three steps of ``opt`` over ``model`` beside torch's AdamW over ``ref``; the same params."""
     torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
     for step in range(3):
         opt.zero_grad()
@@ -350,9 +356,9 @@ def test_a_hook_landing_that_cannot_allocate_lands_from_python(monkeypatch):
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
         model(x).square().mean().backward()
         ref(x).square().mean().backward()
+        after_backward()
         opt.step()
         torch_opt.step()
-    assert calls["planned"] == 0 and calls["bucket_stats"] == 3 * len(opt._buckets)
     for a, b in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -363,19 +369,12 @@ def test_a_held_bucket_allocates_nothing_whatever_size_its_plan_names(monkeypatc
     an absurd shard size (2**50 elements: the zeros past the last grad add nothing) still holds
     every bucket, in bounded memory, and trains as torch's AdamW."""
     model, ref, opt, calls = _residual_with_plan(lambda e: (e[0], 2 ** 50, *e[2:]))
-    torch_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.02)
-    for step in range(3):
-        opt.zero_grad()
-        torch_opt.zero_grad()
-        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
-        model(x).square().mean().backward()
-        ref(x).square().mean().backward()
+
+    def all_held() -> None:
         assert all(b.held is not None for b in opt._buffers)
-        opt.step()
-        torch_opt.step()
+
+    _train_as_torch(model, ref, opt, all_held)
     assert calls["planned"] == 3 * len(opt._buckets)
-    for a, b in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")

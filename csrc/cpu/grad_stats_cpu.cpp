@@ -368,13 +368,7 @@ template <typename T>
 void flag_chunk(const T* x, int64_t n, int64_t c, const int64_t* rows, int64_t n_rows, float* flags,
                 int64_t any_index) {
   for (int64_t i = c * kFlagsChunk, hi = std::min(n, (c + 1) * kFlagsChunk); i < hi; ++i) {
-    const float v = static_cast<float>(x[i]);
-    if (v - v == 0.f) continue;
-    const int64_t row = find_row(rows, n_rows, i);
-    if (row >= 0) {
-      flags[rows[3 * row + 2]] = 1.f;
-      flags[any_index] = 1.f;
-    }
+    flag_nonfinite(static_cast<float>(x[i]), i, rows, n_rows, flags, any_index);
   }
 }
 

@@ -89,11 +89,7 @@ stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* _
     bad += d;
     if constexpr (Flags) {
       if (d != 0.f) {  // inf/NaN (NaN != 0 too), rare: find the param (as nonfinite_flags_kernel; same benign races)
-        const int64_t row = find_row(flag_rows.rows, flag_rows.n_rows, j);
-        if (row >= 0) {
-          flag_rows.flags[flag_rows.rows[3 * row + 2]] = 1.f;
-          flag_rows.flags[flag_rows.any_index] = 1.f;
-        }
+        flag_nonfinite(x, j, flag_rows.rows, flag_rows.n_rows, flag_rows.flags, flag_rows.any_index);
       }
     }
   };
@@ -261,13 +257,7 @@ nonfinite_flags_kernel(const T* __restrict__ x, int64_t n, const int64_t* __rest
                        float* __restrict__ flags, int64_t any_index) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
-    const float v = to_float(x[i]);
-    if (v - v == 0.f) continue;
-    const int64_t row = find_row(rows, n_rows, i);
-    if (row >= 0) {
-      flags[rows[3 * row + 2]] = 1.f;
-      flags[any_index] = 1.f;
-    }
+    flag_nonfinite(to_float(x[i]), i, rows, n_rows, flags, any_index);
   }
 }
 
