@@ -160,11 +160,13 @@ class GradStager {
 
   // Arms the stager for the next backward with the standing plan from bucket 0 (its first
   // landing assigns the partial row), every entry flagging into `flags`; the backward's first
-  // grad then calls Python only with kBegan. Undone by set_armed(false), clear and finish_plan.
+  // grad then calls no Python (it queues the backward's end: set_quiet_begin). Undone by
+  // set_armed(false), clear and finish_plan.
   void prearm(const at::Tensor& flags) {
     auto& s = *state_;
     std::lock_guard<std::mutex> lock(s.mu);
     SHARDAMP_CHECK(!s.standing.empty(), "GradStager.prearm: no standing plan (set_standing first)");
+    SHARDAMP_CHECK(!s.quiet_end.is_none(), "GradStager.prearm: no backward end (set_quiet_begin first)");
     std::vector<StagerState::PlanEntry> plan = s.standing;
     for (auto& e : plan) {
       if (e.on) e.flags = flags;
@@ -217,8 +219,8 @@ class GradStager {
     return py::make_tuple(began, landed_list(landed), error, complete);
   }
 
-  // The quiet begin (StagerState::queue_quiet_end): `end` (a callable, None: kBegan again) runs
-  // when a pre-armed backward finishes, instead of a kBegan call at its first grad.
+  // The quiet begin (StagerState::queue_quiet_end): `end` (a callable; None: prearm refuses) runs
+  // when a pre-armed backward finishes.
   void set_quiet_begin(py::object end) {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->quiet_end = std::move(end);

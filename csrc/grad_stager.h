@@ -17,7 +17,7 @@ namespace shardamp {
 // hidden, as pybind11's own types (StagerState holds a py::object): nothing here leaves the module
 namespace stager __attribute__((visibility("hidden"))) {
 
-enum Event : int { kNone = 0, kSlow = 1, kFlush = 2, kComplete = 3, kBegan = 4 };
+enum Event : int { kNone = 0, kSlow = 1, kFlush = 2, kComplete = 3 };
 
 extern std::atomic<bool> g_release_async;  // set_async_release: for A/B measurements and tests
 // Tests only (_release_cpu_too): CPU grads take the release thread too, so the CPU suite runs its
@@ -65,15 +65,15 @@ struct StagerState {
   std::string plan_error;  // a landing that failed after taking its grads: Python raises it
   // The standing plan (set_standing): the entries every pre-armed backward starts from, without
   // their flags. prearm(flags) (zero_grad, every bucket released) arms the stager and sets the
-  // plan from it, so the next backward's first grad is staged here and Python is only told that
-  // the backward began (kBegan), instead of deciding the first grad and arming the plan itself.
+  // plan from it, so the next backward's first grad is staged here instead of Python deciding it
+  // and arming the plan itself.
   std::vector<PlanEntry> standing;
   bool prearmed = false;  // armed by prearm, no grad seen since
-  // The quiet begin (set_quiet_begin; one process): a pre-armed backward's first grad queues
-  // `quiet_end` (a Python callable) to run when that backward finishes, as Python's
-  // queue_callback would, instead of calling Python with kBegan; Python learns of the begin at
-  // its next entry point (take_quiet_begin) or in `quiet_end`. One Python call a backward less.
-  py::object quiet_end;  // None: kBegan as above
+  // The quiet begin (set_quiet_begin, required by prearm): a pre-armed backward's first grad
+  // calls no Python; it queues `quiet_end` (a Python callable) to run when that backward
+  // finishes, as Python's queue_callback would. Python learns of the begin at its next entry
+  // point (take_quiet_begin) or in `quiet_end`.
+  py::object quiet_end;
   bool began_quietly = false;  // a backward began quietly and Python has not taken it yet
   std::weak_ptr<StagerState> self;  // what the queued callback holds (the stager may be gone by then)
 

@@ -70,7 +70,7 @@ void StagerState::report(const char* what) {
 void StagerState::hook_body(int64_t i) {
   int event = kNone;
   int64_t arg = i;
-  bool planned = false, began = false, quiet = false;
+  bool planned = false, began = false;
   {
     std::lock_guard<std::mutex> lock(mu);
     at::Tensor& grad = params[i].mutable_grad();
@@ -84,19 +84,14 @@ void StagerState::hook_body(int64_t i) {
     }
     began = prearmed;  // the first grad of a pre-armed backward
     prearmed = false;
-    quiet = began && quiet_end.ptr() != nullptr && !quiet_end.is_none();
-    if (quiet) began_quietly = true;
+    if (began) began_quietly = true;
     if (event == kComplete && plan_active && arg == plan_next && plan[arg].on) {
       planned = true;
     } else if (event != kNone) {
       plan_active = false;  // Python decides from here on (it adopts what was landed first)
     }
   }
-  if (quiet) {
-    queue_quiet_end();
-  } else if (began) {
-    call(kBegan, 0);  // before any other event of this backward reaches Python
-  }
+  if (began) queue_quiet_end();  // no Python call: its end runs when the backward finishes
   if (planned) {
     land_planned(arg);
   } else if (event != kNone) {

@@ -1,5 +1,5 @@
 """The landing plan set at ``zero_grad`` (one process, native stager): the next backward's first
-grad is staged in the grad hook and Python is only told that the backward began (``BEGAN``), its
+grad is staged in the grad hook, which calls no Python but queues the backward's end; its
 complete buckets land in the hook. Whatever calls Python before that backward, or changes what it
 must do, undoes the plan; training equals torch's AdamW in every case."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from shardamp.optim.sync.grad_sync import GradSync
 
 native = pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 devices = pytest.mark.parametrize("device", DEVICES)
-BEGAN, SLOW, COMPLETE = grad_stager.BEGAN, grad_stager.SLOW, grad_stager.COMPLETE
+SLOW, COMPLETE = grad_stager.SLOW, grad_stager.COMPLETE
 
 
 def _pair(device: str, **kw):
@@ -58,10 +58,10 @@ def _assert_same(model, ref) -> None:
 @native
 @devices
 def test_a_backward_after_zero_grad_tells_python_only_that_it_began(device, monkeypatch):
-    """A backward after ``zero_grad`` sends Python one event, ``BEGAN`` (one process: none at all,
-    the hook queued the backward's end itself, which then runs in Python: the quiet begin); a
-    second backward before the step (no zero_grad between) is decided by Python at its first
-    grad (``SLOW``) and arms a plan there. Both train as torch's AdamW."""
+    """A backward after ``zero_grad`` sends Python no event (the hook queued the backward's end
+    itself, which then runs in Python: the quiet begin); a second backward before the step (no
+    zero_grad between) is decided by Python at its first grad (``SLOW``) and arms a plan there.
+    Both train as torch's AdamW."""
     model, ref, opt, torch_opt = _pair(device)
     seen = _events(monkeypatch)
     ends: List[int] = []
@@ -80,11 +80,9 @@ def test_a_backward_after_zero_grad_tells_python_only_that_it_began(device, monk
         torch_opt.step()
     _assert_same(model, ref)
     buckets = len(opt._buckets)
-    quiet = opt._grad_sync.quiet
-    assert quiet  # one process with the native hooks, on either device
-    assert per_backward[0] == per_backward[1] == per_backward[2] == per_backward[4] == ([] if quiet else [BEGAN])
-    assert len(ends) == (4 if quiet else 0)  # each pre-armed backward's end, queued by the hook
-    assert per_backward[3][0] == SLOW and BEGAN not in per_backward[3]
+    assert per_backward[0] == per_backward[1] == per_backward[2] == per_backward[4] == []
+    assert len(ends) == 4  # each pre-armed backward's end, queued by the hook
+    assert per_backward[3][0] == SLOW
     # the second backward before the step adds to the landed shards: from Python, bucket by bucket
     assert per_backward[3].count(COMPLETE) == buckets
 
@@ -103,7 +101,7 @@ def test_no_sync_after_zero_grad_undoes_the_plan(device, monkeypatch):
         del seen[:]
         with opt.no_sync():
             model(_x(step, 0, device)).square().mean().backward()
-        assert seen and seen[0] == SLOW and BEGAN not in seen, seen
+        assert seen and seen[0] == SLOW, seen
         model(_x(step, 1, device)).square().mean().backward()
         ref(_x(step, 0, device)).square().mean().backward()
         ref(_x(step, 1, device)).square().mean().backward()

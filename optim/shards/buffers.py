@@ -123,9 +123,13 @@ class BucketBuffers:
         self.held = held
 
     def zero_grads(self) -> None:
-        """``zero_grad(set_to_none=False)``: the shard as zeros (held grads dropped, not landed)."""
+        """``zero_grad(set_to_none=False)``: the shard as zeros (held grads dropped, not landed; a
+        released shard is allocated as zeros, one fill)."""
         self.held = None
-        self.grad_shard.zero_()
+        if self.grad_store is None:
+            self.grad_store = torch.zeros(self.shard_numel, dtype=self.grad_dtype, device=self.params.device)
+        else:
+            self.grad_store.zero_()
 
     def moments(self) -> List[Tuple[Moment, StateFormat, Union[Tensor, QuantizedShard]]]:
         """This rank's shard of each moment with its format, in ``state_formats.MOMENTS``' order."""

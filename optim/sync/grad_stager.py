@@ -27,12 +27,11 @@ Events (``callback(event, arg)``):
   bucket was copied. The grad is still in ``param.grad``; Python calls ``stage(index)``.
 * ``FLUSH`` (arg: bucket): the bucket's staged bytes reached its flush size: copy it (``land``).
 * ``COMPLETE`` (arg: bucket): every param of the bucket produced its grad in this backward.
-* ``BEGAN`` (arg: 0): the first grad of a backward the stager was pre-armed for
-  (``prearm(flags)``, from a standing plan set once with ``set_standing``) was staged: Python
-  records that a backward began, nothing else. Sent before any other event of that backward.
-  With ``set_quiet_begin(end)`` (one process) it is not sent: the hook queues ``end`` on the
-  backward's graph task instead (it runs when the backward finishes, its error raised from
-  ``backward()``) and ``take_quiet_begin()`` says, once, that such a backward began.
+The first grad of a backward the stager was pre-armed for (``prearm(flags)``, from a standing
+plan set once with ``set_standing``, and the backward's end set with ``set_quiet_begin(end)``)
+sends no event: the hook stages it and queues ``end`` on the backward's graph task (it runs when
+the backward finishes, its error raised from ``backward()``); ``take_quiet_begin()`` says, once,
+that such a backward began.
 
 ``stage(i)`` takes ``params[i].grad`` (leaving None), appends it to its bucket, marks param ``i``
 touched (``touched()``: bytes, one 0/1 per param, until ``clear_touched()``) and returns the
@@ -56,7 +55,7 @@ from torch import Tensor
 
 from .. import _compat, config, kernels
 
-NONE, SLOW, FLUSH, COMPLETE, BEGAN = 0, 1, 2, 3, 4
+NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
 
 
 class PyStager:
@@ -258,4 +257,4 @@ def _python_hooks_forced() -> bool:
     return config.settings().python_grad_hooks
 
 
-__all__ = ["PyStager", "make_stager", "for_grad_sync", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE", "BEGAN"]
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE"]

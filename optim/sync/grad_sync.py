@@ -151,11 +151,10 @@ class GradSync:
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
                                        device, hold=not host.active, entries=self.by_stager_index)
-        # one process, the plan pre-armed at zero_grad: the stager queues the backward's end itself
-        # at its first grad (``_quiet_end``) instead of calling Python there; Python catches the
-        # begin up at its first entry point (``_take_planned``): one Python call a backward less
-        self.quiet = (self.landings.prearms and not comm.has_peers and hasattr(self.stager, "set_quiet_begin"))
-        if self.quiet:
+        # the plan pre-armed at zero_grad (one process): the stager queues that backward's end
+        # itself at its first grad (``quiet_end``) and calls no Python there; Python catches the
+        # begin up at its first entry point (``_take_planned``)
+        if self.landings.prearms:
             self.stager.set_quiet_begin(grad_stager.quiet_end_callback(self))
         # the grad accumulators backward_order.py asks autograd about, kept where the native
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
@@ -207,17 +206,12 @@ class GradSync:
             if (complete and self.callback_queued and self.hook_error is None and self.next_launch == len(self.states)
                     and self.overlap and self._enabled and not self._hold_launches):
                 self.callback_queued = False
-                self.next_launch = 0  # _finish_round's, with nothing left to launch
-                self.cycle.round_launched()
-                self.partials_started = False
+                self._finish_round(fired_reset=True)  # nothing left to launch; the stager disarmed itself
                 return
         if self.callback_queued:
             self.end_of_backward()
 
     def on_event(self, event: int, arg: int) -> None:
-        if event == grad_stager.BEGAN:  # a pre-armed backward's first grad: staged, its plan set
-            self._begin()
-            return
         self._take_planned()
         if event == grad_stager.SLOW:
             self.on_grad(self.by_stager_index[arg])
@@ -252,7 +246,7 @@ class GradSync:
         the plan: every other entry point calls this first, so Python's state is the stager's again."""
         if not self.landings.planned:
             return
-        if self.quiet and not self.callback_queued and self.stager.take_quiet_begin():
+        if self.landings.prearms and not self.callback_queued and self.stager.take_quiet_begin():
             self._begin(queue_end=False)
         self._adopt_all(*self.landings.take())
 
@@ -345,11 +339,14 @@ class GradSync:
         else:
             self.stager.reset_fired()
 
-    def _finish_round(self) -> None:
+    def _finish_round(self, fired_reset: bool = False) -> None:
+        """Launch what is left of the round and end it (``fired_reset``: the stager reset its
+        fired counts itself, ``end_quiet``)."""
         while self.next_launch < len(self.states):
             self._launch(self.states[self.next_launch])
         self.next_launch = 0
-        self.stager.reset_fired()
+        if not fired_reset:
+            self.stager.reset_fired()
         self.cycle.round_launched()
         self.partials_started = False  # the next round recomputes them all
 

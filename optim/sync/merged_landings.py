@@ -8,7 +8,7 @@ The plan names, per bucket from the next one to launch, what the landing needs (
 template, the flag rows, the round's flags, the shared partial row) and whether its first landing
 assigns the partial. It is set at ``zero_grad`` for the whole next backward, from a standing plan
 set once (:meth:`MergedLandings.prearm`: that backward's first grad is then staged by the hook
-and Python only hears ``BEGAN``), and again inside a backward after an event that called Python
+and Python hears nothing until that backward's end, which the hook queues), and again inside a backward after an event that called Python
 (:meth:`MergedLandings.arm`). Whatever calls Python ends it: :meth:`MergedLandings.take` hands
 back the shards the hook landed, in order, for grad_sync.py to adopt.
 
