@@ -42,9 +42,10 @@ def test_stats_cat_finish_is_cat_then_finish(device, norm_type):
         assert view.data_ptr() == merged[0].data_ptr() + 4 * start
 
 
+@pytest.mark.native_raises
 def test_stats_cat_finish_rejects_non_fp32_and_empty():
-    """(benchmarks/gpu_session.sh leaves this out by name: an error raised inside an extension kills the
-    interpreter on its image.)"""
+    """The finish refuses what it cannot read (an error raised inside the extension: marked
+    ``native_raises``)."""
     ext = ext_for("cpu")
     with pytest.raises(RuntimeError, match="no parts"):
         ext.stats_cat_finish([], 2, 2.0, [])
@@ -377,8 +378,9 @@ def test_a_held_bucket_allocates_nothing_whatever_size_its_plan_names(monkeypatc
     assert calls["planned"] == 3 * len(opt._buckets)
 
 
+@pytest.mark.native_raises
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
-def test_a_hook_landing_failing_after_taking_the_grads_raises_rejects_non_fp32_flags(monkeypatch):
+def test_a_hook_landing_failing_after_taking_the_grads_raises(monkeypatch):
     """The hook's flags pass fails once the grads were taken (flags of the wrong dtype): the
     backward raises, naming the bucket, instead of stepping on a bucket of missing grads; under a
     plan armed at the first grad and under one set at zero_grad alike. (The landing that copies:

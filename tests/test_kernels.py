@@ -101,6 +101,7 @@ def test_adam_step_found_inf_writes_nothing(device, grad_dtype):
         assert torch.equal(value.view(torch.uint8), before[key].view(torch.uint8)), key  # bitwise, NaNs too
 
 
+@pytest.mark.native_raises
 @pytest.mark.parametrize("device", DEVICES)
 def test_adam_step_empty_and_cached_chunks(device):
     ext = ext_for(device)
@@ -144,6 +145,7 @@ def test_adam_step_any_chunk_size(device, chunk):
     assert_state_close(state, ref)
 
 
+@pytest.mark.native_raises
 @pytest.mark.parametrize("device", DEVICES)
 def test_adam_step_rejects_non_fp32_state(device):
     ext = ext_for(device)

@@ -243,6 +243,7 @@ def test_group_partials_over_parts_is_bitwise_the_landed_shards(norm_type, dtype
     assert torch.equal(got, want), (got, want)
 
 
+@pytest.mark.native_raises
 def test_parts_that_overlap_or_do_not_fit_are_refused():
     ext = kernels.native_module(torch.device("cpu"))
     out = torch.zeros(2)
