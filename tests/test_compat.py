@@ -309,3 +309,22 @@ def test_tensor_version_counts_in_place_ops():
     t + 1.0
     t.clone().zero_()
     assert _compat.tensor_version(t) == v + 2
+
+
+def test_optimizer_step_wrapper_internals() -> None:
+    """torch's step wrapper pieces the lean wrapper reads: the global hook dicts, the wrapper
+    factory, the profiler's state, and ``hooked`` keeping torch's own wrapper off."""
+
+    class Plain(torch.optim.Optimizer):
+        def step(self, closure=None):  # noqa: ANN001, ANN201
+            return "stepped"
+
+    assert _compat.hook_optimizer_step(Plain)
+    wrapped = Plain.step
+    opt = Plain([torch.nn.Parameter(torch.zeros(1))], {})
+    assert Plain.step is wrapped, "torch's __init__ wrapped the step again"
+    assert opt.step() == "stepped"
+    calls = []
+    handle = opt.register_step_post_hook(lambda o, a, k: calls.append(o))
+    assert opt.step() == "stepped" and calls == [opt]
+    handle.remove()
