@@ -22,7 +22,7 @@ hook hands to Python, a bucket completing out of launch order) lands the separat
 (grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and with the Python hooks."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -64,6 +64,8 @@ class MergedLandings:
         self.stager = stager
         self.states = states
         self.entries = entries  # the params by stager index (what a held bucket's indices name)
+        # a held bucket's (params, offsets) by its stager indices: the same every step of a loop
+        self._held_layouts: Dict[Tuple[int, ...], Tuple[List[Tensor], List[int]]] = {}
         self.landing_flags = landing_flags
         self.landing_rows = landing_rows
         # False: no plan here (more than one process, shards kept, or the Python hooks)
@@ -139,8 +141,11 @@ class MergedLandings:
         out: List[Tuple[int, "Tensor | HeldGrads"]] = []
         for index, full, held, grads in landed:
             if full is None:  # held in place: the shard is made only if something reads it
-                entries = [self.entries[k] for k in held]
-                full = HeldGrads(grads, [e.param for e in entries], [e.offset for e in entries], self.like[index],
-                                 self.states[index].buffers.shard_numel)
+                key = tuple(held)
+                layout = self._held_layouts.get(key)
+                if layout is None:
+                    entries = [self.entries[k] for k in held]
+                    layout = self._held_layouts[key] = ([e.param for e in entries], [e.offset for e in entries])
+                full = HeldGrads(grads, layout[0], layout[1], self.like[index], self.states[index].buffers.shard_numel)
             out.append((index, full))
         return out
