@@ -114,10 +114,10 @@ def hook_optimizer_step(cls: type) -> bool:
     torch does, so torch's ``_patch_step_function`` leaves it be. Returns False (nothing done)
     where this torch lacks the pieces: the caller keeps torch's own wrapper."""
     opt_mod = importlib.import_module("torch.optim.optimizer")
-    pre, post = getattr(opt_mod, "_global_optimizer_pre_hooks", None), getattr(opt_mod, "_global_optimizer_post_hooks", None)
     profile_hook_step = getattr(torch.optim.Optimizer, "profile_hook_step", None)
     profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
-    if pre is None or post is None or profile_hook_step is None or profiler_enabled is None:
+    if (not hasattr(opt_mod, "_global_optimizer_pre_hooks") or not hasattr(opt_mod, "_global_optimizer_post_hooks")
+            or profile_hook_step is None or profiler_enabled is None):
         return False
     if getattr(cls.step, "hooked", None):
         return True
@@ -126,8 +126,9 @@ def hook_optimizer_step(cls: type) -> bool:
 
     @functools.wraps(func)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if (pre or post or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks
-                or profiler_enabled()):
+        # the global hook dicts read where torch's own wrapper reads them, at each call
+        if (opt_mod._global_optimizer_pre_hooks or opt_mod._global_optimizer_post_hooks
+                or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or profiler_enabled()):
             return observed_step(self, *args, **kwargs)
         out = func(self, *args, **kwargs)
         self._optimizer_step_code()
