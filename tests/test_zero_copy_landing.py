@@ -253,3 +253,32 @@ def test_parts_that_overlap_or_do_not_fit_are_refused():
         ext.bucket_stats_parts([torch.ones(4)], [6], 8, out, True)
     with pytest.raises(RuntimeError, match="dense CPU tensor"):
         ext.bucket_stats_parts([torch.ones(4, 2)[:, 0]], [0], 8, out, True)
+
+
+def _train_subsets(copy: bool, steps: int = 24) -> Tuple[List[torch.Tensor], List[bool]]:
+    """Eight independent params; every third step's loss reaches all of them (its bucket is
+    complete: held), the others' a random subset (incomplete: landed at the end of backward)."""
+    config.configure(copy_grads=copy)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(11 + 3 * i)) for i in range(8)]
+    opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.05)
+    gen = torch.Generator().manual_seed(5)
+    held = []
+    for step in range(steps):
+        opt.zero_grad()
+        chosen = params if step % 3 == 0 else [p for p in params if torch.rand((), generator=gen) < 0.5] or params[:1]
+        sum((p * p).sum() * (1 + step % 4) for p in chosen).backward()
+        held.append(opt._buffers[0].held is not None)
+        opt.step()
+    return [p.detach().clone() for p in params], held
+
+
+def test_held_and_landed_steps_mixed_train_as_the_copy():
+    """Steps whose grads complete the bucket (held) between steps whose grads reach a subset of
+    the params (landed, the gaps zero): bitwise the copying landing throughout."""
+    held_params, held = _train_subsets(copy=False)
+    copy_params, copied = _train_subsets(copy=True)
+    assert held == [step % 3 == 0 for step in range(24)], held
+    assert not any(copied)
+    for a, b in zip(held_params, copy_params):
+        assert torch.equal(a, b)

@@ -64,7 +64,8 @@ class MergedLandings:
         self.stager = stager
         self.states = states
         self.entries = entries  # the params by stager index (what a held bucket's indices name)
-        # a held bucket's (params, offsets) by its stager indices: the same every step of a loop
+        # a held bucket's (params, offsets) by its stager indices: only a complete bucket is held,
+        # so one layout per bucket
         self._held_layouts: Dict[Tuple[int, ...], Tuple[List[Tensor], List[int]]] = {}
         self.landing_flags = landing_flags
         self.landing_rows = landing_rows
