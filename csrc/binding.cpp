@@ -492,6 +492,10 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
                                   "strides) without .grad")
       .def(py::init<std::vector<at::Tensor>>(), py::arg("refs"))
       .def("intact", &shardamp::ViewCheck::intact, py::arg("params"));
+  // the optimizer's step takes torch's record_function wrapper only where something records it
+  m.def("record_function_observed", [] { return at::hasCallbacks(); },
+        "Whether any RecordFunction callback is registered, global or for this thread (a profiler in any thread, an "
+        "execution-trace observer, CUDA memory-history annotations)");
   shardamp::register_grad_stager(m);
 #if defined(SHARDAMP_WITH_CUDA)
   m.def("event_query_relaxed", &shardamp::cuda::event_query_relaxed,

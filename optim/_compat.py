@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 from typing import Any, Callable, List, Optional
 
 import torch
@@ -104,15 +105,19 @@ def reached_in_backward(node: Any) -> bool:
         return True
 
 
-def hook_optimizer_step(cls: type) -> bool:
+def hook_optimizer_step(cls: type, observed: Callable[[Any], bool]) -> bool:
     """Wrap ``cls.step`` as ``torch.optim.Optimizer`` wraps every optimizer's step (its step
     pre/post hooks, global and per instance, a ``record_function`` label for the profiler and the
-    profiler's ``_optimizer_step_code`` entry point), but take torch's wrapper only while a hook is
-    registered or the autograd profiler is on; otherwise call the step and the entry point
-    directly. The label's enter and exit cost tens of microseconds of host time per step on a
-    small model's iteration whether or not anything records it. Marks the wrapper ``hooked`` as
-    torch does, so torch's ``_patch_step_function`` leaves it be. Returns False (nothing done)
-    where this torch lacks the pieces: the caller keeps torch's own wrapper."""
+    profiler's ``_optimizer_step_code`` entry point), but take torch's wrapper only while a pre hook
+    is registered, the autograd profiler is on in this thread, or ``observed(optimizer)`` says
+    something else records the label (a RecordFunction callback: a profiler of all threads, an
+    execution-trace observer, CUDA memory-history annotations); otherwise call the step and the
+    entry point directly, then the post hooks (one registered during the step runs, as torch's
+    wrapper reads them after the step). The label's enter and exit cost tens of microseconds of
+    host time per step on a small model's iteration whether or not anything records it. Marks
+    the wrapper ``hooked`` as torch does, so torch's ``_patch_step_function`` leaves it be.
+    Returns False (nothing done) where this torch lacks the pieces: the caller keeps torch's own
+    wrapper."""
     opt_mod = importlib.import_module("torch.optim.optimizer")
     profile_hook_step = getattr(torch.optim.Optimizer, "profile_hook_step", None)
     profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", None)
@@ -126,12 +131,16 @@ def hook_optimizer_step(cls: type) -> bool:
 
     @functools.wraps(func)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # the global hook dicts read where torch's own wrapper reads them, at each call
-        if (opt_mod._global_optimizer_pre_hooks or opt_mod._global_optimizer_post_hooks
-                or self._optimizer_step_pre_hooks or self._optimizer_step_post_hooks or profiler_enabled()):
+        # the hook dicts read where and when torch's own wrapper reads them
+        if (opt_mod._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks or profiler_enabled()
+                or observed(self)):
             return observed_step(self, *args, **kwargs)
         out = func(self, *args, **kwargs)
         self._optimizer_step_code()
+        if self._optimizer_step_post_hooks or opt_mod._global_optimizer_post_hooks:
+            for hook in itertools.chain(self._optimizer_step_post_hooks.values(),
+                                        opt_mod._global_optimizer_post_hooks.values()):
+                hook(self, args, kwargs)
         return out
 
     step.hooked = True  # type: ignore[attr-defined]

@@ -319,7 +319,8 @@ def test_optimizer_step_wrapper_internals() -> None:
         def step(self, closure=None):  # noqa: ANN001, ANN201
             return "stepped"
 
-    assert _compat.hook_optimizer_step(Plain)
+    observed = []
+    assert _compat.hook_optimizer_step(Plain, lambda opt: bool(observed))
     wrapped = Plain.step
     opt = Plain([torch.nn.Parameter(torch.zeros(1))], {})
     assert Plain.step is wrapped, "torch's __init__ wrapped the step again"
@@ -328,3 +329,20 @@ def test_optimizer_step_wrapper_internals() -> None:
     handle = opt.register_step_post_hook(lambda o, a, k: calls.append(o))
     assert opt.step() == "stepped" and calls == [opt]
     handle.remove()
+    # torch's wrapper (its record_function label) only where the caller says something observes it
+    labels = []
+    real = torch.autograd.profiler.record_function
+
+    def recording(name, *args):  # noqa: ANN001, ANN202
+        labels.append(name)
+        return real(name, *args)
+
+    torch.autograd.profiler.record_function = recording
+    try:
+        opt.step()
+        assert labels == []
+        observed.append(True)
+        opt.step()
+        assert labels == ["Optimizer.step#Plain.step"]
+    finally:
+        torch.autograd.profiler.record_function = real

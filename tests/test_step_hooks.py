@@ -11,7 +11,10 @@ import torch
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from shardamp.optim import DistributedFusedAdam
+from shardamp.optim import DistributedFusedAdam, kernels
+
+native = pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native",
+                            reason="the lean step needs the compiled kernels to tell whether a label is recorded")
 
 
 def _model() -> nn.Module:
@@ -154,3 +157,83 @@ def test_an_lr_scheduler_sees_the_step() -> None:
             opt.step()
             sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.01 * 0.5 ** 3)
+
+
+def _labels_recorded(opt: Any, model: nn.Module, run: Any) -> List[str]:
+    """The optimizer-step labels an execution-trace observer records while ``run(step)`` steps."""
+    import json
+    import tempfile
+
+    from torch.profiler import ExecutionTraceObserver
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/et.json"
+        et = ExecutionTraceObserver().register_callback(path)
+        et.start()
+        try:
+            opt.zero_grad()
+            _backward(model, 0)
+            run(opt.step)
+        finally:
+            et.stop()
+            et.unregister_callback()
+        with open(path) as f:
+            nodes = json.load(f)["nodes"]
+    return [n["name"] for n in nodes if n["name"].startswith("Optimizer.step#")]
+
+
+@native
+def test_an_execution_trace_observer_sees_the_step_label() -> None:
+    """A RecordFunction observer that is no profiler (torch's execution-trace observer) sees the
+    step's label, as on torch's AdamW."""
+    model = _model()
+    ours = _labels_recorded(DistributedFusedAdam(model.parameters(), lr=0.01), model, lambda step: step())
+    model = _model()
+    torchs = _labels_recorded(torch.optim.AdamW(model.parameters(), lr=0.01), model, lambda step: step())
+    assert ours == ["Optimizer.step#DistributedFusedAdam.step"] and torchs == ["Optimizer.step#AdamW.step"]
+
+
+@native
+def test_a_profiler_of_all_threads_sees_a_step_in_another_thread() -> None:
+    """The profiler started in one thread with ``profile_all_threads`` (as torch's remote debug
+    handler starts it) sees a step that another thread runs, where this thread's profiler
+    state is off."""
+    import threading
+
+    from torch._C._profiler import _ExperimentalConfig
+
+    names = []
+    for make in (lambda p: DistributedFusedAdam(p, lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01)):
+        model = _model()
+        opt = make(model.parameters())
+        _backward(model, 0)
+        config = _ExperimentalConfig(profile_all_threads=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                    experimental_config=config) as prof:
+            worker = threading.Thread(target=opt.step)
+            worker.start()
+            worker.join()
+        names.append(sorted({e.name for e in prof.events() if e.name.startswith("Optimizer.step#")}))
+    assert names == [["Optimizer.step#DistributedFusedAdam.step"], ["Optimizer.step#AdamW.step"]], names
+
+
+def test_a_post_hook_registered_during_the_step_runs_as_on_torch() -> None:
+    """torch's wrapper reads the post hooks after the step: one registered by the step's closure
+    runs on that very step."""
+    seen = []
+    for make in (lambda p: DistributedFusedAdam(p, lr=0.01), lambda p: torch.optim.AdamW(p, lr=0.01)):
+        model = _model()
+        opt = make(model.parameters())
+        calls: List[str] = []
+
+        def closure() -> torch.Tensor:
+            opt.register_step_post_hook(lambda o, a, k: calls.append("post"))
+            with torch.enable_grad():
+                loss = nn.functional.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 3))
+                loss.backward()
+            return loss
+
+        opt.zero_grad()
+        opt.step(closure)
+        seen.append(calls)
+    assert seen == [["post"], ["post"]], seen
