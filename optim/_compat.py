@@ -105,13 +105,15 @@ def reached_in_backward(node: Any) -> bool:
         return True
 
 
-def hook_optimizer_step(cls: type, observed: Callable[[Any], bool]) -> bool:
+def hook_optimizer_step(cls: type, native_of: Callable[[Any], Optional[Any]]) -> bool:
     """Wrap ``cls.step`` as ``torch.optim.Optimizer`` wraps every optimizer's step (its step
     pre/post hooks, global and per instance, a ``record_function`` label for the profiler and the
     profiler's ``_optimizer_step_code`` entry point), but take torch's wrapper only while a pre hook
-    is registered, the autograd profiler is on in this thread, or ``observed(optimizer)`` says
-    something else records the label (a RecordFunction callback: a profiler of all threads, an
-    execution-trace observer, CUDA memory-history annotations); otherwise call the step and the
+    is registered, the autograd profiler is on in this thread, or any RecordFunction callback is
+    registered, global or for this thread (a profiler of all threads, an execution-trace
+    observer, CUDA memory-history annotations: ``at::hasCallbacks()``, asked through the
+    optimizer's compiled module ``native_of(optimizer)``; where there is none, always torch's
+    wrapper); otherwise call the step and the
     entry point directly, then the post hooks (one registered during the step runs, as torch's
     wrapper reads them after the step). The label's enter and exit cost tens of microseconds of
     host time per step on a small model's iteration whether or not anything records it. Marks
@@ -129,11 +131,15 @@ def hook_optimizer_step(cls: type, observed: Callable[[Any], bool]) -> bool:
     func = cls.step
     observed_step = profile_hook_step(func)
 
+    def recorded(opt: Any) -> bool:
+        callbacks = getattr(native_of(opt), "record_function_observed", None)
+        return callbacks is None or callbacks()
+
     @functools.wraps(func)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
         # the hook dicts read where and when torch's own wrapper reads them
         if (opt_mod._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks or profiler_enabled()
-                or observed(self)):
+                or recorded(self)):
             return observed_step(self, *args, **kwargs)
         out = func(self, *args, **kwargs)
         self._optimizer_step_code()

@@ -201,9 +201,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
 
         self._initialized = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        # before torch's __init__ wraps step: its wrapper only where a step hook or the profiler
-        # observes the step (_compat.py; the same hooks and profiler label, less host time)
-        _compat.hook_optimizer_step(type(self), DistributedFusedAdam._step_observed)
+        # before torch's __init__ wraps step: torch's wrapper only where something observes it (_compat.py)
+        _compat.hook_optimizer_step(type(self), lambda opt: kernels.native_module(opt._device))
         super().__init__(params, defaults)
 
         self.adam_w_mode, self.bias_correction, self.max_grad_norm = adam_w_mode, bias_correction, max_grad_norm
@@ -251,7 +250,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self._launches: Optional[List[kernels.AdamLaunch]] = None  # each bucket's step, built at the first step
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._view_check = kernels.view_check(self._view_refs)
-        self._record_observer = kernels.record_function_observer(self._device)
         # all per-step health state: skip reasons, counters, non-finite flags, per-group norms
         self._health = StepHealth(self._device, self._comm, self._buckets, self.param_groups, self._skip_above,
                                   capturable, fp16_grads=any(b.grad_dtype == torch.float16 for b in self._buffers))
@@ -492,12 +490,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self._cycle.stepped([c for c, _ in r.clips], r.raw_norms, cache_after_step=not self.capturable)
         self._grad_sync.step_done()
         return loss
-
-    def _step_observed(self) -> bool:
-        """Something records the step's ``record_function`` label (a RecordFunction callback:
-        ``_compat.hook_optimizer_step``); True where the kernels cannot tell (no native module)."""
-        observer = getattr(self, "_record_observer", None)
-        return observer is None or observer()
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]

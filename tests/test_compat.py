@@ -320,7 +320,13 @@ def test_optimizer_step_wrapper_internals() -> None:
             return "stepped"
 
     observed = []
-    assert _compat.hook_optimizer_step(Plain, lambda opt: bool(observed))
+
+    class Native:  # the compiled module's answer
+        @staticmethod
+        def record_function_observed() -> bool:
+            return bool(observed)
+
+    assert _compat.hook_optimizer_step(Plain, lambda opt: Native)
     wrapped = Plain.step
     opt = Plain([torch.nn.Parameter(torch.zeros(1))], {})
     assert Plain.step is wrapped, "torch's __init__ wrapped the step again"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -273,15 +273,6 @@ def view_check(refs: List[Tensor]) -> Optional[Any]:
     if ext is None or not hasattr(ext, "ViewCheck"):
         return None
     return ext.ViewCheck(refs)
-
-
-def record_function_observer(device: torch.device) -> Optional[Callable[[], bool]]:
-    """A function telling whether any RecordFunction callback is registered now, global or for
-    the calling thread (what makes a ``record_function`` label seen: a profiler in any thread,
-    an execution-trace observer, CUDA memory-history annotations); None where the native module
-    is not there to ask."""
-    ext = _native(device)
-    return getattr(ext, "record_function_observed", None) if ext is not None else None
 
 
 _NO_GRAD = torch.empty(0)  # what a native launch holds between steps in place of the released grad shard
