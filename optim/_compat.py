@@ -146,7 +146,7 @@ def hook_optimizer_step(cls: type, native_of: Callable[[Any], Optional[Any]]) ->
         if self._optimizer_step_post_hooks or opt_mod._global_optimizer_post_hooks:
             for hook in itertools.chain(self._optimizer_step_post_hooks.values(),
                                         opt_mod._global_optimizer_post_hooks.values()):
-                hook(self, args, kwargs)
+                hook(self, (self, *args), kwargs)  # torch's wrapper hands its own args: self first
         return out
 
     step.hooked = True  # type: ignore[attr-defined]

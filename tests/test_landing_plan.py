@@ -57,7 +57,7 @@ def _assert_same(model, ref) -> None:
 
 @native
 @devices
-def test_a_backward_after_zero_grad_tells_python_only_that_it_began(device, monkeypatch):
+def test_a_backward_after_zero_grad_calls_no_python_until_its_end(device, monkeypatch):
     """A backward after ``zero_grad`` sends Python no event (the hook queued the backward's end
     itself, which then runs in Python: the quiet begin); a second backward before the step (no
     zero_grad between) is decided by Python at its first grad (``SLOW``) and arms a plan there.

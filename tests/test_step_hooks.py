@@ -75,6 +75,33 @@ def test_step_hooks_are_called_as_on_torchs_adamw() -> None:
     assert ours[2][3] == ["closure"]  # the post hooks see the arguments the pre hook returned
 
 
+def _post_hook_calls(make_opt: Any) -> List[tuple]:
+    """Post hooks alone (no pre hook: the lean step path): what each call receives."""
+    model = _model()
+    opt = make_opt(model.parameters())
+    calls: List[tuple] = []
+    handles = [opt.register_step_post_hook(lambda o, a, k: calls.append(("post", o is opt, len(a), a[0] is o,
+                                                                         sorted(k)))),
+               register_optimizer_step_post_hook(lambda o, a, k: calls.append(("global_post", o is opt, len(a),
+                                                                               a[0] is o, sorted(k))))]
+    try:
+        for step in range(2):
+            opt.zero_grad()
+            _backward(model, step)
+            opt.step()
+            opt.step(closure=None)
+    finally:
+        for h in handles:
+            h.remove()
+    return calls
+
+
+def test_post_hooks_alone_are_called_as_on_torchs_adamw() -> None:
+    ours = _post_hook_calls(lambda p: DistributedFusedAdam(p, lr=0.01))
+    assert ours == _post_hook_calls(lambda p: torch.optim.AdamW(p, lr=0.01))
+    assert ours[:2] == [("post", True, 1, True, []), ("global_post", True, 1, True, [])]  # args: (optimizer,)
+
+
 def test_hooks_removed_the_step_trains_as_torch() -> None:
     model, ref = _model(), _model()
     opt = DistributedFusedAdam(model.parameters(), lr=0.01, weight_decay=0.02)

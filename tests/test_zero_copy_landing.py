@@ -48,9 +48,10 @@ def _batch(step: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _train(copy: bool, *, dtype=torch.float32, groups: int = 2, clip: bool = False, scaled: bool = False,
            bucket_cap_mb: float = 25.0, steps: int = 4, inf_at: int = -1, accumulate: int = 1,
-           read_grads: bool = False, set_to_none: bool = True, torch_ref: bool = False):
+           read_grads: bool = False, set_to_none: "bool | str" = True, torch_ref: bool = False):
     """Train Net ``steps`` steps; returns the params, the per-step held pattern of the buckets
-    and the handed-out norms."""
+    and the handed-out norms. ``set_to_none``: ``zero_grad``'s, or ``"alternate"`` (True at even
+    steps)."""
     config.configure(copy_grads=copy)
     torch.manual_seed(0)
     model = Net().to(dtype)
@@ -70,7 +71,7 @@ def _train(copy: bool, *, dtype=torch.float32, groups: int = 2, clip: bool = Fal
     norms: List[float] = []
     grads_seen: List[torch.Tensor] = []
     for step in range(steps):
-        opt.zero_grad(set_to_none=set_to_none)
+        opt.zero_grad(set_to_none=set_to_none if isinstance(set_to_none, bool) else step % 2 == 0)
         for k in range(accumulate):
             loss = model(_batch(10 * step + k, dtype)).float().pow(2).mean()
             if step == inf_at and k == 0:
@@ -152,11 +153,20 @@ def test_reading_param_grad_makes_the_shard_and_trains_the_same():
 
 
 def test_accumulated_backwards_and_zeroing_to_zeros_train_the_same():
-    for kw in (dict(accumulate=3, clip=True), dict(set_to_none=False, scaled=True, clip=True)):
-        params, _, norms, _ = _train(False, **kw)
+    """Three backwards a step (the first held, the next two land it: added to its grads), and
+    ``zero_grad(set_to_none=False)`` every other step (the held grads dropped, the shard made as
+    zeros, that step's grads landed in it): bitwise the copying landing, and torch's AdamW."""
+    for kw, held_at in ((dict(accumulate=3, clip=True), lambda s: False),
+                        (dict(set_to_none="alternate", scaled=True, clip=True, steps=6), lambda s: s % 2 == 0)):
+        params, held, norms, _ = _train(False, **kw)
         copied, _, norms_copy, _ = _train(True, **kw)
+        ref, _, ref_norms, _ = _train(False, torch_ref=True, **kw)
         _bitwise(params, copied)
         assert norms == norms_copy
+        assert [all(h) for h in held] == [held_at(s) for s in range(len(held))], held
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
 
 
 def test_held_grads_make_no_shard_and_zero_grad_drops_them():
@@ -255,30 +265,33 @@ def test_parts_that_overlap_or_do_not_fit_are_refused():
         ext.bucket_stats_parts([torch.ones(4, 2)[:, 0]], [0], 8, out, True)
 
 
-def _train_subsets(copy: bool, steps: int = 24) -> Tuple[List[torch.Tensor], List[bool]]:
+def _train_subsets(copy: bool, steps: int = 24, torch_ref: bool = False) -> Tuple[List[torch.Tensor], List[bool]]:
     """Eight independent params; every third step's loss reaches all of them (its bucket is
     complete: held), the others' a random subset (incomplete: landed at the end of backward)."""
     config.configure(copy_grads=copy)
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(11 + 3 * i)) for i in range(8)]
-    opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.05)
+    opt = (torch.optim.AdamW if torch_ref else DistributedFusedAdam)(params, lr=1e-2, weight_decay=0.05)
     gen = torch.Generator().manual_seed(5)
     held = []
     for step in range(steps):
         opt.zero_grad()
         chosen = params if step % 3 == 0 else [p for p in params if torch.rand((), generator=gen) < 0.5] or params[:1]
         sum((p * p).sum() * (1 + step % 4) for p in chosen).backward()
-        held.append(opt._buffers[0].held is not None)
+        held.append(not torch_ref and opt._buffers[0].held is not None)
         opt.step()
     return [p.detach().clone() for p in params], held
 
 
-def test_held_and_landed_steps_mixed_train_as_the_copy():
+def test_held_and_landed_steps_mixed_train_as_the_copy_and_torch():
     """Steps whose grads complete the bucket (held) between steps whose grads reach a subset of
-    the params (landed, the gaps zero): bitwise the copying landing throughout."""
+    the params (landed, the gaps zero): bitwise the copying landing throughout, and torch's AdamW
+    (which, as shardamp, leaves a param without a grad untouched)."""
     held_params, held = _train_subsets(copy=False)
     copy_params, copied = _train_subsets(copy=True)
+    ref_params, _ = _train_subsets(copy=False, torch_ref=True)
     assert held == [step % 3 == 0 for step in range(24)], held
     assert not any(copied)
-    for a, b in zip(held_params, copy_params):
+    for a, b, r in zip(held_params, copy_params, ref_params):
         assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)

@@ -237,17 +237,13 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
     ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
 
 
-def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float) -> bool:
+def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float) -> None:
     """:func:`group_partials` over a bucket's grads held where autograd left them
-    (``shards.buffers.HeldGrads``: one process, CPU), the same sums as over its landed shard;
-    False where the compiled kernels do not take them (the caller reads the shard)."""
-    if not segments.segments:
-        return True
-    ext = _native(held.marker.device)
-    if ext is None or not hasattr(ext, "group_partials_parts"):
-        return False
-    ext.group_partials_parts(held.grads, held.offsets, held.numel, _host_rows(segments), out, float(norm_type))
-    return True
+    (``shards.buffers.HeldGrads``: one process, CPU; only the compiled stager holds them, so the
+    compiled kernels are there), the same sums as over its landed shard."""
+    if segments.segments:
+        _native(held.marker.device).group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out,
+                                                         float(norm_type))
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float,

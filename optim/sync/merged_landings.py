@@ -83,8 +83,7 @@ class MergedLandings:
         # they are and they are held (shards/buffers.py HeldGrads) for the step to read in place.
         # The copy of ~1 MB of grads was ~50 us of a ~1.2 ms small-model iteration on the CPU
         # (docs/performance.md); on CUDA the copy is a device kernel under the backward, not host time.
-        self.holds = (self.plans and hold and device.type == "cpu" and hasattr(stager, "set_hold")
-                      and not config.settings().copy_grads)
+        self.holds = self.plans and hold and device.type == "cpu" and not config.settings().copy_grads
         if self.holds:
             stager.set_hold(True)
 
