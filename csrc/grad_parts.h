@@ -7,6 +7,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -17,6 +18,14 @@ struct GradPart {
   int64_t start;     // its first element's index in the flat shard
   int64_t len;       // elements
 };
+
+// The first of ``parts`` (sorted by start, disjoint: their ends sorted too) that ends after element
+// ``i``: the part holding ``i`` if any holds it (then ``it->start <= i``), else the next one.
+// Internal linkage: the files using it are compiled once per vector ISA.
+static inline std::vector<GradPart>::const_iterator part_at(const std::vector<GradPart>& parts, int64_t i) {
+  return std::upper_bound(parts.begin(), parts.end(), i,
+                          [](int64_t x, const GradPart& q) { return x < q.start + q.len; });
+}
 
 // ``grads[i]`` laid over elements [offsets[i], offsets[i] + numel) of a flat shard of ``numel``
 // elements of ``dtype``, sorted by start; each grad must be a dense CPU tensor of ``dtype`` and

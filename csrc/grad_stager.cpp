@@ -176,8 +176,9 @@ class GradStager {
     s.prearmed = true;
   }
 
-  // Ends the plan: the buckets it landed, in order, as (bucket, shard, params, grads): a shard
-  // and no grads, or (held in place, set_hold) no shard (None) and the bucket's params and grads;
+  // Ends the plan: the buckets it landed, in order, as (bucket, shard, params, offsets, grads): a
+  // shard and no grads, or (held in place, set_hold) no shard (None) and the bucket's params, their
+  // offsets in the shard and their grads;
   // and the error of a landing that failed after taking its grads ("" if none).
   std::pair<py::list, std::string> finish_plan() {
     auto& s = *state_;
@@ -327,7 +328,7 @@ class GradStager {
     py::list out;
     for (auto& l : landed) {
       py::object full = l.full.defined() ? py::cast(l.full) : py::none();
-      out.append(py::make_tuple(l.bucket, full, py::cast(l.params), py::cast(l.grads)));
+      out.append(py::make_tuple(l.bucket, full, py::cast(l.like), py::cast(l.offsets), py::cast(l.grads)));
     }
     return out;
   }

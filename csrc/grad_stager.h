@@ -52,12 +52,14 @@ struct StagerState {
   int64_t plan_next = 0;  // the next bucket to launch, as GradSync.next_launch
   bool plan_assign = false;  // the next landing's partial replaces the shared row's values
   // A bucket the plan landed: its shard, or (``hold``) its grads left where autograd put them
-  // (params and grads, in staging order; ``full`` undefined): read in place by the flags' pass
-  // here and by the step, the shard made only if something else reads it (grad_parts.h)
+  // (``full`` undefined; in staging order, each grad with its param, the layout it has, and its
+  // offset in the shard): read in place by the flags' pass here and by the step, the shard made
+  // only if something else reads it (grad_parts.h)
   struct Landed {
     int64_t bucket;
     at::Tensor full;
-    std::vector<int64_t> params;
+    std::vector<at::Tensor> like;
+    std::vector<int64_t> offsets;
     std::vector<at::Tensor> grads;
   };
   std::vector<Landed> plan_landed;  // in landing order

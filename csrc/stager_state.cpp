@@ -126,7 +126,7 @@ void StagerState::queue_quiet_end() {
 bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
   // under `mu` throughout: the grads checked are the grads taken
   std::lock_guard<std::mutex> lock(mu);
-  std::vector<at::Tensor> grads;
+  std::vector<at::Tensor> grads, like;
   std::vector<int64_t> offsets;
   for (const auto& pg : pending[b]) {
     const at::Tensor& g = pg.second;
@@ -136,17 +136,14 @@ bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
       return false;
     }
     grads.push_back(g);
+    like.push_back(p);
     offsets.push_back(offset[pg.first]);
   }
   if (grads.empty() || !checked_bucket_stats_parts(grads, offsets, e.numel, e.partial, assign)) return false;
-  Landed held{b, at::Tensor(), {}, std::move(grads)};
-  for (auto& pg : pending[b]) {
-    held.params.push_back(pg.first);
-    staged[pg.first] = 0;
-  }
+  for (auto& pg : pending[b]) staged[pg.first] = 0;
+  plan_landed.push_back(Landed{b, at::Tensor(), std::move(like), std::move(offsets), std::move(grads)});
   pending[b].clear();
   staged_bytes[b] = 0;
-  plan_landed.push_back(std::move(held));
   plan_next = b + 1;
   plan_assign = false;
   return true;
@@ -188,7 +185,7 @@ void StagerState::land_planned(int64_t b) {
     return;
   }
   std::lock_guard<std::mutex> lock(mu);
-  plan_landed.push_back({b, std::move(full), {}, {}});
+  plan_landed.push_back({b, std::move(full), {}, {}, {}});
   plan_next = b + 1;
   plan_assign = false;
 }

@@ -38,8 +38,7 @@ std::vector<const G*> segment_grads(const std::vector<GradPart>& parts, const st
   for (size_t k = 0; k < segs.size(); ++k) {
     const Step& s = segs[k];
     if (s.skip || s.len == 0) continue;
-    auto it = std::upper_bound(parts.begin(), parts.end(), s.start,
-                               [](int64_t i, const GradPart& q) { return i < q.start + q.len; });
+    auto it = part_at(parts, s.start);
     SHARDAMP_CHECK(it != parts.end() && it->start <= s.start && s.start + s.len <= it->start + it->len,
                    "adam_step: no grad part holds segment ", k, " (elements ", s.start, " to ", s.start + s.len, ")");
     out[k] = reinterpret_cast<const G*>(reinterpret_cast<std::uintptr_t>(it->data) -

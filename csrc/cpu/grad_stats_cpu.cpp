@@ -81,8 +81,7 @@ struct PartsSrc {
   PartsSrc(const std::vector<GradPart>& p, int64_t from)
       : parts(p.data()), n_parts(static_cast<int64_t>(p.size())), cur(0) {
     // parts are sorted and disjoint, so their ends are sorted too
-    cur = std::upper_bound(p.begin(), p.end(), from,
-                           [](int64_t i, const GradPart& q) { return i < q.start + q.len; }) - p.begin();
+    cur = part_at(p, from) - p.begin();
   }
   const T* data(int64_t k) const { return static_cast<const T*>(parts[k].data); }
   const T* run(int64_t i, int64_t hi, int64_t& n) {
@@ -299,8 +298,7 @@ void groups_parts(const std::vector<GradPart>& parts, const int64_t* rows, int64
   std::vector<const T*> first(count, nullptr);
   for (int64_t r = 0; r < count; ++r) {
     const int64_t start = rows[4 * r], len = rows[4 * r + 1];
-    auto it = std::upper_bound(parts.begin(), parts.end(), start,
-                               [](int64_t i, const GradPart& q) { return i < q.start + q.len; });
+    auto it = part_at(parts, start);
     if (len > 0 && it != parts.end() && it->start <= start) {
       SHARDAMP_CHECK(start + len <= it->start + it->len, "group_partials_parts: segment ", r,
                      " crosses the end of its grad part");

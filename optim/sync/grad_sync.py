@@ -150,7 +150,7 @@ class GradSync:
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       device, hold=not host.active, entries=self.by_stager_index)
+                                       device, hold=not host.active)
         # the plan pre-armed at zero_grad (one process): the stager queues that backward's end
         # itself at its first grad (``quiet_end``) and calls no Python there; Python catches the
         # begin up at its first entry point (``_take_planned``)

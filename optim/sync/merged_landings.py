@@ -22,14 +22,14 @@ hook hands to Python, a bucket completing out of launch order) lands the separat
 (grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and with the Python hooks."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .. import config
 from ..shards.buffers import HeldGrads
-from .grad_state import BucketGrads, ParamGrad
+from .grad_state import BucketGrads
 
 # grad dtypes the compiled flags' pass takes (kernels.bucket_stats: others run the reference)
 NATIVE_GRADS = (torch.float32, torch.bfloat16, torch.float16)
@@ -54,19 +54,13 @@ class MergedLandings:
         device: the buckets' device.
         hold: a complete CPU bucket's grads may stay where autograd left them (the zero-copy
             landing, see below): False where something must read every landed shard (offload).
-        entries: the GradSync's params by stager index (``by_stager_index``).
     """
 
     def __init__(self, stager: Any, states: Sequence[BucketGrads], release_shards: bool,
                  landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
-                 landing_rows: Callable[[int], Tensor], device: torch.device, hold: bool = False,
-                 entries: Sequence[ParamGrad] = ()) -> None:
+                 landing_rows: Callable[[int], Tensor], device: torch.device, hold: bool = False) -> None:
         self.stager = stager
         self.states = states
-        self.entries = entries  # the params by stager index (what a held bucket's indices name)
-        # a held bucket's (params, offsets) by its stager indices: only a complete bucket is held,
-        # so one layout per bucket
-        self._held_layouts: Dict[Tuple[int, ...], Tuple[List[Tensor], List[int]]] = {}
         self.landing_flags = landing_flags
         self.landing_rows = landing_rows
         # False: no plan here (more than one process, shards kept, or the Python hooks)
@@ -136,16 +130,11 @@ class MergedLandings:
         began, landed, error, complete = self.stager.end_quiet()
         return began, self._landed(landed), error, complete
 
-    def _landed(self, landed: Sequence[Tuple[int, Optional[Tensor], List[int], List[Tensor]]]
+    def _landed(self, landed: Sequence[Tuple[int, Optional[Tensor], List[Tensor], List[int], List[Tensor]]]
                 ) -> List[Tuple[int, "Tensor | HeldGrads"]]:
         out: List[Tuple[int, "Tensor | HeldGrads"]] = []
-        for index, full, held, grads in landed:
+        for index, full, like, offsets, grads in landed:
             if full is None:  # held in place: the shard is made only if something reads it
-                key = tuple(held)
-                layout = self._held_layouts.get(key)
-                if layout is None:
-                    entries = [self.entries[k] for k in held]
-                    layout = self._held_layouts[key] = ([e.param for e in entries], [e.offset for e in entries])
-                full = HeldGrads(grads, layout[0], layout[1], self.like[index], self.states[index].buffers.shard_numel)
+                full = HeldGrads(grads, like, offsets, self.like[index], self.states[index].buffers.shard_numel)
             out.append((index, full))
         return out
