@@ -22,7 +22,6 @@ void adam_step(const AdamArgs& args, const at::Tensor& chunks);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
                   const StepHealth* health);
-void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);
 void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out, bool assign);
 void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type);
@@ -40,7 +39,6 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
                   const StepHealth* health);
-void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags);  // grad_stats.cu
 void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags, at::Tensor& out,
                   bool assign);  // grad_stats.cu
@@ -384,34 +382,6 @@ void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tens
 // these checks are the backstop): [norm, found_inf] (0-d views of one new 2-float tensor), stats[2:end]
 // clamped to <= 1, then stats.narrow(0, start, length) for each of ``views``: the step's views of its
 // stats made here, where each costs no Python call.
-std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_type,
-                                     const std::vector<std::pair<int64_t, int64_t>>& views) {
-  SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && stats.dim() == 1,
-                 "stats_finish: stats must be a contiguous 1-d fp32 tensor");
-  SHARDAMP_CHECK(end >= 2 && end <= stats.numel(), "stats_finish: end must lie in [2, stats.numel()]");
-  SHARDAMP_CHECK(norm_type == 2.0 || std::isinf(norm_type), "stats_finish: norm_type must be 2 or inf");
-  for (const auto& v : views) {
-    SHARDAMP_CHECK(v.first >= 0 && v.second >= 0 && v.first + v.second <= stats.numel(),
-                   "stats_finish: each view (start, length) must lie within stats");
-  }
-  const bool sqrt_root = norm_type == 2.0;
-  at::Tensor out = at::empty({2}, stats.options());
-  if (stats.is_cuda()) {
-#if defined(SHARDAMP_WITH_CUDA)
-    cuda::stats_finish(stats, end, sqrt_root, out);
-#else
-    SHARDAMP_CHECK(false, "stats_finish: this build of the shardamp kernels has no CUDA support");
-#endif
-  } else {
-    SHARDAMP_CHECK(stats.is_cpu(), "stats_finish: unsupported device ", stats.device());
-    cpu::stats_finish(stats, end, sqrt_root, out);
-  }
-  std::vector<at::Tensor> result{out.select(0, 0), out.select(0, 1)};
-  result.reserve(2 + views.size());
-  for (const auto& v : views) result.push_back(stats.narrow(0, v.first, v.second));
-  return result;
-}
-
 }  // namespace
 
 // stager_state.cpp's planned landing: bucket_stats with the binding's own checks.
@@ -420,10 +390,6 @@ void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Te
   bucket_stats(full, rows, flags, out, assign);
 }
 // fused_step.cpp's merged calls: the same entry points, with the same checks (fused_step.h)
-std::vector<at::Tensor> checked_stats_finish(at::Tensor stats, int64_t end, double norm_type,
-                                             const std::vector<std::pair<int64_t, int64_t>>& views) {
-  return stats_finish(stats, end, norm_type, views);
-}
 void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale,
                           const c10::optional<at::Tensor>& norm, double max_norm, const at::Tensor& found_inf,
                           at::Tensor steps, const at::Tensor& touched, const c10::optional<at::Tensor>& skip_out,

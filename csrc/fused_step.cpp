@@ -6,10 +6,12 @@
 // Also the bucket launch objects' runs (adam_launch, adam_launch_all), which every step path takes.
 #include "fused_step.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "common.h"
 #include "grad_parts.h"
+#include "step_scalars.h"
 
 namespace shardamp {
 
@@ -59,7 +61,64 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
   }
 }
 
+namespace cpu {
+void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);  // cpu/grad_stats_cpu.cpp
+}  // namespace cpu
+#if defined(SHARDAMP_WITH_CUDA)
+namespace cuda {  // cuda/step_scalars.cu
+void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
+void stats_gather_finish(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
+                         at::Tensor& out);
+}  // namespace cuda
+#endif
+
 namespace {
+
+void check_finish(int64_t numel, int64_t end, double norm_type, const std::vector<std::pair<int64_t, int64_t>>& views) {
+  SHARDAMP_CHECK(end >= 2 && end <= numel, "stats_finish: end must lie in [2, stats.numel()]");
+  SHARDAMP_CHECK(norm_type == 2.0 || std::isinf(norm_type), "stats_finish: norm_type must be 2 or inf");
+  for (const auto& v : views) {
+    SHARDAMP_CHECK(v.first >= 0 && v.second >= 0 && v.first + v.second <= numel,
+                   "stats_finish: each view (start, length) must lie within stats");
+  }
+}
+
+// [norm, found_inf, *views of stats]: the finish's results as the step reads them
+std::vector<at::Tensor> finish_results(const at::Tensor& stats, const at::Tensor& out,
+                                       const std::vector<std::pair<int64_t, int64_t>>& views) {
+  std::vector<at::Tensor> result{out.select(0, 0), out.select(0, 1)};
+  result.reserve(2 + views.size());
+  for (const auto& v : views) result.push_back(stats.narrow(0, v.first, v.second));
+  return result;
+}
+
+// [stats, norm, found_inf, *views] of stats_finish over the parts' concatenation in one CUDA
+// launch that also concatenates (fp32 1-d contiguous parts of one CUDA device, at most
+// kMaxStatsParts: their pointers travel in the launch's arguments); empty where they do not
+// qualify (the caller concatenates them, then finishes). at::cat's dispatch and launch cost the
+// step tens of microseconds of host time on a GPU host.
+std::vector<at::Tensor> gathered_stats_finish(const std::vector<at::Tensor>& parts, int64_t end, double norm_type,
+                                              const std::vector<std::pair<int64_t, int64_t>>& views) {
+#if defined(SHARDAMP_WITH_CUDA)
+  if (parts.size() > static_cast<size_t>(kMaxStatsParts) || !parts.front().is_cuda()) return {};
+  const at::Device device = parts.front().device();
+  int64_t total = 0;
+  for (const auto& p : parts) {
+    if (p.device() != device || p.scalar_type() != at::kFloat || p.dim() != 1 || !p.is_contiguous()) return {};
+    total += p.numel();
+  }
+  check_finish(total, end, norm_type, views);
+  at::Tensor stats = at::empty({total}, parts.front().options());
+  at::Tensor out = at::empty({2}, stats.options());
+  cuda::stats_gather_finish(parts, stats, end, norm_type == 2.0, out);
+  std::vector<at::Tensor> result = finish_results(stats, out, views);
+  result.insert(result.begin(), stats);
+  return result;
+#else
+  (void)parts, (void)end, (void)norm_type, (void)views;
+  return {};
+#endif
+}
 
 // ``torch.cat(parts)`` (1-d parts). CPU fp32 parts are copied by memcpy into a new tensor: the
 // same bytes without an aten op (a dispatch, microseconds of host time each step); elsewhere
@@ -83,12 +142,15 @@ at::Tensor cat_parts(const std::vector<at::Tensor>& parts) {
 }
 
 // ``torch.cat(parts)`` then ``stats_finish``: ``[stats, norm, found_inf, *views]``. One process:
-// nothing reduces the stats between their assembly and their finish.
+// nothing reduces the stats between their assembly and their finish. On CUDA one launch does both
+// (gathered_stats_finish) where the parts qualify.
 std::vector<at::Tensor> stats_cat_finish(const std::vector<at::Tensor>& parts, int64_t end, double norm_type,
                                          const std::vector<std::pair<int64_t, int64_t>>& views) {
   SHARDAMP_CHECK(!parts.empty(), "stats_cat_finish: no parts");
+  std::vector<at::Tensor> gathered = gathered_stats_finish(parts, end, norm_type, views);
+  if (!gathered.empty()) return gathered;
   at::Tensor stats = cat_parts(parts);
-  std::vector<at::Tensor> out = checked_stats_finish(stats, end, norm_type, views);
+  std::vector<at::Tensor> out = stats_finish(stats, end, norm_type, views);
   out.insert(out.begin(), stats);
   return out;
 }
@@ -136,6 +198,27 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
 }
 
 }  // namespace
+
+// The stats' finish (bound as stats_finish; contract: reference.py ``stats_finish``)
+std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_type,
+                                     const std::vector<std::pair<int64_t, int64_t>>& views) {
+  SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && stats.dim() == 1,
+                 "stats_finish: stats must be a contiguous 1-d fp32 tensor");
+  check_finish(stats.numel(), end, norm_type, views);
+  const bool sqrt_root = norm_type == 2.0;
+  at::Tensor out = at::empty({2}, stats.options());
+  if (stats.is_cuda()) {
+#if defined(SHARDAMP_WITH_CUDA)
+    cuda::stats_finish(stats, end, sqrt_root, out);
+#else
+    SHARDAMP_CHECK(false, "stats_finish: this build of the shardamp kernels has no CUDA support");
+#endif
+  } else {
+    SHARDAMP_CHECK(stats.is_cpu(), "stats_finish: unsupported device ", stats.device());
+    cpu::stats_finish(stats, end, sqrt_root, out);
+  }
+  return finish_results(stats, out, views);
+}
 
 void register_fused_step(pybind11::module_& m) {
   namespace py = pybind11;

@@ -30,9 +30,10 @@ struct AdamLaunch {
   std::vector<int64_t> part_offsets;
 };
 
-// binding.cpp: stats_finish, step_scalars, adam_step and adam_prepare as bound (checks included)
-std::vector<at::Tensor> checked_stats_finish(at::Tensor stats, int64_t end, double norm_type,
-                                             const std::vector<std::pair<int64_t, int64_t>>& views);
+// fused_step.cpp: the stats' finish, bound as stats_finish (binding.cpp)
+std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_type,
+                                     const std::vector<std::pair<int64_t, int64_t>>& views);
+// binding.cpp: step_scalars, adam_step and adam_prepare as bound (checks included)
 void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale,
                           const c10::optional<at::Tensor>& norm, double max_norm, const at::Tensor& found_inf,
                           at::Tensor steps, const at::Tensor& touched, const c10::optional<at::Tensor>& skip_out,

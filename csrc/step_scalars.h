@@ -30,6 +30,10 @@ SHARDAMP_HD void finish_header(const float* stats, bool sqrt_root, float* out) {
   out[1] = (stats[1] + 0.0f * partial) != 0.0f ? 1.0f : 0.0f;
 }
 
+// The most parts the CUDA finish gathers itself (stats_gather_finish: the parts' pointers travel in
+// the launch's arguments); a step's stats have 3-6 (grad_stats.py). More: torch.cat, then the finish.
+constexpr int kMaxStatsParts = 8;
+
 // The touched counts (SUM over ranks) as 0/1 flags: clamp(max=1), NaN kept as torch's clamp keeps it.
 SHARDAMP_HD float clamp_touched(float v) { return v > 1.0f ? 1.0f : v; }
 

@@ -23,11 +23,19 @@ from shardamp.scaler import ShardedGradScaler
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
-def test_stats_cat_finish_is_cat_then_finish(device, norm_type):
+@pytest.mark.parametrize("split", ["parts", "an empty part", "more parts than one launch gathers"])
+def test_stats_cat_finish_is_cat_then_finish(device, norm_type, split):
+    # on CUDA up to 8 parts are gathered by the finish's own launch, more are concatenated first
     ext = ext_for(device)
     g = torch.Generator().manual_seed(3)
     parts = [torch.tensor([9.0, 1.0]), (torch.rand(5, generator=g) * 3).round(), torch.rand(1, generator=g),
              torch.rand(4, generator=g)]
+    if split == "an empty part":
+        parts.insert(2, torch.empty(0))
+    elif split == "more parts than one launch gathers":
+        parts[1:2] = [(torch.rand(1, generator=g) * 3).round() for _ in range(5)]
+        parts[-1:] = [torch.rand(1, generator=g) for _ in range(4)]
+        assert len(parts) == 11
     parts = [p.to(device) for p in parts]
     views = [(2, 5), (7, 1), (8, 3)]
     merged = ext.stats_cat_finish(parts, 7, norm_type, views)
@@ -35,6 +43,7 @@ def test_stats_cat_finish_is_cat_then_finish(device, norm_type):
     separate = ext.stats_finish(stats, 7, norm_type, views)
     assert len(merged) == 1 + len(separate) == 6
     assert torch.equal(merged[0], stats)  # the finish clamped the touched counts of both in place
+    assert stats[2:7].max().item() <= 1.0 and stats[8:].max().item() > 0.0  # only the touched counts
     for a, b in zip(merged[1:], separate):
         assert torch.equal(a, b)
     assert merged[1].item() == (3.0 if norm_type == 2.0 else 9.0)

@@ -1,6 +1,6 @@
 // step_scalars on CUDA: one small launch instead of the ~9 scalar ops that formed the grad
 // coefficient and advanced the step counts before the step kernel, and stats_finish: one launch
-// instead of grad_stats.finish's four (contract: optim/kernels/reference.py; arithmetic:
+// instead of grad_stats.finish's four (stats_gather_finish: also the parts' concatenation) (contract: optim/kernels/reference.py; arithmetic:
 // step_scalars.h). Graph-capturable: no host reads, no allocation.
 
 #include "../step_scalars.h"
@@ -36,6 +36,35 @@ __global__ void stats_finish_kernel(float* stats, int64_t end, bool sqrt_root, f
   }
 }
 
+// stats_finish over the concatenation of up to kMaxStatsParts parts, written into `stats` as it
+// reads them: the concatenation without an aten op of its own (at::cat's dispatch cost the step
+// tens of microseconds of host time on a GPU host, and one launch). Each element is copied as the
+// cat copies it and then finished as stats_finish_kernel finishes it: the same bits.
+struct StatsParts {
+  const float* ptr[kMaxStatsParts];
+  int64_t stop[kMaxStatsParts];  // where part k ends in the concatenation
+  int count;
+};
+
+__device__ float part_value(const StatsParts& parts, int64_t i) {
+  int k = 0;
+  while (k + 1 < parts.count && i >= parts.stop[k]) ++k;
+  return parts.ptr[k][i - (k > 0 ? parts.stop[k - 1] : 0)];
+}
+
+__global__ void stats_gather_finish_kernel(StatsParts parts, float* stats, int64_t total, int64_t end, bool sqrt_root,
+                                           float* out) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (first == 0) {
+    const float header[2] = {part_value(parts, 0), part_value(parts, 1)};
+    finish_header(header, sqrt_root, out);
+  }
+  for (int64_t i = first; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = part_value(parts, i);
+    stats[i] = i >= 2 && i < end ? clamp_touched(v) : v;
+  }
+}
+
 int blocks_for(int64_t count) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((count + kThreads - 1) / kThreads, 64)));
 }
@@ -46,6 +75,24 @@ void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& ou
   const c10::cuda::CUDAGuard guard(stats.device());
   stats_finish_kernel<<<blocks_for(end - 2), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
       stats.data_ptr<float>(), end, sqrt_root, out.data_ptr<float>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void stats_gather_finish(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
+                         at::Tensor& out) {
+  TORCH_CHECK(!parts.empty() && parts.size() <= static_cast<size_t>(kMaxStatsParts), "stats_gather_finish: 1 to ",
+              kMaxStatsParts, " parts");
+  StatsParts p{};
+  int64_t at = 0;
+  for (size_t k = 0; k < parts.size(); ++k) {
+    p.ptr[k] = parts[k].data_ptr<float>();
+    at += parts[k].numel();
+    p.stop[k] = at;
+  }
+  p.count = static_cast<int>(parts.size());
+  const c10::cuda::CUDAGuard guard(stats.device());
+  stats_gather_finish_kernel<<<blocks_for(at), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(
+      p, stats.data_ptr<float>(), at, end, sqrt_root, out.data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
