@@ -344,18 +344,19 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         groups = self._health.group_slice(HEADER + len(self._params)) if stats.numel() > HEADER else None
         self._comm.all_reduce_stats(stats, op, groups)
 
-    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY,
-                      defer: bool = False) -> Union[GradStats, grad_stats.StatsPlan]:
+    def _ensure_stats(self, norm_type: float, key: Any = NO_KEY, defer: bool = False,
+                      capturing: Optional[bool] = None) -> Union[GradStats, grad_stats.StatsPlan]:
         """This step's reduced stats (GradStats), made at the first call (``key``: the groups'
         plain_key, where the caller computed it); ``defer`` (the step, before any stats): where one
-        process would finish them, the plan instead, for the step's one call (``StatsPlan.step``)."""
+        process would finish them, the plan instead, for the step's one call (``StatsPlan.step``).
+        ``capturing``: whether a CUDA graph is being captured, where the caller asked already."""
         r = self._current_round()
         if r.stats is not None:
             if norm_type not in r.raw_norms:
                 shards, reduce = ShardGrads(self._buffers), self._reduce_grad_stats
                 r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, reduce))
             return r.stats
-        self._deferred.check_last_step(force=True)
+        self._deferred.check_last_step(force=True, capturing=capturing)
         self.grad_sync()
         # A bad value on one rank must not raise before the all-reduce (the others would wait in
         # it): it is flagged in the entries, and every rank raises after it.
@@ -458,9 +459,11 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)
         r = self._current_round()
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
+        # asked once for the step's three readers of it (a query is microseconds on a GPU host)
+        capturing = self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
         stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None
-                                   and not self._param_sync.gathers and not self._host.active)
+                                   and not self._param_sync.gathers and not self._host.active, capturing=capturing)
         planned = isinstance(stats, grad_stats.StatsPlan)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
@@ -470,7 +473,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         coef, health = self._coef, self._health
         bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
-        record_host = self._deferred.record_target(None if planned else stats, bad_clip, health.record)  # no copy
+        record_host = self._deferred.record_target(None if planned else stats, bad_clip, health.record,
+                                                   capturing)  # no copy
         # built at the first step (the state buffers persist), again after load_state_dict changed an option
         launches = self._launches = adam_launches(self._buffers, self._buckets, self._records.offsets, self._steps,
                                                   coef, self.adam_w_mode, self.bias_correction, self._launches)
@@ -485,7 +489,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             r.set_stats(stats)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
-        self._deferred.record_step(stats, bad_clip)
+        self._deferred.record_step(stats, bad_clip, capturing)
         # its norms stay readable, unscaled lazily; graph replays rewrite the raw norms: no cache
         self._cycle.stepped([c for c, _ in r.clips], r.raw_norms, cache_after_step=not self.capturable)
         self._grad_sync.step_done()

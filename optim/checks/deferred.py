@@ -78,7 +78,16 @@ class DeferredChecks:
         else:
             self.pending = (flags if fresh else flags.detach().clone(), None, context)
 
-    def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor) -> Optional[Tensor]:
+    def _capturing(self, capturing: Optional[bool]) -> bool:
+        """Whether a CUDA graph is being captured on the current stream: ``capturing`` where the
+        caller asked once for several calls of one step (each query is microseconds of host time on
+        a GPU host), else asked here."""
+        if capturing is not None:
+            return capturing
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor,
+                      capturing: Optional[bool] = None) -> Optional[Tensor]:
         """Where the step's scalar launch writes the health ``record`` for the host itself, or
         None (``stats``: the step's GradStats, or None where the step's own native call finishes
         them: one process, nothing compared, so no disagreement flags).
@@ -88,22 +97,21 @@ class DeferredChecks:
         us of host time a step on a GPU host); on the CPU a persistent buffer the same native
         call fills, so the push copies nothing (no clone). Called before the step's scalar launch."""
         self.planned = None
-        cuda = self.device.type == "cuda"
         if (bad_clip is not None or (stats is not None and stats.disagreement is not None) or self.cycle.scaled
-                or (cuda and torch.cuda.is_current_stream_capturing())):
+                or self._capturing(capturing)):
             return None
         turn = self.turn ^ 1  # the slot read before this step's stats, not the one pending
         self.planned = (turn, self._slot(turn, record))
         return self.planned[1][0]
 
-    def ready(self, force: bool) -> Optional[tuple]:
+    def ready(self, force: bool, capturing: Optional[bool] = None) -> Optional[tuple]:
         """The recorded ``(values: list of floats, context)`` if they may be read now: always on the CPU; on
         CUDA only when ``force`` (the next step), never during graph capture."""
         if self.pending is None:
             return None
         host, event, context = self.pending
         if event is not None:
-            if not force or torch.cuda.is_current_stream_capturing():
+            if not force or self._capturing(capturing):
                 return None
             if not event.query():  # recorded a step ago: practically always complete already
                 event.synchronize()
@@ -112,10 +120,11 @@ class DeferredChecks:
         return values, context
 
 
-    def record_step(self, stats: Any, bad_clip: Optional[Tensor] = None) -> None:
+    def record_step(self, stats: Any, bad_clip: Optional[Tensor] = None, capturing: Optional[bool] = None) -> None:
         """Queue this step's flags for the host (no sync on CUDA), and act on them where readable.
-        ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        ``bad_clip``: the device flag of an invalid tensor ``max_norm`` (hparams.clip_invalid);
+        ``capturing``: whether a CUDA graph is being captured, where the step asked already."""
+        if self._capturing(capturing):
             return  # nothing is recorded under capture (push): no launch for the flags either
         flags = [] if bad_clip is None else [bad_clip.reshape(1)]
         if stats.disagreement is not None:
@@ -153,12 +162,12 @@ class DeferredChecks:
         cycle = self.cycle
         return {"scaled": cycle.scaled, "names": cycle.names, "problem": cycle.problem, "clip_checked": clip_checked}
 
-    def check_last_step(self, force: bool) -> None:
+    def check_last_step(self, force: bool, capturing: Optional[bool] = None) -> None:
         """Act on a recorded step's flags once readable: raise on disagreement or an invalid
         value (on CUDA at the next step: the device skipped that step already), and hand the
         step's health record to the StepHealth (on every rank at the same point: it may
         all-gather the ranks' non-finite flags, log and warn)."""
-        got = self.ready(force)
+        got = self.ready(force, capturing)
         if got is None:
             return
         values, context = got
