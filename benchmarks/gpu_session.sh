@@ -14,7 +14,8 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # (kernels only), bench, host (benchmarks/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
 # (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), phases
 # (benchmarks/host_phases.py: the MLP's host time per phase, torch against shardamp; PHASES_ARGS
-# adds flags, split on spaces: no quoted values), frameworks_bench
+# adds flags, split on spaces: no quoted values), step_cost (benchmarks/step_host_cost.py: the MLP's
+# plain step, its native call taken apart, against torch's fused AdamW), frameworks_bench
 # (benchmarks/bench_frameworks.py: each framework's default route against its shardamp route, about
 # 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), variants (step
 # chunk sizes side by side), profile, overlap, deepspeed (benchmarks/bench_deepspeed.py: DeepSpeed
@@ -103,6 +104,11 @@ if [[ " $PARTS " == *" phases "* ]]; then
   # a host-bound iteration's time phase by phase, torch against shardamp, and shardamp's functions in it
   timeout "$(left 150)" python3 benchmarks/host_phases.py --device cuda ${PHASES_ARGS:-} >"$OUT/phases.log" 2>&1 || status=1
   tail -60 "$OUT/phases.log"
+fi
+if [[ " $PARTS " == *" step_cost "* ]]; then
+  # the plain step's host time taken apart (its native call and the calls inside it) against torch's
+  timeout "$(left 150)" python3 benchmarks/step_host_cost.py --device cuda >"$OUT/step_cost.log" 2>&1 || status=1
+  tail -12 "$OUT/step_cost.log"
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks
