@@ -377,11 +377,6 @@ void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tens
   SHARDAMP_CHECK(grad.is_cpu(), "group_partials: unsupported device ", grad.device());
   cpu::group_partials(grad, segments, out, norm_type);
 }
-
-// The reduced stats' header and touched flags in one launch (optim/kernels/dispatch.py checks first;
-// these checks are the backstop): [norm, found_inf] (0-d views of one new 2-float tensor), stats[2:end]
-// clamped to <= 1, then stats.narrow(0, start, length) for each of ``views``: the step's views of its
-// stats made here, where each costs no Python call.
 }  // namespace
 
 // stager_state.cpp's planned landing: bucket_stats with the binding's own checks.

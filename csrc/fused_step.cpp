@@ -199,7 +199,11 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
 
 }  // namespace
 
-// The stats' finish (bound as stats_finish; contract: reference.py ``stats_finish``)
+// The reduced stats' header and touched flags in one launch (bound as stats_finish; contract:
+// reference.py ``stats_finish``; optim/kernels/dispatch.py checks first, these checks are the
+// backstop): [norm, found_inf] (0-d views of one new 2-float tensor), stats[2:end] clamped to <= 1,
+// then stats.narrow(0, start, length) for each of ``views``: the step's views of its stats made
+// here, where each costs no Python call.
 std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_type,
                                      const std::vector<std::pair<int64_t, int64_t>>& views) {
   SHARDAMP_CHECK(stats.scalar_type() == at::kFloat && stats.is_contiguous() && stats.dim() == 1,

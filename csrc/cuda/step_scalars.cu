@@ -1,7 +1,8 @@
 // step_scalars on CUDA: one small launch instead of the ~9 scalar ops that formed the grad
 // coefficient and advanced the step counts before the step kernel, and stats_finish: one launch
-// instead of grad_stats.finish's four (stats_gather_finish: also the parts' concatenation) (contract: optim/kernels/reference.py; arithmetic:
-// step_scalars.h). Graph-capturable: no host reads, no allocation.
+// instead of grad_stats.finish's four (stats_gather_finish: the parts' concatenation too).
+// Contract: optim/kernels/reference.py; arithmetic: step_scalars.h. Graph-capturable: no host
+// reads, no allocation.
 
 #include "../step_scalars.h"
 
