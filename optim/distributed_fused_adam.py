@@ -364,7 +364,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         # backward passes of two threads at once over optimizers of this group (sync/backward_order.py)
         problem = problem or self._grad_sync.refusal
         # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
-        r.lrs = tensor_lrs(self.param_groups, self._device)  # read once: the entries and the table take it
+        # read once: the entries and the table take it (a plain key: every lr a number, none to read)
+        r.lrs = None if isinstance(key, tuple) else tensor_lrs(self.param_groups, self._device)
         shards = ShardGrads(self._buffers)
         reduce = self._reduce_grad_stats
         if (not self._comm.has_peers
