@@ -18,6 +18,7 @@ from conftest import set_env
 from kernel_shards import DEVICES, ext_for
 from landings import count_landings
 from shardamp.optim import DistributedFusedAdam, kernels
+from shardamp.optim.kernels import reference
 from shardamp.optim.step import grad_stats
 from shardamp.scaler import ShardedGradScaler
 
@@ -41,11 +42,14 @@ def test_stats_cat_finish_is_cat_then_finish(device, norm_type, split):
     merged = ext.stats_cat_finish(parts, 7, norm_type, views)
     stats = torch.cat(parts)
     separate = ext.stats_finish(stats, 7, norm_type, views)
+    ref = torch.cat(parts)  # the reference's torch ops: torch.cat, then the finish
+    ref_norm, ref_found = reference.stats_finish(ref, 7, norm_type)
     assert len(merged) == 1 + len(separate) == 6
-    assert torch.equal(merged[0], stats)  # the finish clamped the touched counts of both in place
+    assert torch.equal(merged[0], stats) and torch.equal(merged[0], ref)  # touched counts clamped in place
     assert stats[2:7].max().item() <= 1.0 and stats[8:].max().item() > 0.0  # only the touched counts
     for a, b in zip(merged[1:], separate):
         assert torch.equal(a, b)
+    assert torch.equal(merged[1], ref_norm) and torch.equal(merged[2], ref_found)
     assert merged[1].item() == (3.0 if norm_type == 2.0 else 9.0)
     for view, (start, _) in zip(merged[3:], views):  # views of the returned stats, not copies
         assert view.data_ptr() == merged[0].data_ptr() + 4 * start

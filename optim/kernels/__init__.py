@@ -6,8 +6,8 @@ tables); norm partials of shards (``partials.py``).
 ``shardamp.optim.kernels.backend(device)`` says which one runs for a device type.
 """
 from .dispatch import (AdamLaunch, StepRecords, adam_step, backend, bucket_stats, grad_stats, group_partials,
-                       group_partials_held, land_grads, launch_adam, launch_adam_all, native_module, nonfinite_flags, prepare, requested_backend,
-                       stats_finish, step_scalars, view_check)
+                       group_partials_held, land_grads, launch_adam, launch_adam_all, native_module, nonfinite_flags,
+                       prepare, requested_backend, stats_finish, step_scalars, view_check)
 from .blockwise import check_formats
 from .launch_config import (CUDA_STEP_SHAPES, LIGHT_STATE_CUDA_CHUNK, REMAINDERS_CUDA_CHUNK, chunk_table, cuda_chunk,
                             cuda_step_shape, light_state, refresh_knobs)
