@@ -247,6 +247,68 @@ def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
     assert [v[0] for v in merged["seen"]] == [0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0]
 
 
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_one_call_checks_its_health_tensors_once_per_set(device, monkeypatch):
+    """The plain step hands its one native call the same persistent tensors every step: their
+    check (``scalars_native``) runs once per set (the host's record alternates between two
+    slots: two sets at most), and the trained values, norms and health are those of checking
+    at every step (an inf in one step's grads)."""
+    from shardamp.optim.kernels import fused_step
+
+    def train(memo: bool) -> tuple:
+        calls = Counter()
+        real = fused_step.scalars_native
+        with monkeypatch.context() as m:
+            m.setattr(fused_step, "_STATS_STEP_SCALARS", fused_step._Accepted())
+            if not memo:
+                m.setattr(fused_step._Accepted, "seen", lambda self, args: False)
+            m.setattr(fused_step, "scalars_native", lambda *a: (calls.update(["check"]), real(*a))[1])
+            ext = kernels.native_module(torch.device(device))
+            m.setattr(ext, "stats_step", _counted(calls, "stats_step", ext.stats_step))
+            torch.manual_seed(0)
+            model = _Residual().to(device)
+            params = list(model.parameters())
+            opt = DistributedFusedAdam([{"params": params[:6], "weight_decay": 0.1},
+                                        {"params": params[6:], "lr": 2e-2}], lr=1e-2, bucket_cap_mb=0.005)
+            norms = []
+            for step in range(6):
+                x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device)
+                opt.zero_grad()
+                loss = model(x).square().mean() * (float("inf") if step == 2 else 1.0)
+                loss.backward()
+                opt.step()
+                norms.append(opt.grad_norm().item())
+            return calls, [p.detach().cpu().clone() for p in params], norms, opt.step_stats()
+
+    calls, params, norms, stats = train(memo=True)
+    every, ref_params, ref_norms, ref_stats = train(memo=False)
+    assert calls["stats_step"] == every["stats_step"] == 6
+    assert every["check"] == 6 and 1 <= calls["check"] <= 2  # one set per record slot
+    for a, b in zip(params, ref_params):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=0, atol=0, equal_nan=True)
+    assert math.isnan(norms[2]) and all(math.isfinite(n) for n in norms[:2] + norms[3:])
+    assert stats == ref_stats and stats["skipped_nonfinite"] == 1
+
+
+def test_accepted_sets_match_by_identity_and_forget_freed_tensors():
+    from shardamp.optim.kernels.fused_step import _Accepted
+
+    accepted = _Accepted(size=2)
+    a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
+    accepted.add((a, None, b))
+    assert accepted.seen((a, None, b))
+    # an equal tensor is not the same one; None is not a tensor, nor a tensor None
+    assert not accepted.seen((a, None, c)) and not accepted.seen((a, b, None)) and not accepted.seen((a, c, b))
+    accepted.add((c,))
+    accepted.add((b,))  # holds two sets: the oldest, (a, None, b), is dropped
+    assert accepted.seen((b,)) and accepted.seen((c,)) and not accepted.seen((a, None, b))
+    del c
+    d = torch.zeros(1)  # may take the freed tensor's place: its weak reference is dead, so no match
+    assert not accepted.seen((d,))
+
 class _CountingReduction(DistributedFusedAdam):
     """A subclass reduction (the tensor/pipeline-parallel extension point) at one process."""
 

@@ -24,6 +24,7 @@ order on the same stream.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -93,6 +94,48 @@ def launch_step(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
         after_bucket(i)
 
 
+class _Accepted:
+    """Argument sets a check accepted, held weakly and matched by identity: the plain step hands
+    :func:`stats_step` the same persistent tensors every step (the grad coefficient, the step
+    counts, the health's skip flag, counters and record, one of the two record slots of
+    checks/deferred.py), so ``scalars_native`` checks them once, not at every step (its checks
+    cost microseconds of host time a step; the native call checks its arguments again anyway).
+    A tensor freed and another made at its address never matches: its weak reference is dead."""
+
+    _NONE = type("_NoTensor", (), {})()  # an absent optional argument (weakly referenceable)
+
+    def __init__(self, size: int = 4) -> None:
+        self._size = size
+        self._sets: List[Tuple[Any, ...]] = []
+
+    def seen(self, args: Tuple[Any, ...]) -> bool:
+        args = tuple(self._NONE if a is None else a for a in args)
+        for refs in self._sets:
+            if all(r() is a for r, a in zip(refs, args)):
+                return True
+        return False
+
+    def add(self, args: Tuple[Any, ...]) -> None:
+        self._sets.insert(0, tuple(weakref.ref(self._NONE if a is None else a) for a in args))
+        del self._sets[self._size:]
+
+
+_STATS_STEP_SCALARS = _Accepted()
+
+
+def _scalars_take(ext: Any, coef_out: Tensor, base: Tensor, skip: Tensor, steps: Tensor, h: Dict[str, Any]) -> bool:
+    """Whether the compiled ``step_scalars`` takes :func:`stats_step`'s health tensors (``h``),
+    asked once per set of tensors (:class:`_Accepted`). The skip flag stands in for the stats'
+    views, which the call makes (fp32 on its parts' device)."""
+    args = (ext, coef_out, base, skip, steps, h.get("inv_scale"), h["counters"], h["record"], h.get("record_host"))
+    if _STATS_STEP_SCALARS.seen(args):
+        return True
+    if not scalars_native(ext, coef_out, base, None, skip, steps, steps, dict(h, raw_norm=skip, ranks=None)):
+        return False
+    _STATS_STEP_SCALARS.add(args)
+    return True
+
+
 def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Sequence[Tuple[int, int]],
                view_of: Dict[str, int], coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float],
                steps: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch], order: Sequence[int],
@@ -115,9 +158,7 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
             and all(p.dtype == torch.float32 and p.device == device for p in parts) and skip is not None and order
             and h.get("counters") is not None and h.get("record") is not None
             and ("ranks" not in view_of or h["record"].numel() == 4)
-            # the health's own tensors (the skip flag stands in for the stats' views, which the
-            # call makes: fp32 on its parts' device)
-            and scalars_native(ext, coef_out, base, None, skip, steps, steps, dict(h, raw_norm=skip, ranks=None))):
+            and _scalars_take(ext, coef_out, base, skip, steps, h)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
             table = prepare.table if device.type == "cuda" else None
