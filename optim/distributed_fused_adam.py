@@ -248,6 +248,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             [b.segments for b in self._buckets], [b.shard_numel for b in self._buckets], self._device, len(self._params),
             len(self.param_groups), [kernels.light_state(b.master, b.exp_avg, b.exp_avg_sq, b.grad_dtype) for b in self._buffers])
         self._launches: Optional[List[kernels.AdamLaunch]] = None  # each bucket's step, built at the first step
+        self._shard_grads = ShardGrads(self._buffers)  # every bucket's grad shard, read when indexed
+        self._order = forward_order(len(self._buckets))
         self._view_refs = [p.detach() for p in self._params]  # what check_views compares with
         self._view_check = kernels.view_check(self._view_refs)
         # all per-step health state: skip reasons, counters, non-finite flags, per-group norms
@@ -350,10 +352,10 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         plain_key, where the caller computed it); ``defer`` (the step, before any stats): where one
         process would finish them, the plan instead, for the step's one call (``StatsPlan.step``).
         ``capturing``: whether a CUDA graph is being captured, where the caller asked already."""
-        r = self._current_round()
+        r = self._cycle.current()
         if r.stats is not None:
             if norm_type not in r.raw_norms:
-                shards, reduce = ShardGrads(self._buffers), self._reduce_grad_stats
+                shards, reduce = self._shard_grads, self._reduce_grad_stats
                 r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, reduce))
             return r.stats
         self._deferred.check_last_step(force=True, capturing=capturing)
@@ -366,7 +368,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         # the agreement entries ride in the same all-reduce (agreement.py): no extra collective
         # read once: the entries and the table take it (a plain key: every lr a number, none to read)
         r.lrs = None if isinstance(key, tuple) else tensor_lrs(self.param_groups, self._device)
-        shards = ShardGrads(self._buffers)
+        shards = self._shard_grads
         reduce = self._reduce_grad_stats
         if (not self._comm.has_peers
                 and getattr(reduce, "__func__", None) is DistributedFusedAdam._reduce_grad_stats):
@@ -458,13 +460,14 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         if grad_scaler is not None:
             self._health.note_scaler(grad_scaler)  # step_stats() reports its scale
             torch_scaler.take_over(grad_scaler, self, self._cycle, self.unscale_grads)
-        r = self._current_round()
+        r = self._cycle.current()
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
         # asked once for the step's three readers of it (a query is microseconds on a GPU host)
         capturing = self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
+        gathers = self._param_sync.gathers
         stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None
-                                   and not self._param_sync.gathers and not self._host.active, capturing=capturing)
+                                   and not gathers and not self._host.active, capturing=capturing)
         planned = isinstance(stats, grad_stats.StatsPlan)
         # invalid values were folded into the stats (every rank skips this step, on CUDA they
         # raise at the next one): the last valid table is kept
@@ -473,7 +476,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         coef, health = self._coef, self._health
-        bad_clip = clip_invalid([c for c, _ in r.clips])  # a CUDA tensor max_norm, checked here
+        max_norms = [c for c, _ in r.clips]
+        bad_clip = clip_invalid(max_norms) if max_norms else None  # a CUDA tensor max_norm, checked here
         record_host = self._deferred.record_target(None if planned else stats, bad_clip, health.record,
                                                    capturing)  # no copy
         # built at the first step (the state buffers persist), again after load_state_dict changed an option
@@ -483,16 +487,15 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
                                       record_host=record_host)
         # first layers first, each all-gather after its bucket's kernel (none: one shard rank); offload: host_state.py
         stats = grad_stats.launch_step(stats, bad_clip, self._host.launch_step, step_args, coef, r.coef_parts(),
-                                       self._steps, launches, forward_order(len(self._buckets)),
-                                       ShardGrads(self._buffers), hparams, self._records,
-                                       self.bias_correction, self._param_sync.launch if self._param_sync.gathers else None)
+                                       self._steps, launches, self._order, self._shard_grads, hparams, self._records,
+                                       self.bias_correction, self._param_sync.launch if gathers else None)
         if planned:  # the step's one native call finished them
             r.set_stats(stats)
         self._param_sync.launched_all()
         health.stepped(r.inv_scale)
         self._deferred.record_step(stats, bad_clip, capturing)
         # its norms stay readable, unscaled lazily; graph replays rewrite the raw norms: no cache
-        self._cycle.stepped([c for c, _ in r.clips], r.raw_norms, cache_after_step=not self.capturable)
+        self._cycle.stepped(max_norms, r.raw_norms, cache_after_step=not self.capturable)
         self._grad_sync.step_done()
         return loss
 

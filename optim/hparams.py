@@ -163,6 +163,10 @@ def tensor_lrs(param_groups: Sequence[dict], device: torch.device) -> Optional[T
 
 _PLAIN = (float, int)  # exact types: a bool is refused by the checks, so it never matches a key
 _ABSENT = object()  # an option a group does not set
+# plain_key runs every step: its per-value work is C-level iteration (map), no Python frame per value
+_PLAIN_TYPES = frozenset(_PLAIN)
+_OPTION_NAMES = tuple(UNSUPPORTED_OPTIONS)
+_OPTION_ABSENT = (_ABSENT,) * len(_OPTION_NAMES)
 NO_KEY = object()  # a caller that has not computed plain_key (None is a key: "not cacheable")
 
 
@@ -176,10 +180,9 @@ def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
         if type(betas) not in (tuple, list) or len(betas) != 2:
             return None
         values = (lr, betas[0], betas[1], eps, wd)
-        for v in values:
-            if type(v) not in _PLAIN:
-                return None
-        key.append(values + tuple(group.get(k, _ABSENT) for k in UNSUPPORTED_OPTIONS))
+        if not _PLAIN_TYPES.issuperset(map(type, values)):
+            return None
+        key.append(values + tuple(map(group.get, _OPTION_NAMES, _OPTION_ABSENT)))
     return tuple(key)
 
 

@@ -296,15 +296,16 @@ def test_the_one_call_checks_its_health_tensors_once_per_set(device, monkeypatch
 def test_accepted_sets_match_by_identity_and_forget_freed_tensors():
     from shardamp.optim.kernels.fused_step import _Accepted
 
-    accepted = _Accepted(size=2)
+    accepted, none = _Accepted(size=2), _Accepted.NONE
     a, b, c = torch.zeros(1), torch.zeros(1), torch.zeros(1)
-    accepted.add((a, None, b))
-    assert accepted.seen((a, None, b))
-    # an equal tensor is not the same one; None is not a tensor, nor a tensor None
-    assert not accepted.seen((a, None, c)) and not accepted.seen((a, b, None)) and not accepted.seen((a, c, b))
+    accepted.add((a, none, b))
+    assert accepted.seen((a, none, b))
+    # an equal tensor is not the same one; an absent argument is not a tensor, nor a tensor absent
+    assert not accepted.seen((a, none, c)) and not accepted.seen((a, b, none)) and not accepted.seen((a, c, b))
+    assert not accepted.seen((a, none))
     accepted.add((c,))
-    accepted.add((b,))  # holds two sets: the oldest, (a, None, b), is dropped
-    assert accepted.seen((b,)) and accepted.seen((c,)) and not accepted.seen((a, None, b))
+    accepted.add((b,))  # holds two sets: the oldest, (a, none, b), is dropped
+    assert accepted.seen((b,)) and accepted.seen((c,)) and not accepted.seen((a, none, b))
     del c
     d = torch.zeros(1)  # may take the freed tensor's place: its weak reference is dead, so no match
     assert not accepted.seen((d,))

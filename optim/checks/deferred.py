@@ -129,14 +129,15 @@ class DeferredChecks:
         flags = [] if bad_clip is None else [bad_clip.reshape(1)]
         if stats.disagreement is not None:
             flags.append(stats.disagreement)
-        if not flags and self.cycle.scaled:
+        scaled = self.cycle.scaled
+        if not flags and scaled:
             # found-inf alone, and a scaler unscaled this step: it acts on found-inf itself (lowers
             # the scale) and a scaled step never counts as a skip without a scaler, so there is
             # nothing to read back: no device-to-host copy and no event (~70 us of host time on a
             # GPU host, per step); the step's health stays on the device (step_stats() reads it)
             return
         record = self.health.pushed_record()
-        context = self._context(clip_checked=bad_clip is not None)
+        context = self._context(clip_checked=bad_clip is not None, scaled=scaled)
         context["step"], context["record"] = self.health.steps, record.numel()
         if not flags:  # found-inf alone: the record's reason says it; the record is pushed as it is, no cat
             context["record_only"] = True
@@ -158,9 +159,10 @@ class DeferredChecks:
         recorded step's flags, read at once)."""
         _raise_if_flagged([0.0] + stats.disagreement.tolist(), self._context(clip_checked=False))
 
-    def _context(self, clip_checked: bool) -> dict:
+    def _context(self, clip_checked: bool, scaled: Optional[bool] = None) -> dict:
         cycle = self.cycle
-        return {"scaled": cycle.scaled, "names": cycle.names, "problem": cycle.problem, "clip_checked": clip_checked}
+        return {"scaled": cycle.scaled if scaled is None else scaled, "names": cycle.names, "problem": cycle.problem,
+                "clip_checked": clip_checked}
 
     def check_last_step(self, force: bool, capturing: Optional[bool] = None) -> None:
         """Act on a recorded step's flags once readable: raise on disagreement or an invalid

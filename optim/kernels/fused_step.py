@@ -24,7 +24,9 @@ order on the same stream.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
+from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -100,26 +102,34 @@ class _Accepted:
     counts, the health's skip flag, counters and record, one of the two record slots of
     checks/deferred.py), so ``scalars_native`` checks them once, not at every step (its checks
     cost microseconds of host time a step; the native call checks its arguments again anyway).
-    A tensor freed and another made at its address never matches: its weak reference is dead."""
+    A tensor freed and another made at its address never matches: its weak reference is dead.
+    An absent optional argument is passed as :data:`NONE`."""
 
-    _NONE = type("_NoTensor", (), {})()  # an absent optional argument (weakly referenceable)
+    NONE = type("_NoTensor", (), {})()  # weakly referenceable, alive as long as the class
 
     def __init__(self, size: int = 4) -> None:
         self._size = size
         self._sets: List[Tuple[Any, ...]] = []
 
     def seen(self, args: Tuple[Any, ...]) -> bool:
-        args = tuple(self._NONE if a is None else a for a in args)
-        for refs in self._sets:
-            if all(r() is a for r, a in zip(refs, args)):
+        for refs in self._sets:  # C-level iteration over the arguments (map): no Python frame per argument
+            if len(refs) == len(args) and all(map(operator.is_, map(_deref, refs), args)):
                 return True
         return False
 
     def add(self, args: Tuple[Any, ...]) -> None:
-        self._sets.insert(0, tuple(weakref.ref(self._NONE if a is None else a) for a in args))
+        self._sets.insert(0, tuple(map(weakref.ref, args)))
         del self._sets[self._size:]
 
 
+_deref = weakref.ref.__call__
+_dtype = operator.attrgetter("dtype")
+
+
+def _fp32_on(parts: Sequence[Tensor], index: int) -> bool:
+    """Every part is fp32 on the device of index ``index`` (-1: the CPU); C-level iteration."""
+    return (all(map(operator.is_, map(_dtype, parts), repeat(torch.float32)))
+            and all(map(operator.eq, map(Tensor.get_device, parts), repeat(index))))
 _STATS_STEP_SCALARS = _Accepted()
 
 
@@ -127,7 +137,9 @@ def _scalars_take(ext: Any, coef_out: Tensor, base: Tensor, skip: Tensor, steps:
     """Whether the compiled ``step_scalars`` takes :func:`stats_step`'s health tensors (``h``),
     asked once per set of tensors (:class:`_Accepted`). The skip flag stands in for the stats'
     views, which the call makes (fp32 on its parts' device)."""
-    args = (ext, coef_out, base, skip, steps, h.get("inv_scale"), h["counters"], h["record"], h.get("record_host"))
+    inv, host, none = h.get("inv_scale"), h.get("record_host"), _Accepted.NONE
+    args = (ext, coef_out, base, skip, steps, none if inv is None else inv, h["counters"], h["record"],
+            none if host is None else host)
     if _STATS_STEP_SCALARS.seen(args):
         return True
     if not scalars_native(ext, coef_out, base, None, skip, steps, steps, dict(h, raw_norm=skip, ranks=None)):
@@ -155,7 +167,7 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
     h = health
     skip = h["skip_out"]
     if (ext is not None and hasattr(ext, "stats_step") and (norm_type == 2.0 or math.isinf(norm_type))
-            and all(p.dtype == torch.float32 and p.device == device for p in parts) and skip is not None and order
+            and _fp32_on(parts, coef_out.get_device()) and skip is not None and order
             and h.get("counters") is not None and h.get("record") is not None
             and ("ranks" not in view_of or h["record"].numel() == 4)
             and _scalars_take(ext, coef_out, base, skip, steps, h)):

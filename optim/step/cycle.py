@@ -56,6 +56,10 @@ from .step_round import StepRound
 class StepPhase(enum.Enum):
     """The phase of one optimizer's step cycle (see the module docstring)."""
 
+    # members are singletons compared by identity: hashed by it too, in C (Enum's own hash is a
+    # Python call, and the gate looks a phase and an action up at every step)
+    __hash__ = object.__hash__
+
     IDLE = "idle"  # no grads to step on, no step's norms to read
     ACCUMULATING = "accumulating"  # backward passes ran; the step's stats are not reduced yet
     REDUCED = "reduced"  # the one stats all-reduce ran: norms and found-inf are known
@@ -65,6 +69,8 @@ class StepPhase(enum.Enum):
 
 class Action(enum.Enum):
     """What is asked of the cycle before it happens (:meth:`StepCycle.require`)."""
+
+    __hash__ = object.__hash__  # as StepPhase's
 
     STEP = "step"  # DistributedFusedAdam.step
     UNSCALE = "unscale"  # unscale_grads: ShardedGradScaler.unscale_, torch's GradScaler hand-over
@@ -255,7 +261,7 @@ class StepCycle:
     @property
     def scaled(self) -> bool:
         """A scaler unscaled this step (its found-inf is acted on by the scaler)."""
-        return self.inv_scale is not None
+        return self._round is not None and self._round.inv_scale is not None
 
     # ------------------------------------------------------------------ transitions
     def backward_began(self) -> bool:
@@ -331,7 +337,7 @@ class StepCycle:
         """The step consumed this round, applying ``clips`` (max_norms) and having computed
         ``norm_types``; its norms stay readable (``last_step``) until the next backward."""
         r = self.current()
-        self._last_clips = (tuple(_number(c) for c in clips), tuple(sorted(float(t) for t in norm_types)))
+        self._last_clips = (tuple(map(_number, clips)), tuple(sorted(map(float, norm_types))))
         self._steps_taken += 1
         self._backwards_at_step, self._dropped_rounds = self._backwards, 0
         self._rounds_since_step = 0

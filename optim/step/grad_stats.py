@@ -190,15 +190,19 @@ class StatsPlan(NamedTuple):
         out = fused_step.stats_step(self.parts, self.end, self.norm_type, self.views, {"touched": 0, "ranks": 2},
                                     coef_out, coef_parts, steps, health, launches, order, grads, hparams, prepare,
                                     bias_correction)
-        return self.finished(out).stats
+        return self.stats_of(out)
 
     def finished(self, out: Sequence[Tensor]) -> ReducedStats:
+        """The reduced stats from the finish's ``[stats, norm, found_inf, *views]``."""
+        return ReducedStats(self.stats_of(out), False, self.names)
+
+    def stats_of(self, out: Sequence[Tensor]) -> GradStats:
         """The stats from the finish's ``[stats, norm, found_inf, *views]``."""
         buf, raw, found_inf, touched, *more = out
         if self.groups is not None:  # written after the finish, which reads nothing past the touched flags
             _group_partials(self.buckets, self.grad_shards, buf[self.groups], self.norm_type, self.n_params)
         self.health.note_stats(more, self.norm_type)
-        return ReducedStats(GradStats(self.norm_type, raw, found_inf, touched, views=more), False, self.names)
+        return GradStats(self.norm_type, raw, found_inf, touched, views=more)
 
 
 def launch_step(stats: Union[GradStats, StatsPlan], bad_clip: Optional[Tensor], launch: Callable[..., None],

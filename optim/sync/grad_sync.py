@@ -33,6 +33,7 @@ first entry point), and by Python inside a backward after any event that called 
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -48,6 +49,10 @@ from ..layout import Bucket, ParamSlot
 from .grad_state import BucketGrads, ParamGrad, grad_states
 from .merged_landings import MergedLandings, fresh_shard
 from .reductions import Reductions
+
+# read every step over the buckets: C-level iteration (map), no Python frame per bucket
+_IN_BUFFER = operator.attrgetter("in_buffer")
+_PARTIAL_VALID = operator.attrgetter("partial_valid")
 
 if TYPE_CHECKING:  # the cycle is handed in; only its type is named here
     from ..step.cycle import StepCycle
@@ -317,7 +322,8 @@ class GradSync:
         return bytes(out)
 
     def flush_all(self) -> None:
-        self._take_planned()
+        """Land every bucket's staged grads (the caller adopted the stager's planned landings
+        first: ``_take_planned``)."""
         for s in self.states:
             self._flush(s)
 
@@ -379,7 +385,7 @@ class GradSync:
         next round's first bucket zeroes it) if every bucket added its current partial; None
         otherwise (the caller computes it)."""
         self._take_planned()
-        if not self.states or not all(s.partial_valid for s in self.states):
+        if not self.states or not all(map(_PARTIAL_VALID, self.states)):
             return None
         return self.partials  # the non-finite flags added up: a count, still "any" where > 0
 
@@ -387,7 +393,7 @@ class GradSync:
         """This rank holds grads no reduction has consumed yet (landed in a bucket, staged, or a
         round half launched)."""
         self._take_planned()
-        return self.next_launch > 0 or any(s.in_buffer for s in self.states) or any(
+        return self.next_launch > 0 or any(map(_IN_BUFFER, self.states)) or any(
             self.stager.staged_count(s.index) for s in self.states)
 
     # ---------------------------------------------------------------- explicit sync
@@ -400,7 +406,7 @@ class GradSync:
         self._take_planned()
         self.raise_hook_error()
         self.flush_all()
-        if self.next_launch > 0 or self.cycle.rounds_since_step == 0 or any(s.in_buffer for s in self.states):
+        if self.next_launch > 0 or self.cycle.rounds_since_step == 0 or any(map(_IN_BUFFER, self.states)):
             self._finish_round()
         self.wait()
 

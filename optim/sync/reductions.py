@@ -100,6 +100,8 @@ class Reductions:
     def wait(self) -> None:
         """Every reduction in flight has landed in its shard (on CUDA: the compute stream waits
         for the side stream; the host does not)."""
+        if not self.pending:  # the common case at the step: everything landed in backward
+            return
         self._retire(0)
         for r in self.pending:
             if r.work is not None:
