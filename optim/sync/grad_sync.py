@@ -242,7 +242,7 @@ class GradSync:
         arming a plan there. Any Python entry point before that backward undoes it
         (``_take_planned``), and the first grad then arms as without it."""
         if (not self.landings.prearms or not self._enabled or not self.overlap or self.callback_queued
-                or self.next_launch or self.partials_started or not all(fresh_shard(s) for s in self.states)):
+                or self.next_launch or self.partials_started or not all(map(fresh_shard, self.states))):
             return
         self.landings.prearm()
 
