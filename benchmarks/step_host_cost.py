@@ -15,7 +15,8 @@ outside the timing):
   each bucket's update kernel); and ``torch._fused_adamw_`` over the same params' grads and a
   copy of their state (what torch's step launches);
 * ``no-op``: a native call that does nothing (``record_function_observed``), the floor of a
-  call from Python.
+  call from Python;
+* the Python functions each side's ``opt.step()`` enters: a count that does not scatter.
 
 Medians of ``--rounds`` interleaved rounds of ``--iters`` calls each, microseconds a call.
 
@@ -70,6 +71,27 @@ def timed(fn: Callable[[], None], before: Callable[[], None], device: torch.devi
             sync(device)
     sync(device)
     return statistics.median(out)
+
+
+def python_calls(fn: Callable[[], None], before: Callable[[], None], device: torch.device) -> int:
+    """The Python functions ``fn`` enters (generators counted at each resumption), after
+    ``before``: a count that does not scatter as timings do, where each call costs a GPU host
+    about a microsecond or more."""
+    before()
+    sync(device)
+    n = [0]
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            n[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    sync(device)
+    return n[0]
 
 
 def main() -> None:
@@ -155,12 +177,17 @@ def main() -> None:
         for k in names[r % len(names):] + names[: r % len(names)]:
             fn, before = sides[k]
             runs[k].append(timed(fn, before, device, args.iters, drain))
+    calls = {"shardamp opt.step()": python_calls(opt.step, shard_step_before, device),
+             "torch AdamW(fused).step()": python_calls(torch_opt.step, torch_step_before, device)}
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"== step_host_cost on {label}, torch {torch.__version__}: host us a call, median of {args.rounds} "
           f"interleaved rounds x {args.iters} calls ({len(params)} params, {sum(p.numel() for p in params) / 1e6:.1f}M)")
     for k in names:
         v = runs[k]
         print(f"{k:36s} {statistics.median(v):8.1f}   (rounds {min(v):.1f}-{max(v):.1f})")
+    print("Python calls a step (functions entered, torch's wrapper included; the same every step):")
+    for k, n in calls.items():
+        print(f"{k:36s} {n:8d}")
 
 
 if __name__ == "__main__":
