@@ -476,7 +476,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         if self.max_grad_norm is not None:
             r.add_clip(self.max_grad_norm, self.grad_norm(2.0))
         coef, health = self._coef, self._health
-        max_norms = [c for c, _ in r.clips]
+        max_norms = [c for c, _ in r.clips] if r.clips else []
         bad_clip = clip_invalid(max_norms) if max_norms else None  # a CUDA tensor max_norm, checked here
         record_host = self._deferred.record_target(None if planned else stats, bad_clip, health.record,
                                                    capturing)  # no copy

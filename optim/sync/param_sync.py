@@ -66,7 +66,7 @@ class ParamSync:
 
     def launched_all(self) -> None:
         """End of the step: without ``overlap`` the params must be complete when step returns."""
-        if not self.overlap:
+        if not self.overlap and self.pending:
             self.wait()
 
     def _finish(self, i: int) -> None:
