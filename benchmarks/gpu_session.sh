@@ -15,7 +15,10 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), phases
 # (benchmarks/host_phases.py: the MLP's host time per phase, torch against shardamp; PHASES_ARGS
 # adds flags, split on spaces: no quoted values), step_cost (benchmarks/step_host_cost.py: the MLP's
-# plain step, its native call taken apart, against torch's fused AdamW), frameworks_bench
+# plain step, its native call taken apart, against torch's fused AdamW), step_cost_base (the same at
+# another commit and at this tree, STEP_COST_PAIRS (3) processes of each taking turns on this machine:
+# BASE_TAR, default out/base.tar, made by `git archive <commit> -o out/base.tar` and carried; its
+# csrc/ must be this tree's, which it is linked to, so nothing is built twice), frameworks_bench
 # (benchmarks/bench_frameworks.py: each framework's default route against its shardamp route, about
 # 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), variants (step
 # chunk sizes side by side), profile, overlap, deepspeed (benchmarks/bench_deepspeed.py: DeepSpeed
@@ -109,6 +112,24 @@ if [[ " $PARTS " == *" step_cost "* ]]; then
   # the plain step's host time taken apart (its native call and the calls inside it) against torch's
   timeout "$(left 150)" python3 benchmarks/step_host_cost.py --device cuda >"$OUT/step_cost.log" 2>&1 || status=1
   tail -12 "$OUT/step_cost.log"
+fi
+if [[ " $PARTS " == *" step_cost_base "* ]]; then
+  # a change's effect on the step's host time, measured on one machine: hosts differ by more than it
+  base_dir="$(mktemp -d)"
+  if tar -xf "${BASE_TAR:-out/base.tar}" -C "$base_dir"; then
+    rm -rf "$base_dir/csrc" && ln -s "$PWD/csrc" "$base_dir/csrc"
+    for i in $(seq "${STEP_COST_PAIRS:-3}"); do
+      for side in base tree; do
+        root="$PWD"; [[ $side == base ]] && root="$base_dir"
+        echo "== $side $i: $(cd /tmp && PYTHONPATH="$root" python3 -c 'import shardamp.optim as o; print(o.__file__)')"
+        # the script is this tree's for both; PYTHONPATH picks the package it measures
+        PYTHONPATH="$root" timeout "$(left 120)" python3 benchmarks/step_host_cost.py --device "${STEP_COST_DEVICE:-cuda}" \
+          2>&1 | grep -E "step\(\)|stats_step|_fused_adamw_|calls" || status=1
+      done
+    done 2>&1 | tee "$OUT/step_cost_base.log"
+  else
+    echo "step_cost_base: no ${BASE_TAR:-out/base.tar} (git archive <commit> -o out/base.tar, carried)"; status=1
+  fi
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks
