@@ -124,13 +124,13 @@ class _Accepted:
 
 _deref = weakref.ref.__call__
 _dtype = operator.attrgetter("dtype")
+_STATS_STEP_SCALARS = _Accepted()
 
 
 def _fp32_on(parts: Sequence[Tensor], index: int) -> bool:
     """Every part is fp32 on the device of index ``index`` (-1: the CPU); C-level iteration."""
     return (all(map(operator.is_, map(_dtype, parts), repeat(torch.float32)))
             and all(map(operator.eq, map(Tensor.get_device, parts), repeat(index))))
-_STATS_STEP_SCALARS = _Accepted()
 
 
 def _scalars_take(ext: Any, coef_out: Tensor, base: Tensor, skip: Tensor, steps: Tensor, h: Dict[str, Any]) -> bool:
