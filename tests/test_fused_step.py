@@ -247,14 +247,14 @@ def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
     assert [v[0] for v in merged["seen"]] == [0.0, 0.0, 1.0, 0.0, 2.0, 0.0, 0.0]
 
 
-
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_one_call_checks_its_health_tensors_once_per_set(device, monkeypatch):
     """The plain step hands its one native call the same persistent tensors every step: their
     check (``scalars_native``) runs once per set (the host's record alternates between two
     slots: two sets at most), and the trained values, norms and health are those of checking
-    at every step (an inf in one step's grads)."""
+    at every step (an inf in one step's grads), and train as torch.optim.AdamW does (the inf
+    step skipped)."""
     from shardamp.optim.kernels import fused_step
 
     def train(memo: bool) -> tuple:
@@ -282,8 +282,24 @@ def test_the_one_call_checks_its_health_tensors_once_per_set(device, monkeypatch
                 norms.append(opt.grad_norm().item())
             return calls, [p.detach().cpu().clone() for p in params], norms, opt.step_stats()
 
+    def train_torch() -> list:
+        torch.manual_seed(0)
+        model = _Residual().to(device)
+        params = list(model.parameters())
+        opt = torch.optim.AdamW([{"params": params[:6], "weight_decay": 0.1}, {"params": params[6:], "lr": 2e-2}],
+                                lr=1e-2, weight_decay=0.0)
+        for step in range(6):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step)).to(device)
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            if step != 2:  # the inf step: skipped
+                opt.step()
+        return [p.detach().cpu() for p in params]
+
     calls, params, norms, stats = train(memo=True)
     every, ref_params, ref_norms, ref_stats = train(memo=False)
+    for a, b in zip(params, train_torch()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert calls["stats_step"] == every["stats_step"] == 6
     assert every["check"] == 6 and 1 <= calls["check"] <= 2  # one set per record slot
     for a, b in zip(params, ref_params):
@@ -309,6 +325,7 @@ def test_accepted_sets_match_by_identity_and_forget_freed_tensors():
     del c
     d = torch.zeros(1)  # may take the freed tensor's place: its weak reference is dead, so no match
     assert not accepted.seen((d,))
+
 
 class _CountingReduction(DistributedFusedAdam):
     """A subclass reduction (the tensor/pipeline-parallel extension point) at one process."""
