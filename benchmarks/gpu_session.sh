@@ -15,7 +15,8 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), phases
 # (benchmarks/host_phases.py: the MLP's host time per phase, torch against shardamp; PHASES_ARGS
 # adds flags, split on spaces: no quoted values), step_cost (benchmarks/step_host_cost.py: the MLP's
-# plain step, its native call taken apart, against torch's fused AdamW), step_cost_base (the same at
+# plain step, its native call taken apart, against torch's fused AdamW; each side's step as the tree of
+# functions it enters in step_calls.txt), step_cost_base (the same at
 # another commit and at this tree, STEP_COST_PAIRS (3) processes of each taking turns on this machine:
 # BASE_TAR, default out/base.tar, made by `git archive <commit> -o out/base.tar` and carried; its
 # csrc/ must be this tree's, which it is linked to, so nothing is built twice), frameworks_bench
@@ -110,7 +111,8 @@ if [[ " $PARTS " == *" phases "* ]]; then
 fi
 if [[ " $PARTS " == *" step_cost "* ]]; then
   # the plain step's host time taken apart (its native call and the calls inside it) against torch's
-  timeout "$(left 150)" python3 benchmarks/step_host_cost.py --device cuda >"$OUT/step_cost.log" 2>&1 || status=1
+  timeout "$(left 150)" python3 benchmarks/step_host_cost.py --device cuda --calls-out "$OUT/step_calls.txt" \
+    >"$OUT/step_cost.log" 2>&1 || status=1
   tail -12 "$OUT/step_cost.log"
 fi
 if [[ " $PARTS " == *" step_cost_base "* ]]; then

@@ -94,11 +94,43 @@ def python_calls(fn: Callable[[], None], before: Callable[[], None], device: tor
     return n[0]
 
 
+def call_tree(fn: Callable[[], None], before: Callable[[], None], device: torch.device) -> List[str]:
+    """The functions ``fn`` enters after ``before``, in order and indented by depth: Python
+    functions as ``file:line name``, C functions (torch's bindings, builtins) as ``C name``; where
+    a count alone does not say which calls a device adds."""
+    before()
+    sync(device)
+    lines: List[str] = []
+    depth = [0]
+
+    def profile(frame, event, arg) -> None:
+        if event == "call":
+            code = frame.f_code
+            lines.append(f"{'  ' * depth[0]}{Path(code.co_filename).name}:{code.co_firstlineno} {code.co_qualname}")
+            depth[0] += 1
+        elif event == "c_call":
+            owner = getattr(arg, "__self__", None)
+            owner = f"{type(owner).__name__}." if isinstance(owner, (torch.Tensor, torch._C._TensorBase)) else ""
+            lines.append(f"{'  ' * depth[0]}C {owner}{getattr(arg, '__name__', arg)}")
+        elif event == "return":
+            depth[0] = max(0, depth[0] - 1)
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    sync(device)
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--calls-out", default=None,
+                    help="write each side's step as the tree of functions it enters (Python and C) to this file")
     args = ap.parse_args()
     device = torch.device(args.device)
     dim, depth = (2048, 8) if device.type == "cuda" else (256, 2)
@@ -179,6 +211,13 @@ def main() -> None:
             runs[k].append(timed(fn, before, device, args.iters, drain))
     calls = {"shardamp opt.step()": python_calls(opt.step, shard_step_before, device),
              "torch AdamW(fused).step()": python_calls(torch_opt.step, torch_step_before, device)}
+    if args.calls_out:
+        with open(args.calls_out, "w") as f:
+            for k, (fn, before) in list(sides.items())[:2]:
+                tree = call_tree(fn, before, device)
+                f.write(f"== {k}: {sum(1 for t in tree if not t.lstrip().startswith('C '))} Python, "
+                        f"{sum(1 for t in tree if t.lstrip().startswith('C '))} C calls\n")
+                f.write("\n".join(tree) + "\n")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"== step_host_cost on {label}, torch {torch.__version__}: host us a call, median of {args.rounds} "
           f"interleaved rounds x {args.iters} calls ({len(params)} params, {sum(p.numel() for p in params) / 1e6:.1f}M)")
