@@ -443,7 +443,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         return stats.found_inf.to(inv_scale.device)
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
+    @_compat.grad_disabled
     def step(self, closure: Optional[Callable[[], Any]] = None, *, grad_scaler: Optional[Any] = None) -> Any:
         """Update the params from the reduced grads; skip on the device if any grad (or the
         norm) is not finite. With ``grad_scaler`` (torch.amp.GradScaler's hand-over), unscale by

@@ -352,3 +352,50 @@ def test_optimizer_step_wrapper_internals() -> None:
         assert labels == ["Optimizer.step#Plain.step"]
     finally:
         torch.autograd.profiler.record_function = real
+
+
+def test_grad_disabled_restores_the_callers_mode() -> None:
+    seen = []
+
+    @_compat.grad_disabled
+    def body(fail: bool = False) -> int:
+        seen.append(torch.is_grad_enabled())
+        with torch.enable_grad():  # a closure inside the step records a graph, as under torch.no_grad
+            seen.append(torch.is_grad_enabled())
+        if fail:
+            raise KeyError("inside")
+        return 7
+
+    assert body() == 7 and seen == [False, True] and torch.is_grad_enabled()
+    with torch.no_grad():
+        assert body() == 7 and not torch.is_grad_enabled()
+    with pytest.raises(KeyError, match="inside"):
+        body(fail=True)
+    assert torch.is_grad_enabled() and seen == [False, True, False, True, False, True]
+    assert body.__name__ == "body"  # functools.wraps: the step's name and docstring stay its own
+
+
+def test_the_step_runs_without_autograd_and_leaves_the_mode_as_it_was() -> None:
+    from shardamp.optim import DistributedFusedAdam
+
+    model = torch.nn.Linear(4, 3)
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    modes = []
+    hook = opt.register_step_pre_hook(lambda *a: modes.append(torch.is_grad_enabled()))
+    model(torch.randn(2, 4)).sum().backward()
+
+    def closure() -> torch.Tensor:
+        modes.append(torch.is_grad_enabled())
+        return torch.zeros(())
+
+    inner = opt._deferred.record_step  # called inside the step's body
+
+    def record_step(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        modes.append(torch.is_grad_enabled())
+        return inner(*args, **kwargs)
+
+    opt._deferred.record_step = record_step
+    opt.step(closure)
+    hook.remove()
+    assert modes == [True, True, False] and torch.is_grad_enabled()
+    assert all(not p.requires_grad or p.grad_fn is None for p in model.parameters())
