@@ -106,6 +106,10 @@ def reached_in_backward(node: Any) -> bool:
         return True
 
 
+_OBSERVER = "_shardamp_step_observer"  # the wrapper's per-optimizer cache (hook_optimizer_step)
+_UNASKED = object()
+
+
 def hook_optimizer_step(cls: type, native_of: Callable[[Any], Optional[Any]]) -> bool:
     """Wrap ``cls.step`` as ``torch.optim.Optimizer`` wraps every optimizer's step (its step
     pre/post hooks, global and per instance, a ``record_function`` label for the profiler and the
@@ -132,15 +136,21 @@ def hook_optimizer_step(cls: type, native_of: Callable[[Any], Optional[Any]]) ->
     func = cls.step
     observed_step = profile_hook_step(func)
 
-    def recorded(opt: Any) -> bool:
-        callbacks = getattr(native_of(opt), "record_function_observed", None)
-        return callbacks is None or callbacks()
+    def observer(opt: Any) -> Optional[Callable[[], bool]]:
+        # the compiled module's query, asked for once per optimizer (its device's module does not
+        # change), kept in the optimizer's __dict__: no Python call to find it at every step
+        found = getattr(native_of(opt), "record_function_observed", None)
+        opt.__dict__[_OBSERVER] = found
+        return found
 
     @functools.wraps(func)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        observed = self.__dict__.get(_OBSERVER, _UNASKED)
+        if observed is _UNASKED:
+            observed = observer(self)
         # the hook dicts read where and when torch's own wrapper reads them
         if (opt_mod._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks or profiler_enabled()
-                or recorded(self)):
+                or observed is None or observed()):
             return observed_step(self, *args, **kwargs)
         out = func(self, *args, **kwargs)
         self._optimizer_step_code()
