@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import itertools
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,10 @@ __all__ = [
     "aten_op",
     "hook_optimizer_step",
     "grad_disabled",
+    "cuda_current_stream",
+    "cuda_capturing",
+    "cuda_event_record",
+    "cuda_event_query",
 ]
 
 _reduce_scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -181,6 +185,48 @@ def grad_disabled(func: Callable[..., Any]) -> Callable[..., Any]:
             set_enabled(before)
 
     return disabled
+
+
+# torch.cuda's current-stream query builds a Stream through nine Python frames at every call
+# (device index resolution, lazy init, Stream.__new__); a host-bound step asks on every step.
+# The Stream objects hold ids only (no resource), so one per (stream id, device, type) serves
+# every later ask; external streams come and go, so the cache is bounded.
+_STREAMS: Dict[Tuple[int, int, int], Any] = {}
+_STREAMS_MAX = 256
+_cuda_stream_of = getattr(torch._C, "_cuda_getCurrentStream", None)
+_cuda_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def cuda_current_stream(device: torch.device) -> Any:
+    """``torch.cuda.current_stream(device)`` (the stream work on ``device`` is queued on now), one
+    Python call deep once seen."""
+    if not _STREAMS or _cuda_stream_of is None:  # first call: torch's route initializes CUDA
+        stream = torch.cuda.current_stream(device)
+        _STREAMS[(stream.stream_id, stream.device_index, stream.device_type)] = stream
+        return stream
+    key = _cuda_stream_of(device.index if device.index is not None else _cuda_device())
+    stream = _STREAMS.get(key)
+    if stream is None:
+        if len(_STREAMS) >= _STREAMS_MAX:
+            _STREAMS.clear()
+        stream = _STREAMS[key] = torch.cuda.Stream(stream_id=key[0], device_index=key[1], device_type=key[2])
+    return stream
+
+
+def _capturing_py() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# a CPU build of torch names these as placeholder types: only a CUDA build's are taken
+_cuda_built = _cuda_stream_of is not None
+_event_base = getattr(torch._C, "_CudaEventBase", None) if _cuda_built else None
+#: ``torch.cuda.is_current_stream_capturing()`` called as the C function it wraps (no Python frame)
+cuda_capturing: Callable[[], bool] = (getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if _cuda_built
+                                      else None) or _capturing_py
+#: ``event.record(stream)`` and ``event.query()`` of a ``torch.cuda.Event``, called as the C methods
+#: torch's Python wrappers call (no Python frame)
+cuda_event_record: Callable[[Any, Any], None] = getattr(_event_base, "record", None) or (lambda e, s: e.record(s))
+cuda_event_query: Callable[[Any], bool] = getattr(_event_base, "query", None) or (lambda e: e.query())
 
 
 def cuda_event_handle(event: Any) -> int:

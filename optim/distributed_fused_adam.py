@@ -463,7 +463,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         r = self._cycle.current()
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
         # asked once for the step's three readers of it (a query is microseconds on a GPU host)
-        capturing = self._device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        capturing = self._device.type == "cuda" and _compat.cuda_capturing()
         # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
         gathers = self._param_sync.gathers
         stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None

@@ -399,3 +399,35 @@ def test_the_step_runs_without_autograd_and_leaves_the_mode_as_it_was() -> None:
     hook.remove()
     assert modes == [True, True, False] and torch.is_grad_enabled()
     assert all(not p.requires_grad or p.grad_fn is None for p in model.parameters())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_stream_and_event_shortcuts_match_torch() -> None:
+    """The step's stream, event and capture queries without torch.cuda's Python frames give what
+    torch.cuda's own give: the current stream as it changes, an event recorded there, and the
+    capture state inside and outside a graph's capture."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    for _ in range(2):  # the first call takes torch's route, the second the cache
+        assert _compat.cuda_current_stream(device) == torch.cuda.current_stream(device)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert _compat.cuda_current_stream(device) == side != torch.cuda.default_stream(device)
+        assert _compat.cuda_current_stream(torch.device("cuda")) == side  # no index: the current device's
+    assert _compat.cuda_current_stream(device) == torch.cuda.current_stream(device)
+    event = torch.cuda.Event()
+    x = torch.ones(1 << 20, device=device)
+    with torch.cuda.stream(side):
+        side.wait_stream(torch.cuda.current_stream(device))
+        y = x * 2
+        _compat.cuda_event_record(event, _compat.cuda_current_stream(device))
+    event.synchronize()
+    assert _compat.cuda_event_query(event) and event.query() and float(y[-1]) == 2.0
+    assert not _compat.cuda_capturing()
+    graph, seen = torch.cuda.CUDAGraph(), []
+    static = torch.zeros(4, device=device)
+    with torch.cuda.graph(graph):
+        static.add_(1)
+        seen.append(_compat.cuda_capturing())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert seen == [True] and not _compat.cuda_capturing() and static.tolist() == [1.0] * 4

@@ -19,6 +19,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor
 
+from .. import _compat
 from . import agreement
 
 
@@ -52,7 +53,7 @@ class DeferredChecks:
     def push(self, flags: Tensor, context: dict) -> None:
         """Record ``flags`` (float32 ``[found_inf, clip invalid, invalid, mismatch per category...]``
         on the device; the last parts only where they were checked: ``context`` says)."""
-        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if self.device.type == "cuda" and _compat.cuda_capturing():
             return
         self._push(flags, context)
 
@@ -73,7 +74,8 @@ class DeferredChecks:
             self.turn ^= 1
             host, event = self._slot(self.turn, flags)
             host.copy_(flags, non_blocking=True)
-            event.record(torch.cuda.current_stream(flags.device))  # where the copy ran, whatever device is current
+            # where the copy ran, whatever device is current
+            _compat.cuda_event_record(event, _compat.cuda_current_stream(flags.device))
             self.pending = (host, event, context)
         else:
             self.pending = (flags if fresh else flags.detach().clone(), None, context)
@@ -84,7 +86,7 @@ class DeferredChecks:
         a GPU host), else asked here."""
         if capturing is not None:
             return capturing
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return self.device.type == "cuda" and _compat.cuda_capturing()
 
     def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor,
                       capturing: Optional[bool] = None) -> Optional[Tensor]:
@@ -113,7 +115,7 @@ class DeferredChecks:
         if event is not None:
             if not force or self._capturing(capturing):
                 return None
-            if not event.query():  # recorded a step ago: practically always complete already
+            if not _compat.cuda_event_query(event):  # recorded a step ago: practically always complete already
                 event.synchronize()
         self.pending = None
         values: List[float] = host.tolist()
@@ -145,7 +147,7 @@ class DeferredChecks:
             if planned is not None:  # the scalar launch wrote the record into this slot (record_target)
                 self.turn, (host, event) = planned
                 if event is not None:
-                    event.record(torch.cuda.current_stream(record.device))
+                    _compat.cuda_event_record(event, _compat.cuda_current_stream(record.device))
                 self.pending = (host, event, context)
             else:
                 self._push(record, context)  # not capturing: checked above
