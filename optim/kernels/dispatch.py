@@ -361,12 +361,17 @@ def _host_rows(segments: SegmentTable) -> Tensor:
     return host
 
 
-def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor) -> Optional[Any]:
+_UNTUNED = object()  # _prepared's tuned, not read by the caller
+
+
+def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor, tuned: Any = _UNTUNED) -> Optional[Any]:
     """The extension's launch object of ``launch`` for a step over ``grad`` (made at its first
-    native launch), its chunk map and launch shape set for the tuning knobs in force and the
-    grads' dtype (again only when either changes); None where the compiled kernels do not take
-    the shard's state (``native_state``)."""
-    tuned = knobs() if grad.device.type == "cuda" else None  # one cached tuple until the settings change
+    native launch), its chunk map and launch shape set for the tuning knobs in force (``tuned``:
+    ``knobs()`` on CUDA, None on the CPU; read here if not given) and the grads' dtype (again
+    only when either changes); None where the compiled kernels do not take the shard's state
+    (``native_state``)."""
+    if tuned is _UNTUNED:
+        tuned = knobs() if grad.device.type == "cuda" else None  # one cached tuple until the settings change
     native = launch._native
     if native is not None and launch._tuned is tuned and launch._grad_dtype is grad.dtype:
         return native  # the common case: its state kinds were checked when it was prepared
@@ -429,19 +434,21 @@ def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[in
     """The extension's launch objects of ``launches[i]`` for each ``i`` of ``order`` that has
     segments, and their grad shards; ``(None, [])`` if some launch does not take the compiled
     kernels (its state kinds). Where ``grads`` holds a bucket's grads in place
-    (``shards.buffers.ShardGrads.held``: one process, CPU) its launch is handed them
+    (``shards.buffers.ShardGrads.for_step``: one process, CPU) its launch is handed them
     (``set_parts``, the launch then drops them) and an empty tensor stands in for its shard, so
     no shard is made for the step; the caller must launch what this returns."""
     natives, shards, parts = [], [], []
-    held_of = getattr(grads, "held", None)
-    for i in order:
-        if not launches[i].segments.segments:
-            continue
-        held = held_of(i) if held_of is not None else None
-        grad = grads[i] if held is None else held.marker
-        native = _prepared(ext, launches[i], grad, hparams)
-        if native is None:
-            return None, []
+    order = [i for i in order if launches[i].segments.segments]
+    for_step = getattr(grads, "for_step", None)  # shards.buffers.ShardGrads: the shards, or grads held in place
+    read = for_step(order) if for_step is not None else [(grads[i], None) for i in order]
+    tuned = knobs() if read and read[0][0].is_cuda else None
+    for i, (grad, held) in zip(order, read):
+        launch = launches[i]
+        native = launch._native
+        if native is None or launch._tuned is not tuned or launch._grad_dtype is not grad.dtype:
+            native = _prepared(ext, launch, grad, hparams, tuned)  # the first step, or knobs or dtype changed
+            if native is None:
+                return None, []
         if held is not None:
             parts.append((native, held))
         natives.append(native)

@@ -202,6 +202,20 @@ class ShardGrads(Sequence[Tensor]):
         """Bucket ``index``'s grads where autograd left them, or None (its shard is read)."""
         return self._buffers[index].held
 
+    def for_step(self, order: Sequence[int]) -> List[Tuple[Tensor, Optional[HeldGrads]]]:
+        """Per bucket of ``order``: ``(its grad shard, None)``, or where its grads are held in place
+        ``(the held grads' marker, the held grads)``: what the step's launch reads, in one call
+        (the shard made only where it was released)."""
+        out: List[Tuple[Tensor, Optional[HeldGrads]]] = []
+        for b in map(self._buffers.__getitem__, order):
+            held = b.held
+            if held is not None:
+                out.append((held.marker, held))
+            else:
+                store = b.grad_store
+                out.append((store if store is not None else b.grad_shard, None))
+        return out
+
 
 def allocate(
     bucket: Bucket,
