@@ -153,7 +153,8 @@ class DeferredChecks:
                 self._push(record, context)  # not capturing: checked above
         else:
             self._push(torch.cat([stats.found_inf.reshape(1), *flags, record]), context, fresh=True)
-        self.check_last_step(force=False)
+        if self.pending is not None and self.pending[1] is None:  # readable now (CPU); CUDA's at the next step
+            self.check_last_step(force=False)
 
     def check_now(self, stats: Any) -> None:
         """Where reading is free (CPU): act on the stats' agreement flags right after the

@@ -324,8 +324,10 @@ class GradSync:
     def flush_all(self) -> None:
         """Land every bucket's staged grads (the caller adopted the stager's planned landings
         first: ``_take_planned``)."""
+        staged = self.stager.staged_count  # asked here: a bucket with nothing staged costs no Python call
         for s in self.states:
-            self._flush(s)
+            if staged(s.index):
+                self._flush(s)
 
     def _launch_ready(self) -> None:
         # in layout.backward_order: bucket 0 (the last layers) first
@@ -404,11 +406,13 @@ class GradSync:
         none of the params still joins the collectives the other ranks issued.
         """
         self._take_planned()
-        self.raise_hook_error()
+        if self.hook_error is not None:
+            self.raise_hook_error()
         self.flush_all()
         if self.next_launch > 0 or self.cycle.rounds_since_step == 0 or any(map(_IN_BUFFER, self.states)):
             self._finish_round()
-        self.wait()
+        if self.reductions.pending:  # the common case at the step: everything landed in backward
+            self.wait()
 
     def wait(self) -> None:
         """Every reduction in flight has landed (``Reductions.wait``)."""
