@@ -41,7 +41,8 @@ from host_models import build_model, model_specs  # noqa: E402
 TIMED = [
     ("shardamp.optim.sync.grad_sync", "GradSync", n)
     for n in ("on_event", "_begin", "on_grad", "_flush", "_arm_plan", "prearm",
-              "_take_planned", "_launch", "end_of_backward", "zero", "flush_all", "sync")
+              "_take_planned", "_launch", "end_of_backward", "quiet_end", "_adopt_all", "_finish_round", "zero",
+              "flush_all", "sync")
 ] + [
     ("shardamp.optim.sync.grad_state", "BucketGrads", "land_first"),
 ] + [

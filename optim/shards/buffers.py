@@ -146,7 +146,9 @@ class BucketBuffers:
 
     def adopt_grad_shard(self, shard: Tensor) -> None:
         """A released shard allocated (and landed in) elsewhere: the grad hook's planned landing."""
-        if not self.released or shard.numel() != self.shard_numel or shard.dtype != self.grad_dtype:
+        # the fields read directly (not ``released``, ``shard_numel``): once a bucket a backward
+        if (self.grad_store is not None or self.held is not None or shard.numel() != self.shard.stop - self.shard.start
+                or shard.dtype != self.grad_dtype):
             raise RuntimeError("adopt_grad_shard: the shard is held already (read directly while a backward could "
                                "land it: read it through GradSync.shard), or the new one does not fit")
         self.grad_store = shard

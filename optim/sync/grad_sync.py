@@ -278,7 +278,8 @@ class GradSync:
         else:
             s.buffers.adopt_grad_shard(full)
             s.full, s.dirty = full, False
-            self.host.landed(s.index, full)
+            if self.host.shards:  # an offloaded bucket's host copy starts here
+                self.host.landed(s.index, full)
         s.shard_valid = s.partial_valid = self.partials_started = True
         self.next_launch = s.index + 1
 
@@ -469,8 +470,10 @@ class GradSync:
         """``zero_grad``: drop local and reduced grads (not yet reduced ones too)."""
         self.comm.check()  # collectives found stuck (collective_watchdog.py) raise here too
         self.landings.dropped()  # what a plan landed is dropped with the rest (stager.clear below)
-        self.wait()
-        self.host.dropped()
+        if self.reductions.pending:
+            self.wait()
+        if self.host.shards:  # offloaded buckets' host copies are stale from here
+            self.host.dropped()
         self.next_launch = 0
         self.partials_started = False
         self.callback_queued = False  # a backward that raised never ran its callback
