@@ -358,7 +358,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
                 shards, reduce = self._shard_grads, self._reduce_grad_stats
                 r.add_norm_type(norm_type, grad_stats.reduce_norm(norm_type, shards, self._device, reduce))
             return r.stats
-        self._deferred.check_last_step(force=True, capturing=capturing)
+        if self._deferred.pending is not None:  # the last step's flags, where not read yet (CUDA)
+            self._deferred.check_last_step(force=True, capturing=capturing)
         self.grad_sync()
         # A bad value on one rank must not raise before the all-reduce (the others would wait in
         # it): it is flagged in the entries, and every rank raises after it.
