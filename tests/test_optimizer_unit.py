@@ -352,10 +352,15 @@ def test_deferred_flags_reuse_two_pinned_slots_in_turn(monkeypatch) -> None:
         made.append(torch.zeros(shape, dtype=dtype))
         return made[-1]
 
+    from shardamp.optim import _compat
+
     monkeypatch.setattr(deferred_checks.torch, "empty", empty)
     monkeypatch.setattr(deferred_checks.torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(deferred_checks.torch.cuda, "is_current_stream_capturing", lambda: False)
-    monkeypatch.setattr(deferred_checks.torch.cuda, "current_stream", lambda device=None: None)
+    # the stream, event and capture queries go through _compat's shortcuts to torch.cuda's C functions
+    monkeypatch.setattr(_compat, "cuda_capturing", lambda: False)
+    monkeypatch.setattr(_compat, "cuda_current_stream", lambda device: None)
+    monkeypatch.setattr(_compat, "cuda_event_record", lambda event, stream: event.record(stream))
+    monkeypatch.setattr(_compat, "cuda_event_query", lambda event: event.query())
     checks = deferred_checks.DeferredChecks(torch.device("cuda"))
     buffers = []
     for step, flags in enumerate([[1.0, 0.0], [0.0, 0.0], [2.0, 1.0], [3.0, 0.0, 1.0], [4.0, 1.0, 0.0], [5.0, 5.0, 5.0]]):
