@@ -8,7 +8,8 @@ import torch
 from conftest import set_env
 
 from shardamp.optim import config
-from shardamp.optim.kernels import dispatch as kernels
+from shardamp.optim import kernels
+from shardamp.optim.kernels import dispatch
 from shardamp.optim.kernels import launch_config
 
 
@@ -88,7 +89,7 @@ def test_cuda_step_shapes_are_bitwise_equal(kind):
     computes the same bits as the kind's own shape: the split of the work changes no arithmetic."""
     from kernel_shards import run_step, shard_states
 
-    ext = kernels._native(torch.device("cuda"))
+    ext = dispatch._native(torch.device("cuda"))
     results = []
     for shape in range(len(launch_config.CUDA_STEP_SHAPES) + 1):
         for chunk in (2048, 16384):

@@ -168,8 +168,8 @@ ALLOWED_FOREIGN_WRITES = {
     ("optim/distributed_fused_adam.py", "p._shardamp_optimizer"),
     ("optim/sync/grad_stager.py", "p._shardamp_owner"), ("optim/sync/grad_stager.py", "p._shardamp_grad_sync"),
     # the launch's cached native struct, set by the module that defines AdamLaunch
-    ("optim/kernels/dispatch.py", "launch._native"), ("optim/kernels/dispatch.py", "launch._tuned"),
-    ("optim/kernels/dispatch.py", "launch._grad_dtype"),
+    ("optim/kernels/adam_launch.py", "launch._native"), ("optim/kernels/adam_launch.py", "launch._tuned"),
+    ("optim/kernels/adam_launch.py", "launch._grad_dtype"),
 }
 
 

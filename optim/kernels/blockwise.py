@@ -1,5 +1,5 @@
 """The step of a shard with blockwise moments (``"8bit"`` / ``"4bit"``: ``quant.QuantizedShard``),
-the one seam between ``dispatch.AdamLaunch`` and the compiled ``adam_step_blockwise``
+the one seam between ``adam_launch.AdamLaunch`` and the compiled ``adam_step_blockwise``
 (csrc/binding_blockwise.cpp; contract: ``reference.py``'s ``adam_step`` over quantized moments).
 
 Where the compiled module has the kernel and takes the state's dtypes, one native call runs the
@@ -124,7 +124,7 @@ def _natives(ext: Any, launch: Any) -> Tuple[Any, Any]:
 
 
 def launch(ext: Optional[Any], launch: Any, host_rows: Tensor) -> None:
-    """One shard's step with blockwise moments (``launch``: a ``dispatch.AdamLaunch``), natively
+    """One shard's step with blockwise moments (``launch``: a ``adam_launch.AdamLaunch``), natively
     where ``ext`` has the kernel and takes the dtypes, else the reference math (``host_rows``:
     the segments on the host). No host sync.
 

@@ -32,8 +32,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .dispatch import (AdamLaunch, StepRecords, _native, launch_adam_all, native_launches, scalars_native,
-                       stats_finish, step_scalars)
+from .adam_launch import AdamLaunch, StepRecords, launch_adam_all, native_launches
+from .dispatch import _native, scalars_native, stats_finish, step_scalars
 
 
 def stats_cat_finish(parts: Sequence[Tensor], end: int, norm_type: float,

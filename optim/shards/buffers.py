@@ -187,7 +187,7 @@ class BucketBuffers:
 class ShardGrads(Sequence[Tensor]):
     """Every bucket's grad shard (``BucketBuffers.grad_shard``), each made only when read. Where
     a bucket's grads are held in place (:class:`HeldGrads`), the step's native launch reads them
-    through :meth:`held` instead (``kernels.dispatch.native_launches``), and no shard is made."""
+    through :meth:`held` instead (``kernels.adam_launch.native_launches``), and no shard is made."""
 
     def __init__(self, buffers: Sequence[BucketBuffers]) -> None:
         self._buffers = buffers
