@@ -146,7 +146,7 @@ class BucketBuffers:
 
     def adopt_grad_shard(self, shard: Tensor) -> None:
         """A released shard allocated (and landed in) elsewhere: the grad hook's planned landing."""
-        # the fields read directly (not ``released``, ``shard_numel``): once a bucket a backward
+        # the fields read here, not through ``released`` and ``shard_numel``: once a bucket at each backward's end
         if (self.grad_store is not None or self.held is not None or shard.numel() != self.shard.stop - self.shard.start
                 or shard.dtype != self.grad_dtype):
             raise RuntimeError("adopt_grad_shard: the shard is held already (read directly while a backward could "
@@ -187,7 +187,7 @@ class BucketBuffers:
 class ShardGrads(Sequence[Tensor]):
     """Every bucket's grad shard (``BucketBuffers.grad_shard``), each made only when read. Where
     a bucket's grads are held in place (:class:`HeldGrads`), the step's native launch reads them
-    through :meth:`held` instead (``kernels.adam_launch.native_launches``), and no shard is made."""
+    through :meth:`for_step` instead (``kernels.adam_launch.native_launches``), and no shard is made."""
 
     def __init__(self, buffers: Sequence[BucketBuffers]) -> None:
         self._buffers = buffers
