@@ -110,19 +110,15 @@ def reached_in_backward(node: Any) -> bool:
         return True
 
 
-_OBSERVER = "_shardamp_step_observer"  # the wrapper's per-optimizer cache (hook_optimizer_step)
-_UNASKED = object()
-
-
-def hook_optimizer_step(cls: type, native_of: Callable[[Any], Optional[Any]]) -> bool:
+def hook_optimizer_step(cls: type, observer_attr: str) -> bool:
     """Wrap ``cls.step`` as ``torch.optim.Optimizer`` wraps every optimizer's step (its step
     pre/post hooks, global and per instance, a ``record_function`` label for the profiler and the
     profiler's ``_optimizer_step_code`` entry point), but take torch's wrapper only while a pre hook
     is registered, the autograd profiler is on in this thread, or any RecordFunction callback is
     registered, global or for this thread (a profiler of all threads, an execution-trace
     observer, CUDA memory-history annotations: ``at::hasCallbacks()``, asked through the
-    optimizer's compiled module ``native_of(optimizer)``; where there is none, always torch's
-    wrapper); otherwise call the step and the
+    callable the optimizer holds as its attribute ``observer_attr``, its compiled module's query;
+    where it holds none, always torch's wrapper); otherwise call the step and the
     entry point directly, then the post hooks (one registered during the step runs, as torch's
     wrapper reads them after the step). The label's enter and exit cost tens of microseconds of
     host time per step on a small model's iteration whether or not anything records it. Marks
@@ -140,18 +136,9 @@ def hook_optimizer_step(cls: type, native_of: Callable[[Any], Optional[Any]]) ->
     func = cls.step
     observed_step = profile_hook_step(func)
 
-    def observer(opt: Any) -> Optional[Callable[[], bool]]:
-        # the compiled module's query, asked for once per optimizer (its device's module does not
-        # change), kept in the optimizer's __dict__: no Python call to find it at every step
-        found = getattr(native_of(opt), "record_function_observed", None)
-        opt.__dict__[_OBSERVER] = found
-        return found
-
     @functools.wraps(func)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        observed = self.__dict__.get(_OBSERVER, _UNASKED)
-        if observed is _UNASKED:
-            observed = observer(self)
+        observed = getattr(self, observer_attr, None)  # None (also before __init__ set it): torch's wrapper
         # the hook dicts read where and when torch's own wrapper reads them
         if (opt_mod._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks or profiler_enabled()
                 or observed is None or observed()):

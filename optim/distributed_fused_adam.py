@@ -202,7 +202,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self._initialized = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         # before torch's __init__ wraps step: torch's wrapper only where something observes it (_compat.py)
-        _compat.hook_optimizer_step(type(self), lambda opt: kernels.native_module(opt._device))
+        _compat.hook_optimizer_step(type(self), "_step_observer")
         super().__init__(params, defaults)
 
         self.adam_w_mode, self.bias_correction, self.max_grad_norm = adam_w_mode, bias_correction, max_grad_norm
@@ -231,7 +231,11 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self._host = HostState(self._offload, self._buckets, self._device, self._formats, dtype, grad_sync_dtype,
                                param_sync_dtype, self._comm, len(self._params))  # where the state lives: shards/host_state.py
         # the formats against where each bucket's state lives (an offloaded one takes the CPU kernels)
-        kernels.check_formats(self._formats, self._host.state_devices(), kernels.native_module(self._device))
+        native = kernels.native_module(self._device)
+        kernels.check_formats(self._formats, self._host.state_devices(), native)
+        # the step wrapper's question (_compat.hook_optimizer_step): does anything record the step's
+        # label? Found once: the device's compiled module does not change
+        self._step_observer = getattr(native, "record_function_observed", None)
         if self._host.active and self._device.type != "cpu":  # the CPU kernels step the offloaded buckets: any
             kernels.backend(torch.device("cpu"))  # build of theirs before the first collective, as the device's
         # before anything is allocated or communicated: every rank built the same optimizer

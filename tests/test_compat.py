@@ -326,16 +326,10 @@ def test_optimizer_step_wrapper_internals() -> None:
         def record_function_observed() -> bool:
             return bool(observed)
 
-    assert _compat.hook_optimizer_step(Plain, lambda opt: Native)
+    assert _compat.hook_optimizer_step(Plain, "_observer")
     wrapped = Plain.step
     opt = Plain([torch.nn.Parameter(torch.zeros(1))], {})
     assert Plain.step is wrapped, "torch's __init__ wrapped the step again"
-    assert opt.step() == "stepped"
-    calls = []
-    handle = opt.register_step_post_hook(lambda o, a, k: calls.append(o))
-    assert opt.step() == "stepped" and calls == [opt]
-    handle.remove()
-    # torch's wrapper (its record_function label) only where the caller says something observes it
     labels = []
     real = torch.autograd.profiler.record_function
 
@@ -343,6 +337,19 @@ def test_optimizer_step_wrapper_internals() -> None:
         labels.append(name)
         return real(name, *args)
 
+    torch.autograd.profiler.record_function = recording
+    try:  # no observer query held (no compiled module): torch's wrapper, always
+        assert opt.step() == "stepped" and labels == ["Optimizer.step#Plain.step"]
+    finally:
+        torch.autograd.profiler.record_function = real
+    opt._observer = Native.record_function_observed
+    assert opt.step() == "stepped"
+    calls = []
+    handle = opt.register_step_post_hook(lambda o, a, k: calls.append(o))
+    assert opt.step() == "stepped" and calls == [opt]
+    handle.remove()
+    # torch's wrapper (its record_function label) only where the query says something observes it
+    labels.clear()
     torch.autograd.profiler.record_function = recording
     try:
         opt.step()
