@@ -16,6 +16,7 @@ from typing import Any, List, Optional
 import torch
 from torch import Tensor
 
+from .. import _compat
 from ..comm.collectives import Comm
 from ..kernels import partials
 from .grad_state import BucketGrads, Reduction
@@ -100,8 +101,6 @@ class Reductions:
     def wait(self) -> None:
         """Every reduction in flight has landed in its shard (on CUDA: the compute stream waits
         for the side stream; the host does not)."""
-        if not self.pending:  # the common case at the step: everything landed in backward
-            return
         self._retire(0)
         for r in self.pending:
             if r.work is not None:
@@ -115,13 +114,14 @@ class Reductions:
 
     def _join_side(self) -> None:
         """The compute stream waits for everything queued on the side stream so far. One event,
-        recorded again at each join (a wait takes the record made before it), and the streams
-        named by device: ``wait_stream`` and ``current_stream()`` create an event and resolve the
-        current device in Python, tens of microseconds of host time a step on a GPU host."""
+        recorded again at each join (a wait takes the record made before it), and the current
+        stream found without torch.cuda's Python frames (``_compat.cuda_current_stream``):
+        ``wait_stream`` and ``current_stream()`` create an event and resolve the current device in
+        Python, tens of microseconds of host time a step on a GPU host."""
         if self._joined is None:
             self._joined = torch.cuda.Event()
         self._joined.record(self.side)
-        torch.cuda.current_stream(self.side.device).wait_event(self._joined)
+        _compat.cuda_current_stream(self.side.device).wait_event(self._joined)
 
     def held_inputs(self) -> List[Tensor]:
         """The full-size inputs still held by reductions in flight."""
