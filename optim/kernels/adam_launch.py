@@ -85,7 +85,8 @@ def _launch_adam(launch: AdamLaunch) -> None:
     if blockwise.takes(launch.exp_avg, launch.exp_avg_sq):
         blockwise.launch(ext, launch, _host_rows(segments))
         return
-    native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams)
+    tuned = knobs() if launch.grad.is_cuda else None  # one cached tuple until the settings change
+    native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams, tuned)
     if native is None:
         reference.adam_step(launch.grad, launch.master, launch.exp_avg, launch.exp_avg_sq, launch.model_out,
                             _host_rows(segments), launch.hparams, launch.steps, launch.touched, launch.grad_coef,
@@ -100,17 +101,11 @@ def _launch_adam(launch: AdamLaunch) -> None:
         native.grad = _NO_GRAD
 
 
-_UNTUNED = object()  # _prepared's tuned, not read by the caller
-
-
-def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor, tuned: Any = _UNTUNED) -> Optional[Any]:
+def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor, tuned: Optional[tuple]) -> Optional[Any]:
     """The extension's launch object of ``launch`` for a step over ``grad`` (made at its first
     native launch), its chunk map and launch shape set for the tuning knobs in force (``tuned``:
-    ``knobs()`` on CUDA, None on the CPU; read here if not given) and the grads' dtype (again
-    only when either changes); None where the compiled kernels do not take the shard's state
-    (``native_state``)."""
-    if tuned is _UNTUNED:
-        tuned = knobs() if grad.device.type == "cuda" else None  # one cached tuple until the settings change
+    ``knobs()`` on CUDA, None on the CPU) and the grads' dtype (again only when either changes);
+    None where the compiled kernels do not take the shard's state (``native_state``)."""
     native = launch._native
     if native is not None and launch._tuned is tuned and launch._grad_dtype is grad.dtype:
         return native  # the common case: its state kinds were checked when it was prepared
