@@ -418,17 +418,8 @@ def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
         def _del(self: Tensor) -> None:
             _TENSOR_GRAD.__delete__(self)
 
-        def _getstate(self: Tensor) -> Any:
-            # torch.save(model) pickles a param's __dict__: shardamp's tags (weak references to
-            # the optimizer managing it) stay behind, so the saved model is torch's plain one
-            state = base.__getstate__(self)
-            if isinstance(state, dict) and any(k.startswith("_shardamp_") for k in state):
-                state = {k: v for k, v in state.items() if not k.startswith("_shardamp_")}
-            return state
-
         cls = type(base.__name__, (base,), {
             "grad": property(_get, _set, _del, _TENSOR_GRAD.__doc__),
-            "__getstate__": _getstate,
             "__module__": __name__,
             "__qualname__": base.__qualname__,
             "_shardamp_grad_base": base,

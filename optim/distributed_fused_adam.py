@@ -21,7 +21,7 @@ from .checks import agreement
 from .step import torch_scaler, grad_stats
 from .step.cycle import Action, StepCycle
 from .step.torch_scaler import ScalerHooks
-from . import _compat, kernels
+from . import _compat, kernels, param_tags
 from .comm.collectives import Comm, make_comm
 from .shards.buffers import (BucketBuffers, ShardGrads, adam_launches, allocate_all, check_remainders, check_views,
                              reattach_param)
@@ -214,7 +214,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         indexed = grouped_params(self.param_groups)  # (param, group index), in param_groups order
         self._params: List[torch.nn.Parameter] = [p for p, _ in indexed]
         for p in self._params:
-            p._shardamp_optimizer = weakref.ref(self)  # lets clip_grad_norm_ find us
+            param_tags.manage(p, self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
@@ -283,7 +283,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
                                        self._grad_sync, self._cycle, self._coef)
         self._grads_view = GradsView(self, self._grad_source)
         self._cycle.set_fold(self._grads_view.fold_pending)  # grads reused: what param.grad showed
-        torch_tools.install(self, self._params)  # param.grad and torch's clip functions see them (torch_tools.py)
+        # param.grad and torch's clip functions see them (torch_tools.py); the params take the class
+        # that shows them while this optimizer holds grads, their own otherwise
+        self._cycle.on_grads_held(torch_tools.install(self, self._params, self._grads_view.owner_token).show)
         self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers

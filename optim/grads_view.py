@@ -59,7 +59,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _compat, norms
+from . import _compat, norms, param_tags
 from .checks import agreement
 from .comm import order
 from .hparams import check_max_norm, check_norm_type
@@ -78,9 +78,9 @@ class LocalGrad(NamedTuple):
 
 def owner(p: Tensor) -> Optional[Any]:
     """The live DistributedFusedAdam that manages ``p`` (the last one built over it), or None."""
-    ref = getattr(p, "_shardamp_optimizer", None)
-    opt = ref() if ref is not None else None
-    if opt is not None and getattr(p, "_shardamp_owner", None) is opt._grads_view.owner_token:
+    tag = param_tags.get(p)
+    opt = tag.optimizer() if tag is not None else None
+    if opt is not None and tag.owner is opt._grads_view.owner_token:
         return opt
     return None
 

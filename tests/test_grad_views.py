@@ -61,6 +61,99 @@ def test_p_grad_is_a_view_from_backward_to_zero_grad() -> None:
     assert all(float(p.grad.norm()) == 0.0 for p in model.parameters())
 
 
+def _classes(model) -> set:
+    return {type(p) for p in model.parameters()}
+
+
+def test_params_have_torchs_class_unless_grads_are_held() -> None:
+    """The class whose .grad shows the optimizer's grads is the params' from a backward's first
+    grad to the zero_grad that drops them; torch's own class the rest of the time (the forward
+    after zero_grad pays no __torch_function__ lookup), also across accumulation and
+    zero_grad(set_to_none=False); p.grad reads as torch's in every state."""
+    model, ref, opt = _setup()
+    ropt = torch.optim.AdamW(two_groups(ref))
+    assert _classes(model) == {nn.Parameter}  # built: no grads held
+    for step in range(3):
+        _backward(model, step)
+        _backward(ref, step)
+        (shown,) = _classes(model)
+        assert shown is not nn.Parameter and shown._shardamp_grad_base is nn.Parameter
+        _backward(model, 10 + step)  # accumulation: still held, still shown
+        _backward(ref, 10 + step)
+        assert _classes(model) == {shown}
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad.norm(), q.grad.norm(), rtol=1e-5, atol=0)
+        opt.step()
+        ropt.step()
+        if step == 1:  # zeros kept, as torch keeps them: still shown
+            opt.zero_grad(set_to_none=False)
+            ropt.zero_grad(set_to_none=False)
+            assert _classes(model) == {shown}
+            assert all(float(p.grad.norm()) == 0.0 for p in model.parameters())
+        opt.zero_grad()
+        ropt.zero_grad()
+        assert _classes(model) == {nn.Parameter}
+        assert all(p.grad is None for p in model.parameters())
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+
+
+def test_an_older_optimizer_leaves_the_params_a_newer_one_owns() -> None:
+    """Two optimizers over one model: the newer owns the params; the older's zero_grad neither
+    hides the newer's grads nor shows its own."""
+    model, ref, old = _setup()
+    new = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)
+    _backward(model)
+    _backward(ref)
+    shown = _classes(model)
+    assert shown != {nn.Parameter}
+    old.zero_grad()
+    assert _classes(model) == shown
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.norm(), q.grad.norm(), rtol=1e-5, atol=0)
+    new.zero_grad()
+    assert _classes(model) == {nn.Parameter}
+
+
+def test_a_parameter_subclass_gets_its_own_class_back() -> None:
+    """A model's own Parameter subclass: shown as a subclass of it, and given back to it."""
+    class Tagged(nn.Parameter):
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    model.weight = Tagged(model.weight.detach().clone())
+    opt = DistributedFusedAdam(model.parameters())
+    assert type(model.weight) is Tagged
+    model(torch.randn(2, 4)).sum().backward()
+    assert issubclass(type(model.weight), Tagged) and type(model.weight) is not Tagged
+    assert type(model.weight.grad) is ShardedGrad
+    opt.step()
+    opt.zero_grad()
+    assert type(model.weight) is Tagged and type(model.bias) is nn.Parameter
+
+
+def test_torch_save_of_the_model_in_either_state_holds_no_shardamp_state() -> None:
+    """torch.save(model) between zero_grad and backward (torch's own class) and after backward
+    (the showing class): nothing of shardamp in the params' __dict__, weights_only loading works,
+    a copy of a param is not managed."""
+    import io
+
+    model, _, opt = _setup()
+    for held in (False, True):
+        if held:
+            _backward(model)
+        buf = io.BytesIO()
+        torch.save(model.state_dict(keep_vars=True), buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=True)
+        for name, p in model.named_parameters():
+            assert not [k for k in vars(p) if k.startswith("_shardamp")]
+            assert torch.equal(loaded[name], p) and loaded[name].grad is None
+        twin = copy.deepcopy(model.conv1.weight)
+        assert twin.grad is None and torch_tools.owner(twin) is None
+
+
 def test_a_post_accumulate_hook_still_sees_autograds_grad() -> None:
     model, _, opt = _setup()
     seen = []
@@ -233,9 +326,10 @@ def test_installed_at_construction_idempotent_and_reversible() -> None:
     assert torch.nn.utils.clip_grads_with_norm_ is torch_tools.clip_grads_with_norm_
     assert clip_grad._clip_grads_with_norm_ is torch_tools.clip_grads_with_norm_
     assert wrapped.__wrapped__ is torch_tools._originals["get_total_norm"]  # wrapped once, not twice
-    cls = type(model.conv1.weight)
-    assert cls._shardamp_grad_base is nn.Parameter and cls.__base__ is nn.Parameter
+    assert type(model.conv1.weight) is nn.Parameter  # no grads held: torch's own class
     _backward(model)
+    cls = type(model.conv1.weight)  # grads held: the class whose .grad shows them
+    assert cls._shardamp_grad_base is nn.Parameter and cls.__base__ is nn.Parameter
     assert type(model.conv1.weight.grad) is ShardedGrad  # the last optimizer built owns the params
     held = model.conv1.weight.grad
     del opt, opt2

@@ -134,6 +134,10 @@ def _number(value: Any) -> Any:
         return repr(value)
 
 
+def _ignore(_held: bool) -> None:
+    pass
+
+
 class StepCycle:
     """The phase and the counters of one optimizer's step cycle.
 
@@ -169,6 +173,7 @@ class StepCycle:
         # grads reused (a backward or a step on grads a clip, an unscale or a step already
         # scaled): folds that coefficient into the kept shards first (GradsView.fold_pending)
         self._fold: Optional[Callable[[], None]] = None
+        self._grads_held: Callable[[bool], None] = _ignore  # on_grads_held
         self._unscaled_since_step = False  # a scaler's unscale_ reached this optimizer since its last step
         self._reductions: Callable[[], Optional[Reductions]] = lambda: None  # the grad sync, weakly (watch)
 
@@ -276,7 +281,8 @@ class StepCycle:
         # the new grads add to what param.grad showed, as in torch; with no grad since zero_grad
         # (a clip before any backward: torch's clips nothing) there is nothing to fold, and the
         # shards may be the grad hook's to land (its landing plan)
-        if self._grad_since_zero and self.holds_pending_coef() and self._fold is not None:
+        held = self._grad_since_zero
+        if held and self.holds_pending_coef() and self._fold is not None:
             self._fold()
         self._backwards += 1
         self._drop_counted = False
@@ -284,6 +290,8 @@ class StepCycle:
         self._grad_since_zero = True
         self._round, self._last = None, None
         self._phase = StepPhase.ACCUMULATING
+        if not held:
+            self._grads_held(True)
         return stepped
 
     def holds_pending_coef(self) -> bool:
@@ -291,6 +299,12 @@ class StepCycle:
         step consumed them (its coefficient), or this round unscaled or clipped them."""
         r = self._round
         return self._stepped_since_zero or (r is not None and (r.inv_scale is not None or bool(r.clips)))
+
+    def on_grads_held(self, held: Callable[[bool], None]) -> None:
+        """``held(True)`` when the optimizer starts holding grads (a backward's first grad after
+        ``zero_grad(set_to_none=True)``), ``held(False)`` when such a ``zero_grad`` drops them:
+        what ``param.grad`` shows changes then (torch_tools.py ``GradClasses``)."""
+        self._grads_held = held
 
     def set_fold(self, fold: Callable[[], None]) -> None:
         """``fold()`` multiplies the kept grads in place by what they are shown times beyond the
@@ -361,8 +375,9 @@ class StepCycle:
         self.dropping()
         self._drop_counted = False
         self._stepped_since_zero = False
-        if set_to_none:
+        if set_to_none and self._grad_since_zero:
             self._grad_since_zero = False
+            self._grads_held(False)
         self._round = None
         self._phase = StepPhase.STEPPED if self._last is not None else StepPhase.IDLE
 

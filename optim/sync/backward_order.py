@@ -53,7 +53,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from .. import _compat
+from .. import _compat, param_tags
 
 
 @dataclass(eq=False)
@@ -193,7 +193,7 @@ def _reached(sync: Any) -> bool:
     nodes = sync.accumulators  # held where the native stager holds them anyway; None: looked up
     for k, entry in enumerate(sync.by_stager_index):
         p = entry.param
-        if not p.requires_grad or getattr(p, "_shardamp_owner", None) is not sync.owner_token:
+        if not p.requires_grad or param_tags.owner_token(p) is not sync.owner_token:
             continue
         if nodes is None:
             node = _compat.grad_accumulator(p)

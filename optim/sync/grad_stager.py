@@ -53,7 +53,7 @@ from typing import Any, Callable, List, Sequence, Tuple
 
 from torch import Tensor
 
-from .. import _compat, config, kernels
+from .. import _compat, config, kernels, param_tags
 
 NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
 
@@ -180,16 +180,13 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
     backward (``GradSync.raise_hook_error``); the rest of that backward's events are dropped. The
     callbacks hold ``sync`` weakly: hooks live as long as the params and must not pin buffers.
 
-    ``params`` now belong to ``sync`` (``_shardamp_owner``, which the Python hook checks): the
-    native stager of an older GradSync over one of them disowns it."""
+    ``params`` now belong to ``sync`` (param_tags.py: its owner token, which the Python hook
+    checks): the native stager of an older GradSync over one of them disowns it."""
     ref = weakref.ref(sync)
     for p in params:
-        older = getattr(p, "_shardamp_grad_sync", None)
-        older = older() if older is not None else None
-        if older is not None and id(p) in older.record:
+        older = param_tags.own(p, sync, sync.owner_token)
+        if older is not None and older is not sync and id(p) in older.record:
             older.stager.disown(older.stager_index[older.record[id(p)].index])
-        p._shardamp_owner = sync.owner_token
-        p._shardamp_grad_sync = ref
 
     def on_param(index: int) -> None:
         me = ref()

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, List, Optional, Seque
 import torch
 from torch import Tensor
 
-from .. import _compat, kernels, norms
+from .. import _compat, kernels, norms, param_tags
 from ..checks.misuse import warn_backward_without_zero_grad
 from . import backward_order, grad_stager
 from ..shards.buffers import BucketBuffers, HeldGrads
@@ -176,7 +176,7 @@ class GradSync:
         grad = param.grad
         if grad is None:
             return
-        if getattr(param, "_shardamp_owner", None) is not self.owner_token:
+        if param_tags.owner_token(param) is not self.owner_token:
             return  # a newer optimizer took this param over; its own hook handles the grad
         if not self.callback_queued:  # first grad of this backward
             self._begin()
