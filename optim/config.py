@@ -42,6 +42,10 @@ The variables (``python -m shardamp.report`` prints the ones in force):
 ``SHARDAMP_OFFLOAD_THREADS``              threads of an offloaded step's CPU kernels (default
                                           ``0``: the cores this process may use divided by
                                           ``LOCAL_WORLD_SIZE``, at least 1)
+``SHARDAMP_SWITCH_PARAM_CLASS``           ``0``: a managed param keeps the class whose ``.grad``
+                                          shows the optimizer's grads from construction on
+                                          (default ``1``: only while grads are held; see
+                                          torch_tools.py)
 ========================================  =====================================================
 """
 from __future__ import annotations
@@ -85,6 +89,10 @@ class Settings:
             for A/B measurements and to rule the zero-copy landing out).
         offload_threads: threads of an offloaded step's CPU kernels, 0 for the cores divided by
             the ranks on the host (docs/offload.md).
+        switch_param_class: a managed param has its own class while its optimizer holds no grads
+            (``SHARDAMP_SWITCH_PARAM_CLASS``; off: the ``.grad``-showing class from construction
+            on, so a ``torch.compile``'d forward of a gradient-accumulation loop sees one class and
+            compiles one graph, not two).
     """
 
     kernels: str = "auto"
@@ -101,6 +109,7 @@ class Settings:
     async_grad_release: bool = True
     offload_threads: int = 0
     copy_grads: bool = False
+    switch_param_class: bool = True
 
 
 def _flag(name: str, value: str, default: bool) -> bool:
@@ -196,6 +205,7 @@ VARIABLES: Dict[str, tuple] = {
     "SHARDAMP_ASYNC_GRAD_RELEASE": ("async_grad_release", lambda n, v: _flag(n, v, True)),
     "SHARDAMP_OFFLOAD_THREADS": ("offload_threads", _threads),
     "SHARDAMP_COPY_GRADS": ("copy_grads", lambda n, v: _flag(n, v, False)),
+    "SHARDAMP_SWITCH_PARAM_CLASS": ("switch_param_class", lambda n, v: _flag(n, v, True)),
 }
 _FIELD_VARIABLE = {field: var for var, (field, _) in VARIABLES.items()}
 

@@ -40,6 +40,10 @@ exact and cheaper.
   back (:class:`GradClasses`, switched by the step cycle): there its ``.grad`` would show
   autograd's field anyway, and every op a Parameter SUBCLASS enters pays a ``__torch_function__``
   lookup that torch skips for its own class (0.4-0.9 us a param a forward, measured on a CPU).
+  A ``torch.compile``'d forward guards on its params' classes: in a gradient-accumulation loop
+  the forwards after a backward see the other class, and dynamo compiles a second graph, once
+  (a compiled forward gains nothing from the switch); ``SHARDAMP_SWITCH_PARAM_CLASS=0``
+  (config.py) keeps the showing class from construction on, one graph.
 * ``ShardedGrad`` supports what torch's tools do with grads, exactly: norms
   (``torch.linalg.vector_norm``, ``Tensor.norm``, ``.data``, ``torch._foreach_norm``: every
   param's norm in one all-reduce per step and norm order, see grads_view.py) and
@@ -91,7 +95,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from . import _compat, norms, param_tags
+from . import _compat, config, norms, param_tags
 from .grads_view import owner
 from .step.cycle import Action
 
@@ -382,16 +386,18 @@ class GradClasses:
 def install(opt: Any, params: Sequence[Tensor], owner: object) -> GradClasses:
     """At ``opt``'s construction: wrap torch's functions (once) and return the switch of its
     ``params``' classes (``owner``: its grad sync's owner token). The params keep their own
-    classes until the optimizer holds grads. Undone when the last DistributedFusedAdam is
-    garbage-collected."""
+    classes until the optimizer holds grads (``config``'s ``switch_param_class`` off: they take
+    the showing class now and keep it, and the switch moves nothing). Undone when the last
+    DistributedFusedAdam is garbage-collected."""
     _wrap_torch()
+    switch = config.settings().switch_param_class
     refused = []
     pairs = []
     for i, p in enumerate(params):
         own = getattr(type(p), "_shardamp_grad_base", None) or type(p)
         shown = _compat.grad_property_class(own, _grad_of_managed, _set_grad_of_managed)
-        # switched there and back now: a class Python refuses is named here, not at a backward
-        if _compat.switch_class(p, shown) and _compat.switch_class(p, own):
+        # switched there (and back) now: a class Python refuses is named here, not at a backward
+        if _compat.switch_class(p, shown) and (not switch or _compat.switch_class(p, own)):
             _switched[id(p)] = weakref.ref(p)
             pairs.append((p, own, shown))
         else:
@@ -405,7 +411,7 @@ def install(opt: Any, params: Sequence[Tensor], owner: object) -> GradClasses:
     token = object()
     _live.add(token)
     weakref.finalize(opt, _released, token)
-    return GradClasses(pairs, owner)
+    return GradClasses(pairs if switch else [], owner)
 
 
 def _released(token: object) -> None:

@@ -115,6 +115,54 @@ def test_an_older_optimizer_leaves_the_params_a_newer_one_owns() -> None:
     assert _classes(model) == {nn.Parameter}
 
 
+def _accumulating_compiled(pinned: bool) -> int:
+    """Two micro-batches a step under torch.compile (a counting backend, no codegen), against
+    torch's AdamW in eager mode; returns the graphs compiled."""
+    from shardamp.optim import config
+
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    before = config.explicit().get("switch_param_class")
+    config.configure(switch_param_class=not pinned)
+    try:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        ref = copy.deepcopy(model)
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.01)
+    finally:
+        config.configure(switch_param_class=before)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    compiled = torch.compile(model, backend=backend)
+    for step in range(3):
+        for micro in range(2):
+            g = torch.Generator().manual_seed(10 * step + micro)
+            x, y = torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)
+            nn.functional.mse_loss(compiled(x), y).backward()
+            nn.functional.mse_loss(ref(x), y).backward()
+            if pinned:
+                assert _classes(model) != {nn.Parameter}
+        opt.step()
+        ropt.step()
+        opt.zero_grad()
+        ropt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    torch._dynamo.reset()
+    return len(graphs)
+
+
+def test_a_compiled_accumulation_loop_trains_as_torch_and_the_pinned_class_compiles_once() -> None:
+    """torch.compile over a gradient-accumulation loop: the forwards after a backward see the
+    showing class, so dynamo compiles a second graph (once), and training matches torch;
+    SHARDAMP_SWITCH_PARAM_CLASS=0 keeps one class: one graph."""
+    assert _accumulating_compiled(pinned=False) == 2
+    assert _accumulating_compiled(pinned=True) == 1
+
+
 def test_a_parameter_subclass_gets_its_own_class_back() -> None:
     """A model's own Parameter subclass: shown as a subclass of it, and given back to it."""
     class Tagged(nn.Parameter):
