@@ -216,6 +216,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         for p in self._params:
             param_tags.manage(p, self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
+        self._on_cuda = self._device.type == "cuda"  # asked every step: a device's .type makes a new string
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
         self._comm: Comm = make_comm(process_group, device_mesh, self._device)
         self.process_group = self._comm.group  # the group of every rank the optimizer spans
@@ -460,7 +461,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             with torch.enable_grad():
                 loss = closure()
         self._host.refuse_capture()  # an offloaded step reads the host: no CUDA graph captures it (host_state.py)
-        self._param_sync.wait()
+        if self._param_sync.pending:  # overlap_param_sync's all-gathers of the last step
+            self._param_sync.wait()
         check_views(self._params, self._view_refs, self._reattach, self._view_check)
         self._cycle.require(Action.STEP)
         self._cycle.reuse_stepped()  # a second step without backward steps on what the first left, as torch
@@ -470,7 +472,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         r = self._cycle.current()
         key = plain_key(self.param_groups)  # once for the validation and the table: nothing runs between
         # asked once for the step's three readers of it (a query is microseconds on a GPU host)
-        capturing = self._device.type == "cuda" and _compat.cuda_capturing()
+        capturing = self._on_cuda and _compat.cuda_capturing()
         # nothing asked for the stats before the step (no clip, no unscale): the step finishes them
         gathers = self._param_sync.gathers
         stats = self._ensure_stats(r.first_norm_type(), key, defer=self.max_grad_norm is None

@@ -35,6 +35,7 @@ class DeferredChecks:
 
     def __init__(self, device: torch.device, cycle: Any = None, health: Any = None) -> None:
         self.device = device
+        self.cuda = device.type == "cuda"  # asked every step: a device's .type makes a new string
         self.cycle = cycle
         self.health = health
         self.pending: Optional[tuple] = None  # (host buffer, event or None, context)
@@ -53,7 +54,7 @@ class DeferredChecks:
     def push(self, flags: Tensor, context: dict) -> None:
         """Record ``flags`` (float32 ``[found_inf, clip invalid, invalid, mismatch per category...]``
         on the device; the last parts only where they were checked: ``context`` says)."""
-        if self.device.type == "cuda" and _compat.cuda_capturing():
+        if self.cuda and _compat.cuda_capturing():
             return
         self._push(flags, context)
 
@@ -62,15 +63,14 @@ class DeferredChecks:
         on the CPU a plain buffer and no event (read at once)."""
         slot = self.slots[turn]
         if slot is None or slot[0].shape != like.shape or slot[0].dtype != like.dtype:
-            cuda = self.device.type == "cuda"
-            slot = self.slots[turn] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=cuda),
-                                       torch.cuda.Event() if cuda else None)
+            slot = self.slots[turn] = (torch.empty(like.shape, dtype=like.dtype, pin_memory=self.cuda),
+                                       torch.cuda.Event() if self.cuda else None)
         return slot
 
     def _push(self, flags: Tensor, context: dict, fresh: bool = False) -> None:
         """``push`` where the caller knows no CUDA graph is being captured; ``fresh``: ``flags``
         is a new tensor nothing else holds (kept as it is on the CPU, not copied)."""
-        if self.device.type == "cuda":
+        if self.cuda:
             self.turn ^= 1
             host, event = self._slot(self.turn, flags)
             host.copy_(flags, non_blocking=True)
@@ -86,7 +86,7 @@ class DeferredChecks:
         a GPU host), else asked here."""
         if capturing is not None:
             return capturing
-        return self.device.type == "cuda" and _compat.cuda_capturing()
+        return self.cuda and _compat.cuda_capturing()
 
     def record_target(self, stats: Any, bad_clip: Optional[Tensor], record: Tensor,
                       capturing: Optional[bool] = None) -> Optional[Tensor]:

@@ -173,7 +173,7 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
             and _scalars_take(ext, coef_out, base, skip, steps, h)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
-            table = prepare.table if device.type == "cuda" else None
+            table = prepare.table if coef_out.is_cuda else None
             return ext.stats_step(list(parts), int(end), float(norm_type), list(views), view_of["touched"],
                                   view_of.get("ranks", -1), coef_out, base, float(scale), steps, skip,
                                   h.get("inv_scale"), float(h.get("avg", 1.0)), float(h.get("skip_above", math.inf)),
