@@ -145,12 +145,7 @@ def _accumulating_compiled(pinned: bool) -> int:
             nn.functional.mse_loss(ref(x), y).backward()
             if pinned:
                 assert _classes(model) != {nn.Parameter}
-        opt.step()
-        ropt.step()
-        opt.zero_grad()
-        ropt.zero_grad()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+        _step_both_and_compare(opt, ropt, model, ref)
     torch._dynamo.reset()
     return len(graphs)
 
