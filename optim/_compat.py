@@ -402,7 +402,7 @@ def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
     (C++) keeps reading and accumulating into the C field, so backward and
     ``register_post_accumulate_grad_hook`` are unchanged. Cached per ``(base, fget, fset)``; the
     subclass keeps ``base``'s name, and adds no slots (so an instance of ``base`` can be switched
-    to it and back by assigning ``__class__``)."""
+    to it and back by assigning ``__class__``); a ``copy.deepcopy`` of an instance is a ``base``."""
     key = (base, fget, fset)
     cls = _grad_classes.get(key)
     if cls is None:
@@ -418,8 +418,18 @@ def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
         def _del(self: Tensor) -> None:
             _TENSOR_GRAD.__delete__(self)
 
+        def _deepcopy(self: Tensor, memo: dict) -> Tensor:
+            # torch's Parameter.__deepcopy__ builds type(self): the copy, which nothing manages,
+            # takes the param's own class
+            done = id(self) in memo
+            copy = base.__deepcopy__(self, memo)
+            if not done and type(copy) is cls:
+                copy.__class__ = base
+            return copy
+
         cls = type(base.__name__, (base,), {
             "grad": property(_get, _set, _del, _TENSOR_GRAD.__doc__),
+            "__deepcopy__": _deepcopy,
             "__module__": __name__,
             "__qualname__": base.__qualname__,
             "_shardamp_grad_base": base,

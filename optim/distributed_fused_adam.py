@@ -213,8 +213,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         check_setup(self.param_groups, explicit_group=process_group is not None or device_mesh is not None)
         indexed = grouped_params(self.param_groups)  # (param, group index), in param_groups order
         self._params: List[torch.nn.Parameter] = [p for p, _ in indexed]
-        for p in self._params:
-            param_tags.manage(p, self)  # lets clip_grad_norm_ find us
         self._device = params_device(self._params)
         self._on_cuda = self._device.type == "cuda"  # asked every step: a device's .type makes a new string
         kernels.backend(self._device)  # any kernel build (minutes) before the first collective, not inside its timeout
@@ -284,6 +282,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
                                        self._grad_sync, self._cycle, self._coef)
         self._grads_view = GradsView(self, self._grad_source)
         self._cycle.set_fold(self._grads_view.fold_pending)  # grads reused: what param.grad showed
+        for p in self._params:  # last, once the grad sync owns them: lets clip_grad_norm_ find us
+            param_tags.manage(p, self)
         # param.grad and torch's clip functions see them (torch_tools.py); the params take the class
         # that shows them while this optimizer holds grads, their own otherwise
         self._cycle.on_grads_held(torch_tools.install(self, self._params, self._grads_view.owner_token).show)

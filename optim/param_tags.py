@@ -2,10 +2,10 @@
 grad sync's owner token (the grad hooks of an older optimizer over the param stand aside).
 
 Kept in a table beside the params, keyed by ``id(param)`` and dropped when the param is
-collected, not in the params' ``__dict__``: between ``zero_grad`` and the next backward a managed
-param has its own class back (torch_tools.py), and whatever its ``__dict__`` holds is what
-pickle, ``torch.save(model)`` and ``copy`` see, as for any param. A copy of a param is not
-managed (another id), as a param torch's optimizers never saw is not.
+collected, not in the params' ``__dict__``: a managed param has its own class while its optimizer
+holds no grads (torch_tools.py), and whatever its ``__dict__`` holds is what pickle,
+``torch.save(model)`` and ``copy`` see, as for any param. A copy of a param is not managed
+(another id), as a param torch's optimizers never saw is not.
 
 ``generation()`` changes whenever a param changes hands (a newer optimizer built over it): what
 caches the params an optimizer still owns refreshes then.
@@ -70,10 +70,10 @@ def own(p: Tensor, grad_sync: Any, token: object) -> Optional[Any]:
     the grad sync that owned them before, if it is alive, for it to stand aside."""
     global _generation
     tag = _tag(p)
-    older = tag.grad_sync()
-    if tag.owner is not None and tag.owner is not token:
-        _generation += 1
+    older, changed = tag.grad_sync(), tag.owner is not None and tag.owner is not token
     tag.grad_sync, tag.owner = weakref.ref(grad_sync), token
+    if changed:  # after the owner is written: a cache refreshed at this generation sees it
+        _generation += 1
     return older
 
 

@@ -79,9 +79,10 @@ place) and ``max_norm`` is compared with it (grads_view.py). A rank whose backwa
 optimizer's params sees ``p.grad`` None until a collective of the optimizer has run.
 
 WHERE AND HOW LONG. :func:`install` runs at optimizer construction: it wraps torch's functions
-once (idempotent: a second optimizer reuses the wrappers) and switches the params' classes
-(idempotent). The wrappers cost one check when no DistributedFusedAdam is alive, and hand a call
-with no managed param to torch's original untouched. When the last DistributedFusedAdam is
+once (idempotent: a second optimizer reuses the wrappers) and returns the optimizer's
+:class:`GradClasses`, which its step cycle calls at a backward's first grad and at ``zero_grad``
+(a loop over the params each time). The wrappers cost one check when no DistributedFusedAdam is
+alive, and hand a call with no managed param to torch's original untouched. When the last DistributedFusedAdam is
 garbage-collected, :func:`uninstall` restores torch's functions (where nobody replaced them
 since) and the params' classes; it can also be called directly.
 """
@@ -389,6 +390,9 @@ def install(opt: Any, params: Sequence[Tensor], owner: object) -> GradClasses:
     classes until the optimizer holds grads (``config``'s ``switch_param_class`` off: they take
     the showing class now and keep it, and the switch moves nothing). Undone when the last
     DistributedFusedAdam is garbage-collected."""
+    token = object()  # first: a collection of the last other optimizer meanwhile must not uninstall
+    _live.add(token)
+    weakref.finalize(opt, _released, token)
     _wrap_torch()
     switch = config.settings().switch_param_class
     refused = []
@@ -398,7 +402,7 @@ def install(opt: Any, params: Sequence[Tensor], owner: object) -> GradClasses:
         shown = _compat.grad_property_class(own, _grad_of_managed, _set_grad_of_managed)
         # switched there (and back) now: a class Python refuses is named here, not at a backward
         if _compat.switch_class(p, shown) and (not switch or _compat.switch_class(p, own)):
-            _switched[id(p)] = weakref.ref(p)
+            _switched[id(p)] = weakref.ref(p, functools.partial(_forget_switched, id(p)))
             pairs.append((p, own, shown))
         else:
             refused.append(f"{i} ({type(p).__qualname__})")
@@ -408,10 +412,12 @@ def install(opt: Any, params: Sequence[Tensor], owner: object) -> GradClasses:
             "the optimizer's grads (another memory layout): their p.grad stays None, so torch's tools reading it "
             "see nothing there. Use opt.clip_grad_norm / shardamp.optim.clip_grad_norm_, opt.grad_norm, "
             "opt.full_grad(p) for them.", UserWarning, stacklevel=3)
-    token = object()
-    _live.add(token)
-    weakref.finalize(opt, _released, token)
     return GradClasses(pairs if switch else [], owner)
+
+
+def _forget_switched(key: int, ref: "weakref.ref[Tensor]") -> None:
+    if _switched.get(key) is ref:  # a param switched since under the same id keeps its entry
+        del _switched[key]
 
 
 def _released(token: object) -> None:

@@ -212,8 +212,9 @@ def test_grad_property_class_over_autograds_field() -> None:
     assert _compat.raw_grad(p) is None
     m = torch.nn.Linear(2, 2)
     _compat.switch_class(m.weight, _compat.grad_property_class(type(m.weight), fget))
-    copied = __import__("copy").deepcopy(m)  # torch's Parameter.__deepcopy__ keeps the class
-    assert type(copied.weight) is type(m.weight)
+    copied = __import__("copy").deepcopy(m)  # a copy nothing manages: the param's own class
+    assert type(copied.weight) is torch.nn.Parameter and type(m.weight) is not torch.nn.Parameter
+    assert torch.equal(copied.weight, m.weight) and copied.weight.data_ptr() != m.weight.data_ptr()
     assert _compat.switch_class(p, torch.nn.Parameter) and type(p) is torch.nn.Parameter
     assert p.grad is None
 

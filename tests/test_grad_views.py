@@ -194,7 +194,8 @@ def test_torch_save_of_the_model_in_either_state_holds_no_shardamp_state() -> No
             assert not [k for k in vars(p) if k.startswith("_shardamp")]
             assert torch.equal(loaded[name], p) and loaded[name].grad is None
         twin = copy.deepcopy(model.conv1.weight)
-        assert twin.grad is None and torch_tools.owner(twin) is None
+        assert type(twin) is nn.Parameter and twin.grad is None and torch_tools.owner(twin) is None
+        assert torch.equal(twin, model.conv1.weight) and twin.requires_grad
 
 
 def test_a_post_accumulate_hook_still_sees_autograds_grad() -> None:
