@@ -28,8 +28,8 @@ THE CHOICE. Two routes were weighed:
 Taken: (a) for what ``param.grad`` shows, delivered without the traps, plus (b) where it is
 exact and cheaper.
 
-* While the optimizer holds grads (from the first grad of a backward after ``zero_grad`` to the
-  ``zero_grad(set_to_none=True)`` that drops them), each managed param's class is a subclass of
+* While the optimizer holds grads (from the end of a backward that delivered them after
+  ``zero_grad`` to the ``zero_grad(set_to_none=True)`` that drops them), each managed param's class is a subclass of
   its own class whose PYTHON-level ``grad`` property returns autograd's field when set, else,
   while no backward is running, a :class:`ShardedGrad`: a storage-less tensor subclass with the
   param's shape, dtype and strides viewing the optimizer's grads (``grads_view.py``). Autograd
@@ -39,7 +39,7 @@ exact and cheaper.
   rest of the time (the forward after ``zero_grad``, in particular) the param has its own class
   back (:class:`GradClasses`, switched by the step cycle): there its ``.grad`` would show
   autograd's field anyway, and every op a Parameter SUBCLASS enters pays a ``__torch_function__``
-  lookup that torch skips for its own class (0.4-0.9 us a param a forward, measured on a CPU).
+  lookup that torch skips for its own class (docs/performance.md, BA, has its cost).
   A ``torch.compile``'d forward guards on its params' classes: in a gradient-accumulation loop
   the forwards after a backward see the other class, and dynamo compiles a second graph, once
   (a compiled forward gains nothing from the switch); ``SHARDAMP_SWITCH_PARAM_CLASS=0``
@@ -80,7 +80,7 @@ optimizer's params sees ``p.grad`` None until a collective of the optimizer has 
 
 WHERE AND HOW LONG. :func:`install` runs at optimizer construction: it wraps torch's functions
 once (idempotent: a second optimizer reuses the wrappers) and returns the optimizer's
-:class:`GradClasses`, which its step cycle calls at a backward's first grad and at ``zero_grad``
+:class:`GradClasses`, which its step cycle calls at the end of a backward that delivered grads and at ``zero_grad``
 (a loop over the params each time). The wrappers cost one check when no DistributedFusedAdam is
 alive, and hand a call with no managed param to torch's original untouched. When the last DistributedFusedAdam is
 garbage-collected, :func:`uninstall` restores torch's functions (where nobody replaced them

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -20,24 +21,45 @@ def _classes(model) -> set:
     return {type(p) for p in model.parameters()}
 
 
-def test_params_have_torchs_class_unless_grads_are_held() -> None:
-    """The class whose .grad shows the optimizer's grads is the params' from a backward's first
-    grad to the zero_grad that drops them; torch's own class the rest of the time (the forward
-    after zero_grad pays no __torch_function__ lookup), also across accumulation and
-    zero_grad(set_to_none=False); p.grad reads as torch's in every state."""
-    model, ref, opt = _setup()
+def _grads_match(model, ref) -> None:
+    """``p.grad`` reads as torch's (its norm: the one op a shown grad computes locally)."""
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.norm(), q.grad.norm(), rtol=1e-5, atol=0)
+
+
+def _classes_inside_backward(model) -> list:
+    """Records the params' classes from a hook on conv1's output grad, which runs once the later
+    layers' grads reached the optimizer, before the backward ends."""
+    seen: list = []
+
+    def on_forward(module, inputs, out) -> None:
+        out.register_hook(lambda g: seen.append(_classes(model)))
+
+    model.conv1.register_forward_hook(on_forward)
+    return seen
+
+
+@pytest.mark.parametrize("kw", [{}, {"capturable": True}], ids=["native hooks", "python hooks"])
+def test_params_have_torchs_class_unless_grads_are_held(kw) -> None:
+    """The class whose .grad shows the optimizer's grads is the params' from the end of the
+    backward that delivered them to the zero_grad that drops them; torch's own class the rest of
+    the time (the forward after zero_grad pays no __torch_function__ lookup), inside backward
+    too, also across accumulation and zero_grad(set_to_none=False); p.grad reads as torch's in
+    every state."""
+    model, ref, opt = _setup(**kw)
     ropt = torch.optim.AdamW(two_groups(ref))
+    inside = _classes_inside_backward(model)
     assert _classes(model) == {nn.Parameter}  # built: no grads held
     for step in range(3):
         _backward(model, step)
         _backward(ref, step)
+        assert inside[-1] == {nn.Parameter}  # switched once the backward ended, not at its first grad
         (shown,) = _classes(model)
         assert shown is not nn.Parameter and shown._shardamp_grad_base is nn.Parameter
         _backward(model, 10 + step)  # accumulation: still held, still shown
         _backward(ref, 10 + step)
         assert _classes(model) == {shown}
-        for p, q in zip(model.parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.norm(), q.grad.norm(), rtol=1e-5, atol=0)
+        _grads_match(model, ref)
         opt.step()
         ropt.step()
         if step == 1:  # zeros kept, as torch keeps them: still shown
@@ -54,20 +76,46 @@ def test_params_have_torchs_class_unless_grads_are_held() -> None:
 
 
 def test_an_older_optimizer_leaves_the_params_a_newer_one_owns() -> None:
-    """Two optimizers over one model: the newer owns the params; the older's zero_grad neither
-    hides the newer's grads nor shows its own."""
+    """Two optimizers over one model, the older holding grads when the newer is built: the newer
+    owns the params; the older's zero_grad neither hides the newer's grads nor shows its own."""
     model, ref, old = _setup()
+    _backward(model)  # the older holds grads (its params show them) ...
+    assert _classes(model) != {nn.Parameter}
     new = DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)
-    _backward(model)
-    _backward(ref)
-    shown = _classes(model)
-    assert shown != {nn.Parameter}
-    old.zero_grad()
-    assert _classes(model) == shown
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad.norm(), q.grad.norm(), rtol=1e-5, atol=0)
-    new.zero_grad()
-    assert _classes(model) == {nn.Parameter}
+    assert _classes(model) == {nn.Parameter}  # ... until the newer takes the params over
+    ropt = torch.optim.AdamW(two_groups(ref))
+    for step in range(2):
+        _backward(model, step)
+        _backward(ref, step)
+        shown = _classes(model)
+        assert shown != {nn.Parameter}
+        old.zero_grad()  # the older's grads dropped: the newer's stay shown
+        assert _classes(model) == shown
+        _grads_match(model, ref)
+        _step_both_and_compare(new, ropt, model, ref)
+        assert _classes(model) == {nn.Parameter}
+
+
+def test_a_failed_construction_leaves_the_params_with_their_optimizer(monkeypatch) -> None:
+    """A newer optimizer whose construction raises after its grad hooks exist: the older keeps
+    the params' grads (no collection in between) and trains as torch's AdamW."""
+    import shardamp.optim.distributed_fused_adam as dfa
+
+    model, ref, old = _setup()
+    ropt = torch.optim.AdamW(two_groups(ref))
+
+    def fail(*args, **kwargs):
+        raise MemoryError("no memory for the grads' view")
+
+    monkeypatch.setattr(dfa, "GradSource", fail)
+    with pytest.raises(MemoryError, match="grads' view"):
+        DistributedFusedAdam(two_groups(model), bucket_cap_mb=0.0004)
+    monkeypatch.undo()
+    for step in range(3):
+        _backward(model, step)
+        _backward(ref, step)
+        _grads_match(model, ref)
+        _step_both_and_compare(old, ropt, model, ref)
 
 
 def _accumulating_compiled(pinned: bool) -> int:
@@ -133,21 +181,28 @@ def test_a_parameter_subclass_gets_its_own_class_back() -> None:
 
 def test_torch_save_of_the_model_in_either_state_holds_no_shardamp_state() -> None:
     """torch.save(model) between zero_grad and backward (torch's own class) and after backward
-    (the showing class): nothing of shardamp in the params' __dict__, weights_only loading works,
-    a copy of a param is not managed."""
+    (the showing class): it pickles as a model nothing manages (its params torch's own class,
+    no grads, no optimizer reachable); a deep copy of a param is a Parameter nothing manages."""
     import io
 
-    model, _, opt = _setup()
+    model, ref, opt = _setup()
     for held in (False, True):
         if held:
             _backward(model)
+            assert _classes(model) != {nn.Parameter}
         buf = io.BytesIO()
-        torch.save(model.state_dict(keep_vars=True), buf)
+        torch.save(model, buf)
         buf.seek(0)
-        loaded = torch.load(buf, weights_only=True)
-        for name, p in model.named_parameters():
-            assert not [k for k in vars(p) if k.startswith("_shardamp")]
-            assert torch.equal(loaded[name], p) and loaded[name].grad is None
+        loaded = torch.load(buf, weights_only=False)
+        assert _classes(loaded) == {nn.Parameter}
+        assert all(q.grad is None and torch_tools.owner(q) is None for q in loaded.parameters())
+        for p, q in zip(model.parameters(), loaded.parameters()):
+            assert torch.equal(p, q)
         twin = copy.deepcopy(model.conv1.weight)
-        assert type(twin) is nn.Parameter and twin.grad is None and torch_tools.owner(twin) is None
-        assert torch.equal(twin, model.conv1.weight) and twin.requires_grad
+        assert type(twin) is nn.Parameter and torch_tools.owner(twin) is None
+    # the loaded model trains under an optimizer of its own, as torch's does
+    _backward(ref)
+    ropt = torch.optim.AdamW(two_groups(ref))
+    lopt = DistributedFusedAdam(two_groups(loaded), bucket_cap_mb=0.0004)
+    _backward(loaded)
+    _step_both_and_compare(lopt, ropt, loaded, ref)

@@ -85,8 +85,8 @@ def _launch_adam(launch: AdamLaunch) -> None:
     if blockwise.takes(launch.exp_avg, launch.exp_avg_sq):
         blockwise.launch(ext, launch, _host_rows(segments))
         return
-    tuned = knobs() if launch.grad.is_cuda else None  # one cached tuple until the settings change
-    native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams, tuned)
+    cuda = launch.grad.is_cuda
+    native = None if ext is None else _prepared(ext, launch, launch.grad, launch.hparams, knobs() if cuda else None)
     if native is None:
         reference.adam_step(launch.grad, launch.master, launch.exp_avg, launch.exp_avg_sq, launch.model_out,
                             _host_rows(segments), launch.hparams, launch.steps, launch.touched, launch.grad_coef,
@@ -94,7 +94,7 @@ def _launch_adam(launch: AdamLaunch) -> None:
         return
     native.grad, native.touched, native.found_inf, native.grad_coef, native.hparams = (
         launch.grad, launch.touched, launch.found_inf, launch.grad_coef, launch.hparams)
-    native.records = launch.records if launch.grad.device.type == "cuda" else None
+    native.records = launch.records if cuda else None
     try:
         ext.adam_launch(native)
     finally:  # the grad shard is released between steps: holding it here would keep its memory alive

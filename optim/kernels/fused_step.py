@@ -66,7 +66,7 @@ def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
             h = health
-            table = prepare.table if coef_out.device.type == "cuda" else None
+            table = prepare.table if coef_out.is_cuda else None
             ext.step_launch(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, skip,
                             h["raw_norm"], h.get("inv_scale"), float(h.get("avg", 1.0)),
                             float(h.get("skip_above", math.inf)), h["counters"], h["record"], h.get("ranks"),

@@ -174,6 +174,7 @@ class StepCycle:
         # scaled): folds that coefficient into the kept shards first (GradsView.fold_pending)
         self._fold: Optional[Callable[[], None]] = None
         self._grads_held: Callable[[bool], None] = _ignore  # on_grads_held
+        self._shown = False  # _grads_held(True) was called for the grads held since zero_grad
         self._unscaled_since_step = False  # a scaler's unscale_ reached this optimizer since its last step
         self._reductions: Callable[[], Optional[Reductions]] = lambda: None  # the grad sync, weakly (watch)
 
@@ -290,9 +291,16 @@ class StepCycle:
         self._grad_since_zero = True
         self._round, self._last = None, None
         self._phase = StepPhase.ACCUMULATING
-        if not held:
-            self._grads_held(True)
         return stepped
+
+    def backward_ended(self) -> None:
+        """A backward that delivered grads to this optimizer finished (its end ran): from here on
+        ``param.grad`` shows the held grads (``on_grads_held``). Not at the first grad: inside a
+        backward both classes read autograd's field, and the switch (a class assignment per param)
+        would delay the first bucket's reduction instead of running once every launch is queued."""
+        if self._grad_since_zero and not self._shown:
+            self._shown = True
+            self._grads_held(True)
 
     def holds_pending_coef(self) -> bool:
         """The kept grads are shown (``param.grad``) times more than the averaging factor: a
@@ -301,7 +309,7 @@ class StepCycle:
         return self._stepped_since_zero or (r is not None and (r.inv_scale is not None or bool(r.clips)))
 
     def on_grads_held(self, held: Callable[[bool], None]) -> None:
-        """``held(True)`` when the optimizer starts holding grads (a backward's first grad after
+        """``held(True)`` when the optimizer holds grads once a backward ends (the first since
         ``zero_grad(set_to_none=True)``), ``held(False)`` when such a ``zero_grad`` drops them:
         what ``param.grad`` shows changes then (torch_tools.py ``GradClasses``)."""
         self._grads_held = held
@@ -377,7 +385,9 @@ class StepCycle:
         self._stepped_since_zero = False
         if set_to_none and self._grad_since_zero:
             self._grad_since_zero = False
-            self._grads_held(False)
+            if self._shown:
+                self._shown = False
+                self._grads_held(False)
         self._round = None
         self._phase = StepPhase.STEPPED if self._last is not None else StepPhase.IDLE
 

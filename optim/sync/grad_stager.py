@@ -179,14 +179,8 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
     must not cross the C++ hook: it is kept in ``sync.hook_error`` and raised at the end of
     backward (``GradSync.raise_hook_error``); the rest of that backward's events are dropped. The
     callbacks hold ``sync`` weakly: hooks live as long as the params and must not pin buffers.
-
-    ``params`` now belong to ``sync`` (param_tags.py: its owner token, which the Python hook
-    checks): the native stager of an older GradSync over one of them disowns it."""
+    The params are not ``sync``'s until :func:`take_over` (the optimizer's construction done)."""
     ref = weakref.ref(sync)
-    for p in params:
-        older = param_tags.own(p, sync, sync.owner_token)
-        if older is not None and older is not sync and id(p) in older.record:
-            older.stager.disown(older.stager_index[older.record[id(p)].index])
 
     def on_param(index: int) -> None:
         me = ref()
@@ -207,6 +201,17 @@ def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
                        [e.offset for e in entries], [e.nbytes for e in entries],
                        [s.expected for s in sync.states], [s.flush_bytes for s in sync.states],
                        on_event, on_param)
+
+
+def take_over(sync: Any, params: Sequence[Tensor]) -> None:
+    """``params`` now belong to ``sync`` (param_tags.py: its owner token, which the Python hooks
+    check): the native stager of an older GradSync over one of them disowns it. Called once the
+    optimizer that builds ``sync`` cannot fail any more: a construction that raises leaves the
+    params with the older optimizer, which goes on training them."""
+    for p in params:
+        older = param_tags.own(p, sync, sync.owner_token)
+        if older is not None and id(p) in older.record:
+            older.stager.disown(older.stager_index[older.record[id(p)].index])
 
 
 def quiet_end_callback(sync: Any) -> Callable[[], None]:
@@ -254,4 +259,4 @@ def _python_hooks_forced() -> bool:
     return config.settings().python_grad_hooks
 
 
-__all__ = ["PyStager", "make_stager", "for_grad_sync", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE"]
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "take_over", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE"]

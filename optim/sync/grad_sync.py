@@ -212,6 +212,7 @@ class GradSync:
                     and self.overlap and self._enabled and not self._hold_launches):
                 self.callback_queued = False
                 self._finish_round(fired_reset=True)  # nothing left to launch; the stager disarmed itself
+                self.cycle.backward_ended()
                 return
         if self.callback_queued:
             self.end_of_backward()
@@ -347,6 +348,7 @@ class GradSync:
             self._finish_round()  # resets the fired counts too
         else:
             self.stager.reset_fired()
+        self.cycle.backward_ended()
 
     def _finish_round(self, fired_reset: bool = False) -> None:
         """Launch what is left of the round and end it (``fired_reset``: the stager reset its
@@ -520,6 +522,17 @@ class GradSync:
         if _finalizing():  # module globals are being torn down (``sys`` too); the hooks go with the params
             return
         self.remove_hooks()
+
+    def take_over(self, params: Sequence[torch.nn.Parameter]) -> None:
+        """``params``' grads are this grad sync's from now on (grad_stager.take_over): once the
+        optimizer's construction cannot fail any more."""
+        grad_stager.take_over(self, params)
+
+    def abandon(self) -> None:
+        """The optimizer's construction failed after this was built: its hooks go now, not when a
+        collection finds it (until then they would take grads the params' optimizer steps on)."""
+        self.remove_hooks()
+        backward_order.unregister(self)
 
     def remove_hooks(self) -> None:
         stager = getattr(self, "stager", None)
