@@ -40,9 +40,9 @@ exact and cheaper.
   back (:class:`GradClasses`, switched by the step cycle): there its ``.grad`` would show
   autograd's field anyway, and every op a Parameter SUBCLASS enters pays a ``__torch_function__``
   lookup that torch skips for its own class (docs/performance.md, BA, has its cost).
-  A ``torch.compile``'d forward guards on its params' classes: in a gradient-accumulation loop
-  the forwards after a backward see the other class, and dynamo compiles a second graph, once
-  (a compiled forward gains nothing from the switch); ``SHARDAMP_SWITCH_PARAM_CLASS=0``
+  A ``torch.compile``'d forward may guard on its params' classes (torch 2.13 does, 2.11 does
+  not): in a gradient-accumulation loop the forwards after a backward see the other class, and
+  dynamo then compiles a second graph, once (a compiled forward gains nothing from the switch); ``SHARDAMP_SWITCH_PARAM_CLASS=0``
   (config.py) keeps the showing class from construction on, one graph.
 * ``ShardedGrad`` supports what torch's tools do with grads, exactly: norms
   (``torch.linalg.vector_norm``, ``Tensor.norm``, ``.data``, ``torch._foreach_norm``: every

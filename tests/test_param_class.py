@@ -154,10 +154,11 @@ def _accumulating_compiled(pinned: bool) -> int:
 
 
 def test_a_compiled_accumulation_loop_trains_as_torch_and_the_pinned_class_compiles_once() -> None:
-    """torch.compile over a gradient-accumulation loop: the forwards after a backward see the
-    showing class, so dynamo compiles a second graph (once), and training matches torch;
+    """torch.compile over a gradient-accumulation loop trains as torch. The forwards after a
+    backward see the showing class: where dynamo guards on the params' classes (torch 2.13) it
+    compiles a second graph, once, never one a step (torch 2.11 compiles one);
     SHARDAMP_SWITCH_PARAM_CLASS=0 keeps one class: one graph."""
-    assert _accumulating_compiled(pinned=False) == 2
+    assert 1 <= _accumulating_compiled(pinned=False) <= 2
     assert _accumulating_compiled(pinned=True) == 1
 
 
