@@ -176,6 +176,20 @@ def test_bench_frameworks_cpu_smoke(tmp_path: Path) -> None:
     assert "| accelerate | gpt2-large" in (tmp_path / "bench_frameworks.md").read_text()
 
 
+def test_accelerate_loop_cpu_smoke() -> None:
+    """benchmarks/accelerate_loop.py on the CPU (the tiny MLP): both routes timed in each loop and
+    phase, every number positive."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "accelerate_loop.py"), "--device", "cpu", "--builds", "2",
+                           "--iters", "3"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for route in ("default", "shardamp"):
+        for name in ("free", "loader", "forward", "backward", "clip", "step", "zero_grad"):
+            line = next(x for x in proc.stdout.splitlines() if x.split()[:2] == [route, name])
+            values = [float(v) for v in line.split("[")[1].split("]")[0].split(",")]
+            assert len(values) == 2 and min(values) > 0, line
+
+
 def test_bench_frameworks_two_ranks_cpu_smoke(tmp_path: Path) -> None:
     """bench_frameworks.py --nproc 2 on the CPU (Lightning, the tiny MLP): the worker runs as two
     gloo ranks under torch.distributed.run, the default route wraps the model in DDP (Lightning's
