@@ -29,8 +29,8 @@ Taken: (a) for what ``param.grad`` shows, delivered without the traps, plus (b) 
 exact and cheaper.
 
 * While the optimizer holds grads (from the end of a backward that delivered them after
-  ``zero_grad`` to the ``zero_grad(set_to_none=True)`` that drops them), each managed param's class is a subclass of
-  its own class whose PYTHON-level ``grad`` property returns autograd's field when set, else,
+  ``zero_grad`` to the ``zero_grad(set_to_none=True)`` that drops them), each managed param's
+  class is a subclass of its own class whose PYTHON-level ``grad`` property returns autograd's field when set, else,
   while no backward is running, a :class:`ShardedGrad`: a storage-less tensor subclass with the
   param's shape, dtype and strides viewing the optimizer's grads (``grads_view.py``). Autograd
   (C++) never sees it: backward still accumulates into the empty C field and the hooks take it,
@@ -42,8 +42,9 @@ exact and cheaper.
   lookup that torch skips for its own class (docs/performance.md, BA, has its cost).
   A ``torch.compile``'d forward may guard on its params' classes (torch 2.13 does, 2.11 does
   not): in a gradient-accumulation loop the forwards after a backward see the other class, and
-  dynamo then compiles a second graph, once (a compiled forward gains nothing from the switch); ``SHARDAMP_SWITCH_PARAM_CLASS=0``
-  (config.py) keeps the showing class from construction on, one graph.
+  dynamo then compiles a second graph, once (a compiled forward gains nothing from the switch);
+  ``SHARDAMP_SWITCH_PARAM_CLASS=0`` (config.py) keeps the showing class from construction on, one
+  graph.
 * ``ShardedGrad`` supports what torch's tools do with grads, exactly: norms
   (``torch.linalg.vector_norm``, ``Tensor.norm``, ``.data``, ``torch._foreach_norm``: every
   param's norm in one all-reduce per step and norm order, see grads_view.py) and
@@ -80,8 +81,8 @@ optimizer's params sees ``p.grad`` None until a collective of the optimizer has 
 
 WHERE AND HOW LONG. :func:`install` runs at optimizer construction: it wraps torch's functions
 once (idempotent: a second optimizer reuses the wrappers) and returns the optimizer's
-:class:`GradClasses`, which its step cycle calls at the end of a backward that delivered grads and at ``zero_grad``
-(a loop over the params each time). The wrappers cost one check when no DistributedFusedAdam is
+:class:`GradClasses`, which its step cycle calls at the end of a backward that delivered grads
+and at ``zero_grad`` (a loop over the params each time). The wrappers cost one check when no DistributedFusedAdam is
 alive, and hand a call with no managed param to torch's original untouched. When the last DistributedFusedAdam is
 garbage-collected, :func:`uninstall` restores torch's functions (where nobody replaced them
 since) and the params' classes; it can also be called directly.

@@ -173,7 +173,7 @@ def make_stager(native, params: Sequence[Tensor], bucket_of: Sequence[int], offs
     return stager
 
 
-def for_grad_sync(sync: Any, params: Sequence[Tensor], native: Any):
+def for_grad_sync(sync: Any, native: Any):
     """The stager of a ``GradSync`` (grad_sync.py), hooked: its Python hook calls
     ``sync.on_grad(entry)``, the native one ``sync.on_event(event, arg)``. An error in the latter
     must not cross the C++ hook: it is kept in ``sync.hook_error`` and raised at the end of

@@ -149,7 +149,7 @@ class GradSync:
         # CUDA graphs (capturable) take the Python hooks: a native hook holds each param's grad
         # accumulator, which keeps the stream it was made on, and a capture on another stream
         # would then wait on it (grad_stager.py)
-        self.stager = grad_stager.for_grad_sync(self, params, kernels.native_module(device) if native_hooks else None)
+        self.stager = grad_stager.for_grad_sync(self, kernels.native_module(device) if native_hooks else None)
         # one process, shards released at zero_grad, native stager: a complete bucket's allocation,
         # landing and flags' pass in one call in the grad hook under a landing plan (``_arm_plan``,
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
