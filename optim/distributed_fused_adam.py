@@ -265,28 +265,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
                                    keep_buffers=capturable, native_hooks=not capturable, cycle=self._cycle,
                                    check_landed=self._health.check_landed, landing_flags=self._health.landing_flags,
                                    landing_rows=self._health.landing_rows, host=self._host)
-        try:
-            self._build_step_parts()
-        except BaseException:  # the params stay with the optimizer that had them, which trains on
-            self._grad_sync.abandon()
-            if getattr(self, "_param_sync", None) is not None:
-                self._param_sync.remove_hooks()
-            raise
-        # last, once nothing can fail: the params' grads are this optimizer's, clip_grad_norm_ finds it
-        self._grad_sync.take_over(self._params)
-        for p in self._params:
-            param_tags.manage(p, self)
-        # param.grad and torch's clip functions see them (torch_tools.py); the params take the class
-        # that shows them while this optimizer holds grads, their own otherwise
-        self._cycle.on_grads_held(torch_tools.install(self, self._params, self._grads_view.owner_token).show)
-        self._initialized = True
-
-    def _build_step_parts(self) -> None:
-        """What the step reads and writes beside the grad sync: the param sync, the step counts,
-        the shard and step views, the deferred checks and the grads' view (the constructor's
-        last part, undone by it if this raises)."""
-        self._param_sync = ParamSync(self._buckets, self._buffers, self._params, self._comm,
-                                     self.overlap_param_sync)
+        self._param_sync = ParamSync(self._buckets, self._buffers, self._params, self._comm, overlap_param_sync)
         self._comm.context = self._cycle.position  # named when the ranks' collectives do not line up
         n = len(self._params)
         self._steps = torch.zeros(n, dtype=torch.float32, device=self._device)  # per param, as torch
@@ -303,6 +282,15 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
                                        self._grad_sync, self._cycle, self._coef)
         self._grads_view = GradsView(self, self._grad_source)
         self._cycle.set_fold(self._grads_view.fold_pending)  # grads reused: what param.grad showed
+        # last, once nothing can fail (a construction that raises leaves the params with the
+        # optimizer that had them): the grad hooks go on and the params' grads are this optimizer's
+        self._grad_sync.take_over(self._params)
+        for p in self._params:
+            param_tags.manage(p, self)  # lets clip_grad_norm_ find us
+        # param.grad and torch's clip functions see them (torch_tools.py); the params take the class
+        # that shows them while this optimizer holds grads, their own otherwise
+        self._cycle.on_grads_held(torch_tools.install(self, self._params, self._grads_view.owner_token).show)
+        self._initialized = True
 
     # ------------------------------------------------------------------ setup helpers
     def add_param_group(self, param_group: Dict[str, Any]) -> None:

@@ -30,9 +30,10 @@ exact and cheaper.
 
 * While the optimizer holds grads (from the end of a backward that delivered them after
   ``zero_grad`` to the ``zero_grad(set_to_none=True)`` that drops them), each managed param's
-  class is a subclass of its own class whose PYTHON-level ``grad`` property returns autograd's field when set, else,
-  while no backward is running, a :class:`ShardedGrad`: a storage-less tensor subclass with the
-  param's shape, dtype and strides viewing the optimizer's grads (``grads_view.py``). Autograd
+  class is a subclass of its own class whose PYTHON-level ``grad`` property returns autograd's
+  field when set, else, while no backward is running, a :class:`ShardedGrad`: a storage-less
+  tensor subclass with the param's shape, dtype and strides viewing the optimizer's grads
+  (``grads_view.py``). Autograd
   (C++) never sees it: backward still accumulates into the empty C field and the hooks take it,
   so nothing changes on the backward and step paths (no host sync); ``p.grad = None`` still
   writes the C field (it does not drop the optimizer's grads: ``opt.zero_grad()`` does). The
@@ -82,10 +83,11 @@ optimizer's params sees ``p.grad`` None until a collective of the optimizer has 
 WHERE AND HOW LONG. :func:`install` runs at optimizer construction: it wraps torch's functions
 once (idempotent: a second optimizer reuses the wrappers) and returns the optimizer's
 :class:`GradClasses`, which its step cycle calls at the end of a backward that delivered grads
-and at ``zero_grad`` (a loop over the params each time). The wrappers cost one check when no DistributedFusedAdam is
-alive, and hand a call with no managed param to torch's original untouched. When the last DistributedFusedAdam is
-garbage-collected, :func:`uninstall` restores torch's functions (where nobody replaced them
-since) and the params' classes; it can also be called directly.
+and at ``zero_grad`` (a loop over the params each time). The wrappers cost one check when no
+DistributedFusedAdam is alive, and hand a call with no managed param to torch's original
+untouched. When the last DistributedFusedAdam is garbage-collected, :func:`uninstall` restores
+torch's functions (where nobody replaced them since) and the params' classes; it can also be
+called directly.
 """
 from __future__ import annotations
 

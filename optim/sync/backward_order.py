@@ -171,14 +171,6 @@ def register(sync: Any) -> None:
         group.built += 1
 
 
-def unregister(sync: Any) -> None:
-    """``sync`` will never take a grad (its optimizer's construction failed): out of its group."""
-    group: Optional[GroupOrder] = sync.order_group
-    if group is not None:
-        with group.lock:
-            group.syncs = [r for r in group.syncs if r() is not sync]
-
-
 def begin(sync: Any) -> None:
     """The first grad of a backward reached ``sync``: queue its end of backward, alone (one
     optimizer over the group) or as a member of the group's round (several)."""

@@ -49,21 +49,24 @@ from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from .. import _compat, config, kernels, param_tags
+from .. import _compat, config, kernels
 
 NONE, SLOW, FLUSH, COMPLETE = 0, 1, 2, 3
 
 
 class PyStager:
     """The reference staging (see the module docstring); ``attach`` registers Python hooks that
-    call ``on_param(index)`` for every param whose grad was accumulated."""
+    call ``on_param(index)`` (given here or to ``attach``) for every param whose grad was
+    accumulated."""
 
     def __init__(self, params: Sequence[Tensor], bucket_of: Sequence[int], offset: Sequence[int],
-                 nbytes: Sequence[int], expected: Sequence[int], flush_bytes: Sequence[int]) -> None:
+                 nbytes: Sequence[int], expected: Sequence[int], flush_bytes: Sequence[int],
+                 on_param: Optional[Callable[[int], None]] = None) -> None:
+        self.on_param = on_param
         self.params = list(params)
         self.bucket_of = list(bucket_of)
         self.offset = list(offset)
@@ -77,7 +80,9 @@ class PyStager:
         self.counts = [0] * len(self.expected)
         self.handles: list = []
 
-    def attach(self, on_param: Callable[[int], None]) -> None:
+    def attach(self, on_param: Optional[Callable[[int], None]] = None) -> None:
+        on_param = on_param or self.on_param
+
         def make(index: int):
             return lambda _param: on_param(index)
 
@@ -160,26 +165,23 @@ class PyStager:
 def make_stager(native, params: Sequence[Tensor], bucket_of: Sequence[int], offset: Sequence[int],
                 nbytes: Sequence[int], expected: Sequence[int], flush_bytes: Sequence[int],
                 on_event: Callable[[int, int], None], on_param: Callable[[int], None]):
-    """The native stager where ``native`` (the kernels' extension, or None) has one, hooked and
-    calling ``on_event``; else a :class:`PyStager` whose Python hooks call ``on_param``."""
+    """The native stager where ``native`` (the kernels' extension, or None) has one, calling
+    ``on_event``; else a :class:`PyStager` whose Python hooks call ``on_param``. Not hooked yet:
+    its ``attach()`` puts the hooks on the params."""
     args = (list(params), list(bucket_of), list(offset), list(nbytes), list(expected), list(flush_bytes))
     if native is not None and hasattr(native, "GradStager") and not _python_hooks_forced():
         _drain_at_exit(native)
-        stager = native.GradStager(*args, on_event)
-        stager.attach()
-        return stager
-    stager = PyStager(*args)
-    stager.attach(on_param)
-    return stager
+        return native.GradStager(*args, on_event)
+    return PyStager(*args, on_param)
 
 
 def for_grad_sync(sync: Any, native: Any):
-    """The stager of a ``GradSync`` (grad_sync.py), hooked: its Python hook calls
+    """The stager of a ``GradSync`` (grad_sync.py): its Python hook calls
     ``sync.on_grad(entry)``, the native one ``sync.on_event(event, arg)``. An error in the latter
     must not cross the C++ hook: it is kept in ``sync.hook_error`` and raised at the end of
     backward (``GradSync.raise_hook_error``); the rest of that backward's events are dropped. The
     callbacks hold ``sync`` weakly: hooks live as long as the params and must not pin buffers.
-    The params are not ``sync``'s until :func:`take_over` (the optimizer's construction done)."""
+    Not hooked yet (``GradSync.take_over`` attaches it once the optimizer's construction is done)."""
     ref = weakref.ref(sync)
 
     def on_param(index: int) -> None:
@@ -201,17 +203,6 @@ def for_grad_sync(sync: Any, native: Any):
                        [e.offset for e in entries], [e.nbytes for e in entries],
                        [s.expected for s in sync.states], [s.flush_bytes for s in sync.states],
                        on_event, on_param)
-
-
-def take_over(sync: Any, params: Sequence[Tensor]) -> None:
-    """``params`` now belong to ``sync`` (param_tags.py: its owner token, which the Python hooks
-    check): the native stager of an older GradSync over one of them disowns it. Called once the
-    optimizer that builds ``sync`` cannot fail any more: a construction that raises leaves the
-    params with the older optimizer, which goes on training them."""
-    for p in params:
-        older = param_tags.own(p, sync, sync.owner_token)
-        if older is not None and id(p) in older.record:
-            older.stager.disown(older.stager_index[older.record[id(p)].index])
 
 
 def quiet_end_callback(sync: Any) -> Callable[[], None]:
@@ -259,4 +250,4 @@ def _python_hooks_forced() -> bool:
     return config.settings().python_grad_hooks
 
 
-__all__ = ["PyStager", "make_stager", "for_grad_sync", "take_over", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE"]
+__all__ = ["PyStager", "make_stager", "for_grad_sync", "quiet_end_callback", "NONE", "SLOW", "FLUSH", "COMPLETE"]

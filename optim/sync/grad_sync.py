@@ -165,8 +165,6 @@ class GradSync:
         # stager holds them anyway (the Python hooks' are made by each forward: looked up each time)
         self.accumulators: Optional[List[Any]] = (
             None if isinstance(self.stager, grad_stager.PyStager) else [None] * len(self.by_stager_index))
-        if comm.has_peers:
-            backward_order.register(self)
 
     # ---------------------------------------------------------------- backward
     def on_grad(self, entry: ParamGrad) -> None:
@@ -524,15 +522,28 @@ class GradSync:
         self.remove_hooks()
 
     def take_over(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """``params``' grads are this grad sync's from now on (grad_stager.take_over): once the
-        optimizer's construction cannot fail any more."""
-        grad_stager.take_over(self, params)
+        """The optimizer's construction is done: the grad hooks go on, ``params``' grads are this
+        grad sync's from now on (param_tags.py: the older grad sync of one stands aside) and, over
+        peers, it joins its group's order. Last, so that a construction that raises leaves the
+        params with the optimizer that had them, untouched."""
+        try:
+            self.stager.attach()
+        except BaseException:
+            self.remove_hooks()
+            raise
+        for p in params:
+            older = param_tags.own(p, self, self.owner_token)
+            if older is not None:
+                older.disown(p)
+        if self.comm.has_peers:
+            backward_order.register(self)
 
-    def abandon(self) -> None:
-        """The optimizer's construction failed after this was built: its hooks go now, not when a
-        collection finds it (until then they would take grads the params' optimizer steps on)."""
-        self.remove_hooks()
-        backward_order.unregister(self)
+    def disown(self, p: torch.nn.Parameter) -> None:
+        """A newer grad sync took ``p`` over: this one's native hook stands aside (a Python hook
+        checks the owner token itself)."""
+        entry = self.record.get(id(p))
+        if entry is not None:
+            self.stager.disown(self.stager_index[entry.index])
 
     def remove_hooks(self) -> None:
         stager = getattr(self, "stager", None)
