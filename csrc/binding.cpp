@@ -240,16 +240,16 @@ at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, c
 #endif
 }
 
-// The step's scalars in one launch (optim/kernels/dispatch.py checks dtypes and devices before calling:
-// fp32 everywhere, one device; these checks are the backstop).
-// With ``skip_out`` the same launch decides the step's skip (found-inf or a norm spike above
-// ``skip_above``) and updates the health ``counters`` (fp64 [4]) and ``record`` (fp32 [2], or [4] with the ranks and inverse scale).
-void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
-                  double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
-                  const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
-                  const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
-                  const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
-                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host) {
+}  // namespace
+
+// step_scalars' checks of its arguments, and the health they describe (unused without skip_out)
+StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& base,
+                               const c10::optional<at::Tensor>& norm, const at::Tensor& found_inf,
+                               const at::Tensor& steps, const at::Tensor& touched,
+                               const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
+                               const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
+                               const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
+                               const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host) {
   auto check = [&](const at::Tensor& t, const char* name, int64_t numel) {
     SHARDAMP_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == coef_out.device(),
                    "step_scalars: ", name, " must be a contiguous fp32 tensor on ", coef_out.device());
@@ -302,6 +302,23 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
     SHARDAMP_CHECK(!counters && !record && !ranks && !record_host,
                    "step_scalars: counters, record, ranks and record_host need skip_out");
   }
+  return health;
+}
+
+namespace {
+
+// The step's scalars in one launch (optim/kernels/dispatch.py checks dtypes and devices before calling:
+// fp32 everywhere, one device; these checks are the backstop).
+// With ``skip_out`` the same launch decides the step's skip (found-inf or a norm spike above
+// ``skip_above``) and updates the health ``counters`` (fp64 [4]) and ``record`` (fp32 [2], or [4] with the ranks and inverse scale).
+void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
+                  double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
+                  const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
+                  const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
+                  const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
+                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host) {
+  const StepHealth health = checked_step_health(coef_out, base, norm, found_inf, steps, touched, skip_out, raw_norm,
+                                                inv_scale, avg, skip_above, counters, record, ranks, record_host);
   const StepHealth* h = skip_out ? &health : nullptr;
   if (coef_out.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)

@@ -69,10 +69,19 @@ namespace cuda {  // cuda/step_scalars.cu
 void stats_finish(at::Tensor& stats, int64_t end, bool sqrt_root, at::Tensor& out);
 void stats_gather_finish(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
                          at::Tensor& out);
+void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
+                     at::Tensor& out, at::Tensor& coef_out, const at::Tensor& base, double scale, at::Tensor& steps,
+                     const at::Tensor& touched, const StepHealth& health);
 }  // namespace cuda
 #endif
 
 namespace {
+
+#if defined(SHARDAMP_WITH_CUDA)
+// The most stats plus step counts one block's launch finishes and advances (stats_step's head):
+// beyond it (tens of thousands of params) the separate launches spread them over more blocks.
+constexpr int64_t kHeadElements = int64_t{1} << 16;
+#endif
 
 void check_finish(int64_t numel, int64_t end, double norm_type, const std::vector<std::pair<int64_t, int64_t>>& views) {
   SHARDAMP_CHECK(end >= 2 && end <= numel, "stats_finish: end must lie in [2, stats.numel()]");
@@ -92,6 +101,22 @@ std::vector<at::Tensor> finish_results(const at::Tensor& stats, const at::Tensor
   return result;
 }
 
+#if defined(SHARDAMP_WITH_CUDA)
+// The parts' total element count where one CUDA launch can gather them (fp32 1-d contiguous
+// parts of one CUDA device, at most kMaxStatsParts: their pointers travel in the launch's
+// arguments), else -1.
+int64_t gathered_numel(const std::vector<at::Tensor>& parts) {
+  if (parts.empty() || parts.size() > static_cast<size_t>(kMaxStatsParts) || !parts.front().is_cuda()) return -1;
+  const at::Device device = parts.front().device();
+  int64_t total = 0;
+  for (const auto& p : parts) {
+    if (p.device() != device || p.scalar_type() != at::kFloat || p.dim() != 1 || !p.is_contiguous()) return -1;
+    total += p.numel();
+  }
+  return total;
+}
+#endif
+
 // [stats, norm, found_inf, *views] of stats_finish over the parts' concatenation in one CUDA
 // launch that also concatenates (fp32 1-d contiguous parts of one CUDA device, at most
 // kMaxStatsParts: their pointers travel in the launch's arguments); empty where they do not
@@ -100,13 +125,8 @@ std::vector<at::Tensor> finish_results(const at::Tensor& stats, const at::Tensor
 std::vector<at::Tensor> gathered_stats_finish(const std::vector<at::Tensor>& parts, int64_t end, double norm_type,
                                               const std::vector<std::pair<int64_t, int64_t>>& views) {
 #if defined(SHARDAMP_WITH_CUDA)
-  if (parts.size() > static_cast<size_t>(kMaxStatsParts) || !parts.front().is_cuda()) return {};
-  const at::Device device = parts.front().device();
-  int64_t total = 0;
-  for (const auto& p : parts) {
-    if (p.device() != device || p.scalar_type() != at::kFloat || p.dim() != 1 || !p.is_contiguous()) return {};
-    total += p.numel();
-  }
+  const int64_t total = gathered_numel(parts);
+  if (total < 0) return {};
   check_finish(total, end, norm_type, views);
   at::Tensor stats = at::empty({total}, parts.front().options());
   at::Tensor out = at::empty({2}, stats.options());
@@ -172,7 +192,10 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
 
 // The whole launch sequence of a step whose stats nothing asked for before it (no clip, no
 // unscale): stats_cat_finish, then step_launch over its results, ``[stats, norm, found_inf,
-// *views]`` returned as stats_cat_finish returns them. The step's touched flags are
+// *views]`` returned as stats_cat_finish returns them. On CUDA, where the parts gather in one
+// launch, the finish and the scalars are one launch of one block (cuda::stats_step_head: their
+// kernels' element-wise work, so the same bits) with step_scalars' checks: one launch fewer,
+// each ~10 us of host time right after a backward on a GPU host. The step's touched flags are
 // ``views[touched_view]``, the health's count of ranks with inf/NaN grads ``views[ranks_view]``
 // (-1: none); the norm is the health's raw norm, found-inf the step's. No clip: the clip's
 // norm is handed out before the step, so a clipped step's stats are finished by then.
@@ -188,6 +211,25 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
   const auto n_views = static_cast<int64_t>(views.size());
   SHARDAMP_CHECK(touched_view >= 0 && touched_view < n_views && ranks_view >= -1 && ranks_view < n_views,
                  "stats_step: touched_view and ranks_view must name views (ranks_view -1: none)");
+#if defined(SHARDAMP_WITH_CUDA)
+  const int64_t total = gathered_numel(parts);
+  if (total >= 0 && total + steps.numel() <= kHeadElements) {  // the finish and the scalars in one launch
+    check_finish(total, end, norm_type, views);
+    at::Tensor stats = at::empty({total}, parts.front().options());
+    at::Tensor header = at::empty({2}, stats.options());
+    std::vector<at::Tensor> out = finish_results(stats, header, views);
+    out.insert(out.begin(), stats);
+    const at::Tensor& touched = out[3 + touched_view];
+    c10::optional<at::Tensor> ranks;
+    if (ranks_view >= 0) ranks = out[3 + ranks_view];
+    const StepHealth health = checked_step_health(coef_out, base, c10::nullopt, out[2], steps, touched, skip_out,
+                                                  out[1], inv_scale, avg, skip_above, counters, record, ranks,
+                                                  record_host);
+    cuda::stats_step_head(parts, stats, end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health);
+    adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
+    return out;
+  }
+#endif
   std::vector<at::Tensor> out = stats_cat_finish(parts, end, norm_type, views);
   const at::Tensor& touched = out[3 + touched_view];
   c10::optional<at::Tensor> ranks;

@@ -41,6 +41,15 @@ void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double sc
                           double avg, double skip_above, const c10::optional<at::Tensor>& counters,
                           const c10::optional<at::Tensor>& record, const c10::optional<at::Tensor>& ranks,
                           const c10::optional<at::Tensor>& record_host);
+struct StepHealth;  // step_scalars.h
+// checked_step_scalars' checks of its arguments and the health they describe (binding.cpp)
+StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& base,
+                               const c10::optional<at::Tensor>& norm, const at::Tensor& found_inf,
+                               const at::Tensor& steps, const at::Tensor& touched,
+                               const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
+                               const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
+                               const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
+                               const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host);
 struct GradPart;  // grad_parts.h
 // adam_step over ``l``'s arguments with its checks (``parts``: the grads where autograd left them)
 void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts);

@@ -1,0 +1,76 @@
+"""The CUDA kernels one step launches, by name (torch.profiler). On a host-bound model each launch
+right after a backward costs the host ~10 us, so the plain step's are pinned: its stats' finish
+and its scalars are ONE launch (``stats_step_head_kernel``, fused_step.cpp's ``stats_step``),
+then the records' prepare and each bucket's update. Results: test_fused_step.py compares that
+path with the separate launches bit for bit. Skipped without a GPU."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardamp.optim import DistributedFusedAdam, kernels
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NAMES = ("stats_step_head_kernel", "stats_gather_finish_kernel", "stats_finish_kernel", "step_scalars_kernel",
+         "prepare_kernel")
+
+
+def _step_kernels(groups: int, clip: bool) -> tuple:
+    """(kernel counts of one step by the names above plus ``adam`` for the update kernels, buckets)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)).cuda()
+    params = ([{"params": model[0].parameters()}, {"params": [*model[2].parameters(), *model[4].parameters()]}]
+              if groups == 2 else model.parameters())
+    opt = DistributedFusedAdam(params, lr=1e-3, bucket_cap_mb=0.02)
+    x = torch.randn(8, 64, device="cuda")
+
+    def backward() -> None:
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        if clip:
+            opt.clip_grad_norm(1.0)
+
+    for _ in range(3):
+        backward()
+        opt.step()
+    backward()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        opt.step()
+        torch.cuda.synchronize()
+    counts: Counter = Counter()
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        hit = next((n for n in NAMES if n in evt.name), None)
+        if hit is not None:
+            counts[hit] += 1
+        elif "adam_kernel" in evt.name:
+            counts["adam"] += 1
+    return counts, len(opt._buckets)
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cuda")) != "native", reason="needs the CUDA kernels")
+@pytest.mark.parametrize("groups", [1, 2])
+def test_unclipped_step_finishes_its_stats_and_scalars_in_one_launch(groups: int) -> None:
+    counts, buckets = _step_kernels(groups, clip=False)
+    assert buckets >= 2  # a launch per bucket is told apart from one per step
+    assert counts["stats_step_head_kernel"] == 1, counts
+    assert counts["stats_gather_finish_kernel"] == counts["stats_finish_kernel"] == counts["step_scalars_kernel"] == 0
+    assert counts["prepare_kernel"] == 1, counts
+    assert counts["adam"] == buckets, counts
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cuda")) != "native", reason="needs the CUDA kernels")
+def test_clipped_step_launches_its_scalars_alone() -> None:
+    # the clip's norm was handed out before the step: its stats were finished then, the step's
+    # own launches are the scalars, the prepare and each bucket's update
+    counts, buckets = _step_kernels(1, clip=True)
+    assert counts["stats_step_head_kernel"] == 0 and counts["stats_gather_finish_kernel"] == 0, counts
+    assert counts["step_scalars_kernel"] == counts["prepare_kernel"] == 1, counts
+    assert counts["adam"] == buckets, counts
