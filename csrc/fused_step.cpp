@@ -92,12 +92,35 @@ void check_finish(int64_t numel, int64_t end, double norm_type, const std::vecto
   }
 }
 
+// ``sizes`` (contiguous) of ``base``'s storage from its element ``offset``, as a new tensor made
+// without the dispatcher. select and narrow go through autograd's view bookkeeping (the base,
+// the shared version counter, the view's replay function): microseconds of host time a view
+// right after a backward, when the step's thread runs with cold caches (a step makes 4-6). The
+// stats never take part in autograd (made and read with grad off, never requiring grad); the
+// alias shares the base's storage, so torch's storage-based aliasing checks still see it. A base
+// that requires grad (a caller's own tensor) gets autograd's view.
+at::Tensor storage_alias(const at::Tensor& base, int64_t offset, c10::IntArrayRef sizes) {
+  if (base.requires_grad()) return base.flatten().narrow(0, offset, c10::multiply_integers(sizes)).view(sizes);
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(base.storage()), base.key_set(), base.dtype());
+  impl->set_storage_offset(base.storage_offset() + offset);
+  impl->set_sizes_contiguous(sizes);
+  return at::Tensor(std::move(impl));
+}
+
+// A ``total``-element stats buffer and the finish's 2-element header after it, in ONE allocation
+// (each is microseconds of host time right after a backward; the header is the caller's tail).
+void stats_and_header(int64_t total, const at::TensorOptions& options, at::Tensor* stats, at::Tensor* header) {
+  const at::Tensor both = at::empty({total + 2}, options);
+  *stats = storage_alias(both, 0, {total});
+  *header = storage_alias(both, total, {2});
+}
+
 // [norm, found_inf, *views of stats]: the finish's results as the step reads them
 std::vector<at::Tensor> finish_results(const at::Tensor& stats, const at::Tensor& out,
                                        const std::vector<std::pair<int64_t, int64_t>>& views) {
-  std::vector<at::Tensor> result{out.select(0, 0), out.select(0, 1)};
+  std::vector<at::Tensor> result{storage_alias(out, 0, {}), storage_alias(out, 1, {})};
   result.reserve(2 + views.size());
-  for (const auto& v : views) result.push_back(stats.narrow(0, v.first, v.second));
+  for (const auto& v : views) result.push_back(storage_alias(stats, v.first, {v.second}));
   return result;
 }
 
@@ -128,8 +151,8 @@ std::vector<at::Tensor> gathered_stats_finish(const std::vector<at::Tensor>& par
   const int64_t total = gathered_numel(parts);
   if (total < 0) return {};
   check_finish(total, end, norm_type, views);
-  at::Tensor stats = at::empty({total}, parts.front().options());
-  at::Tensor out = at::empty({2}, stats.options());
+  at::Tensor stats, out;
+  stats_and_header(total, parts.front().options(), &stats, &out);
   cuda::stats_gather_finish(parts, stats, end, norm_type == 2.0, out);
   std::vector<at::Tensor> result = finish_results(stats, out, views);
   result.insert(result.begin(), stats);
@@ -215,8 +238,8 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
   const int64_t total = gathered_numel(parts);
   if (total >= 0 && total + steps.numel() <= kHeadElements) {  // the finish and the scalars in one launch
     check_finish(total, end, norm_type, views);
-    at::Tensor stats = at::empty({total}, parts.front().options());
-    at::Tensor header = at::empty({2}, stats.options());
+    at::Tensor stats, header;
+    stats_and_header(total, parts.front().options(), &stats, &header);
     std::vector<at::Tensor> out = finish_results(stats, header, views);
     out.insert(out.begin(), stats);
     const at::Tensor& touched = out[3 + touched_view];
@@ -244,7 +267,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
 // The reduced stats' header and touched flags in one launch (bound as stats_finish; contract:
 // reference.py ``stats_finish``; optim/kernels/dispatch.py checks first, these checks are the
 // backstop): [norm, found_inf] (0-d views of one new 2-float tensor), stats[2:end] clamped to <= 1,
-// then stats.narrow(0, start, length) for each of ``views``: the step's views of its stats made
+// then stats[start : start + length] for each of ``views``: the step's views of its stats made
 // here, where each costs no Python call.
 std::vector<at::Tensor> stats_finish(at::Tensor stats, int64_t end, double norm_type,
                                      const std::vector<std::pair<int64_t, int64_t>>& views) {

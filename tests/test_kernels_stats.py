@@ -126,6 +126,34 @@ def test_stats_finish_matches_reference_bitwise(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_stats_finish_views_alias_the_stats_without_autograd_views(device):
+    """The finish's results are aliases of the stats' (and the header's) storage made without the
+    dispatcher (no autograd view bookkeeping: a step makes 4-6 right after a backward, when each
+    view costs the host microseconds): they read what the storage holds, writes through either
+    side show in the other, they require no grad; a caller's stats that require grad still get
+    autograd's views."""
+    ext = ext_for(device)
+    stats = torch.tensor([4.0, 0.0, 2.0, 1.0, 7.0, 5.0], device=device)
+    norm, found, touched, tail = ext.stats_finish(stats, 4, 2.0, [(2, 2), (4, 2)])
+    assert norm.dim() == 0 and found.dim() == 0 and touched.shape == (2,) and tail.shape == (2,)
+    assert (norm.item(), found.item(), touched.tolist(), tail.tolist()) == (2.0, 0.0, [1.0, 1.0], [7.0, 5.0])
+    for t in (touched, tail):
+        assert t.untyped_storage().data_ptr() == stats.untyped_storage().data_ptr()
+        assert t._base is None and not t.requires_grad and t.device == stats.device
+    assert norm.untyped_storage().data_ptr() == found.untyped_storage().data_ptr()
+    assert found.data_ptr() == norm.data_ptr() + 4
+    stats[5] = 9.0
+    tail[0] = 3.0
+    assert tail.tolist() == [3.0, 9.0] and stats[4].item() == 3.0
+    leaf = torch.tensor([4.0, 0.0, 2.0, 1.0], device=device, requires_grad=True)
+    with torch.no_grad():
+        base = leaf * 1.0  # a stats buffer that requires grad
+    base.requires_grad_()
+    _, _, flags = ext.stats_finish(base, 4, 2.0, [(2, 2)])
+    assert flags._base is not None and flags.tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_step_scalars_health_match_reference_bitwise(device):
     """The step's health in the same launch: the skip (found-inf, or the unscaled norm ``raw *
     avg * inv_scale`` above ``skip_above``, never for NaN), the steps advanced by it, the fp64
