@@ -16,6 +16,10 @@ outside the timing):
   copy of their state (what torch's step launches);
 * ``no-op``: a native call that does nothing (``record_function_observed``), the floor of a
   call from Python;
+* ``stats_step, inside opt.step()`` and ``torch._fused_adamw_, inside step()``: each side's
+  native call as its own step makes it right after a backward (timed by a wrapper on the
+  attribute the step calls), where the host's caches are cold: on an H100 host 3-4x the same call
+  repeated alone;
 * the Python functions each side's ``opt.step()`` enters: a count that does not scatter.
 
 Medians of ``--rounds`` interleaved rounds of ``--iters`` calls each, microseconds a call.
@@ -29,7 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,14 +62,31 @@ def build(device: torch.device, dim: int, depth: int):
 
 
 def timed(fn: Callable[[], None], before: Callable[[], None], device: torch.device, iters: int,
-          drain_every: int) -> float:
+          drain_every: int, wrap: Optional[Tuple[Any, str, List[float]]] = None) -> float:
     """Median host microseconds of ``fn`` over ``iters`` calls, each after ``before`` (untimed);
-    the GPU queue is drained every ``drain_every`` calls, outside the timing."""
+    the GPU queue is drained every ``drain_every`` calls, outside the timing. ``wrap``: ``(owner,
+    name, spent)``: while ``fn`` runs, ``owner.name`` is timed too, each call's microseconds
+    appended to ``spent``."""
+    inner = getattr(wrap[0], wrap[1]) if wrap is not None else None
+
+    def timed_inner(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return inner(*a, **k)
+        finally:
+            wrap[2].append((time.perf_counter() - t0) * 1e6)
+
     out: List[float] = []
     for i in range(iters):
         before()
+        if wrap is not None:
+            setattr(wrap[0], wrap[1], timed_inner)
         t0 = time.perf_counter()
-        fn()
+        try:
+            fn()
+        finally:
+            if wrap is not None:
+                setattr(wrap[0], wrap[1], inner)
         out.append((time.perf_counter() - t0) * 1e6)
         if (i + 1) % drain_every == 0:
             sync(device)
@@ -189,12 +210,24 @@ def main() -> None:
         "no-op native call": (ext.record_function_observed, nothing),
     }
     drain = 4 if device.type == "cuda" else 1
-    runs: Dict[str, List[float]] = {k: [] for k in sides}
+    # each side's native call as its step makes it, right after a backward (the calls above that
+    # repeat it alone run with warm caches): timed by a wrapper on the attribute the step calls
+    inside = {"shardamp opt.step()": ("  stats_step, inside opt.step()", ext, "stats_step")}
+    if device.type == "cuda":  # (torch's CPU AdamW here is not the fused one)
+        inside["torch AdamW(fused).step()"] = ("  torch._fused_adamw_, inside step()", torch, "_fused_adamw_")
+    runs: Dict[str, List[float]] = {k: [] for k in [*sides, *(v[0] for v in inside.values())]}
     names = list(sides)
     for r in range(args.rounds):
         for k in names[r % len(names):] + names[: r % len(names)]:
             fn, before = sides[k]
-            runs[k].append(timed(fn, before, device, args.iters, drain))
+            if k not in inside:
+                runs[k].append(timed(fn, before, device, args.iters, drain))
+                continue
+            row, owner, attr = inside[k]
+            spent: List[float] = []
+            runs[k].append(timed(fn, before, device, args.iters, drain,
+                                 wrap=(owner, attr, spent)))
+            runs[row].append(statistics.median(spent))
     calls = {"shardamp opt.step()": python_calls(opt.step, shard_step_before, device),
              "torch AdamW(fused).step()": python_calls(torch_opt.step, torch_step_before, device)}
     if args.calls_out:
@@ -207,7 +240,7 @@ def main() -> None:
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"== step_host_cost on {label}, torch {torch.__version__}: host us a call, median of {args.rounds} "
           f"interleaved rounds x {args.iters} calls ({len(params)} params, {sum(p.numel() for p in params) / 1e6:.1f}M)")
-    for k in names:
+    for k in runs:
         v = runs[k]
         print(f"{k:36s} {statistics.median(v):8.1f}   (rounds {min(v):.1f}-{max(v):.1f})")
     print("Python calls a step (functions entered, torch's wrapper included; the same every step):")
