@@ -198,9 +198,11 @@ class StatsPlan(NamedTuple):
 
     def stats_of(self, out: Sequence[Tensor]) -> GradStats:
         """The stats from the finish's ``[stats, norm, found_inf, *views]``."""
-        buf, raw, found_inf, touched, *more = out
+        _buf, raw, found_inf, touched, *more = out
         if self.groups is not None:  # written after the finish, which reads nothing past the touched flags
-            _group_partials(self.buckets, self.grad_shards, buf[self.groups], self.norm_type, self.n_params)
+            # more[0] is buf[self.groups] (health.stats_views: the group partials first), made by
+            # the native call: a slice here would cost the step another view op
+            _group_partials(self.buckets, self.grad_shards, more[0], self.norm_type, self.n_params)
         self.health.note_stats(more, self.norm_type)
         return GradStats(self.norm_type, raw, found_inf, touched, views=more)
 
