@@ -107,14 +107,6 @@ at::Tensor storage_alias(const at::Tensor& base, int64_t offset, c10::IntArrayRe
   return at::Tensor(std::move(impl));
 }
 
-// A ``total``-element stats buffer and the finish's 2-element header after it, in ONE allocation
-// (each is microseconds of host time right after a backward; the header is the caller's tail).
-void stats_and_header(int64_t total, const at::TensorOptions& options, at::Tensor* stats, at::Tensor* header) {
-  const at::Tensor both = at::empty({total + 2}, options);
-  *stats = storage_alias(both, 0, {total});
-  *header = storage_alias(both, total, {2});
-}
-
 // [norm, found_inf, *views of stats]: the finish's results as the step reads them
 std::vector<at::Tensor> finish_results(const at::Tensor& stats, const at::Tensor& out,
                                        const std::vector<std::pair<int64_t, int64_t>>& views) {
@@ -125,6 +117,21 @@ std::vector<at::Tensor> finish_results(const at::Tensor& stats, const at::Tensor
 }
 
 #if defined(SHARDAMP_WITH_CUDA)
+// What a gathered finish writes, ``[stats, norm, found_inf, *views]`` (finish_results), its
+// arguments checked: the ``total``-element stats and the 2-element ``header`` after them in ONE
+// allocation (each is microseconds of host time right after a backward).
+std::vector<at::Tensor> gathered_outputs(const std::vector<at::Tensor>& parts, int64_t total, int64_t end,
+                                         double norm_type, const std::vector<std::pair<int64_t, int64_t>>& views,
+                                         at::Tensor* header) {
+  check_finish(total, end, norm_type, views);
+  const at::Tensor both = at::empty({total + 2}, parts.front().options());
+  at::Tensor stats = storage_alias(both, 0, {total});
+  *header = storage_alias(both, total, {2});
+  std::vector<at::Tensor> out = finish_results(stats, *header, views);
+  out.insert(out.begin(), stats);
+  return out;
+}
+
 // The parts' total element count where one CUDA launch can gather them (fp32 1-d contiguous
 // parts of one CUDA device, at most kMaxStatsParts: their pointers travel in the launch's
 // arguments), else -1.
@@ -150,13 +157,10 @@ std::vector<at::Tensor> gathered_stats_finish(const std::vector<at::Tensor>& par
 #if defined(SHARDAMP_WITH_CUDA)
   const int64_t total = gathered_numel(parts);
   if (total < 0) return {};
-  check_finish(total, end, norm_type, views);
-  at::Tensor stats, out;
-  stats_and_header(total, parts.front().options(), &stats, &out);
-  cuda::stats_gather_finish(parts, stats, end, norm_type == 2.0, out);
-  std::vector<at::Tensor> result = finish_results(stats, out, views);
-  result.insert(result.begin(), stats);
-  return result;
+  at::Tensor header;
+  std::vector<at::Tensor> out = gathered_outputs(parts, total, end, norm_type, views, &header);
+  cuda::stats_gather_finish(parts, out[0], end, norm_type == 2.0, header);
+  return out;
 #else
   (void)parts, (void)end, (void)norm_type, (void)views;
   return {};
@@ -237,18 +241,15 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
 #if defined(SHARDAMP_WITH_CUDA)
   const int64_t total = gathered_numel(parts);
   if (total >= 0 && total + steps.numel() <= kHeadElements) {  // the finish and the scalars in one launch
-    check_finish(total, end, norm_type, views);
-    at::Tensor stats, header;
-    stats_and_header(total, parts.front().options(), &stats, &header);
-    std::vector<at::Tensor> out = finish_results(stats, header, views);
-    out.insert(out.begin(), stats);
+    at::Tensor header;
+    std::vector<at::Tensor> out = gathered_outputs(parts, total, end, norm_type, views, &header);
     const at::Tensor& touched = out[3 + touched_view];
     c10::optional<at::Tensor> ranks;
     if (ranks_view >= 0) ranks = out[3 + ranks_view];
     const StepHealth health = checked_step_health(coef_out, base, c10::nullopt, out[2], steps, touched, skip_out,
                                                   out[1], inv_scale, avg, skip_above, counters, record, ranks,
                                                   record_host);
-    cuda::stats_step_head(parts, stats, end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health);
+    cuda::stats_step_head(parts, out[0], end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health);
     adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
     return out;
   }

@@ -16,17 +16,26 @@ namespace {
 
 constexpr int kThreads = 256;
 
-__global__ void step_scalars_kernel(float* coef_out, const float* base, float scale, const float* norm,
-                                    float max_norm, const float* found_inf, float* steps, const float* touched,
-                                    int64_t count, StepHealth health, bool with_health) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+// The scalars' work of thread ``first`` of ``stride`` threads (step_scalars_kernel: the grid;
+// stats_step_head_kernel: its one block): thread 0 the coefficient and the health, each thread
+// the step counts i = first, first + stride, ...
+__device__ __forceinline__ void form_scalars(float* coef_out, const float* base, float scale, const float* norm,
+                                             float max_norm, const float* found_inf, float* steps,
+                                             const float* touched, int64_t count, const StepHealth& health,
+                                             bool with_health, int64_t first, int64_t stride) {
   if (first == 0) *coef_out = grad_coefficient(*base, scale, norm, max_norm);
   if (first == 0 && with_health) update_health(health, *found_inf);
   // every thread decides the skip itself from the inputs (no barrier between blocks)
   const float live = with_health ? (step_skipped(health, *found_inf) ? 0.0f : 1.0f) : 1.0f - *found_inf;
-  for (int64_t i = first; i < count; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    steps[i] += touched[i] * live;
-  }
+  for (int64_t i = first; i < count; i += stride) steps[i] += touched[i] * live;
+}
+
+__global__ void step_scalars_kernel(float* coef_out, const float* base, float scale, const float* norm,
+                                    float max_norm, const float* found_inf, float* steps, const float* touched,
+                                    int64_t count, StepHealth health, bool with_health) {
+  form_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, count, health, with_health,
+               static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+               static_cast<int64_t>(gridDim.x) * blockDim.x);
 }
 
 __global__ void stats_finish_kernel(float* stats, int64_t end, bool sqrt_root, float* out) {
@@ -53,45 +62,39 @@ __device__ float part_value(const StatsParts& parts, int64_t i) {
   return parts.ptr[k][i - (k > 0 ? parts.stop[k - 1] : 0)];
 }
 
-__global__ void stats_gather_finish_kernel(StatsParts parts, float* stats, int64_t total, int64_t end, bool sqrt_root,
-                                           float* out) {
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+// The gathered finish's work of thread ``first`` of ``stride`` threads (as form_scalars): thread
+// 0 the header, each thread the elements i = first, first + stride, ...
+__device__ __forceinline__ void gather_finish(const StatsParts& parts, float* stats, int64_t total, int64_t end,
+                                              bool sqrt_root, float* out, int64_t first, int64_t stride) {
   if (first == 0) {
     const float header[2] = {part_value(parts, 0), part_value(parts, 1)};
     finish_header(header, sqrt_root, out);
   }
-  for (int64_t i = first; i < total; i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = first; i < total; i += stride) {
     const float v = part_value(parts, i);
     stats[i] = i >= 2 && i < end ? clamp_touched(v) : v;
   }
 }
 
+__global__ void stats_gather_finish_kernel(StatsParts parts, float* stats, int64_t total, int64_t end, bool sqrt_root,
+                                           float* out) {
+  gather_finish(parts, stats, total, end, sqrt_root, out, static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x,
+                static_cast<int64_t>(gridDim.x) * blockDim.x);
+}
+
 // The head of a one-process step (fused_step.cpp's stats_step) in ONE launch of ONE block:
 // stats_gather_finish_kernel's work, a barrier, then step_scalars_kernel's (no clip, with the
-// health). Every element is the two kernels' element-wise work through the same device
-// functions, so the bits are theirs; the barrier makes the finished header, touched flags and
-// ranks count visible to the block before the scalars read them. One launch fewer on the step's
-// path, where each costs the host ~10 us right after a backward on a GPU host.
+// health), each the same device function over the block's threads, so every element's bits are
+// the two launches'; the barrier makes the finished header, touched flags and ranks count
+// visible to the block before the scalars read them. One launch fewer on the step's path, where
+// each costs the host ~10 us right after a backward on a GPU host.
 __global__ void stats_step_head_kernel(StatsParts parts, float* stats, int64_t total, int64_t end, bool sqrt_root,
                                        float* out, float* coef_out, const float* base, float scale, float* steps,
                                        const float* touched, int64_t count, StepHealth health) {
-  const int64_t first = threadIdx.x;
-  if (first == 0) {
-    const float header[2] = {part_value(parts, 0), part_value(parts, 1)};
-    finish_header(header, sqrt_root, out);
-  }
-  for (int64_t i = first; i < total; i += blockDim.x) {
-    const float v = part_value(parts, i);
-    stats[i] = i >= 2 && i < end ? clamp_touched(v) : v;
-  }
+  gather_finish(parts, stats, total, end, sqrt_root, out, threadIdx.x, blockDim.x);
   __syncthreads();
-  const float* found_inf = out + 1;
-  if (first == 0) {
-    *coef_out = grad_coefficient(*base, scale, nullptr, 0.0f);
-    update_health(health, *found_inf);
-  }
-  const float live = step_skipped(health, *found_inf) ? 0.0f : 1.0f;
-  for (int64_t i = first; i < count; i += blockDim.x) steps[i] += touched[i] * live;
+  form_scalars(coef_out, base, scale, nullptr, 0.0f, out + 1, steps, touched, count, health, true, threadIdx.x,
+               blockDim.x);
 }
 
 StatsParts stats_parts(const std::vector<at::Tensor>& parts, int64_t* total) {
@@ -109,13 +112,28 @@ StatsParts stats_parts(const std::vector<at::Tensor>& parts, int64_t* total) {
   return p;
 }
 
-// ``host``'s address in the device's space (page-locked memory is mapped under unified
-// addressing: a kernel writes it itself), or null where the device cannot reach it.
-float* mapped_record(float* host) {
+// Points ``h.record_host`` at its device address (page-locked memory is mapped under unified
+// addressing: the kernel writes the record there itself). Returns the host record that still
+// needs a copy after the launch (memory the device cannot reach: h.record_host is then null), or
+// null.
+float* map_record(StepHealth& h) {
+  float* host = h.record_host;
+  if (host == nullptr) return nullptr;
   void* mapped = nullptr;
-  if (cudaHostGetDevicePointer(&mapped, host, 0) == cudaSuccess && mapped != nullptr) return static_cast<float*>(mapped);
+  if (cudaHostGetDevicePointer(&mapped, host, 0) == cudaSuccess && mapped != nullptr) {
+    h.record_host = static_cast<float*>(mapped);
+    return nullptr;
+  }
   (void)cudaGetLastError();  // the query's error is not the launch's
-  return nullptr;
+  h.record_host = nullptr;
+  return host;
+}
+
+// map_record's copy after the launch, where it returned a host record
+void copy_record(float* host, const StepHealth& h, cudaStream_t stream) {
+  if (host == nullptr) return;
+  C10_CUDA_CHECK(cudaMemcpyAsync(host, h.record, (h.full_record ? 4 : 2) * sizeof(float), cudaMemcpyDeviceToHost,
+                                 stream));
 }
 
 int blocks_for(int64_t count) {
@@ -148,22 +166,14 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
   const int64_t count = steps.numel();
   const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr, nullptr, false, nullptr};
   StepHealth h = health != nullptr ? *health : none;
-  float* host_record = h.record_host;
-  if (host_record != nullptr) {
-    // the kernel writes page-locked memory itself; memory the device cannot reach gets a copy after it
-    h.record_host = mapped_record(host_record);
-    if (h.record_host != nullptr) host_record = nullptr;
-  }
+  float* host_record = map_record(h);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   step_scalars_kernel<<<blocks_for(count), kThreads, 0, stream>>>(
       coef_out.data_ptr<float>(), base.data_ptr<float>(), static_cast<float>(scale),
       norm ? norm->data_ptr<float>() : nullptr, static_cast<float>(max_norm), found_inf.data_ptr<float>(),
       steps.data_ptr<float>(), touched.data_ptr<float>(), count, h, health != nullptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (host_record != nullptr) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(host_record, h.record, (h.full_record ? 4 : 2) * sizeof(float),
-                                   cudaMemcpyDeviceToHost, stream));
-  }
+  copy_record(host_record, h, stream);
 }
 
 void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
@@ -173,11 +183,7 @@ void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, in
   const StatsParts p = stats_parts(parts, &total);
   const c10::cuda::CUDAGuard guard(stats.device());
   StepHealth h = health;
-  float* host_record = h.record_host;
-  if (host_record != nullptr) {
-    h.record_host = mapped_record(host_record);
-    if (h.record_host != nullptr) host_record = nullptr;
-  }
+  float* host_record = map_record(h);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   stats_step_head_kernel<<<1, kThreads, 0, stream>>>(p, stats.data_ptr<float>(), total, end, sqrt_root,
                                                       out.data_ptr<float>(), coef_out.data_ptr<float>(),
@@ -185,10 +191,7 @@ void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, in
                                                       steps.data_ptr<float>(), touched.data_ptr<float>(),
                                                       steps.numel(), h);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (host_record != nullptr) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(host_record, h.record, (h.full_record ? 4 : 2) * sizeof(float),
-                                   cudaMemcpyDeviceToHost, stream));
-  }
+  copy_record(host_record, h, stream);
 }
 
 }  // namespace cuda
