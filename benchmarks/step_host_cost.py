@@ -171,7 +171,8 @@ def main() -> None:
     if "stats_step" not in captured:
         raise SystemExit("the step did not take the one native call (stats_step): nothing to take apart")
     (parts, end, norm_type, views, touched_view, ranks_view, coef_out, base, scale, steps, skip, inv_scale, avg,
-     skip_above, counters, record, record_host, natives, shards, hparams, table) = captured["stats_step"]
+     skip_above, counters, record, record_host, natives, shards, hparams, table, *more) = captured["stats_step"]
+    records = more[0] if more else None  # the records' persistent buffer (a tree before it passed none)
     out = real(*captured["stats_step"])
     touched, ranks = out[3 + touched_view], (out[3 + ranks_view] if ranks_view >= 0 else None)
 
@@ -202,7 +203,7 @@ def main() -> None:
         "  step_scalars": (lambda: ext.step_scalars(coef_out, base, scale, None, 0.0, out[2], steps, touched, skip,
                                                     out[1], inv_scale, avg, skip_above, counters, record, ranks,
                                                     record_host), nothing),
-        "  adam_launch_all": (lambda: ext.adam_launch_all(natives, shards, hparams, touched, skip, None, table),
+        "  adam_launch_all": (lambda: ext.adam_launch_all(natives, shards, hparams, touched, skip, records, table),
                               nothing),
         "torch._fused_adamw_": (lambda: torch._fused_adamw_(
             ref_params, ref_grads, ref_m, ref_v, [], ref_steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,

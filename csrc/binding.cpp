@@ -11,6 +11,7 @@
 #include "land_grads.h"
 #include "fused_step.h"
 #include "grad_parts.h"
+#include "segment_record.h"
 #include "step_scalars.h"
 #include "view_check.h"
 
@@ -33,9 +34,6 @@ namespace cuda {
 void grad_stats(const at::Tensor& grad, at::Tensor& out, double norm_type);
 void adam_step(const AdamArgs& args, const at::Tensor& chunks, const c10::optional<at::Tensor>& records,
                int64_t record_offset, int64_t shape);
-at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                        bool bias_correction);
 void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                   double max_norm, const at::Tensor& found_inf, at::Tensor& steps, const at::Tensor& touched,
                   const StepHealth* health);
@@ -221,20 +219,36 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                adam_w_mode, bias_correction, chunks, records, record_offset, shape, nullptr);
 }
 
-// One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
-// flag of every row of `segments` (int64 [S, 4]: only the param and group columns are read; the
-// caller validated them on the host, optim/kernels/dispatch.py), kRecordFloats floats each, for adam_step's
-// `records` argument.
-at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                        bool bias_correction) {
+// adam_prepare's checks of its arguments (CUDA only): the segment table int64 [S, 4], the step's
+// scalar inputs, and ``out`` (where given) a contiguous fp32 tensor of at least S records on the
+// table's device.
+void check_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                   const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                   const c10::optional<at::Tensor>& out) {
   SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
                      segments.is_contiguous(),
                  "adam_prepare: segments must be a contiguous int64 [S, 4] tensor");
   check_step_scalars(segments, hparams, steps, touched, grad_coef, found_inf, "adam_prepare");
-#if defined(SHARDAMP_WITH_CUDA)
+  if (out) {
+    check_same_device(segments, *out, "out");
+    SHARDAMP_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() &&
+                       out->numel() >= segments.size(0) * kRecordFloats,
+                   "adam_prepare: out must be a contiguous fp32 tensor of at least ", segments.size(0) * kRecordFloats,
+                   " elements (", kRecordFloats, " a segment)");
+  }
   SHARDAMP_CHECK(segments.is_cuda(), "adam_prepare: CUDA tensors only (the CPU step forms its scalars per chunk)");
-  return cuda::adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
+}
+
+// One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
+// flag of every row of `segments` (int64 [S, 4]: only the param and group columns are read; the
+// caller validated them on the host, optim/kernels/dispatch.py), kRecordFloats floats each, for adam_step's
+// `records` argument: into `out` where given (the optimizer's persistent buffer), else a new tensor.
+at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                        bool bias_correction, const c10::optional<at::Tensor>& out) {
+  check_prepare(segments, hparams, steps, touched, grad_coef, found_inf, out);
+#if defined(SHARDAMP_WITH_CUDA)
+  return cuda::adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, out);
 #else
   SHARDAMP_CHECK(false, "adam_prepare: this build of the shardamp kernels has no CUDA support");
 #endif
@@ -419,9 +433,17 @@ void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts) 
 }
 at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                                bool bias_correction) {
-  return adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
+                                bool bias_correction, const c10::optional<at::Tensor>& out) {
+  return adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, out);
 }
+#if defined(SHARDAMP_WITH_CUDA)
+PrepareArgs checked_prepare_args(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                                 bool bias_correction, at::Tensor& records) {
+  check_prepare(segments, hparams, steps, touched, grad_coef, found_inf, records);
+  return cuda::prepare_args(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, records);
+}
+#endif
 void register_bindings(py::module& m);
 }  // namespace shardamp
 
@@ -437,7 +459,7 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
   m.def("adam_prepare", &shardamp::adam_prepare,
         "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
-        py::arg("found_inf"), py::arg("bias_correction"));
+        py::arg("found_inf"), py::arg("bias_correction"), py::arg("out") = py::none());
   m.def("build_chunks", &shardamp::build_chunks,
         "Chunk table (int64 [C, 2], host) for adam_step, from a segments table; validates the table",
         py::arg("segments"), py::arg("numel"), py::arg("num_params"), py::arg("num_groups"), py::arg("chunk") = 0);

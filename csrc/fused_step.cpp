@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "grad_parts.h"
+#include "segment_record.h"
 #include "step_scalars.h"
 
 namespace shardamp {
@@ -24,11 +25,12 @@ void adam_launch(const AdamLaunch& l) {
 
 // The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
 // launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
-// flag and records (CUDA; None on the CPU), or with ``prepare`` (CUDA: the segments of every
-// launch, kernels.StepRecords' table) the records formed first by adam_prepare over the step
-// counts, grad coefficient and bias correction the launches share (the optimizer's). Every launch
-// lets go of its grad afterwards, also when a launch or the prepare raises: the grad shards are
-// released between steps.
+// flag and records (CUDA; None on the CPU). With ``prepare`` (CUDA: the segments of every launch,
+// kernels.StepRecords' table) the records are formed first by adam_prepare over the step counts,
+// grad coefficient and bias correction the launches share (the optimizer's): into ``records``
+// where given (StepRecords' persistent buffer), else into a new tensor. Every launch lets go of
+// its grad afterwards, also when a launch or the prepare raises: the grad shards are released
+// between steps.
 void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                      const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
                      c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
@@ -45,10 +47,9 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
   SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
                  " launches, ", grads.size(), " grads)");
   if (prepare && !launches.empty()) {
-    SHARDAMP_CHECK(!records, "adam_launch_all: records or prepare, not both");
     const AdamLaunch& first = *launches.front();
     records = checked_adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf,
-                                   first.bias_correction);
+                                   first.bias_correction, records);
   }
   for (size_t i = 0; i < launches.size(); ++i) {
     AdamLaunch& l = *launches[i];
@@ -71,7 +72,7 @@ void stats_gather_finish(const std::vector<at::Tensor>& parts, at::Tensor& stats
                          at::Tensor& out);
 void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
                      at::Tensor& out, at::Tensor& coef_out, const at::Tensor& base, double scale, at::Tensor& steps,
-                     const at::Tensor& touched, const StepHealth& health);
+                     const at::Tensor& touched, const StepHealth& health, const PrepareArgs* prepare);
 }  // namespace cuda
 #endif
 
@@ -204,25 +205,27 @@ std::vector<at::Tensor> stats_cat_finish(const std::vector<at::Tensor>& parts, i
 
 // The step's scalar launch and then every bucket's step kernel, skipping on the skip flag the
 // scalar launch wrote (``skip_out``): step_scalars and adam_launch_all in one call (no gathers
-// between the buckets' kernels: one shard rank). ``prepare``: as adam_launch_all's (CUDA).
+// between the buckets' kernels: one shard rank). ``prepare``, ``records``: as adam_launch_all's (CUDA).
 void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, const c10::optional<at::Tensor>& norm,
                  double max_norm, const at::Tensor& found_inf, at::Tensor steps, const at::Tensor& touched,
                  const at::Tensor& skip_out, const at::Tensor& raw_norm, const c10::optional<at::Tensor>& inv_scale,
                  double avg, double skip_above, const at::Tensor& counters, const at::Tensor& record,
                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
                  const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                 const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare) {
+                 const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
+                 const c10::optional<at::Tensor>& records) {
   checked_step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale,
                        avg, skip_above, counters, record, ranks, record_host);
-  adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
+  adam_launch_all(launches, grads, hparams, touched, skip_out, records, prepare);
 }
 
 // The whole launch sequence of a step whose stats nothing asked for before it (no clip, no
 // unscale): stats_cat_finish, then step_launch over its results, ``[stats, norm, found_inf,
 // *views]`` returned as stats_cat_finish returns them. On CUDA, where the parts gather in one
-// launch, the finish and the scalars are one launch of one block (cuda::stats_step_head: their
-// kernels' element-wise work, so the same bits) with step_scalars' checks: one launch fewer,
-// each ~10 us of host time right after a backward on a GPU host. The step's touched flags are
+// launch, the finish, the scalars and (with ``prepare`` and ``records``) the buckets' records are
+// one launch of one block (cuda::stats_step_head: their kernels' element-wise work, so the same
+// bits) with step_scalars' and adam_prepare's checks made before it: two launches fewer, each
+// ~10 us of host time right after a backward on a GPU host. The step's touched flags are
 // ``views[touched_view]``, the health's count of ranks with inf/NaN grads ``views[ranks_view]``
 // (-1: none); the norm is the health's raw norm, found-inf the step's. No clip: the clip's
 // norm is handed out before the step, so a clipped step's stats are finished by then.
@@ -234,7 +237,8 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
                                    const at::Tensor& counters, const at::Tensor& record,
                                    const c10::optional<at::Tensor>& record_host,
                                    const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                                   const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare) {
+                                   const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
+                                   c10::optional<at::Tensor> records) {
   const auto n_views = static_cast<int64_t>(views.size());
   SHARDAMP_CHECK(touched_view >= 0 && touched_view < n_views && ranks_view >= -1 && ranks_view < n_views,
                  "stats_step: touched_view and ranks_view must name views (ranks_view -1: none)");
@@ -249,8 +253,17 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
     const StepHealth health = checked_step_health(coef_out, base, c10::nullopt, out[2], steps, touched, skip_out,
                                                   out[1], inv_scale, avg, skip_above, counters, record, ranks,
                                                   record_host);
-    cuda::stats_step_head(parts, out[0], end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health);
-    adam_launch_all(launches, grads, hparams, touched, skip_out, c10::nullopt, prepare);
+    // the records too where they go to a persistent buffer and one block forms them as fast
+    const bool with_records = prepare && records && !launches.empty() && prepare->size(0) <= kHeadElements;
+    PrepareArgs prep;
+    if (with_records) {
+      const AdamLaunch& first = *launches.front();
+      prep = checked_prepare_args(*prepare, hparams, first.steps, touched, first.grad_coef, skip_out,
+                                  first.bias_correction, *records);
+    }
+    cuda::stats_step_head(parts, out[0], end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health,
+                          with_records ? &prep : nullptr);
+    adam_launch_all(launches, grads, hparams, touched, skip_out, records, with_records ? c10::nullopt : prepare);
     return out;
   }
 #endif
@@ -259,7 +272,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
   c10::optional<at::Tensor> ranks;
   if (ranks_view >= 0) ranks = out[3 + ranks_view];
   step_launch(coef_out, base, scale, c10::nullopt, 0.0, out[2], steps, touched, skip_out, out[1], inv_scale, avg,
-              skip_above, counters, record, ranks, record_host, launches, grads, hparams, prepare);
+              skip_above, counters, record, ranks, record_host, launches, grads, hparams, prepare, records);
   return out;
 }
 

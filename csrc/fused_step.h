@@ -55,7 +55,14 @@ struct GradPart;  // grad_parts.h
 void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts);
 at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                                bool bias_correction);
+                                bool bias_correction, const c10::optional<at::Tensor>& out);
+#if defined(SHARDAMP_WITH_CUDA)
+struct PrepareArgs;  // segment_record.h
+// adam_prepare's checks, then its inputs as a launch's arguments writing into `records` (CUDA)
+PrepareArgs checked_prepare_args(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                                 bool bias_correction, at::Tensor& records);
+#endif
 
 // fused_step.cpp: the launch objects' runs (bound as adam_launch, adam_launch_all)
 void adam_launch(const AdamLaunch& l);

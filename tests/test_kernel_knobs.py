@@ -124,9 +124,30 @@ def test_one_prepare_for_several_shards(device):
     rec = records.compute(hparams, steps, touched, coef, found_inf, True)
     assert (rec is None) == (device == "cpu")
     assert records.offsets == [0, len(SEGMENTS)]
+    if rec is not None:  # formed in the one buffer the records keep, every step the same
+        assert rec.data_ptr() == records.records.data_ptr() and rec.numel() == 2 * len(SEGMENTS) * 12
+        again = records.compute(hparams, steps, touched, coef, found_inf, True)
+        assert again.data_ptr() == rec.data_ptr()
     for k, (state, *_rest) in enumerate(made):
         own = {key: None if t is None else t.clone() for key, t in state.items()}
         run_step(kernels.adam_step, state, tables[k], hparams, steps, touched, coef, found_inf, True, True,
              records=rec, record_offset=records.offsets[k])
         run_step(kernels.adam_step, own, tables[k], hparams, steps, touched, coef, found_inf, True, True)
         assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(_bits(state), _bits(own))), k
+
+
+@pytest.mark.native_raises
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+def test_prepare_into_a_buffer_checks_it():
+    """adam_prepare's ``out`` (StepRecords' buffer) must hold a record per segment, fp32 and
+    contiguous: a wrong one is refused by name before anything runs."""
+    ext = kernels.native_module(torch.device("cpu"))
+    table = torch.zeros((3, 4), dtype=torch.int64)
+    hparams = torch.zeros((1, 5), dtype=torch.float64)
+    steps, touched = torch.zeros(1), torch.ones(1)
+    coef, found_inf = torch.ones(()), torch.zeros(())
+    for bad in (torch.empty(3 * 12 - 1), torch.empty(3 * 12, dtype=torch.float64), torch.empty(3 * 24)[::2]):
+        with pytest.raises(RuntimeError, match="adam_prepare: out must be a contiguous fp32 tensor of at least 36"):
+            ext.adam_prepare(table, hparams, steps, touched, coef, found_inf, True, bad)
+    with pytest.raises(RuntimeError, match="adam_prepare: CUDA tensors only"):  # a fitting buffer: the device's turn
+        ext.adam_prepare(table, hparams, steps, touched, coef, found_inf, True, torch.empty(36))

@@ -18,6 +18,7 @@
 // all-16-bit kinds loads staged through shared memory instead of registers.
 
 #include "../common.h"
+#include "../segment_record.h"
 #include "vec.cuh"
 
 #include <c10/cuda/CUDAException.h>
@@ -52,14 +53,6 @@ using DefaultShape = Shape<2, 1>;  // __launch_bounds__(kThreads): as before the
 template <typename G, typename M, typename V, bool R>
 constexpr int kStepWords = kWords<G> + 2 + kWords<M> + kWords<V>;  // master: fp32, or bf16 + int16
 
-// What prepare_kernel writes per segment, read by adam_kernel as three float4.
-struct alignas(16) SegmentRecord {
-  SegmentScalars sc;  // 9 floats
-  float skip;         // 1: found_inf set or the param untouched: write nothing
-  float pad[2];
-};
-static_assert(sizeof(SegmentRecord) == 48 && kRecordFloats * sizeof(float) == 48, "three float4 per record");
-
 struct Params {
   const void* grad;
   void* master;  // fp32, or int16 remainders (R)
@@ -67,15 +60,8 @@ struct Params {
   void* exp_avg_sq;
   void* model_out;
   const int64_t* chunks;
-  const int64_t* segments;
-  SegmentRecord* records;
-  const double* hparams;
-  const void* steps;
-  const void* touched;
-  const void* grad_coef;
-  const void* found_inf;
-  int steps_code, touched_code, coef_code, found_code;
-  bool adam_w, bias_correction, vec_ok;
+  PrepareArgs prep;  // the scalar inputs and the records (prep.records: what adam_kernel reads)
+  bool adam_w, vec_ok;
 };
 
 // The update of elements [lo, hi) with the scalars of record `rec`, by the threads of one block.
@@ -221,25 +207,16 @@ __device__ __forceinline__ void update_range(const Params& P, const float4* rec,
   for (int64_t i = vhi + threadIdx.x; i < hi; i += kThreads) scalar(i);
 }
 
-__global__ void prepare_kernel(const Params P, int64_t nseg) {
+__global__ void prepare_kernel(const PrepareArgs a) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= nseg) return;
-  const int64_t param = P.segments[4 * i + 2], group = P.segments[4 * i + 3];
-  SegmentRecord r{};
-  r.skip = (load_scalar(P.found_inf, P.found_code, 0) != 0.0 ||
-            load_scalar(P.touched, P.touched_code, param) == 0.0) ? 1.0f : 0.0f;
-  if (r.skip == 0.0f) {
-    r.sc = segment_scalars(P.hparams + 5 * group, load_scalar(P.steps, P.steps_code, param),
-                           load_scalar(P.grad_coef, P.coef_code, 0), P.bias_correction);
-  }
-  P.records[i] = r;
+  if (i < a.count) prepare_segment(a, i);
 }
 
 // One block per chunk; the hardware hands a new chunk to each block slot as one finishes.
 template <typename G, typename O, typename M, typename V, bool R, int U, int B, bool S>
 __global__ void __launch_bounds__(kThreads, B) adam_kernel(const Params P) {
   const longlong2 row = __ldg(reinterpret_cast<const longlong2*>(P.chunks) + blockIdx.x);
-  const float4* rec = reinterpret_cast<const float4*>(P.records) + 3 * chunk_segment(row.y);
+  const float4* rec = reinterpret_cast<const float4*>(P.prep.records) + 3 * chunk_segment(row.y);
   update_range<G, O, M, V, R, U, S>(P, rec, row.x, row.x + chunk_length(row.y));
 }
 
@@ -311,32 +288,36 @@ void launch(const Params& P, int64_t nchunks, int64_t shape) {
   launch_shape<G, O, M, V, R, KindShape<G, M, V, R>>(P, nchunks);
 }
 
-// The scalar inputs of prepare_kernel.
-void set_scalars(Params& P, const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                 bool bias_correction) {
-  P.segments = segments.data_ptr<int64_t>();
-  P.hparams = hparams.data_ptr<double>();
-  P.steps = steps.data_ptr();
-  P.touched = touched.data_ptr();
-  P.grad_coef = grad_coef.data_ptr();
-  P.found_inf = found_inf.data_ptr();
-  P.steps_code = scalar_code(steps);
-  P.touched_code = scalar_code(touched);
-  P.coef_code = scalar_code(grad_coef);
-  P.found_code = scalar_code(found_inf);
-  P.bias_correction = bias_correction;
+// The scalar inputs of prepare_kernel (the records: run_prepare's).
+PrepareArgs scalar_inputs(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                          const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                          bool bias_correction) {
+  PrepareArgs a;
+  a.segments = segments.data_ptr<int64_t>();
+  a.count = segments.size(0);
+  a.hparams = hparams.data_ptr<double>();
+  a.steps = steps.data_ptr();
+  a.touched = touched.data_ptr();
+  a.grad_coef = grad_coef.data_ptr();
+  a.found_inf = found_inf.data_ptr();
+  a.steps_code = scalar_code(steps);
+  a.touched_code = scalar_code(touched);
+  a.coef_code = scalar_code(grad_coef);
+  a.found_code = scalar_code(found_inf);
+  a.bias_correction = bias_correction;
+  return a;
 }
 
-// The per-segment records live in a scratch tensor from the caching allocator (the graph's
-// private pool under capture); the stream orders prepare -> steps -> next use.
-at::Tensor run_prepare(Params& P, int64_t nseg, const at::Tensor& like) {
-  at::Tensor records = at::empty({nseg * int64_t(sizeof(SegmentRecord) / sizeof(float))}, like.options().dtype(at::kFloat));
-  P.records = reinterpret_cast<SegmentRecord*>(records.data_ptr<float>());
-  if (nseg == 0) return records;
+// The records of `a`'s segments formed into `out` (the caller's: a persistent buffer reused every
+// step, stream-ordered as the state it steps), or else into a scratch tensor from the caching
+// allocator (the graph's private pool under capture); returned, with a.records pointed at them.
+at::Tensor run_prepare(PrepareArgs& a, const at::Tensor& like, const c10::optional<at::Tensor>& out) {
+  at::Tensor records = out ? *out : at::empty({a.count * kRecordFloats}, like.options().dtype(at::kFloat));
+  a.records = reinterpret_cast<SegmentRecord*>(records.data_ptr<float>());
+  if (a.count == 0) return records;
   constexpr int kPrepThreads = 128;
-  prepare_kernel<<<static_cast<unsigned int>((nseg + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
-                   c10::cuda::getCurrentCUDAStream()>>>(P, nseg);
+  prepare_kernel<<<static_cast<unsigned int>((a.count + kPrepThreads - 1) / kPrepThreads), kPrepThreads, 0,
+                   c10::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return records;
 }
@@ -345,11 +326,18 @@ at::Tensor run_prepare(Params& P, int64_t nseg, const at::Tensor& like) {
 
 at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                         const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                        bool bias_correction) {
+                        bool bias_correction, const c10::optional<at::Tensor>& out) {
   const c10::cuda::CUDAGuard guard(segments.device());
-  Params P{};
-  set_scalars(P, segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
-  return run_prepare(P, segments.size(0), segments);
+  PrepareArgs a = scalar_inputs(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
+  return run_prepare(a, segments, out);
+}
+
+PrepareArgs prepare_args(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                         const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                         bool bias_correction, at::Tensor& records) {
+  PrepareArgs a = scalar_inputs(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction);
+  a.records = reinterpret_cast<SegmentRecord*>(records.data_ptr<float>());
+  return a;
 }
 
 void adam_step(const AdamArgs& a, const at::Tensor& chunks, const c10::optional<at::Tensor>& records,
@@ -367,15 +355,15 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks, const c10::optional<
   P.exp_avg_sq = a.exp_avg_sq.data_ptr();
   P.model_out = a.model_out ? a.model_out->data_ptr() : nullptr;
   P.chunks = chunks.data_ptr<int64_t>();
-  set_scalars(P, a.segments, a.hparams, a.steps, a.touched, a.grad_coef, a.found_inf, a.bias_correction);
+  P.prep = scalar_inputs(a.segments, a.hparams, a.steps, a.touched, a.grad_coef, a.found_inf, a.bias_correction);
   P.adam_w = a.adam_w_mode;
   P.vec_ok = aligned16(P.grad) && aligned16(P.master) && aligned16(P.exp_avg) && aligned16(P.exp_avg_sq) &&
              (P.model_out == nullptr || aligned16(P.model_out));
   at::Tensor own;  // without `records` (one shard alone): this shard's own prepare launch
   if (records) {
-    P.records = reinterpret_cast<SegmentRecord*>(records->data_ptr<float>()) + record_offset;
+    P.prep.records = reinterpret_cast<SegmentRecord*>(records->data_ptr<float>()) + record_offset;
   } else {
-    own = run_prepare(P, a.segments.size(0), a.grad);
+    own = run_prepare(P.prep, a.grad, c10::nullopt);
   }
   dispatch_step<__nv_bfloat16, __half>(a.grad, a.master, a.exp_avg, a.exp_avg_sq, a.model_out,
                                        [&](auto g, auto o, auto m, auto v, auto r) {

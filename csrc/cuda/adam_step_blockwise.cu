@@ -20,6 +20,7 @@
 // intrinsic (common.h, quant.h), so the arithmetic is the reference's, operation for operation.
 
 #include "../blockwise.h"
+#include "../segment_record.h"
 #include "vec.cuh"
 
 #include <c10/cuda/CUDAException.h>
@@ -28,10 +29,6 @@
 
 namespace shardamp {
 namespace cuda {
-
-at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                        bool bias_correction);  // adam_step.cu
 
 namespace {
 

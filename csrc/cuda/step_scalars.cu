@@ -4,6 +4,7 @@
 // Contract: optim/kernels/reference.py; arithmetic: step_scalars.h. Graph-capturable: no host
 // reads, no allocation.
 
+#include "../segment_record.h"
 #include "../step_scalars.h"
 
 #include <c10/cuda/CUDAException.h>
@@ -84,17 +85,22 @@ __global__ void stats_gather_finish_kernel(StatsParts parts, float* stats, int64
 
 // The head of a one-process step (fused_step.cpp's stats_step) in ONE launch of ONE block:
 // stats_gather_finish_kernel's work, a barrier, then step_scalars_kernel's (no clip, with the
-// health), each the same device function over the block's threads, so every element's bits are
-// the two launches'; the barrier makes the finished header, touched flags and ranks count
-// visible to the block before the scalars read them. One launch fewer on the step's path, where
-// each costs the host ~10 us right after a backward on a GPU host.
+// health), and where ``prep.count`` > 0 a barrier and prepare_kernel's (adam_step.cu), each the
+// same device function over the block's threads, so every element's bits are the separate
+// launches'. The barriers make what each part wrote visible to the block before the next reads
+// it: the finished header, touched flags and ranks count; then the grad coefficient, the skip
+// flag and the advanced step counts. Two launches fewer on the step's path, where each costs the
+// host ~10 us right after a backward on a GPU host.
 __global__ void stats_step_head_kernel(StatsParts parts, float* stats, int64_t total, int64_t end, bool sqrt_root,
                                        float* out, float* coef_out, const float* base, float scale, float* steps,
-                                       const float* touched, int64_t count, StepHealth health) {
+                                       const float* touched, int64_t count, StepHealth health, PrepareArgs prep) {
   gather_finish(parts, stats, total, end, sqrt_root, out, threadIdx.x, blockDim.x);
   __syncthreads();
   form_scalars(coef_out, base, scale, nullptr, 0.0f, out + 1, steps, touched, count, health, true, threadIdx.x,
                blockDim.x);
+  if (prep.count == 0) return;
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < prep.count; i += blockDim.x) prepare_segment(prep, i);
 }
 
 StatsParts stats_parts(const std::vector<at::Tensor>& parts, int64_t* total) {
@@ -178,7 +184,7 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
 
 void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, int64_t end, bool sqrt_root,
                      at::Tensor& out, at::Tensor& coef_out, const at::Tensor& base, double scale, at::Tensor& steps,
-                     const at::Tensor& touched, const StepHealth& health) {
+                     const at::Tensor& touched, const StepHealth& health, const PrepareArgs* prepare) {
   int64_t total = 0;
   const StatsParts p = stats_parts(parts, &total);
   const c10::cuda::CUDAGuard guard(stats.device());
@@ -189,7 +195,8 @@ void stats_step_head(const std::vector<at::Tensor>& parts, at::Tensor& stats, in
                                                       out.data_ptr<float>(), coef_out.data_ptr<float>(),
                                                       base.data_ptr<float>(), static_cast<float>(scale),
                                                       steps.data_ptr<float>(), touched.data_ptr<float>(),
-                                                      steps.numel(), h);
+                                                      steps.numel(), h,
+                                                      prepare != nullptr ? *prepare : PrepareArgs{});
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   copy_record(host_record, h, stream);
 }

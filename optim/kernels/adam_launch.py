@@ -19,6 +19,8 @@ from .dispatch import _NATIVE_DTYPES, _host_rows, _native
 from .quant import QuantizedShard
 from .launch_config import chunk_size, chunk_table, knobs, light_state, shard_chunks, store
 
+RECORD_FLOATS = 12  # a segment's record on CUDA (csrc/common.h kRecordFloats: nine scalars, a skip flag, padding)
+
 
 _NO_GRAD = torch.empty(0)  # what a native launch holds between steps in place of the released grad shard
 
@@ -147,7 +149,7 @@ def launch_adam_all(launches: Sequence[AdamLaunch], order: Sequence[int], grads:
     if ext is not None and hasattr(ext, "adam_launch_all"):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
     if natives and prepare is not None and prepare.table is not None and cuda:
-        ext.adam_launch_all(natives, shards, hparams, touched, found_inf, None, prepare.table)
+        ext.adam_launch_all(natives, shards, hparams, touched, found_inf, prepare.records, prepare.table)
         return
     if prepare is not None:
         first = launches[order[0]]
@@ -225,7 +227,10 @@ class StepRecords:
     shards (the optimizer's buckets) in ONE launch per step instead of one per shard:
     ``compute`` returns them for ``adam_step(records=..., record_offset=offsets[i])``, or None
     where the step forms its scalars itself (CPU, reference). The concatenated segment table is
-    validated and copied to the device once, here."""
+    validated and copied to the device once, here, and the records are formed every step into
+    one buffer made here (``records``): an allocation per step is microseconds of host time
+    right after a backward on a GPU host. Reusing it is ordered as the state it steps is: on
+    the step's stream, each step's records written after the last step's kernels read them."""
 
     def __init__(self, tables: List[SegmentTable], device: torch.device, n_params: int, n_groups: int) -> None:
         self.offsets: List[int] = []
@@ -240,13 +245,16 @@ class StepRecords:
         ext = _native(device) if device.type == "cuda" and rows else None
         self.ext = ext if ext is not None and hasattr(ext, "adam_prepare") else None
         self.table: Optional[Tensor] = None
+        self.records: Optional[Tensor] = None
         if self.ext is not None:
             host = torch.tensor(rows, dtype=torch.int64).pin_memory()
             self._pinned = host  # alive until the non-blocking copy is done (and for graph replays)
             self.table = host.to(device, non_blocking=True)
+            self.records = torch.empty(len(rows) * RECORD_FLOATS, dtype=torch.float32, device=device)
 
     def compute(self, hparams: Tensor, steps: Tensor, touched: Tensor, grad_coef: Tensor, found_inf: Tensor,
                 bias_correction: bool) -> Optional[Tensor]:
         if self.table is None:
             return None
-        return self.ext.adam_prepare(self.table, hparams, steps, touched, grad_coef, found_inf, bias_correction)
+        return self.ext.adam_prepare(self.table, hparams, steps, touched, grad_coef, found_inf, bias_correction,
+                                     self.records)

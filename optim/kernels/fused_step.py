@@ -66,11 +66,11 @@ def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
             h = health
-            table = prepare.table if coef_out.is_cuda else None
+            table, records = (prepare.table, prepare.records) if coef_out.is_cuda else (None, None)
             ext.step_launch(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, skip,
                             h["raw_norm"], h.get("inv_scale"), float(h.get("avg", 1.0)),
                             float(h.get("skip_above", math.inf)), h["counters"], h["record"], h.get("ranks"),
-                            h.get("record_host"), natives, shards, hparams, table)
+                            h.get("record_host"), natives, shards, hparams, table, records)
             return
     step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
     launch_adam_all(launches, order, grads, hparams, touched, skip, prepare=prepare)
@@ -173,11 +173,12 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
             and _scalars_take(ext, coef_out, base, skip, steps, h)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
-            table = prepare.table if coef_out.is_cuda else None
+            table, records = (prepare.table, prepare.records) if coef_out.is_cuda else (None, None)
             return ext.stats_step(list(parts), int(end), float(norm_type), list(views), view_of["touched"],
                                   view_of.get("ranks", -1), coef_out, base, float(scale), steps, skip,
                                   h.get("inv_scale"), float(h.get("avg", 1.0)), float(h.get("skip_above", math.inf)),
-                                  h["counters"], h["record"], h.get("record_host"), natives, shards, hparams, table)
+                                  h["counters"], h["record"], h.get("record_host"), natives, shards, hparams, table,
+                                  records)
     out = stats_cat_finish(parts, end, norm_type, views)
     touched = out[3 + view_of["touched"]]
     ranks = view_of.get("ranks", -1)
