@@ -219,41 +219,6 @@ void adam_step(const at::Tensor& grad, const at::Tensor& master, const at::Tenso
                adam_w_mode, bias_correction, chunks, records, record_offset, shape, nullptr);
 }
 
-// adam_prepare's checks of its arguments (CUDA only): the segment table int64 [S, 4], the step's
-// scalar inputs, and ``out`` (where given) a contiguous fp32 tensor of at least S records on the
-// table's device.
-void check_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                   const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                   const c10::optional<at::Tensor>& out) {
-  SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
-                     segments.is_contiguous(),
-                 "adam_prepare: segments must be a contiguous int64 [S, 4] tensor");
-  check_step_scalars(segments, hparams, steps, touched, grad_coef, found_inf, "adam_prepare");
-  if (out) {
-    check_same_device(segments, *out, "out");
-    SHARDAMP_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() &&
-                       out->numel() >= segments.size(0) * kRecordFloats,
-                   "adam_prepare: out must be a contiguous fp32 tensor of at least ", segments.size(0) * kRecordFloats,
-                   " elements (", kRecordFloats, " a segment)");
-  }
-  SHARDAMP_CHECK(segments.is_cuda(), "adam_prepare: CUDA tensors only (the CPU step forms its scalars per chunk)");
-}
-
-// One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
-// flag of every row of `segments` (int64 [S, 4]: only the param and group columns are read; the
-// caller validated them on the host, optim/kernels/dispatch.py), kRecordFloats floats each, for adam_step's
-// `records` argument: into `out` where given (the optimizer's persistent buffer), else a new tensor.
-at::Tensor adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                        const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                        bool bias_correction, const c10::optional<at::Tensor>& out) {
-  check_prepare(segments, hparams, steps, touched, grad_coef, found_inf, out);
-#if defined(SHARDAMP_WITH_CUDA)
-  return cuda::adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, out);
-#else
-  SHARDAMP_CHECK(false, "adam_prepare: this build of the shardamp kernels has no CUDA support");
-#endif
-}
-
 }  // namespace
 
 // step_scalars' checks of its arguments, and the health they describe (unused without skip_out)
@@ -431,11 +396,42 @@ void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts) 
                l.grad_coef, l.found_inf, l.adam_w_mode, l.bias_correction, l.chunks, l.records, l.record_offset,
                l.shape, parts);
 }
+
+// adam_prepare's checks of its arguments (CUDA only): the segment table int64 [S, 4], the step's
+// scalar inputs, and ``out`` (where given) a contiguous fp32 tensor of at least S records on the
+// table's device.
+static void check_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                          const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                          const c10::optional<at::Tensor>& out) {
+  SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
+                     segments.is_contiguous(),
+                 "adam_prepare: segments must be a contiguous int64 [S, 4] tensor");
+  check_step_scalars(segments, hparams, steps, touched, grad_coef, found_inf, "adam_prepare");
+  if (out) {
+    check_same_device(segments, *out, "out");
+    SHARDAMP_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() &&
+                       out->numel() >= segments.size(0) * kRecordFloats,
+                   "adam_prepare: out must be a contiguous fp32 tensor of at least ", segments.size(0) * kRecordFloats,
+                   " elements (", kRecordFloats, " a segment)");
+  }
+  SHARDAMP_CHECK(segments.is_cuda(), "adam_prepare: CUDA tensors only (the CPU step forms its scalars per chunk)");
+}
+
+// One prepare launch for the segments of several shards (CUDA): the fp64-derived scalars and skip
+// flag of every row of `segments` (int64 [S, 4]: only the param and group columns are read; the
+// caller validated them on the host, optim/kernels/dispatch.py), kRecordFloats floats each, for adam_step's
+// `records` argument: into `out` where given (the optimizer's persistent buffer), else a new tensor.
 at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
                                 bool bias_correction, const c10::optional<at::Tensor>& out) {
-  return adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, out);
+  check_prepare(segments, hparams, steps, touched, grad_coef, found_inf, out);
+#if defined(SHARDAMP_WITH_CUDA)
+  return cuda::adam_prepare(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, out);
+#else
+  SHARDAMP_CHECK(false, "adam_prepare: this build of the shardamp kernels has no CUDA support");
+#endif
 }
+
 #if defined(SHARDAMP_WITH_CUDA)
 PrepareArgs checked_prepare_args(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                                  const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
@@ -456,7 +452,7 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
         py::arg("found_inf"), py::arg("adam_w_mode"), py::arg("bias_correction"), py::arg("chunks") = py::none(),
         py::arg("records") = py::none(), py::arg("record_offset") = 0, py::arg("shape") = 0);
-  m.def("adam_prepare", &shardamp::adam_prepare,
+  m.def("adam_prepare", &shardamp::checked_adam_prepare,
         "CUDA: the step's per-segment records of several shards in one launch (adam_step's records)",
         py::arg("segments"), py::arg("hparams"), py::arg("steps"), py::arg("touched"), py::arg("grad_coef"),
         py::arg("found_inf"), py::arg("bias_correction"), py::arg("out") = py::none());
