@@ -203,8 +203,9 @@ def main() -> None:
         "  step_scalars": (lambda: ext.step_scalars(coef_out, base, scale, None, 0.0, out[2], steps, touched, skip,
                                                     out[1], inv_scale, avg, skip_above, counters, record, ranks,
                                                     record_host), nothing),
-        "  adam_launch_all": (lambda: ext.adam_launch_all(natives, shards, hparams, touched, skip, records, table),
-                              nothing),
+        # where the step's head forms the records (a buffer passed), the launches read them as formed
+        "  adam_launch_all": (lambda: ext.adam_launch_all(natives, shards, hparams, touched, skip, records,
+                                                          None if records is not None else table), nothing),
         "torch._fused_adamw_": (lambda: torch._fused_adamw_(
             ref_params, ref_grads, ref_m, ref_v, [], ref_steps, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,
             eps=1e-8, amsgrad=False, maximize=False), nothing),

@@ -50,9 +50,13 @@ void register_grad_stager(py::module& m);  // grad_stager.cpp
 
 namespace {
 
-void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name) {
-  SHARDAMP_CHECK(t.device() == ref.device(), "adam_step: ", name, " is on ", t.device(), ", grad on ", ref.device());
+void check_same_device(const at::Tensor& ref, const at::Tensor& t, const char* name, const char* fn = "adam_step",
+                       const char* ref_name = "grad") {
+  SHARDAMP_CHECK(t.device() == ref.device(), fn, ": ", name, " is on ", t.device(), ", ", ref_name, " on ", ref.device());
 }
+
+// The kernels read a segment's record as three float4: 16-byte aligned records.
+bool records_aligned(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 void check_flat(const at::Tensor& ref, const at::Tensor& t, const char* name) {
   check_same_device(ref, t, name);
@@ -127,18 +131,18 @@ void grad_stats(const at::Tensor& grad, at::Tensor out, double norm_type) {
 
 // The step's scalar inputs, shared by adam_step and adam_prepare: hparams fp64 [G, 5]; steps,
 // touched (one per param), grad_coef and found_inf (one element) contiguous, of a supported
-// dtype, on ``ref``'s device.
+// dtype, on ``ref``'s device (``ref_name``: what the error calls it).
 void check_step_scalars(const at::Tensor& ref, const at::Tensor& hparams, const at::Tensor& steps,
                         const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                        const char* fn) {
+                        const char* fn, const char* ref_name) {
   SHARDAMP_CHECK(hparams.scalar_type() == at::kDouble && hparams.dim() == 2 && hparams.size(1) == 5 &&
                      hparams.is_contiguous(),
                  fn, ": hparams must be a contiguous fp64 [G, 5] tensor");
-  check_same_device(ref, hparams, "hparams");
+  check_same_device(ref, hparams, "hparams", fn, ref_name);
   const std::pair<const at::Tensor*, const char*> scalars[] = {
       {&steps, "steps"}, {&touched, "touched"}, {&grad_coef, "grad_coef"}, {&found_inf, "found_inf"}};
   for (const auto& [t, name] : scalars) {
-    check_same_device(ref, *t, name);
+    check_same_device(ref, *t, name, fn, ref_name);
     SHARDAMP_CHECK(t->is_contiguous(), fn, ": ", name, " must be contiguous");
     (void)scalar_code(*t);  // rejects unsupported dtypes before any kernel runs
   }
@@ -178,11 +182,11 @@ void adam_step_of(const at::Tensor& grad, const at::Tensor& master, const at::Te
   }
   SHARDAMP_CHECK(segments.is_contiguous(), "adam_step: segments must be contiguous");
   check_same_device(grad, segments, "segments");
-  check_step_scalars(grad, hparams, steps, touched, grad_coef, found_inf, "adam_step");
+  check_step_scalars(grad, hparams, steps, touched, grad_coef, found_inf, "adam_step", "grad");
   if (records) {  // adam_prepare's records of several shards: this shard's start at record_offset
     check_same_device(grad, *records, "records");
-    SHARDAMP_CHECK(records->scalar_type() == at::kFloat && records->is_contiguous() && record_offset >= 0 &&
-                       (record_offset + segments.size(0)) * kRecordFloats <= records->numel(),
+    SHARDAMP_CHECK(records->scalar_type() == at::kFloat && records->is_contiguous() && records_aligned(*records) &&
+                       record_offset >= 0 && (record_offset + segments.size(0)) * kRecordFloats <= records->numel(),
                    "adam_step: records must be adam_prepare's result over a table holding this shard's ",
                    segments.size(0), " segments from record_offset ", record_offset);
   }
@@ -397,23 +401,23 @@ void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts) 
                l.shape, parts);
 }
 
-// adam_prepare's checks of its arguments (CUDA only): the segment table int64 [S, 4], the step's
-// scalar inputs, and ``out`` (where given) a contiguous fp32 tensor of at least S records on the
-// table's device.
-static void check_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                          const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                          const c10::optional<at::Tensor>& out) {
+// adam_prepare's checks of its arguments (fused_step.h).
+void check_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                   const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                   const c10::optional<at::Tensor>& out) {
   SHARDAMP_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 4 &&
                      segments.is_contiguous(),
                  "adam_prepare: segments must be a contiguous int64 [S, 4] tensor");
-  check_step_scalars(segments, hparams, steps, touched, grad_coef, found_inf, "adam_prepare");
+  check_step_scalars(segments, hparams, steps, touched, grad_coef, found_inf, "adam_prepare", "segments");
   if (out) {
-    check_same_device(segments, *out, "out");
-    SHARDAMP_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() &&
+    check_same_device(segments, *out, "out", "adam_prepare", "segments");
+    SHARDAMP_CHECK(out->scalar_type() == at::kFloat && out->is_contiguous() && records_aligned(*out) &&
                        out->numel() >= segments.size(0) * kRecordFloats,
-                   "adam_prepare: out must be a contiguous fp32 tensor of at least ", segments.size(0) * kRecordFloats,
-                   " elements (", kRecordFloats, " a segment)");
+                   "adam_prepare: out must be a contiguous, 16-byte aligned fp32 tensor of at least ",
+                   segments.size(0) * kRecordFloats, " elements (", kRecordFloats,
+                   " a segment): StepRecords.records");
   }
+  // last: the checks above are the same on every device (a CPU build tests them)
   SHARDAMP_CHECK(segments.is_cuda(), "adam_prepare: CUDA tensors only (the CPU step forms its scalars per chunk)");
 }
 
@@ -432,14 +436,6 @@ at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hp
 #endif
 }
 
-#if defined(SHARDAMP_WITH_CUDA)
-PrepareArgs checked_prepare_args(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                                 bool bias_correction, at::Tensor& records) {
-  check_prepare(segments, hparams, steps, touched, grad_coef, found_inf, records);
-  return cuda::prepare_args(segments, hparams, steps, touched, grad_coef, found_inf, bias_correction, records);
-}
-#endif
 void register_bindings(py::module& m);
 }  // namespace shardamp
 
@@ -500,6 +496,7 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
 #endif
   m.attr("CHUNK") = shardamp::kChunk;
   m.attr("CUDA_CHUNK") = shardamp::kCudaChunk;
+  m.attr("RECORD_FLOATS") = shardamp::kRecordFloats;
   m.def("cpu_capability", &shardamp::cpu::capability, "Which CPU kernel build runs here");
   m.attr("WITH_CUDA") =
 #if defined(SHARDAMP_WITH_CUDA)

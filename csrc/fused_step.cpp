@@ -82,7 +82,25 @@ namespace {
 // The most stats plus step counts one block's launch finishes and advances (stats_step's head):
 // beyond it (tens of thousands of params) the separate launches spread them over more blocks.
 constexpr int64_t kHeadElements = int64_t{1} << 16;
+// The most segment records the head forms too: 8 a thread of its 256, each two fp64 powers, a
+// few microseconds of one SM at most, where the prepare launch it saves costs the host ~10 us
+// right after a backward; beyond it the prepare kernel spreads them over the GPU.
+constexpr int64_t kHeadSegments = 2048;
 #endif
+
+// The checks of the records' prepare of a step's launches (``prepare``: the segment table;
+// ``records``: the buffer it forms them into), made before the step's first kernel so that a
+// refused argument leaves the step counts and the health untouched; ``records`` without
+// ``prepare`` would be last step's records, read as this step's.
+void check_step_records(const char* fn, const std::vector<AdamLaunch*>& launches, const at::Tensor& hparams,
+                        const at::Tensor& touched, const at::Tensor& skip_out,
+                        const c10::optional<at::Tensor>& prepare, const c10::optional<at::Tensor>& records) {
+  SHARDAMP_CHECK(!records || prepare, fn, ": records is the buffer prepare forms them into (pass the segment table "
+                 "as prepare too)");
+  if (!prepare || launches.empty()) return;
+  const AdamLaunch& first = *launches.front();
+  check_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, skip_out, records);
+}
 
 void check_finish(int64_t numel, int64_t end, double norm_type, const std::vector<std::pair<int64_t, int64_t>>& views) {
   SHARDAMP_CHECK(end >= 2 && end <= numel, "stats_finish: end must lie in [2, stats.numel()]");
@@ -214,6 +232,7 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
                  const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                  const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
                  const c10::optional<at::Tensor>& records) {
+  check_step_records("step_launch", launches, hparams, touched, skip_out, prepare, records);
   checked_step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale,
                        avg, skip_above, counters, record, ranks, record_host);
   adam_launch_all(launches, grads, hparams, touched, skip_out, records, prepare);
@@ -253,13 +272,14 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
     const StepHealth health = checked_step_health(coef_out, base, c10::nullopt, out[2], steps, touched, skip_out,
                                                   out[1], inv_scale, avg, skip_above, counters, record, ranks,
                                                   record_host);
-    // the records too where they go to a persistent buffer and one block forms them as fast
-    const bool with_records = prepare && records && !launches.empty() && prepare->size(0) <= kHeadElements;
+    check_step_records("stats_step", launches, hparams, touched, skip_out, prepare, records);
+    // the records too where they go to the optimizer's buffer and are few enough for one block
+    const bool with_records = prepare && records && !launches.empty() && prepare->size(0) <= kHeadSegments;
     PrepareArgs prep;
     if (with_records) {
       const AdamLaunch& first = *launches.front();
-      prep = checked_prepare_args(*prepare, hparams, first.steps, touched, first.grad_coef, skip_out,
-                                  first.bias_correction, *records);
+      prep = cuda::prepare_args(*prepare, hparams, first.steps, touched, first.grad_coef, skip_out,
+                                first.bias_correction, *records);
     }
     cuda::stats_step_head(parts, out[0], end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health,
                           with_records ? &prep : nullptr);
@@ -343,7 +363,7 @@ void register_fused_step(pybind11::module_& m) {
         py::arg("parts"), py::arg("end"), py::arg("norm_type"), py::arg("views"));
   m.def("step_launch", &step_launch,
         "step_scalars with the step's health, then adam_launch_all skipping on skip_out: the one-shard-rank step in one "
-        "call (positional arguments: step_scalars', then launches, grads, hparams, prepare)");
+        "call (positional arguments: step_scalars', then launches, grads, hparams, prepare, records)");
   m.def("stats_step", &stats_step,
         "stats_cat_finish, then step_launch over its results (touched and the ranks count: views of the stats; no "
         "clip): a one-process step whose stats nothing asked for before it, in one call; returns [stats, norm, "

@@ -56,13 +56,11 @@ void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts);
 at::Tensor checked_adam_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
                                 bool bias_correction, const c10::optional<at::Tensor>& out);
-#if defined(SHARDAMP_WITH_CUDA)
-struct PrepareArgs;  // segment_record.h
-// adam_prepare's checks, then its inputs as a launch's arguments writing into `records` (CUDA)
-PrepareArgs checked_prepare_args(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
-                                 const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
-                                 bool bias_correction, at::Tensor& records);
-#endif
+// adam_prepare's checks (CUDA segments; ``out``, where given, a contiguous 16-byte aligned fp32
+// tensor of a record per segment on their device), made before any kernel of a step runs
+void check_prepare(const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
+                   const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
+                   const c10::optional<at::Tensor>& out);
 
 // fused_step.cpp: the launch objects' runs (bound as adam_launch, adam_launch_all)
 void adam_launch(const AdamLaunch& l);

@@ -1,7 +1,8 @@
 // The CUDA step's per-segment records (adam_prepare -> adam_step's `records`): what forms one, for
 // the prepare kernel (cuda/adam_step.cu) and for the one-process step's head launch
 // (cuda/step_scalars.cu), which forms them after the step's scalars in the same launch. Plain
-// pointers and flags, so the host code that fills them (fused_step.cpp) needs no CUDA headers.
+// pointers and flags (cuda::prepare_args fills them), so the host code that hands them to the
+// head (fused_step.cpp) needs no CUDA headers.
 #pragma once
 
 #include "common.h"

@@ -124,6 +124,60 @@ def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
     assert max(e[2] for e in eager) > 2.0**10  # the scale grew too, inside the graph
 
 
+def _plain_iteration(model, opt, x, y):
+    opt.zero_grad(set_to_none=True)
+    loss = nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    return loss
+
+
+def test_an_unclipped_step_without_a_scaler_in_a_cuda_graph_matches_eager() -> None:
+    """No scaler and no clip: the step finishes its stats in its own native call, the finish,
+    the scalars and the records in one launch into the optimizer's records buffer. Captured and
+    replayed, it matches eager; the inf step is skipped inside the graph too."""
+    torch.manual_seed(0)
+    model = MLP().cuda()
+    eager_model = copy.deepcopy(model)
+    opt, eager_opt = (DistributedFusedAdam(m.parameters(), lr=torch.tensor(2e-2, device="cuda"), weight_decay=0.01,
+                                           capturable=True) for m in (model, eager_model))
+    static_x, static_y = _data(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for step in range(WARMUP):
+            x, y = _data(step)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            _plain_iteration(model, opt, static_x, static_y)
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = _plain_iteration(model, opt, static_x, static_y)
+
+    eager = []
+    for step in range(STEPS):
+        loss = _plain_iteration(eager_model, eager_opt, *_data(step))
+        eager.append((float(loss), [p.detach().clone() for p in eager_model.parameters()]))
+    for step in range(WARMUP, STEPS):
+        x, y = _data(step)
+        static_x.copy_(x)
+        static_y.copy_(y)
+        before = [p.detach().clone() for p in model.parameters()]
+        graph.replay()
+        torch.cuda.synchronize()
+        e_loss, e_params = eager[step]
+        if step == INF_AT:
+            for a, b in zip(before, model.parameters()):
+                assert torch.equal(a, b)  # skipped inside the graph
+        else:
+            assert float(static_loss) == pytest.approx(e_loss, rel=1e-5)
+        for a, b in zip(model.parameters(), e_params):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert opt.step_stats()["skipped_nonfinite"] == eager_opt.step_stats()["skipped_nonfinite"] == 1
+
+
 SPIKE_AT, SPIKE_ABOVE = 14, 100.0
 
 

@@ -34,6 +34,11 @@ def _step_kernels(groups: int, clip: bool) -> tuple:
         if clip:
             opt.clip_grad_norm(1.0)
 
+    return _counted_step(opt, backward), len(opt._buckets)
+
+
+def _counted_step(opt: DistributedFusedAdam, backward) -> Counter:
+    """The kernels of one ``opt.step()`` after ``backward()``, three steps in."""
     for _ in range(3):
         backward()
         opt.step()
@@ -52,7 +57,7 @@ def _step_kernels(groups: int, clip: bool) -> tuple:
             counts[hit] += 1
         elif "adam_kernel" in evt.name:
             counts["adam"] += 1
-    return counts, len(opt._buckets)
+    return counts
 
 
 @pytest.mark.skipif(kernels.backend(torch.device("cuda")) != "native", reason="needs the CUDA kernels")
@@ -74,3 +79,21 @@ def test_clipped_step_launches_its_scalars_alone() -> None:
     assert counts["stats_step_head_kernel"] == 0 and counts["stats_gather_finish_kernel"] == 0, counts
     assert counts["step_scalars_kernel"] == counts["prepare_kernel"] == 1, counts
     assert counts["adam"] == buckets, counts
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cuda")) != "native", reason="needs the CUDA kernels")
+def test_more_records_than_the_head_forms_take_the_prepare_launch() -> None:
+    # 2,100 params, a segment each: past the 2,048 records the head's one block forms, so the
+    # prepare kernel forms them (over the GPU) between the head and the updates
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(4, device="cuda")) for _ in range(2100)]
+    opt = DistributedFusedAdam(params, lr=1e-3)
+    x = torch.randn(4, device="cuda")
+
+    def backward() -> None:
+        opt.zero_grad()
+        torch.stack([(p * x).sum() for p in params]).square().mean().backward()
+
+    counts = _counted_step(opt, backward)
+    assert counts["stats_step_head_kernel"] == 1 and counts["prepare_kernel"] == 1, counts
+    assert counts["adam"] == len(opt._buckets), counts

@@ -140,14 +140,47 @@ def test_one_prepare_for_several_shards(device):
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
 def test_prepare_into_a_buffer_checks_it():
     """adam_prepare's ``out`` (StepRecords' buffer) must hold a record per segment, fp32 and
-    contiguous: a wrong one is refused by name before anything runs."""
+    contiguous and 16-byte aligned (the kernels read a record as three float4): a wrong one is
+    refused by name before anything runs."""
     ext = kernels.native_module(torch.device("cpu"))
     table = torch.zeros((3, 4), dtype=torch.int64)
     hparams = torch.zeros((1, 5), dtype=torch.float64)
     steps, touched = torch.zeros(1), torch.ones(1)
     coef, found_inf = torch.ones(()), torch.zeros(())
-    for bad in (torch.empty(3 * 12 - 1), torch.empty(3 * 12, dtype=torch.float64), torch.empty(3 * 24)[::2]):
-        with pytest.raises(RuntimeError, match="adam_prepare: out must be a contiguous fp32 tensor of at least 36"):
+    for bad in (torch.empty(3 * 12 - 1), torch.empty(3 * 12, dtype=torch.float64), torch.empty(3 * 24)[::2],
+                torch.empty(3 * 12 + 1)[1:]):  # short, fp64, strided, 4 bytes off a 16-byte boundary
+        with pytest.raises(RuntimeError, match="adam_prepare: out must be a contiguous, 16-byte aligned fp32 tensor "
+                                               "of at least 36"):
             ext.adam_prepare(table, hparams, steps, touched, coef, found_inf, True, bad)
     with pytest.raises(RuntimeError, match="adam_prepare: CUDA tensors only"):  # a fitting buffer: the device's turn
         ext.adam_prepare(table, hparams, steps, touched, coef, found_inf, True, torch.empty(36))
+
+
+@pytest.mark.native_raises
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+def test_records_without_their_table_are_refused_before_the_step_runs(monkeypatch):
+    """The step's native call forms its records into ``records`` from ``prepare`` (the segment
+    table): records alone would be the last step's, read as this step's. Refused before the
+    step's first kernel: the step counts and the health counters stay as they were."""
+    from shardamp.optim import DistributedFusedAdam
+
+    ext = kernels.native_module(torch.device("cpu"))
+    real, seen = ext.stats_step, {}
+
+    def capture(*args):
+        seen["args"] = args
+        return real(*args)
+
+    monkeypatch.setattr(ext, "stats_step", capture)
+    model = torch.nn.Linear(4, 3)
+    opt = DistributedFusedAdam(model.parameters(), lr=0.1)
+    opt.zero_grad()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    args = seen["args"]
+    steps, counters = args[9], args[14]  # stats_step's positional step counts and health counters
+    before = steps.clone(), counters.clone()
+    assert float(steps.sum()) == 2  # the call was made, and advanced both params' counts
+    with pytest.raises(RuntimeError, match="records is the buffer prepare forms them into"):
+        real(*args[:-2], None, torch.zeros(24))
+    assert torch.equal(steps, before[0]) and torch.equal(counters, before[1])

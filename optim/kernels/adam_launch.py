@@ -19,8 +19,6 @@ from .dispatch import _NATIVE_DTYPES, _host_rows, _native
 from .quant import QuantizedShard
 from .launch_config import chunk_size, chunk_table, knobs, light_state, shard_chunks, store
 
-RECORD_FLOATS = 12  # a segment's record on CUDA (csrc/common.h kRecordFloats: nine scalars, a skip flag, padding)
-
 
 _NO_GRAD = torch.empty(0)  # what a native launch holds between steps in place of the released grad shard
 
@@ -250,10 +248,12 @@ class StepRecords:
             host = torch.tensor(rows, dtype=torch.int64).pin_memory()
             self._pinned = host  # alive until the non-blocking copy is done (and for graph replays)
             self.table = host.to(device, non_blocking=True)
-            self.records = torch.empty(len(rows) * RECORD_FLOATS, dtype=torch.float32, device=device)
+            self.records = torch.empty(len(rows) * self.ext.RECORD_FLOATS, dtype=torch.float32, device=device)
 
     def compute(self, hparams: Tensor, steps: Tensor, touched: Tensor, grad_coef: Tensor, found_inf: Tensor,
                 bias_correction: bool) -> Optional[Tensor]:
+        """This step's records formed into :attr:`records` (one launch), which is returned: the
+        next call overwrites it, in stream order; None where there is nothing to prepare (CPU)."""
         if self.table is None:
             return None
         return self.ext.adam_prepare(self.table, hparams, steps, touched, grad_coef, found_inf, bias_correction,
