@@ -59,11 +59,14 @@ def _iteration(model, opt, scaler, x, y):
     return loss, norm
 
 
-def _warm_up_and_capture(model, opt, scaler, batch: Callable[[int], Any]):
+def _warm_up_and_capture(model, opt, scaler, batch: Callable[[int], Any], iteration: Optional[Callable] = None):
     """What a user does: WARMUP eager iterations on a side stream over static input tensors (on
     several ranks this also sets up NCCL's connections for exactly the collectives the graph
-    will hold), then one iteration captured. Returns the graph, the static inputs and the
-    static loss and norm it writes."""
+    will hold), then one iteration captured. ``iteration(x, y)``: one iteration (default: the
+    scaler's loop, :func:`_iteration`). Returns the graph, the static inputs and what the captured
+    iteration returned."""
+    if iteration is None:
+        iteration = lambda x, y: _iteration(model, opt, scaler, x, y)  # noqa: E731
     static_x, static_y = batch(0)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -72,14 +75,26 @@ def _warm_up_and_capture(model, opt, scaler, batch: Callable[[int], Any]):
             x, y = batch(step)
             static_x.copy_(x)
             static_y.copy_(y)
-            _iteration(model, opt, scaler, static_x, static_y)
+            iteration(static_x, static_y)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()  # no warm-up collective still in flight when capture begins
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_loss, static_norm = _iteration(model, opt, scaler, static_x, static_y)
-    return graph, static_x, static_y, static_loss, static_norm
+        static_out = iteration(static_x, static_y)
+    return graph, static_x, static_y, static_out
+
+
+def _replay(graph, static_x, static_y, model, step: int) -> List[torch.Tensor]:
+    """Step ``step``'s batch into the static inputs, one replay, synchronized; returns the
+    params as they were before it."""
+    x, y = _data(step)
+    static_x.copy_(x)
+    static_y.copy_(y)
+    before = [p.detach().clone() for p in model.parameters()]
+    graph.replay()
+    torch.cuda.synchronize()
+    return before
 
 
 def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
@@ -89,7 +104,7 @@ def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
     opt, scaler = _setup(model)
     eager_opt, eager_scaler = _setup(eager_model)
 
-    graph, static_x, static_y, static_loss, static_norm = _warm_up_and_capture(model, opt, scaler, _data)
+    graph, static_x, static_y, (static_loss, static_norm) = _warm_up_and_capture(model, opt, scaler, _data)
 
     eager = []
     for step in range(STEPS):
@@ -102,12 +117,7 @@ def test_whole_iteration_in_a_cuda_graph_matches_eager() -> None:
     for step in range(WARMUP, STEPS):
         if step == LR_CHANGE_AT:
             opt.param_groups[0]["lr"].fill_(5e-3)  # what an LR scheduler does with a tensor lr
-        x, y = _data(step)
-        static_x.copy_(x)
-        static_y.copy_(y)
-        before = [p.detach().clone() for p in model.parameters()]
-        graph.replay()
-        torch.cuda.synchronize()
+        before = _replay(graph, static_x, static_y, model, step)
         e_loss, e_norm, e_scale, e_params = eager[step]
         assert scaler.get_scale() == e_scale, f"step {step}"
         if step == INF_AT:
@@ -141,32 +151,15 @@ def test_an_unclipped_step_without_a_scaler_in_a_cuda_graph_matches_eager() -> N
     eager_model = copy.deepcopy(model)
     opt, eager_opt = (DistributedFusedAdam(m.parameters(), lr=torch.tensor(2e-2, device="cuda"), weight_decay=0.01,
                                            capturable=True) for m in (model, eager_model))
-    static_x, static_y = _data(0)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for step in range(WARMUP):
-            x, y = _data(step)
-            static_x.copy_(x)
-            static_y.copy_(y)
-            _plain_iteration(model, opt, static_x, static_y)
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_loss = _plain_iteration(model, opt, static_x, static_y)
+    graph, static_x, static_y, static_loss = _warm_up_and_capture(
+        model, opt, None, _data, lambda x, y: _plain_iteration(model, opt, x, y))
 
     eager = []
     for step in range(STEPS):
         loss = _plain_iteration(eager_model, eager_opt, *_data(step))
         eager.append((float(loss), [p.detach().clone() for p in eager_model.parameters()]))
     for step in range(WARMUP, STEPS):
-        x, y = _data(step)
-        static_x.copy_(x)
-        static_y.copy_(y)
-        before = [p.detach().clone() for p in model.parameters()]
-        graph.replay()
-        torch.cuda.synchronize()
+        before = _replay(graph, static_x, static_y, model, step)
         e_loss, e_params = eager[step]
         if step == INF_AT:
             for a, b in zip(before, model.parameters()):
@@ -191,7 +184,7 @@ def test_step_health_inside_a_cuda_graph() -> None:
     opt = DistributedFusedAdam(model.named_parameters(), lr=torch.tensor(2e-2, device="cuda"), weight_decay=0.01,
                                capturable=True, skip_grad_norm_above=SPIKE_ABOVE)
     scaler = ShardedGradScaler("cuda", init_scale=2.0**10, growth_interval=4)
-    graph, static_x, static_y, _loss, static_norm = _warm_up_and_capture(model, opt, scaler, _data)
+    graph, static_x, static_y, (_loss, static_norm) = _warm_up_and_capture(model, opt, scaler, _data)
     applied, scale = WARMUP, scaler.get_scale()
     for step in range(WARMUP, STEPS):
         x, y = _data(step)
@@ -234,7 +227,7 @@ def _graph_vs_eager_on_ranks(rank: int, world: int) -> Dict[str, List[Dict[str, 
     # the eager twin gets its own group: one DistributedFusedAdam per process group (docs/known-limits.md)
     eager_opt, eager_scaler = _setup(eager_model, dist.new_group(list(range(world))))
 
-    graph, static_x, static_y, static_loss, static_norm = _warm_up_and_capture(
+    graph, static_x, static_y, (static_loss, static_norm) = _warm_up_and_capture(
         model, opt, scaler, lambda step: _data(step, rank, INF_RANK))
 
     eager = []
