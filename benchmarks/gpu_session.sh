@@ -12,7 +12,8 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # NCCL parity and AMP loops, graphs, checkpoints, FSDP2 wrappers, fault cases), frameworks (the
 # examples/*_train.py scripts on CUDA: FRAMEWORK_TESTS picks them, default all), kernel_tests
 # (kernels only), bench, host (benchmarks/bench_host.py: HOST_ROWS, HOST_REPEATS, HOST_ITERS, HOST_ARGS (more flags, split on spaces: no quoted values; give --only through HOST_ROWS); HOST_PROFILE=1 adds its --profile: tables.txt, pieces.txt), backward
-# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece), phases
+# (benchmarks/profile_backward.py: ResNet-50's backward host time, piece by piece; BACKWARD_MODEL
+# names another of bench_host's models, e.g. "mlp bf16"), phases
 # (benchmarks/host_phases.py: the MLP's host time per phase, torch against shardamp; PHASES_ARGS
 # adds flags, split on spaces: no quoted values), step_cost (benchmarks/step_host_cost.py: the MLP's
 # plain step, its native call taken apart, against torch's fused AdamW; each side's step as the tree of
@@ -135,7 +136,8 @@ if [[ " $PARTS " == *" step_cost_base "* ]]; then
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks
-  timeout "$(left 150)" python3 benchmarks/profile_backward.py --device cuda --out "$OUT/backward" 2>&1 \
+  timeout "$(left 150)" python3 benchmarks/profile_backward.py --device cuda ${BACKWARD_MODEL:+--model "$BACKWARD_MODEL"} \
+    --out "$OUT/backward" 2>&1 \
     | grep -v USDT | tail -12 | tee "$OUT/backward.log" || status=1
 fi
 if [[ " $PARTS " == *" overlap "* ]]; then

@@ -7,6 +7,11 @@ by wrapping them; and torch.profiler tables (CPU) of a few backwards of each, wr
 ``--out``. The rest of the difference is the native hook and the launches it makes.
 
     python benchmarks/profile_backward.py --device cuda       # ResNet-50 (torchvision), fp16 autocast
+    python benchmarks/profile_backward.py --device cuda --model "mlp bf16"   # the host-bound MLP
+
+``--model``: any of bench_host's model rows (benchmarks/host_models.py), built, batched and
+autocast as bench_host does; the default is ResNet-50, or its small stand-in without torchvision
+and on the CPU.
 """
 from __future__ import annotations
 
@@ -21,12 +26,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_host import backward_host  # noqa: E402
 from host_iteration import sync  # noqa: E402
-from host_models import SmallResNet  # noqa: E402
+from host_models import build_model, model_specs  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
 from shardamp.optim.sync import grad_sync, reductions
@@ -37,21 +41,18 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default="out/profile_backward")
+    ap.add_argument("--model", default="", help="one of bench_host's model rows (default: resnet50 / small resnet)")
     args = ap.parse_args()
     device = torch.device(args.device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        import torchvision.models as tv
-
-        make, batch, px, classes = tv.resnet50, 64, 160, 1000
-    except ImportError:
-        make, batch, px, classes = SmallResNet, 8, 32, 10
-    if device.type == "cpu":
-        batch = 8
-    x = torch.randn(batch, 3, px, px, device=device).contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, classes, (batch,), device=device)
-    amp = torch.float16 if device.type == "cuda" else None
+    specs = model_specs(device, device.type != "cuda")
+    name = args.model or next(n for n in ("resnet50", "small resnet") if n in specs)
+    if name not in specs:
+        raise SystemExit(f"--model {name!r}: one of {', '.join(specs)}")
+    spec = specs[name]
+    inputs, target = spec["batch"]()
+    amp = spec["amp"]
 
     spent = collections.Counter()
     calls = collections.Counter()
@@ -95,12 +96,11 @@ def main() -> None:
                                 rank=0, world_size=1)
 
         def build() -> torch.nn.Module:
-            torch.manual_seed(0)
-            return make().to(device).to(memory_format=torch.channels_last)
+            return build_model(spec, device)
 
         def forward(m: torch.nn.Module) -> torch.Tensor:
             with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-                return F.cross_entropy(m(x), y)
+                return spec["loss"](m(*inputs), target)
 
         # the medians: bench_host's backward rows (the impls take turns every iteration)
         med = backward_host(build, forward, device, args.iters)
@@ -152,7 +152,8 @@ def main() -> None:
         for _ in range(args.iters):
             one("shardamp", True, times)
         lines = [f"{device} {torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}, torch "
-                 f"{torch.__version__}, {nparams} params, {args.iters} backwards each, {time.strftime('%Y-%m-%d')}",
+                 f"{torch.__version__}, {name}: {nparams} params, {args.iters} backwards each, "
+                 f"{time.strftime('%Y-%m-%d')}",
                  f"backward host: torch {med['torch']:.0f} us, shardamp {med['shardamp']:.0f} us, over torch "
                  f"{med['shardamp'] - med['torch']:+.0f} us ({(med['shardamp'] - med['torch']) / nparams:+.2f} us/param)"]
         lines.append(f"  with zero_grad counted: {(med['shardamp+zero_grad'] - med['torch+zero_grad']) / nparams:+.2f} "
