@@ -23,17 +23,15 @@ void adam_launch(const AdamLaunch& l) {
   checked_adam_step(l, l.part_grads.empty() ? nullptr : &parts);
 }
 
-// The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
-// launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
-// flag and records (CUDA; None on the CPU). With ``prepare`` (CUDA: the segments of every launch,
-// kernels.StepRecords' table) the records are formed first by adam_prepare over the step counts,
-// grad coefficient and bias correction the launches share (the optimizer's): into ``records``
-// where given (StepRecords' persistent buffer), else into a new tensor. Every launch lets go of
-// its grad afterwards, also when a launch or the prepare raises: the grad shards are released
-// between steps.
-void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                     const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
-                     c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
+namespace {
+
+// adam_launch_all's work (below); ``prepare_checked``: the caller made adam_prepare's checks of
+// ``prepare`` and ``records`` before the step's first kernel (check_step_records), so the
+// records are formed without making them again (microseconds of host time a step, right after a
+// backward on a GPU host).
+void launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare, bool prepare_checked) {
   struct Release {
     const std::vector<AdamLaunch*>& launches;
     ~Release() {
@@ -48,8 +46,19 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
                  " launches, ", grads.size(), " grads)");
   if (prepare && !launches.empty()) {
     const AdamLaunch& first = *launches.front();
+#if defined(SHARDAMP_WITH_CUDA)
+    if (prepare_checked) {
+      records = cuda::adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf,
+                                   first.bias_correction, records);
+    } else {
+      records = checked_adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf,
+                                     first.bias_correction, records);
+    }
+#else
+    (void)prepare_checked;  // the checks refuse a CPU table: this build forms no records
     records = checked_adam_prepare(*prepare, hparams, first.steps, touched, first.grad_coef, found_inf,
                                    first.bias_correction, records);
+#endif
   }
   for (size_t i = 0; i < launches.size(); ++i) {
     AdamLaunch& l = *launches[i];
@@ -60,6 +69,22 @@ void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector
     l.records = records;
     adam_launch(l);
   }
+}
+
+}  // namespace
+
+// The step's launches in one call (optim/kernels/dispatch.py ``launch_adam_all``): each prepared
+// launch in turn with its grad shard and this step's hyperparameter table, touched pattern, skip
+// flag and records (CUDA; None on the CPU). With ``prepare`` (CUDA: the segments of every launch,
+// kernels.StepRecords' table) the records are formed first by adam_prepare over the step counts,
+// grad coefficient and bias correction the launches share (the optimizer's): into ``records``
+// where given (StepRecords' persistent buffer), else into a new tensor. Every launch lets go of
+// its grad afterwards, also when a launch or the prepare raises: the grad shards are released
+// between steps.
+void adam_launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                     const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
+                     c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare) {
+  launch_all(launches, grads, hparams, touched, found_inf, std::move(records), prepare, false);
 }
 
 namespace cpu {
@@ -235,7 +260,7 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
   check_step_records("step_launch", launches, hparams, touched, skip_out, prepare, records);
   checked_step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale,
                        avg, skip_above, counters, record, ranks, record_host);
-  adam_launch_all(launches, grads, hparams, touched, skip_out, records, prepare);
+  launch_all(launches, grads, hparams, touched, skip_out, records, prepare, true);
 }
 
 // The whole launch sequence of a step whose stats nothing asked for before it (no clip, no
@@ -283,7 +308,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
     }
     cuda::stats_step_head(parts, out[0], end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health,
                           with_records ? &prep : nullptr);
-    adam_launch_all(launches, grads, hparams, touched, skip_out, records, with_records ? c10::nullopt : prepare);
+    launch_all(launches, grads, hparams, touched, skip_out, records, with_records ? c10::nullopt : prepare, true);
     return out;
   }
 #endif
