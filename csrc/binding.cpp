@@ -150,19 +150,20 @@ void check_step_scalars(const at::Tensor& ref, const at::Tensor& hparams, const 
   SHARDAMP_CHECK(touched.numel() == steps.numel(), fn, ": touched and steps must have one entry per param");
 }
 
-// ``parts`` (CPU): the grads where autograd left them (grad_parts.h), ``grad`` an empty tensor of
-// their dtype; the state's sizes are then checked against ``master``.
+// ``parts``: the grads where autograd left them (grad_parts.h), ``grad`` an empty tensor of their
+// dtype; the state's sizes are then checked against ``master``. CUDA reads them per segment:
+// ``spans`` are the segments' (start, length) on the host (AdamLaunch::segment_spans).
 void adam_step_of(const at::Tensor& grad, const at::Tensor& master, const at::Tensor& exp_avg,
                   const at::Tensor& exp_avg_sq, const c10::optional<at::Tensor>& model_out,
                   const at::Tensor& segments, const at::Tensor& hparams, const at::Tensor& steps,
                   const at::Tensor& touched, const at::Tensor& grad_coef, const at::Tensor& found_inf,
                   bool adam_w_mode, bool bias_correction, const c10::optional<at::Tensor>& chunks,
                   const c10::optional<at::Tensor>& records, int64_t record_offset, int64_t shape,
-                  const std::vector<GradPart>* parts) {
+                  const std::vector<GradPart>* parts, const std::vector<int64_t>* spans = nullptr) {
   SHARDAMP_CHECK(is_float_type(grad.scalar_type()), "adam_step: grad must be fp32/bf16/fp16, got ", grad.scalar_type());
   SHARDAMP_CHECK(grad.is_contiguous(), "adam_step: grad must be contiguous");
-  SHARDAMP_CHECK(parts == nullptr || (grad.is_cpu() && grad.numel() == 0),
-                 "adam_step: grad parts are for CPU shards, with an empty grad of their dtype");
+  SHARDAMP_CHECK(parts == nullptr || (grad.numel() == 0 && grad.device() == master.device()),
+                 "adam_step: grad parts come with an empty grad of their dtype on the state's device");
   const at::Tensor& ref = parts == nullptr ? grad : master;  // what the state's sizes are checked against
   SHARDAMP_CHECK(master.scalar_type() == at::kFloat || master.scalar_type() == at::kShort,
                  "adam_step: master must be fp32, or int16 remainders under a bf16 model_out (got ",
@@ -193,6 +194,15 @@ void adam_step_of(const at::Tensor& grad, const at::Tensor& master, const at::Te
 
   AdamArgs args{grad, master, exp_avg, exp_avg_sq, model_out, segments, hparams, steps, touched, grad_coef,
                 found_inf, adam_w_mode, bias_correction, parts};
+  std::vector<const void*> bases;
+  if (parts != nullptr && grad.is_cuda()) {
+    SHARDAMP_CHECK(spans != nullptr && static_cast<int64_t>(spans->size()) == 2 * segments.size(0),
+                   "adam_step: CUDA grads read in place need each segment's (start, length) on the host (the "
+                   "launch's segment_spans: ", segments.size(0), " segments)");
+    bases = segment_bases(*parts, *spans, grad.scalar_type(), "adam_step");
+    args.parts = nullptr;
+    args.bases = &bases;
+  }
   // Without a cached table, build one now: correct, but it copies the segments to the host.
   at::Tensor table = chunks ? *chunks
                             : build_chunks(segments, ref.numel(), steps.numel(), hparams.size(0),
@@ -398,7 +408,7 @@ void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double sc
 void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts) {
   adam_step_of(l.grad, l.master, l.exp_avg, l.exp_avg_sq, l.model_out, l.segments, l.hparams, l.steps, l.touched,
                l.grad_coef, l.found_inf, l.adam_w_mode, l.bias_correction, l.chunks, l.records, l.record_offset,
-               l.shape, parts);
+               l.shape, parts, &l.segment_spans);
 }
 
 // adam_prepare's checks of its arguments (fused_step.h).

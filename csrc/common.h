@@ -51,6 +51,12 @@ constexpr int64_t kCudaChunk = SHARDAMP_CUDA_CHUNK;
 // scalars, a skip flag, padding to three float4).
 constexpr int64_t kRecordFloats = 12;
 
+// The most segments of a CUDA launch whose grads are read where autograd left them (grad_parts.h):
+// each segment's grad address travels in the update launch's arguments (8 bytes each, inside the
+// portable 4 KiB of kernel arguments with the rest), and each grad's address, start and length in
+// the flags' pass's (24 bytes each). A bucket with more segments is copied into its shard.
+constexpr int64_t kHeldSegments = 128;
+
 // A chunk-table row is (start, segment << 32 | length); length <= kChunk fits 32 bits.
 SHARDAMP_HD int64_t chunk_segment(int64_t packed) { return packed >> 32; }
 SHARDAMP_HD int64_t chunk_length(int64_t packed) { return packed & 0xffffffffLL; }
@@ -260,9 +266,10 @@ struct AdamArgs {
   at::Tensor segments, hparams, steps, touched, grad_coef, found_inf;
   bool adam_w_mode;
   bool bias_correction;
-  // CPU: the grads where autograd left them (grad_parts.h), read in place; ``grad`` is then an
-  // empty tensor of their dtype
+  // the grads where autograd left them (grad_parts.h), read in place; ``grad`` is then an empty
+  // tensor of their dtype. CPU: the parts; CUDA: each segment's grad address (segment_bases)
   const std::vector<GradPart>* parts = nullptr;
+  const std::vector<const void*>* bases = nullptr;
 };
 
 }  // namespace shardamp

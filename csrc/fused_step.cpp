@@ -19,7 +19,7 @@ namespace shardamp {
 void adam_launch(const AdamLaunch& l) {
   std::vector<GradPart> parts;
   if (!l.part_grads.empty()) parts = grad_parts(l.part_grads, l.part_offsets, l.grad.scalar_type(), l.master.numel(),
-                                                "adam_launch");
+                                                "adam_launch", l.master.device());
   checked_adam_step(l, l.part_grads.empty() ? nullptr : &parts);
 }
 
@@ -372,11 +372,13 @@ void register_fused_step(pybind11::module_& m) {
       .def_readwrite("records", &shardamp::AdamLaunch::records)
       .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
       .def_readwrite("shape", &shardamp::AdamLaunch::shape)
+      .def_readwrite("segment_spans", &shardamp::AdamLaunch::segment_spans)
       .def("set_parts", [](shardamp::AdamLaunch& l, std::vector<at::Tensor> grads, std::vector<int64_t> offsets) {
              l.part_grads = std::move(grads);
              l.part_offsets = std::move(offsets);
-           }, "The next launch's grads where autograd left them (CPU): each at its offset in the shard, grad then "
-              "an empty tensor of their dtype; dropped after the launch", py::arg("grads"), py::arg("offsets"));
+           }, "The next launch's grads where autograd left them: each at its offset in the shard, grad then an "
+              "empty tensor of their dtype (CUDA: read per segment, segment_spans set); dropped after the launch",
+           py::arg("grads"), py::arg("offsets"));
   m.def("adam_launch", &adam_launch, "adam_step over a prepared AdamLaunch", py::arg("launch"));
   m.def("adam_launch_all", &adam_launch_all,
         "adam_launch over each prepared launch in turn with its grad and the step's hparams, touched, found_inf and "

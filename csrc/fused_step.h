@@ -24,10 +24,13 @@ struct AdamLaunch {
   c10::optional<at::Tensor> chunks, records;
   int64_t record_offset = 0;
   int64_t shape = 0;
-  // CPU, one process: the grads where autograd left them, each at its offset in the shard
+  // One process: the grads where autograd left them, each at its offset in the shard
   // (grad_parts.h; ``grad`` is then an empty tensor of their dtype), assigned before a launch
   std::vector<at::Tensor> part_grads;
   std::vector<int64_t> part_offsets;
+  // (start, length) of each row of ``segments``, on the host: where a CUDA launch reads each
+  // segment's grads when they are held in place (segment_bases); set once
+  std::vector<int64_t> segment_spans;
 };
 
 // fused_step.cpp: the stats' finish, bound as stats_finish (binding.cpp)

@@ -2,6 +2,8 @@
 // entry points of the kernels over parts (the step's per-group partials; tests).
 #include "grad_parts.h"
 
+#include <torch/extension.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -15,15 +17,16 @@ void group_partials_parts(const std::vector<GradPart>& parts, at::ScalarType dty
 }  // namespace cpu
 
 std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
-                                 at::ScalarType dtype, int64_t numel, const char* what) {
+                                 at::ScalarType dtype, int64_t numel, const char* what, const at::Device& device) {
   SHARDAMP_CHECK(grads.size() == offsets.size(), what, ": one offset per grad part (", grads.size(), " grads, ",
                  offsets.size(), " offsets)");
   std::vector<GradPart> parts;
   parts.reserve(grads.size());
   for (size_t i = 0; i < grads.size(); ++i) {
     const at::Tensor& g = grads[i];
-    SHARDAMP_CHECK(g.defined() && g.is_cpu() && g.scalar_type() == dtype && g.is_non_overlapping_and_dense(), what,
-                   ": grad part ", i, " must be a dense CPU tensor of ", dtype);
+    SHARDAMP_CHECK(g.defined() && g.device() == device && g.scalar_type() == dtype && g.is_non_overlapping_and_dense(),
+                   what, ": grad part ", i, " must be a dense ", device.is_cpu() ? std::string("CPU") : device.str(),
+                   " tensor of ", dtype);
     SHARDAMP_CHECK(offsets[i] >= 0 && offsets[i] + g.numel() <= numel, what, ": grad part ", i, " (", g.numel(),
                    " elements at ", offsets[i], ") does not fit in ", numel, " elements");
     // dense: its elements are the numel() from data_ptr on, in its layout's order (the param's)
@@ -37,15 +40,53 @@ std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std
   return parts;
 }
 
+std::vector<const void*> segment_bases(const std::vector<GradPart>& parts, const std::vector<int64_t>& spans,
+                                       at::ScalarType dtype, const char* what) {
+  SHARDAMP_CHECK(spans.size() % 2 == 0 && static_cast<int64_t>(spans.size() / 2) <= kHeldSegments, what,
+                 ": grads read in place take at most ", kHeldSegments, " segments (start, length each; got ",
+                 spans.size(), " numbers)");
+  const uintptr_t item = static_cast<uintptr_t>(c10::elementSize(dtype));
+  std::vector<const void*> out(spans.size() / 2, nullptr);
+  for (size_t k = 0; k < out.size(); ++k) {
+    const int64_t start = spans[2 * k], len = spans[2 * k + 1];
+    auto it = part_at(parts, start);
+    if (len == 0 || it == parts.end() || it->start > start) continue;  // no grad here: skipped
+    SHARDAMP_CHECK(start + len <= it->start + it->len, what, ": segment ", k, " (elements ", start, " to ",
+                   start + len, ") is not inside the grad part that holds its start");
+    out[k] = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(it->data) -
+                                           static_cast<uintptr_t>(it->start) * item);
+  }
+  return out;
+}
+
 bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
-                                int64_t numel, at::Tensor partial, bool assign) {
+                                int64_t numel, at::Tensor partial, bool assign, const c10::optional<at::Tensor>& rows,
+                                const c10::optional<at::Tensor>& flags) {
   SHARDAMP_CHECK(!grads.empty(), "bucket_stats_parts: no grads");
-  SHARDAMP_CHECK(partial.is_cpu() && partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
+  const at::Device device = grads.front().device();
+  SHARDAMP_CHECK(partial.device() == device && partial.scalar_type() == at::kFloat && partial.is_contiguous() &&
                      partial.numel() >= 2,
-                 "bucket_stats_parts: partial must be a contiguous CPU float32 row of at least 2");
-  const std::vector<GradPart> parts = grad_parts(grads, offsets, grads.front().scalar_type(), numel,
-                                                 "bucket_stats_parts");
-  return cpu::bucket_stats_parts(parts, grads.front().scalar_type(), numel, partial.data_ptr<float>(), assign);
+                 "bucket_stats_parts: partial must be a contiguous float32 row of at least 2 on the grads' device ",
+                 device);
+  const at::ScalarType dtype = grads.front().scalar_type();
+  const std::vector<GradPart> parts = grad_parts(grads, offsets, dtype, numel, "bucket_stats_parts", device);
+  if (device.is_cpu()) return cpu::bucket_stats_parts(parts, dtype, numel, partial.data_ptr<float>(), assign);
+#if defined(SHARDAMP_WITH_CUDA)
+  SHARDAMP_CHECK(device.is_cuda(), "bucket_stats_parts: unsupported device ", device);
+  SHARDAMP_CHECK(rows && flags, "bucket_stats_parts: CUDA grads need the bucket's rows and flags (as bucket_stats)");
+  SHARDAMP_CHECK(static_cast<int64_t>(parts.size()) <= kHeldSegments, "bucket_stats_parts: at most ", kHeldSegments,
+                 " grads on CUDA (got ", parts.size(), ")");
+  SHARDAMP_CHECK(rows->device() == device && rows->scalar_type() == at::kLong && rows->dim() == 2 &&
+                     rows->is_contiguous() && flags->device() == device && flags->scalar_type() == at::kFloat &&
+                     flags->is_contiguous() && flags->numel() >= 1,
+                 "bucket_stats_parts: rows (contiguous int64 [R, k]) and flags (contiguous float32, the 'any' "
+                 "flag last) must be on ", device);
+  at::Tensor f = *flags;
+  return cuda::bucket_stats_parts(parts, dtype, numel, *rows, f, partial, assign);
+#else
+  SHARDAMP_CHECK(false, "bucket_stats_parts: this build of the shardamp kernels has no CUDA support");
+  return false;
+#endif
 }
 
 namespace {
@@ -72,10 +113,11 @@ void group_partials_parts(const std::vector<at::Tensor>& grads, const std::vecto
                             norm_type);
 }
 
-// bucket_stats over grads held in place (tests): false where some element is inf/NaN
+// bucket_stats over grads held in place (tests): CPU, false where some element is inf/NaN
 bool bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets, int64_t numel,
-                        at::Tensor partial, bool assign) {
-  return checked_bucket_stats_parts(grads, offsets, numel, partial, assign);
+                        at::Tensor partial, bool assign, const c10::optional<at::Tensor>& rows,
+                        const c10::optional<at::Tensor>& flags) {
+  return checked_bucket_stats_parts(grads, offsets, numel, partial, assign, rows, flags);
 }
 
 }  // namespace
@@ -87,9 +129,12 @@ void register_grad_parts(pybind11::module_& m) {  // module.cpp calls it
         py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("segments"), py::arg("out"),
         py::arg("norm_type"));
   m.def("bucket_stats_parts", &bucket_stats_parts,
-        "bucket_stats' L2 partial over grads held in place into partial[0:2] (assigned where assign); False, "
-        "writing nothing, where an element is inf/NaN",
-        py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("partial"), py::arg("assign"));
+        "bucket_stats' L2 partial over grads held in place into partial[0:2] (assigned where assign). CPU: False, "
+        "writing nothing, where an element is inf/NaN. CUDA: the params' non-finite flags too (rows and flags as "
+        "bucket_stats takes them); False, launching nothing, under CUDA-graph capture",
+        py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("partial"), py::arg("assign"),
+        py::arg("rows") = py::none(), py::arg("flags") = py::none());
+  m.attr("HELD_SEGMENTS") = py::int_(kHeldSegments);
 }
 
 }  // namespace shardamp

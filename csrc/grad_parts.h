@@ -1,11 +1,11 @@
-// A bucket's grads where autograd left them (one process, CPU): each param's grad is one part of
+// A bucket's grads where autograd left them (one process): each param's grad is one part of
 // the bucket's flat index space, read in place by the flags' pass and the step instead of being
 // copied into the flat grad shard first (the zero-copy landing: optim/sync/merged_landings.py).
 // Where no part covers an element it reads as zero, as a landed shard's gaps (land_grads'
 // zero_rest) do, so the flags' pass over the parts sums exactly what it sums over the shard.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -28,10 +28,18 @@ static inline std::vector<GradPart>::const_iterator part_at(const std::vector<Gr
 }
 
 // ``grads[i]`` laid over elements [offsets[i], offsets[i] + numel) of a flat shard of ``numel``
-// elements of ``dtype``, sorted by start; each grad must be a dense CPU tensor of ``dtype`` and
-// the parts must not overlap. ``what`` names the caller in the errors.
+// elements of ``dtype``, sorted by start; each grad must be a dense tensor of ``dtype`` on
+// ``device`` and the parts must not overlap. ``what`` names the caller in the errors.
 std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
-                                 at::ScalarType dtype, int64_t numel, const char* what);
+                                 at::ScalarType dtype, int64_t numel, const char* what,
+                                 const at::Device& device = at::kCPU);
+
+// Per segment of ``spans`` (flat: start, length per segment), the address its grads are read
+// from as the shard's are (element i of the shard at [i] of a ``dtype`` array: the part's data
+// less its start), or null where no part holds the segment (a param without a grad: the step
+// skips it). A segment that starts in a part must end in it. At most kHeldSegments segments.
+std::vector<const void*> segment_bases(const std::vector<GradPart>& parts, const std::vector<int64_t>& spans,
+                                       at::ScalarType dtype, const char* what);
 
 namespace cpu {
 // bucket_stats over the parts (cpu/grad_stats_cpu.cpp): the L2 partial folded into out[0:2] (assigned
@@ -41,9 +49,26 @@ namespace cpu {
 bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, int64_t n, float* out, bool assign);
 }  // namespace cpu
 
-// The stager's zero-copy landing (stager_state.cpp): bucket_stats_parts over ``grads`` at
-// ``offsets`` of a ``numel``-element shard into ``partial``, after grad_parts' checks.
+#if defined(SHARDAMP_WITH_CUDA) || defined(__CUDACC__)
+namespace cuda {  // cuda/grad_stats.cu
+// bucket_stats over the parts (at most kHeldSegments of them, on one CUDA device): the L2 partial
+// into out[0:2] and the params' non-finite flags (``rows``, ``flags`` as bucket_stats takes them),
+// summed in the order bucket_stats sums the landed shard, so bitwise its result; true. False,
+// with nothing launched, while the current stream is being captured into a CUDA graph (the
+// grads' addresses would be baked into the graph; they change every backward).
+bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, int64_t n, const at::Tensor& rows,
+                        at::Tensor& flags, at::Tensor& out, bool assign);
+}  // namespace cuda
+#endif
+
+// The stager's zero-copy landing (stager_state.cpp): bucket_stats over ``grads`` at ``offsets``
+// of a ``numel``-element shard, read in place, after grad_parts' checks. CPU: the L2 partial
+// into ``partial``; false, nothing written, where an element is inf/NaN (``rows`` and ``flags``
+// unused: the caller lands the shard and its own pass flags it). CUDA (cuda::bucket_stats_parts):
+// the partial and the flags, whatever the values; false only where they cannot be read in place.
 bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
-                                int64_t numel, at::Tensor partial, bool assign);
+                                int64_t numel, at::Tensor partial, bool assign,
+                                const c10::optional<at::Tensor>& rows = c10::nullopt,
+                                const c10::optional<at::Tensor>& flags = c10::nullopt);
 
 }  // namespace shardamp

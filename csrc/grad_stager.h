@@ -100,8 +100,9 @@ struct StagerState {
   void land_planned(int64_t b);
 
   // land_planned's zero-copy landing of bucket b (``hold``): where every staged grad is a dense
-  // CPU tensor in its param's layout and dtype and the bucket holds no inf/NaN, its flags' pass
-  // runs over the grads in place and they are taken as held (true); else nothing changes (false)
+  // tensor on the bucket's device in its param's layout and dtype (CPU: and the bucket holds no
+  // inf/NaN; CUDA: at most kHeldSegments grads, no graph capture), its flags' pass runs over the
+  // grads in place and they are taken as held (true); else nothing changes (false)
   bool hold_planned(int64_t b, const PlanEntry& e, bool assign);
 
   // land() into `full` (allocated uninitialized: zero_rest) and the flags' and partial's pass

@@ -131,7 +131,7 @@ bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
   for (const auto& pg : pending[b]) {
     const at::Tensor& g = pg.second;
     const at::Tensor& p = params[pg.first];
-    if (!g.is_cpu() || g.scalar_type() != e.like.scalar_type() || g.is_sparse() ||
+    if (g.device() != e.like.device() || g.scalar_type() != e.like.scalar_type() || g.is_sparse() ||
         !g.is_non_overlapping_and_dense() || !p.is_non_overlapping_and_dense() || !same_layout(g, p)) {
       return false;
     }
@@ -139,7 +139,10 @@ bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
     like.push_back(p);
     offsets.push_back(offset[pg.first]);
   }
-  if (grads.empty() || !checked_bucket_stats_parts(grads, offsets, e.numel, e.partial, assign)) return false;
+  if (grads.empty() || (!e.like.is_cpu() && static_cast<int64_t>(grads.size()) > kHeldSegments) ||
+      !checked_bucket_stats_parts(grads, offsets, e.numel, e.partial, assign, e.rows, e.flags)) {
+    return false;
+  }
   for (auto& pg : pending[b]) staged[pg.first] = 0;
   plan_landed.push_back(Landed{b, at::Tensor(), std::move(like), std::move(offsets), std::move(grads)});
   pending[b].clear();

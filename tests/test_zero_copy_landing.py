@@ -48,13 +48,15 @@ def _batch(step: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _train(copy: bool, *, dtype=torch.float32, groups: int = 2, clip: bool = False, scaled: bool = False,
            bucket_cap_mb: float = 25.0, steps: int = 4, inf_at: int = -1, accumulate: int = 1,
-           read_grads: bool = False, set_to_none: "bool | str" = True, torch_ref: bool = False):
+           read_grads: bool = False, set_to_none: "bool | str" = True, torch_ref: bool = False,
+           device: str = "cpu", max_grad_norm: "float | None" = None):
     """Train Net ``steps`` steps; returns the params, the per-step held pattern of the buckets
     and the handed-out norms. ``set_to_none``: ``zero_grad``'s, or ``"alternate"`` (True at even
-    steps)."""
+    steps). ``device``: test_cuda_zero_copy.py trains on CUDA. ``max_grad_norm``: shardamp clips
+    inside its step (torch: ``clip_grad_norm_`` before it)."""
     config.configure(copy_grads=copy)
     torch.manual_seed(0)
-    model = Net().to(dtype)
+    model = Net().to(device=device, dtype=dtype)
     trained = [p for p in model.parameters() if p.requires_grad]
     if groups == 2:
         params = [{"params": [model.conv.weight, model.conv.bias, model.frozen.weight, model.frozen.bias]},
@@ -64,16 +66,17 @@ def _train(copy: bool, *, dtype=torch.float32, groups: int = 2, clip: bool = Fal
     if torch_ref:
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.05)
     else:
-        opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.05, bucket_cap_mb=bucket_cap_mb)
-    scaler = ShardedGradScaler("cpu", init_scale=2.0 ** 8) if scaled and not torch_ref else (
-        torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if scaled else None)
+        opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.05, bucket_cap_mb=bucket_cap_mb,
+                                   max_grad_norm=max_grad_norm)
+    scaler = ShardedGradScaler(device, init_scale=2.0 ** 8) if scaled and not torch_ref else (
+        torch.amp.GradScaler(device, init_scale=2.0 ** 8) if scaled else None)
     held: List[List[bool]] = []
     norms: List[float] = []
     grads_seen: List[torch.Tensor] = []
     for step in range(steps):
         opt.zero_grad(set_to_none=set_to_none if isinstance(set_to_none, bool) else step % 2 == 0)
         for k in range(accumulate):
-            loss = model(_batch(10 * step + k, dtype)).float().pow(2).mean()
+            loss = model(_batch(10 * step + k, dtype).to(device)).float().pow(2).mean()
             if step == inf_at and k == 0:
                 loss = loss * float("inf")
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -84,6 +87,8 @@ def _train(copy: bool, *, dtype=torch.float32, groups: int = 2, clip: bool = Fal
             grads_seen.append(torch.cat([read(p).flatten().float() for p in trained]))
         if scaler is not None:
             scaler.unscale_(opt)
+        if torch_ref and max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(trained, max_grad_norm)
         if clip:
             if torch_ref:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(trained, 0.5)))
@@ -265,12 +270,13 @@ def test_parts_that_overlap_or_do_not_fit_are_refused():
         ext.bucket_stats_parts([torch.ones(4, 2)[:, 0]], [0], 8, out, True)
 
 
-def _train_subsets(copy: bool, steps: int = 24, torch_ref: bool = False) -> Tuple[List[torch.Tensor], List[bool]]:
+def _train_subsets(copy: bool, steps: int = 24, torch_ref: bool = False,
+                   device: str = "cpu") -> Tuple[List[torch.Tensor], List[bool]]:
     """Eight independent params; every third step's loss reaches all of them (its bucket is
     complete: held), the others' a random subset (incomplete: landed at the end of backward)."""
     config.configure(copy_grads=copy)
     torch.manual_seed(0)
-    params = [nn.Parameter(torch.randn(11 + 3 * i)) for i in range(8)]
+    params = [nn.Parameter(torch.randn(11 + 3 * i).to(device)) for i in range(8)]
     opt = (torch.optim.AdamW if torch_ref else DistributedFusedAdam)(params, lr=1e-2, weight_decay=0.05)
     gen = torch.Generator().manual_seed(5)
     held = []

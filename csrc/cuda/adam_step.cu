@@ -25,6 +25,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <atomic>
 
 namespace shardamp {
@@ -62,6 +63,10 @@ struct Params {
   const int64_t* chunks;
   PrepareArgs prep;  // the scalar inputs and the records (prep.records: what adam_kernel reads)
   bool adam_w, vec_ok;
+  // held: the grads are read where autograd left them, segment s's from bases[s] (indexed as the
+  // shard: segment_bases; null: no grad, the segment is skipped without a read); else from grad
+  bool held;
+  const void* bases[kHeldSegments];
 };
 
 // The update of elements [lo, hi) with the scalars of record `rec`, by the threads of one block.
@@ -70,14 +75,15 @@ struct Params {
 // chunk is one iteration per thread, so a serial record fetch was a whole extra L2 round trip
 // per block). A skipped segment costs those reads, and writes nothing.
 template <typename G, typename O, typename M, typename V, bool R, int kUnroll, bool kStaged>
-__device__ __forceinline__ void update_range(const Params& P, const float4* rec, int64_t lo, int64_t hi) {
+__device__ __forceinline__ void update_range(const Params& P, const float4* rec, const void* grad, bool vec_ok,
+                                             int64_t lo, int64_t hi) {
   const float4 ra = __ldg(rec), rb = __ldg(rec + 1), rd = __ldg(rec + 2);
   const SegmentScalars s{ra.x, ra.y, ra.z, ra.w, rb.x, rb.y, rb.z, rb.w, rd.x};
   const bool skip = rd.y != 0.0f;
   using PT = std::conditional_t<R, int16_t, float>;  // the master's storage
   static_assert(!R || std::is_same_v<O, __nv_bfloat16>, "remainders live under a bf16 model_out");
   const bool adam_w = P.adam_w;
-  const G* __restrict__ g = static_cast<const G*>(P.grad);
+  const G* __restrict__ g = static_cast<const G*>(grad);
   PT* __restrict__ p = static_cast<PT*>(P.master);
   M* __restrict__ m = static_cast<M*>(P.exp_avg);
   V* __restrict__ v = static_cast<V*>(P.exp_avg_sq);
@@ -87,7 +93,7 @@ __device__ __forceinline__ void update_range(const Params& P, const float4* rec,
   // array given aligned bases (checked on the host; otherwise all scalar). Head and tail of an
   // unaligned or odd-length segment go through the scalar path below.
   int64_t vlo = hi, vhi = hi;
-  if (P.vec_ok) {
+  if (vec_ok) {
     const int64_t up = (lo + kVec - 1) / kVec * kVec;
     vlo = up < hi ? up : hi;
     vhi = vlo + (hi - vlo) / kVec * kVec;
@@ -216,8 +222,16 @@ __global__ void prepare_kernel(const PrepareArgs a) {
 template <typename G, typename O, typename M, typename V, bool R, int U, int B, bool S>
 __global__ void __launch_bounds__(kThreads, B) adam_kernel(const Params P) {
   const longlong2 row = __ldg(reinterpret_cast<const longlong2*>(P.chunks) + blockIdx.x);
-  const float4* rec = reinterpret_cast<const float4*>(P.prep.records) + 3 * chunk_segment(row.y);
-  update_range<G, O, M, V, R, U, S>(P, rec, row.x, row.x + chunk_length(row.y));
+  const int64_t seg = chunk_segment(row.y);
+  const float4* rec = reinterpret_cast<const float4*>(P.prep.records) + 3 * seg;
+  const void* grad = P.grad;
+  bool vec_ok = P.vec_ok;
+  if (P.held) {
+    grad = P.bases[seg];
+    if (grad == nullptr) return;  // no grad: untouched, so skipped (nothing to read)
+    vec_ok = vec_ok && reinterpret_cast<uintptr_t>(grad) % 16 == 0;
+  }
+  update_range<G, O, M, V, R, U, S>(P, rec, grad, vec_ok, row.x, row.x + chunk_length(row.y));
 }
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
@@ -357,7 +371,15 @@ void adam_step(const AdamArgs& a, const at::Tensor& chunks, const c10::optional<
   P.chunks = chunks.data_ptr<int64_t>();
   P.prep = scalar_inputs(a.segments, a.hparams, a.steps, a.touched, a.grad_coef, a.found_inf, a.bias_correction);
   P.adam_w = a.adam_w_mode;
-  P.vec_ok = aligned16(P.grad) && aligned16(P.master) && aligned16(P.exp_avg) && aligned16(P.exp_avg_sq) &&
+  P.held = a.bases != nullptr;
+  if (P.held) {
+    SHARDAMP_CHECK(static_cast<int64_t>(a.bases->size()) == a.segments.size(0) &&
+                       a.segments.size(0) <= kHeldSegments,
+                   "adam_step: grads read in place need one address per segment (at most ", kHeldSegments, ")");
+    std::copy(a.bases->begin(), a.bases->end(), P.bases);
+  }
+  // held grads: each segment's own address is checked in the kernel
+  P.vec_ok = (P.held || aligned16(P.grad)) && aligned16(P.master) && aligned16(P.exp_avg) && aligned16(P.exp_avg_sq) &&
              (P.model_out == nullptr || aligned16(P.model_out));
   at::Tensor own;  // without `records` (one shard alone): this shard's own prepare launch
   if (records) {

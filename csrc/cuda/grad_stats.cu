@@ -7,10 +7,12 @@
 // partials live in a scratch buffer allocated once per (device, stream) and cached.
 
 #include "../common.h"
+#include "../grad_parts.h"
 #include "device_info.cuh"
 #include "vec.cuh"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -74,6 +76,41 @@ struct FlagRows {
   int64_t any_index;
 };
 
+// A block's (acc, bad) into its partial; the last block to finish folds every partial in index
+// order into out (assigned or added) and resets the ticket counter.
+template <Norm N>
+__device__ __forceinline__ void finish(float acc, float bad, float2* __restrict__ partials,
+                                       unsigned int* __restrict__ counter, float* __restrict__ out, bool assign) {
+  const float2 part = block_reduce<N>(acc, bad);
+  __shared__ bool last;
+  if (threadIdx.x == 0) {
+    partials[blockIdx.x] = part;
+    __threadfence();  // publish the partial before taking a ticket
+    last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  float a = 0.f, b = 0.f;
+  for (int k = threadIdx.x; k < static_cast<int>(gridDim.x); k += kThreads) {
+    const float2 q = __ldcg(partials + k);  // L2: other blocks' writes, not a stale L1 line
+    a = merge<N>(a, q.x);
+    b += q.y;
+  }
+  const float2 total = block_reduce<N>(a, b);
+  if (threadIdx.x == 0) {
+    // assign: the first of a round's accumulations (out's old values are not read: no zeroing launch)
+    const float before = assign ? 0.f : out[0];
+    out[0] = N == Norm::kMax ? nan_max(before, total.x) : before + total.x;
+    if (total.y != 0.f) {
+      out[1] = assign ? 1.f : fmaxf(out[1], 1.f);  // NaN != 0 as well
+    } else if (assign) {
+      out[1] = 0.f;
+    }
+    *counter = 0u;
+  }
+}
+
 template <typename T, Norm N, bool Flags>
 __global__ void __launch_bounds__(kThreads)
 stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* __restrict__ partials,
@@ -120,34 +157,88 @@ stats_kernel(const T* __restrict__ g, int64_t n, float p, bool vec_ok, float2* _
     take(to_float(g[j]), j);
   }
 
-  const float2 part = block_reduce<N>(acc, bad);
-  __shared__ bool last;
-  if (threadIdx.x == 0) {
-    partials[blockIdx.x] = part;
-    __threadfence();  // publish the partial before taking a ticket
-    last = atomicAdd(counter, 1u) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
-  float a = 0.f, b = 0.f;
-  for (int k = threadIdx.x; k < static_cast<int>(gridDim.x); k += kThreads) {
-    const float2 q = __ldcg(partials + k);  // L2: other blocks' writes, not a stale L1 line
-    a = merge<N>(a, q.x);
-    b += q.y;
-  }
-  const float2 total = block_reduce<N>(a, b);
-  if (threadIdx.x == 0) {
-    // assign: the first of a round's accumulations (out's old values are not read: no zeroing launch)
-    const float before = assign ? 0.f : out[0];
-    out[0] = N == Norm::kMax ? nan_max(before, total.x) : before + total.x;
-    if (total.y != 0.f) {
-      out[1] = assign ? 1.f : fmaxf(out[1], 1.f);  // NaN != 0 as well
-    } else if (assign) {
-      out[1] = 0.f;
+  finish<N>(acc, bad, partials, counter, out, assign);
+}
+
+// bucket_stats over grads where autograd left them (bucket_stats_parts): part k holds elements
+// [start[k], start[k] + len[k]) of the flat shard at data[k] (sorted by start, disjoint); an
+// element no part holds reads as zero, as a landed shard's gaps. The threads walk the flat index
+// space exactly as stats_kernel walks a landed shard (16-byte aligned: vec_ok), so every element
+// meets the same thread in the same order and the sums are bitwise the same.
+struct PartTable {
+  const void* data[kHeldSegments];
+  int64_t start[kHeldSegments];
+  int64_t len[kHeldSegments];
+  int count;
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+stats_parts_kernel(const PartTable t, int64_t n, float2* __restrict__ partials, unsigned int* __restrict__ counter,
+                   float* __restrict__ out, FlagRows flag_rows, bool assign) {
+  constexpr int V = 16 / sizeof(T);
+  using Lane = float[V];
+  float acc = 0.f, bad = 0.f;
+  auto take = [&](float x, int64_t j) {
+    acc = combine<Norm::kTwo>(acc, x, 2.f);
+    const float d = x - x;
+    bad += d;
+    if (d != 0.f) flag_nonfinite(x, j, flag_rows.rows, flag_rows.n_rows, flag_rows.flags, flag_rows.any_index);
+  };
+  int c = 0;  // the part at or after this thread's element: its elements only move forward
+  auto seek = [&](int64_t j) {
+    while (c < t.count && t.start[c] + t.len[c] <= j) ++c;
+  };
+  auto element = [&](int64_t j) -> float {
+    seek(j);
+    return c < t.count && t.start[c] <= j ? to_float(static_cast<const T*>(t.data[c])[j - t.start[c]]) : 0.f;
+  };
+  auto load = [&](int64_t i, Lane& f) {  // the 16 bytes of vector i, as stats_kernel's unpack reads them
+    const int64_t j = i * V;
+    seek(j);
+    if (c < t.count && t.start[c] <= j && j + V <= t.start[c] + t.len[c]) {
+      const T* src = static_cast<const T*>(t.data[c]) + (j - t.start[c]);
+      if (reinterpret_cast<uintptr_t>(src) % 16 == 0) {
+        unpack(__ldcs(reinterpret_cast<const uint4*>(src)), src, f);
+        return;
+      }
     }
-    *counter = 0u;
+#pragma unroll
+    for (int k = 0; k < V; ++k) f[k] = element(j + k);
+  };
+
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
+  const int64_t nvec = n / V;
+  int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < nvec; i += kUnroll * stride) {
+    Lane f[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load(i + u * stride, f[u]);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+      for (int k = 0; k < V; ++k) take(f[u][k], (i + u * stride) * V + k);
+    }
   }
+  for (; i < nvec; i += stride) {
+    Lane f;
+    load(i, f);
+#pragma unroll
+    for (int k = 0; k < V; ++k) take(f[k], i * V + k);
+  }
+  for (int64_t j = nvec * V + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; j < n; j += stride) {
+    take(element(j), j);
+  }
+  finish<Norm::kTwo>(acc, bad, partials, counter, out, assign);
+}
+
+// The blocks of a stats pass over n elements of T (stats_kernel, stats_parts_kernel alike).
+template <typename T>
+int stats_blocks(int64_t n, int device) {
+  constexpr int V = 16 / sizeof(T);
+  const int sms = multiprocessors(device);
+  const int64_t want = (n / V + kThreads * kUnroll - 1) / (kThreads * kUnroll);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, int64_t(4) * sms, kMaxBlocks})));
 }
 
 // One scratch buffer per (device, stream): kMaxBlocks float2 partials, then the ticket counter.
@@ -170,10 +261,7 @@ void launch(const at::Tensor& grad, at::Tensor& out, float p, FlagRows flag_rows
   const int64_t n = grad.numel();
   const T* g = reinterpret_cast<const T*>(grad.data_ptr());
   const bool vec_ok = reinterpret_cast<uintptr_t>(g) % 16 == 0;
-  constexpr int V = 16 / sizeof(T);
-  const int sms = multiprocessors(grad.get_device());
-  const int64_t want = (n / V + kThreads * kUnroll - 1) / (kThreads * kUnroll);
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>({want, int64_t(4) * sms, kMaxBlocks})));
+  const int blocks = stats_blocks<T>(n, grad.get_device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   at::Tensor buf = scratch_for(grad, stream);
   float* base = buf.data_ptr<float>();
@@ -331,6 +419,49 @@ void bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Tensor& fl
     case at::kHalf: return launch_bucket_stats<__half>(full, rows, flags, out, assign);
     default: SHARDAMP_CHECK(false, "bucket_stats: unsupported dtype ", full.scalar_type());
   }
+}
+
+namespace {
+
+template <typename T>
+void launch_bucket_stats_parts(const PartTable& table, int64_t n, const at::Tensor& rows, at::Tensor& flags,
+                               at::Tensor& out, bool assign) {
+  const FlagRows flag_rows{rows.data_ptr<int64_t>(), rows.size(0), flags.data_ptr<float>(), flags.numel() - 1};
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  at::Tensor buf = scratch_for(out, stream);
+  float* base = buf.data_ptr<float>();
+  stats_parts_kernel<T><<<stats_blocks<T>(n, out.get_device()), kThreads, 0, stream>>>(
+      table, n, reinterpret_cast<float2*>(base), reinterpret_cast<unsigned int*>(base + 2 * kMaxBlocks),
+      out.data_ptr<float>(), flag_rows, assign);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, int64_t n, const at::Tensor& rows,
+                        at::Tensor& flags, at::Tensor& out, bool assign) {
+  SHARDAMP_CHECK(static_cast<int64_t>(parts.size()) <= kHeldSegments, "bucket_stats_parts: at most ", kHeldSegments,
+                 " grads (got ", parts.size(), ")");
+  const c10::cuda::CUDAGuard guard(out.device());
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) return false;
+  if (n == 0) {
+    if (assign) out.zero_();
+    return true;
+  }
+  PartTable table{};
+  table.count = static_cast<int>(parts.size());
+  for (size_t k = 0; k < parts.size(); ++k) {
+    table.data[k] = parts[k].data;
+    table.start[k] = parts[k].start;
+    table.len[k] = parts[k].len;
+  }
+  switch (dtype) {
+    case at::kFloat: launch_bucket_stats_parts<float>(table, n, rows, flags, out, assign); break;
+    case at::kBFloat16: launch_bucket_stats_parts<__nv_bfloat16>(table, n, rows, flags, out, assign); break;
+    case at::kHalf: launch_bucket_stats_parts<__half>(table, n, rows, flags, out, assign); break;
+    default: SHARDAMP_CHECK(false, "bucket_stats_parts: unsupported dtype ", dtype);
+  }
+  return true;
 }
 
 }  // namespace cuda

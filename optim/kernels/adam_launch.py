@@ -118,6 +118,8 @@ def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor, tuned
             touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
             adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
         native.record_offset = launch.record_offset
+        # where each segment's grads are read when they are held in place (CUDA: per segment)
+        native.segment_spans = [n for seg in launch.segments.segments for n in (seg.start, seg.length)]
     light = light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, grad.dtype)
     native.chunks = shard_chunks(ext, launch.segments, grad.device, launch.master.numel(), launch.steps, hparams, light)
     native.shape = tuned[0] if tuned is not None else 0
@@ -168,7 +170,7 @@ def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[in
     """The extension's launch objects of ``launches[i]`` for each ``i`` of ``order`` that has
     segments, and their grad shards; ``(None, [])`` if some launch does not take the compiled
     kernels (its state kinds). Where ``grads`` holds a bucket's grads in place
-    (``shards.buffers.ShardGrads.for_step``: one process, CPU) its launch is handed them
+    (``shards.buffers.ShardGrads.for_step``: one process) its launch is handed them
     (``set_parts``, the launch then drops them) and an empty tensor stands in for its shard, so
     no shard is made for the step; the caller must launch what this returns."""
     natives, shards, parts = [], [], []

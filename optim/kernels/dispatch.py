@@ -234,13 +234,31 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
     ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
 
 
-def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float) -> None:
+def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> bool:
+    """Whether the compiled kernels for ``device`` read a bucket's grads where autograd left them
+    (the zero-copy landing, ``shards.buffers.HeldGrads``) for buckets of ``segment_counts``
+    segments: on the CPU always; on CUDA where every bucket has at most ``HELD_SEGMENTS`` (their
+    addresses travel in the launches' arguments) and the kernels have the in-place reads."""
+    ext = _native(device)
+    if ext is None or not hasattr(ext, "bucket_stats_parts"):
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and max(segment_counts, default=0) <= getattr(ext, "HELD_SEGMENTS", -1)
+
+
+def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float) -> bool:
     """:func:`group_partials` over a bucket's grads held where autograd left them
-    (``shards.buffers.HeldGrads``: one process, CPU; only the compiled stager holds them, so the
-    compiled kernels are there), the same sums as over its landed shard."""
+    (``shards.buffers.HeldGrads``: one process; only the compiled stager holds them, so the
+    compiled kernels are there), the same sums as over its landed shard. Returns False, doing
+    nothing, on CUDA (no kernel reads the groups' partials in place there: the caller reads the
+    bucket's shard, which lands it)."""
+    if held.marker.device.type != "cpu":
+        return False
     if segments.segments:
         _native(held.marker.device).group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out,
                                                          float(norm_type))
+    return True
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float,

@@ -52,7 +52,7 @@ def param_alias(buffer: Tensor, slot: ParamSlot) -> Tensor:
 
 @dataclass(eq=False)
 class HeldGrads:
-    """One process on the CPU: a bucket's grads left where autograd put them (the zero-copy
+    """One process: a bucket's grads left where autograd put them (the zero-copy
     landing, sync/merged_landings.py), ``grads[i]`` being the slot of ``like[i]`` (its param) at
     element ``offsets[i]`` of the shard. The step reads them in place; whatever else reads the
     shard makes it first (:attr:`BucketBuffers.grad_shard`). ``marker``: an empty tensor of their
@@ -77,7 +77,7 @@ class BucketBuffers:
     formats: MomentFormats  # what exp_avg and exp_avg_sq are stored as (state_formats.py)
     grad_dtype: torch.dtype = torch.float32
     host: Optional[Any] = None  # the bucket's host_state.HostShard when its state is offloaded
-    held: Optional[HeldGrads] = None  # the grads in place of the shard (world 1, CPU), until it is made
+    held: Optional[HeldGrads] = None  # the grads in place of the shard (world 1), until it is made
 
     @property
     def grad_shard(self) -> Tensor:

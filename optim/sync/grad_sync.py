@@ -25,8 +25,8 @@ exists only from the first flush of a backward to ``zero_grad`` (unless capturab
 grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's. There, with the
 native stager, a complete bucket that is next to launch is allocated, landed and passed over for
 its flags and norm partial inside the grad hook, under a landing plan (merged_landings.py), so
-such a bucket calls no Python at all (on the CPU its grads are not even copied: held in place,
-``HeldGrads``). The plan is set at ``zero_grad`` for the whole next backward (``prearm``: the
+such a bucket calls no Python at all (its grads are not even copied where the kernels read them
+in place: held, ``HeldGrads``; kernels.holds_grads). The plan is set at ``zero_grad`` for the whole next backward (``prearm``: the
 hook queues that backward's end itself, ``quiet_end``, and Python catches its begin up at its
 first entry point), and by Python inside a backward after any event that called it (``_arm_plan``).
 """
@@ -155,7 +155,8 @@ class GradSync:
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       device, hold=not host.active)
+                                       device, hold=not host.active and kernels.holds_grads(
+                                           device, [len(b.segments.segments) if b.segments else 0 for b in buckets]))
         # the plan pre-armed at zero_grad (one process): the stager queues that backward's end
         # itself at its first grad (``quiet_end``) and calls no Python there; Python catches the
         # begin up at its first entry point (``_take_planned``)

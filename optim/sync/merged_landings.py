@@ -52,8 +52,9 @@ class MergedLandings:
         landing_flags: health.py's ``StepHealth.landing_flags``.
         landing_rows: ``StepHealth.landing_rows``.
         device: the buckets' device.
-        hold: a complete CPU bucket's grads may stay where autograd left them (the zero-copy
-            landing, see below): False where something must read every landed shard (offload).
+        hold: a complete bucket's grads may stay where autograd left them (the zero-copy landing,
+            see below): False where something must read every landed shard (offload) or the
+            kernels cannot read them in place (``kernels.holds_grads``).
     """
 
     def __init__(self, stager: Any, states: Sequence[BucketGrads], release_shards: bool,
@@ -72,12 +73,13 @@ class MergedLandings:
         self.prearms = self.plans and all(s.buffers.grad_dtype in NATIVE_GRADS for s in states)
         if self.prearms:
             stager.set_standing(self.standing_entries())
-        # The zero-copy landing (CPU): a complete bucket whose grads are dense in their params'
-        # layouts and finite is not copied into its shard; the flags' pass reads the grads where
-        # they are and they are held (shards/buffers.py HeldGrads) for the step to read in place.
-        # The copy of ~1 MB of grads was ~50 us of a ~1.2 ms small-model iteration on the CPU
-        # (docs/performance.md); on CUDA the copy is a device kernel under the backward, not host time.
-        self.holds = self.plans and hold and device.type == "cpu" and not config.settings().copy_grads
+        # The zero-copy landing: a complete bucket whose grads are dense in their params' layouts
+        # (on the CPU: and finite) is not copied into its shard; the flags' pass reads the grads
+        # where they are and they are held (shards/buffers.py HeldGrads) for the step to read in
+        # place. The copy of ~1 MB of grads was ~50 us of a ~1.2 ms small-model iteration on the
+        # CPU; on CUDA it is an allocation and a launch on the autograd thread, a read and a write
+        # of every grad byte on the GPU and the shard's memory on top of the grads' (docs/performance.md).
+        self.holds = self.plans and hold and not config.settings().copy_grads
         if self.holds:
             stager.set_hold(True)
 

@@ -1,0 +1,195 @@
+"""The zero-copy landing on CUDA (one process): a complete bucket's grads stay where autograd left
+them; its flags' pass (``bucket_stats_parts``) and the step's update kernel read them in place,
+each segment from its own grad, and the flat shard is made only when something else reads it.
+Unlike the CPU's, a bucket holding inf/NaN is held too (the device flags it; the host cannot
+look). Every case trains bit for bit as the copying landing (``copy_grads=True``) and as torch's
+AdamW to its tolerance; the flags' pass sums exactly what it sums over the landed shard. Skipped
+without a GPU (the CPU's own cases: test_zero_copy_landing.py, whose training loops these reuse)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from shardamp.optim import DistributedFusedAdam, config, kernels
+from test_zero_copy_landing import _bitwise, _landed, _layout, _train, _train_subsets
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(autouse=True)
+def _copy_grads_default():
+    yield
+    config.configure(copy_grads=None)
+
+
+def _native():
+    ext = kernels.native_module(torch.device("cuda"))
+    if ext is None or not hasattr(ext, "HELD_SEGMENTS"):
+        pytest.fail("the CUDA kernels are not built, or without the in-place reads")
+    return ext
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("loop", ["plain", "clip", "scaler+clip", "max_grad_norm in step"])
+@pytest.mark.parametrize("buckets", ["one", "several"])
+def test_held_grads_train_bitwise_as_the_copy(dtype, loop, buckets):
+    """Two param groups throughout (their norms' partials: with ``max_grad_norm`` in the step the
+    bucket's shard is made from the held grads for them, no in-place kernel reads them on CUDA)."""
+    kw = dict(dtype=dtype, clip=loop in ("clip", "scaler+clip"), scaled="scaler" in loop, device="cuda",
+              bucket_cap_mb=25.0 if buckets == "one" else 0.002,
+              max_grad_norm=0.5 if loop == "max_grad_norm in step" else None)
+    params, held, norms, _ = _train(False, **kw)
+    copied, held_copy, norms_copy, _ = _train(True, **kw)
+    _bitwise(params, copied)
+    assert norms == norms_copy
+    assert all(all(h) for h in held), held  # every bucket of every step was held in place
+    assert (len(held[0]) == 1) == (buckets == "one")
+    assert not any(any(h) for h in held_copy)  # copy_grads: every bucket landed in its shard
+
+
+@pytest.mark.parametrize("loop", ["plain", "clip", "scaler+clip", "max_grad_norm in step"])
+def test_held_grads_train_as_torch_adamw(loop):
+    kw = dict(clip=loop in ("clip", "scaler+clip"), scaled="scaler" in loop, steps=5, device="cuda",
+              max_grad_norm=0.5 if loop == "max_grad_norm in step" else None)
+    params, held, norms, _ = _train(False, **kw)
+    ref, _, ref_norms, _ = _train(False, torch_ref=True, **kw)
+    assert all(all(h) for h in held)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loop", ["plain", "scaler+clip"])
+def test_an_inf_bucket_is_held_flagged_and_its_step_skipped(loop):
+    kw = dict(clip="clip" in loop, scaled="scaler" in loop, inf_at=2, steps=5, device="cuda")
+    params, held, _, _ = _train(False, **kw)
+    copied, _, _, _ = _train(True, **kw)
+    _bitwise(params, copied)
+    assert all(all(h) for h in held)  # the device flags the inf: held like the others
+    if kw["scaled"]:  # torch's GradScaler skips that step too
+        ref, _, _, _ = _train(False, torch_ref=True, **kw)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_reading_param_grad_and_accumulating_train_the_same():
+    for kw in (dict(read_grads=True, clip=True), dict(accumulate=3, clip=True),
+               dict(set_to_none="alternate", scaled=True, clip=True, steps=6)):
+        kw["device"] = "cuda"
+        params, _, norms, seen = _train(False, **kw)
+        copied, _, norms_copy, seen_copy = _train(True, **kw)
+        ref, _, ref_norms, seen_ref = _train(False, torch_ref=True, **kw)
+        _bitwise(params, copied)
+        assert norms == norms_copy
+        for a, b, r in zip(seen, seen_copy, seen_ref):
+            assert torch.equal(a, b)
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+        for p, r in zip(params, ref):
+            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_held_and_landed_steps_mixed_train_as_the_copy_and_torch():
+    held_params, held = _train_subsets(copy=False, device="cuda")
+    copy_params, copied = _train_subsets(copy=True, device="cuda")
+    ref_params, _ = _train_subsets(copy=False, torch_ref=True, device="cuda")
+    assert held == [step % 3 == 0 for step in range(24)], held
+    assert not any(copied)
+    for a, b, r in zip(held_params, copy_params, ref_params):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bucket_past_held_segments_is_copied_and_trains_the_same():
+    """More segments in a bucket than a launch's arguments carry (``HELD_SEGMENTS``): its grads
+    are copied into its shard, as before the zero-copy landing."""
+    n = _native().HELD_SEGMENTS + 1
+
+    def run(copy: bool):
+        config.configure(copy_grads=copy)
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
+        opt = DistributedFusedAdam(params, lr=1e-2)
+        held = []
+        for step in range(3):
+            opt.zero_grad()
+            sum((p * p).sum() * (step + 1) for p in params).backward()
+            held.append(opt._buffers[0].held is not None)
+            opt.step()
+        return [p.detach().clone() for p in params], held
+
+    params, held = run(False)
+    copied, _ = run(True)
+    _bitwise(params, copied)
+    assert not any(held)
+
+
+def test_held_grads_take_no_shard_memory():
+    """The held bucket's shard is never allocated: the peak of a backward and step is the
+    copying landing's less (about) the shard."""
+    def peak(copy: bool) -> int:
+        config.configure(copy_grads=copy)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 1024)).cuda()
+        opt = DistributedFusedAdam(model.parameters(), lr=1e-3)
+        x = torch.randn(8, 1024, device="cuda")
+        for _ in range(2):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        held = opt._buffers[0].held is not None
+        opt.step()
+        torch.cuda.synchronize()
+        assert held == (not copy)
+        return torch.cuda.max_memory_allocated() - base
+
+    shard = sum(p.numel() for p in nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 1024)).parameters()) * 4
+    saved = peak(True) - peak(False)
+    assert saved >= 0.9 * shard, (saved, shard)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("seed", range(4))
+def test_bucket_stats_over_parts_is_bitwise_the_landed_shards(dtype, seed):
+    ext = _native()
+    numel = 150_001 if seed % 2 else 3_001
+    offsets, sizes = _layout(seed, numel)
+    offsets, sizes = offsets[:ext.HELD_SEGMENTS], sizes[:ext.HELD_SEGMENTS]
+    g = torch.Generator().manual_seed(100 + seed)
+    grads = [(torch.randn(s, generator=g) * 3).to(dtype).cuda() for s in sizes]
+    if seed >= 2:  # a non-finite value in two of the parts: their params' flags, and "any"
+        grads[0][-1] = float("inf")
+        grads[len(grads) // 2][0] = float("nan")
+    full = _landed([x.cpu() for x in grads], offsets, numel, dtype).cuda()
+    rows = torch.tensor([[o, s, i] for i, (o, s) in enumerate(zip(offsets, sizes))], dtype=torch.int64,
+                        device="cuda").reshape(-1, 3)
+    for assign in (True, False):
+        want, got = torch.tensor([0.25, 0.0], device="cuda"), torch.tensor([0.25, 0.0], device="cuda")
+        want_flags = torch.zeros(len(sizes) + 1, device="cuda")
+        got_flags = torch.zeros(len(sizes) + 1, device="cuda")
+        kernels.bucket_stats(full, rows, want_flags, want, assign)
+        assert ext.bucket_stats_parts(grads, offsets, numel, got, assign, rows, got_flags)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert torch.equal(got_flags, want_flags)
+        assert bool(want_flags[-1]) == (seed >= 2)
+
+
+def test_bucket_stats_over_parts_declines_under_graph_capture():
+    ext = _native()
+    grads = [torch.ones(8, device="cuda")]
+    rows = torch.tensor([[0, 8, 0]], dtype=torch.int64, device="cuda")
+    flags, out = torch.zeros(2, device="cuda"), torch.zeros(2, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            declined = not ext.bucket_stats_parts(grads, [0], 8, out, True, rows, flags)
+    assert declined
+    assert ext.bucket_stats_parts(grads, [0], 8, out, True, rows, flags)
+    assert out.tolist() == [8.0, 0.0]
