@@ -92,25 +92,45 @@ bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std:
 namespace {
 
 // group_partials over grads held in place: each segment's partial read from the part holding it
-// (none: the segment's slot would be zeros, its partial 0), as over the landed shard.
+// (none: the segment's slot would be zeros, its partial 0), as over the landed shard. CUDA: the
+// segments' (start, length) on the host (``spans``) and their chunk map (``chunks``, as
+// group_partials takes it) too.
 void group_partials_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets, int64_t numel,
-                          const at::Tensor& segments, at::Tensor out, double norm_type) {
+                          const at::Tensor& segments, at::Tensor out, double norm_type,
+                          const c10::optional<at::Tensor>& chunks, const c10::optional<std::vector<int64_t>>& spans) {
   SHARDAMP_CHECK(!grads.empty(), "group_partials_parts: no grads");
-  SHARDAMP_CHECK(segments.is_cpu() && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
+  const at::Device device = grads.front().device();
+  SHARDAMP_CHECK(segments.device() == device && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
                      segments.size(1) == 4 && segments.is_contiguous(),
-                 "group_partials_parts: segments must be a contiguous CPU int64 [S, 4] tensor");
-  SHARDAMP_CHECK(out.is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
-                 "group_partials_parts: out must be a contiguous CPU float32 tensor");
+                 "group_partials_parts: segments must be a contiguous int64 [S, 4] tensor on ", device);
+  SHARDAMP_CHECK(out.device() == device && out.scalar_type() == at::kFloat && out.is_contiguous(),
+                 "group_partials_parts: out must be a contiguous float32 tensor on ", device);
   SHARDAMP_CHECK(!std::isnan(norm_type), "group_partials_parts: norm_type is NaN");
+  const at::ScalarType dtype = grads.front().scalar_type();
+  const std::vector<GradPart> parts = grad_parts(grads, offsets, dtype, numel, "group_partials_parts", device);
+  if (!device.is_cpu()) {
+#if defined(SHARDAMP_WITH_CUDA)
+    SHARDAMP_CHECK(device.is_cuda() && chunks && spans && chunks->device() == device &&
+                       chunks->scalar_type() == at::kLong && chunks->dim() == 2 && chunks->size(1) == 2 &&
+                       chunks->is_contiguous(),
+                   "group_partials_parts: CUDA grads need the segments' spans (host) and chunk map (int64 [C, 2] on ",
+                   device, ")");
+    SHARDAMP_CHECK(static_cast<int64_t>(spans->size()) == 2 * segments.size(0),
+                   "group_partials_parts: one (start, length) per segment");
+    cuda::group_partials_bases(segment_bases(parts, *spans, dtype, "group_partials_parts"), dtype, segments, out,
+                               norm_type, *chunks);
+    return;
+#else
+    SHARDAMP_CHECK(false, "group_partials_parts: this build of the shardamp kernels has no CUDA support");
+#endif
+  }
   const int64_t* rows = segments.data_ptr<int64_t>();
   for (int64_t r = 0; r < segments.size(0); ++r) {
     SHARDAMP_CHECK(rows[4 * r] >= 0 && rows[4 * r + 1] >= 0 && rows[4 * r] + rows[4 * r + 1] <= numel &&
                        rows[4 * r + 3] >= 0 && rows[4 * r + 3] < out.numel(),
                    "group_partials_parts: segment ", r, " lies outside the shard or names no group of out");
   }
-  const at::ScalarType dtype = grads.front().scalar_type();
-  cpu::group_partials_parts(grad_parts(grads, offsets, dtype, numel, "group_partials_parts"), dtype, segments, out,
-                            norm_type);
+  cpu::group_partials_parts(parts, dtype, segments, out, norm_type);
 }
 
 // bucket_stats over grads held in place (tests): CPU, false where some element is inf/NaN
@@ -127,7 +147,7 @@ void register_grad_parts(pybind11::module_& m) {  // module.cpp calls it
   m.def("group_partials_parts", &group_partials_parts,
         "group_partials over grads held in place: grads[i] at element offsets[i] of a numel-element shard",
         py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("segments"), py::arg("out"),
-        py::arg("norm_type"));
+        py::arg("norm_type"), py::arg("chunks") = py::none(), py::arg("spans") = py::none());
   m.def("bucket_stats_parts", &bucket_stats_parts,
         "bucket_stats' L2 partial over grads held in place into partial[0:2] (assigned where assign). CPU: False, "
         "writing nothing, where an element is inf/NaN. CUDA: the params' non-finite flags too (rows and flags as "

@@ -58,6 +58,10 @@ namespace cuda {  // cuda/grad_stats.cu
 // grads' addresses would be baked into the graph; they change every backward).
 bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, int64_t n, const at::Tensor& rows,
                         at::Tensor& flags, at::Tensor& out, bool assign);
+// group_partials over held grads: segment s's read from bases[s] (segment_bases), in the chunks'
+// blocks and fold order of group_partials over the landed shard, so bitwise its result
+void group_partials_bases(const std::vector<const void*>& bases, at::ScalarType dtype, const at::Tensor& segments,
+                          at::Tensor& out, double norm_type, const at::Tensor& chunks);
 }  // namespace cuda
 #endif
 

@@ -66,6 +66,10 @@ class SegmentTable:
     segments: List[Segment]
     table: torch.Tensor
     extra: Dict[str, torch.Tensor] = field(default_factory=dict)
+    spans: List[int] = field(init=False, repr=False)  # (start, length) of each segment, flat
+
+    def __post_init__(self) -> None:
+        self.spans = [n for s in self.segments for n in (s.start, s.length)]
 
     @classmethod
     def build(cls, segments: List[Segment], device: torch.device) -> "SegmentTable":

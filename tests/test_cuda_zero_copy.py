@@ -179,6 +179,33 @@ def test_bucket_stats_over_parts_is_bitwise_the_landed_shards(dtype, seed):
         assert bool(want_flags[-1]) == (seed >= 2)
 
 
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_group_partials_over_parts_is_bitwise_the_landed_shards(norm_type, dtype):
+    """Each segment read from its own grad (a frozen param's segment: no grad, partial 0), in the
+    landed shard's chunks and fold order."""
+    from shardamp.optim.kernels.launch_config import chunk_table
+    from shardamp.optim.layout import Segment, SegmentTable
+
+    ext = _native()
+    numel = 140_000
+    offsets, sizes = _layout(1, numel)
+    offsets, sizes = offsets[:40], sizes[:40]
+    numel = offsets[-1] + sizes[-1] + 37
+    g = torch.Generator().manual_seed(7)
+    grads = [torch.randn(s, generator=g).to(dtype).cuda() for s in sizes]
+    segs = [Segment(o, s, i, i % 3, 0) for i, (o, s) in enumerate(zip(offsets, sizes))]
+    segs.append(Segment(offsets[-1] + sizes[-1], 37, len(segs), 1, 0))  # no grad: zeros in the shard
+    rows = [[s.start, s.length, s.param_index, s.group] for s in segs]
+    table = SegmentTable(segs, torch.tensor(rows, dtype=torch.int64, device="cuda"))
+    chunks = chunk_table(table, numel, len(segs), 3, ext.CUDA_CHUNK).cuda()
+    full = _landed([x.cpu() for x in grads], offsets, numel, dtype).cuda()
+    want, got = torch.full((3,), 0.5, device="cuda"), torch.full((3,), 0.5, device="cuda")
+    ext.group_partials(full, table.table, want, norm_type, chunks)
+    ext.group_partials_parts(grads, offsets, numel, table.table, got, norm_type, chunks, table.spans)
+    assert torch.equal(got, want), (got, want)
+
+
 def test_bucket_stats_over_parts_declines_under_graph_capture():
     ext = _native()
     grads = [torch.ones(8, device="cuda")]

@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -284,14 +285,23 @@ void dispatch_norm(const at::Tensor& grad, at::Tensor& out, double norm_type) {
 // per chunk of the shard's chunk map (a chunk lies in one segment, so in one group) writes its
 // chunk's partial; then one block per group folds its chunks' partials in a fixed order.
 
+// Grads held where autograd left them (group_partials_held): segment s's elements read from
+// base[s] as from the shard (segment_bases; null: no grad there, a landed shard's zeros).
+struct SegmentBases {
+  const void* base[kHeldSegments];
+  bool held;
+};
+
 template <typename T, Norm N>
 __global__ void __launch_bounds__(kThreads)
-chunk_partials_kernel(const T* __restrict__ g, const int64_t* __restrict__ chunks, float p, float* __restrict__ part) {
+chunk_partials_kernel(const T* __restrict__ shard, const int64_t* __restrict__ chunks, float p,
+                      float* __restrict__ part, const SegmentBases bases) {
   const int64_t c = blockIdx.x;
   const int64_t first = chunks[2 * c];
   const int64_t len = chunk_length(chunks[2 * c + 1]);
-  float acc = 0.f;
-  for (int64_t j = threadIdx.x; j < len; j += kThreads) acc = combine<N>(acc, to_float(g[first + j]), p);
+  const T* g = bases.held ? static_cast<const T*>(bases.base[chunk_segment(chunks[2 * c + 1])]) : shard;
+  float acc = 0.f;  // no grad: every element 0, whose terms are 0 for every norm
+  for (int64_t j = threadIdx.x; g != nullptr && j < len; j += kThreads) acc = combine<N>(acc, to_float(g[first + j]), p);
   const float2 r = block_reduce<N>(acc, 0.f);
   if (threadIdx.x == 0) part[c] = r.x;
 }
@@ -311,13 +321,14 @@ fold_groups_kernel(const float* __restrict__ part, const int64_t* __restrict__ c
 
 template <typename T, Norm N>
 void launch_groups(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, float p,
-                   const at::Tensor& chunks) {
+                   const at::Tensor& chunks, const SegmentBases& bases) {
   const int64_t n_chunks = chunks.size(0);
   if (n_chunks == 0 || out.numel() == 0) return;
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  at::Tensor part = at::empty({n_chunks}, grad.options().dtype(at::kFloat));
+  at::Tensor part = at::empty({n_chunks}, out.options());
   chunk_partials_kernel<T, N><<<static_cast<unsigned int>(n_chunks), kThreads, 0, stream>>>(
-      reinterpret_cast<const T*>(grad.data_ptr()), chunks.data_ptr<int64_t>(), p, part.data_ptr<float>());
+      bases.held ? nullptr : reinterpret_cast<const T*>(grad.data_ptr()), chunks.data_ptr<int64_t>(), p,
+      part.data_ptr<float>(), bases);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   fold_groups_kernel<N><<<static_cast<unsigned int>(out.numel()), kThreads, 0, stream>>>(
       part.data_ptr<float>(), chunks.data_ptr<int64_t>(), n_chunks, segments.data_ptr<int64_t>(),
@@ -327,11 +338,22 @@ void launch_groups(const at::Tensor& grad, const at::Tensor& segments, at::Tenso
 
 template <typename T>
 void dispatch_groups(const at::Tensor& grad, const at::Tensor& segments, at::Tensor& out, double norm_type,
-                     const at::Tensor& chunks) {
-  if (std::isinf(norm_type)) return launch_groups<T, Norm::kMax>(grad, segments, out, 0.f, chunks);
-  if (norm_type == 2.0) return launch_groups<T, Norm::kTwo>(grad, segments, out, 2.f, chunks);
-  if (norm_type == 1.0) return launch_groups<T, Norm::kOne>(grad, segments, out, 1.f, chunks);
-  launch_groups<T, Norm::kGeneric>(grad, segments, out, static_cast<float>(norm_type), chunks);
+                     const at::Tensor& chunks, const SegmentBases& bases) {
+  if (std::isinf(norm_type)) return launch_groups<T, Norm::kMax>(grad, segments, out, 0.f, chunks, bases);
+  if (norm_type == 2.0) return launch_groups<T, Norm::kTwo>(grad, segments, out, 2.f, chunks, bases);
+  if (norm_type == 1.0) return launch_groups<T, Norm::kOne>(grad, segments, out, 1.f, chunks, bases);
+  launch_groups<T, Norm::kGeneric>(grad, segments, out, static_cast<float>(norm_type), chunks, bases);
+}
+
+// group_partials' launches over `grad` (a shard) or, where bases.held, over the held grads
+void groups_of(const at::Tensor& grad, at::ScalarType dtype, const at::Tensor& segments, at::Tensor& out,
+               double norm_type, const at::Tensor& chunks, const SegmentBases& bases) {
+  switch (dtype) {
+    case at::kFloat: return dispatch_groups<float>(grad, segments, out, norm_type, chunks, bases);
+    case at::kBFloat16: return dispatch_groups<__nv_bfloat16>(grad, segments, out, norm_type, chunks, bases);
+    case at::kHalf: return dispatch_groups<__half>(grad, segments, out, norm_type, chunks, bases);
+    default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", dtype);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -378,12 +400,18 @@ void group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tens
                     const at::Tensor& chunks) {
   if (grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
-  switch (grad.scalar_type()) {
-    case at::kFloat: return dispatch_groups<float>(grad, segments, out, norm_type, chunks);
-    case at::kBFloat16: return dispatch_groups<__nv_bfloat16>(grad, segments, out, norm_type, chunks);
-    case at::kHalf: return dispatch_groups<__half>(grad, segments, out, norm_type, chunks);
-    default: SHARDAMP_CHECK(false, "group_partials: unsupported grad dtype ", grad.scalar_type());
-  }
+  groups_of(grad, grad.scalar_type(), segments, out, norm_type, chunks, SegmentBases{});
+}
+
+void group_partials_bases(const std::vector<const void*>& bases, at::ScalarType dtype, const at::Tensor& segments,
+                          at::Tensor& out, double norm_type, const at::Tensor& chunks) {
+  SHARDAMP_CHECK(static_cast<int64_t>(bases.size()) == segments.size(0) && segments.size(0) <= kHeldSegments,
+                 "group_partials_parts: one grad address per segment, at most ", kHeldSegments);
+  const c10::cuda::CUDAGuard guard(out.device());
+  SegmentBases b{};
+  b.held = true;
+  std::copy(bases.begin(), bases.end(), b.base);
+  groups_of(out, dtype, segments, out, norm_type, chunks, b);
 }
 
 void nonfinite_flags(const at::Tensor& full, const at::Tensor& rows, at::Tensor& flags) {

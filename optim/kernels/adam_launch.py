@@ -118,8 +118,7 @@ def _prepared(ext: Any, launch: AdamLaunch, grad: Tensor, hparams: Tensor, tuned
             touched=launch.touched, grad_coef=launch.grad_coef, found_inf=launch.found_inf,
             adam_w_mode=launch.adam_w_mode, bias_correction=launch.bias_correction)
         native.record_offset = launch.record_offset
-        # where each segment's grads are read when they are held in place (CUDA: per segment)
-        native.segment_spans = [n for seg in launch.segments.segments for n in (seg.start, seg.length)]
+        native.segment_spans = launch.segments.spans  # where a segment's held grads are read (CUDA)
     light = light_state(launch.master, launch.exp_avg, launch.exp_avg_sq, grad.dtype)
     native.chunks = shard_chunks(ext, launch.segments, grad.device, launch.master.numel(), launch.steps, hparams, light)
     native.shape = tuned[0] if tuned is not None else 0

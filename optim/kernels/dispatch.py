@@ -224,14 +224,20 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
     if ext is None or not hasattr(ext, "group_partials") or grad.dtype not in _NATIVE_DTYPES:
         reference.group_partials(grad, _host_rows(segments), out, norm_type)
         return
-    chunks = None
-    if grad.device.type == "cuda":  # the blocks' map, built once from the host-side segments
-        key = f"group_chunks_{grad.device}"
-        if key not in segments.extra:
-            store(segments, key, chunk_table(segments, grad.numel(), n_params, out.numel(), ext.CUDA_CHUNK),
-                   grad.device)
-        chunks = segments.extra[key]
+    chunks = _group_chunks(ext, segments, grad.device, grad.numel(), n_params, out.numel())
     ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
+
+
+def _group_chunks(ext: Any, segments: SegmentTable, device: torch.device, numel: int, n_params: int,
+                  n_groups: int) -> Optional[Tensor]:
+    """The blocks' map of the CUDA group partials over ``segments`` (built once from the
+    host-side segments); None on the CPU."""
+    if device.type != "cuda":
+        return None
+    key = f"group_chunks_{device}"
+    if key not in segments.extra:
+        store(segments, key, chunk_table(segments, numel, n_params, n_groups, ext.CUDA_CHUNK), device)
+    return segments.extra[key]
 
 
 def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> bool:
@@ -247,18 +253,19 @@ def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> bool:
     return device.type == "cuda" and max(segment_counts, default=0) <= getattr(ext, "HELD_SEGMENTS", -1)
 
 
-def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float) -> bool:
+def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> None:
     """:func:`group_partials` over a bucket's grads held where autograd left them
     (``shards.buffers.HeldGrads``: one process; only the compiled stager holds them, so the
-    compiled kernels are there), the same sums as over its landed shard. Returns False, doing
-    nothing, on CUDA (no kernel reads the groups' partials in place there: the caller reads the
-    bucket's shard, which lands it)."""
-    if held.marker.device.type != "cpu":
-        return False
-    if segments.segments:
-        _native(held.marker.device).group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out,
-                                                         float(norm_type))
-    return True
+    compiled kernels are there), the same sums as over its landed shard."""
+    if not segments.segments:
+        return
+    device = held.marker.device
+    ext = _native(device)
+    if device.type == "cpu":
+        ext.group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out, float(norm_type))
+        return
+    ext.group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out, float(norm_type),
+                             _group_chunks(ext, segments, device, held.numel, n_params, out.numel()), segments.spans)
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float,
