@@ -65,7 +65,7 @@ if [[ " $PARTS " == *" tests "* ]]; then
     tests/test_cuda_checkpoint.py tests/test_cuda_wrappers.py tests/test_faults.py \
     tests/test_checkpoint_faults.py tests/test_grad_stager.py tests/test_kernel_knobs.py tests/test_release_thread.py \
     tests/test_collective_watchdog.py tests/test_compat.py tests/test_fused_step.py tests/test_landing_plan.py \
-    tests/test_cuda_low_bit.py tests/test_cuda_offload.py tests/test_cuda_step_launches.py} \
+    tests/test_cuda_low_bit.py tests/test_cuda_offload.py tests/test_cuda_step_launches.py tests/test_cuda_zero_copy.py} \
     -m "not native_raises" ${TEST_K:+-k "$TEST_K"} >"$OUT/tests.log" 2>&1 || status=1
   # the docs' GPU snippets (<!-- snippet: gpu -->): CUDA graphs
   timeout "$(left 120)" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_docs.py -k "cuda-graphs" \

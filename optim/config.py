@@ -84,7 +84,7 @@ class Settings:
         python_grad_hooks: land grads through Python hooks even where native ones exist (the
             path compiled autograd traces: the native hooks are opaque to it).
         async_grad_release: free landed CUDA grads on the release thread (else inline).
-        copy_grads: one process on the CPU, land every grad in its bucket's flat shard (a copy)
+        copy_grads: one process, land every grad in its bucket's flat shard (a copy)
             even where the step could read it where autograd left it (``SHARDAMP_COPY_GRADS``:
             for A/B measurements and to rule the zero-copy landing out).
         offload_threads: threads of an offloaded step's CPU kernels, 0 for the cores divided by
