@@ -373,12 +373,12 @@ void register_fused_step(pybind11::module_& m) {
       .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
       .def_readwrite("shape", &shardamp::AdamLaunch::shape)
       .def_readwrite("segment_spans", &shardamp::AdamLaunch::segment_spans)
-      .def("set_parts", [](shardamp::AdamLaunch& l, std::vector<at::Tensor> grads, std::vector<int64_t> offsets) {
-             l.part_grads = std::move(grads);
-             l.part_offsets = std::move(offsets);
-           }, "The next launch's grads where autograd left them: each at its offset in the shard, grad then an "
-              "empty tensor of their dtype (CUDA: read per segment, segment_spans set); dropped after the launch",
-           py::arg("grads"), py::arg("offsets"));
+      .def("set_held", [](shardamp::AdamLaunch& l, const shardamp::HeldParts& held) {
+             l.part_grads = held.grads;
+             l.part_offsets = held.offsets;
+           }, "The next launch's grads where autograd left them (a HeldParts): each at its offset in the shard, grad "
+              "then an empty tensor of their dtype (CUDA: read per segment, segment_spans set); dropped after the "
+              "launch", py::arg("held"));
   m.def("adam_launch", &adam_launch, "adam_step over a prepared AdamLaunch", py::arg("launch"));
   m.def("adam_launch_all", &adam_launch_all,
         "adam_launch over each prepared launch in turn with its grad and the step's hparams, touched, found_inf and "

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "common.h"
+#include "land_grads.h"
 
 namespace shardamp {
 
@@ -144,6 +145,27 @@ bool bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<
 
 void register_grad_parts(pybind11::module_& m) {  // module.cpp calls it
   namespace py = pybind11;
+  // module_local: the CPU and CUDA modules (one process may load both) each register it
+  py::class_<HeldParts, std::shared_ptr<HeldParts>>(m, "HeldParts", py::module_local(),
+                                                    "A bucket's grads held where autograd left them (grad_parts.h)")
+      .def("__len__", [](const HeldParts& h) { return h.grads.size(); })
+      .def_property_readonly("nbytes", [](const HeldParts& h) {
+             int64_t n = 0;
+             for (const auto& g : h.grads) n += g.numel() * static_cast<int64_t>(g.element_size());
+             return n;
+           }, "the grads' bytes")
+      .def_property_readonly("grads", [](const HeldParts& h) { return h.grads; }, "the grads (a list: tests)")
+      .def_property_readonly("offsets", [](const HeldParts& h) { return h.offsets; })
+      .def("land", [](const HeldParts& h, at::Tensor full) {
+             land_grads(full, h.grads, h.like, h.offsets, /*accumulate=*/false, /*zero_rest=*/true);
+           }, "Copy the grads into their slots of the flat shard `full` (allocated uninitialized: every byte no grad "
+              "writes is zeroed), as the landing would have", py::arg("full"));
+  m.def("group_partials_held", [](const HeldParts& h, int64_t numel, const at::Tensor& segments, at::Tensor out,
+                                  double norm_type, const c10::optional<at::Tensor>& chunks,
+                                  const c10::optional<std::vector<int64_t>>& spans) {
+          group_partials_parts(h.grads, h.offsets, numel, segments, out, norm_type, chunks, spans);
+        }, "group_partials_parts over a HeldParts", py::arg("held"), py::arg("numel"), py::arg("segments"),
+        py::arg("out"), py::arg("norm_type"), py::arg("chunks") = py::none(), py::arg("spans") = py::none());
   m.def("group_partials_parts", &group_partials_parts,
         "group_partials over grads held in place: grads[i] at element offsets[i] of a numel-element shard",
         py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("segments"), py::arg("out"),

@@ -19,6 +19,16 @@ struct GradPart {
   int64_t len;       // elements
 };
 
+// A bucket's grads held where autograd left them, as the stager's zero-copy landing hands them to
+// Python (grad_stager.cpp): one object, no Python object per grad (making those cost the end of
+// every backward microseconds a grad). ``grads[i]`` lies in the slot of ``like[i]`` (its param,
+// whose layout it has) at element ``offsets[i]`` of the shard. Bound as ``HeldParts``
+// (grad_parts.cpp): its shard made from it, the step's and the partials' reads of it.
+struct HeldParts {
+  std::vector<at::Tensor> grads, like;
+  std::vector<int64_t> offsets;
+};
+
 // The first of ``parts`` (sorted by start, disjoint: their ends sorted too) that ends after element
 // ``i``: the part holding ``i`` if any holds it (then ``it->start <= i``), else the next one.
 // Internal linkage: the files using it are compiled once per vector ISA.

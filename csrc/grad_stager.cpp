@@ -34,6 +34,7 @@
 
 #include "common.h"
 #include "grad_stager.h"
+#include "grad_parts.h"
 #include "grad_release.h"
 
 namespace shardamp {
@@ -324,11 +325,17 @@ class GradStager {
     return plan;
   }
 
+  // (bucket, shard, None) per landed bucket, or (bucket, None, HeldParts) where its grads are held
   static py::list landed_list(std::vector<StagerState::Landed>& landed) {
     py::list out;
     for (auto& l : landed) {
-      py::object full = l.full.defined() ? py::cast(l.full) : py::none();
-      out.append(py::make_tuple(l.bucket, full, py::cast(l.like), py::cast(l.offsets), py::cast(l.grads)));
+      if (l.full.defined()) {
+        out.append(py::make_tuple(l.bucket, py::cast(l.full), py::none()));
+      } else {
+        auto held = std::make_shared<HeldParts>(
+            HeldParts{std::move(l.grads), std::move(l.like), std::move(l.offsets)});
+        out.append(py::make_tuple(l.bucket, py::none(), py::cast(std::move(held))));
+      }
     }
     return out;
   }

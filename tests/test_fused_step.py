@@ -19,6 +19,7 @@ from kernel_shards import DEVICES, ext_for
 from landings import count_landings
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.kernels import reference
+from shardamp.optim.shards.buffers import BucketBuffers
 from shardamp.optim.step import grad_stats
 from shardamp.scaler import ShardedGradScaler
 
@@ -101,6 +102,13 @@ def _train(device: str, monkeypatch, python_hooks: bool, steps: int = 6) -> Dict
     for name in ("stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
                  "bucket_stats", "land_grads"):
         monkeypatch.setattr(ext, name, _counted(calls, name, getattr(ext, name)))
+    landing_shard = BucketBuffers.landing_shard
+
+    def counted_landing(buffers: BucketBuffers):  # a shard made from grads held in place (HeldParts.land)
+        calls["held_landed"] += buffers.held is not None and buffers.grad_store is None
+        return landing_shard(buffers)
+
+    monkeypatch.setattr(BucketBuffers, "landing_shard", counted_landing)
     torch.manual_seed(0)
     model = _Residual().to(device)
     params = list(model.parameters())  # two groups of whole layers: the buckets keep the layers' order
@@ -162,9 +170,10 @@ def test_merged_calls_train_bit_for_bit_as_the_separate_landings(device, monkeyp
     assert other["bucket_stats"] == 7 * b  # the Python hooks: every bucket lands the separate way
     # the second pass's and the kept shards' adds: one call a bucket, either way; the buckets the
     # first pass held in place (every one the hook landed: all but the out-of-order one) are
-    # landed in their shards first, one call each (and no other step reads a held bucket's shard:
-    # the two groups' partials are read in place too)
-    assert calls["land_grads"] == 2 * b + (b - 1) and other["land_grads"] >= 2 * b
+    # landed in their shards first, one each (and no other step reads a held bucket's shard: the
+    # two groups' partials are read in place too)
+    assert calls["land_grads"] == 2 * b and other["land_grads"] >= 2 * b
+    assert calls["held_landed"] == b - 1 and not other["held_landed"]
     assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
     assert "planned" not in other
     for a, b in zip(merged["params"], separate["params"]):
@@ -185,7 +194,7 @@ def _train_unscaled(device: str, monkeypatch, merged: bool, steps: int = 7) -> D
         monkeypatch.delattr(ext, "stats_step")
     calls: Counter = Counter()
     for name in ("stats_step", "stats_cat_finish", "step_launch", "stats_finish", "step_scalars", "adam_launch_all",
-                 "group_partials", "group_partials_parts"):
+                 "group_partials", "group_partials_held"):
         if hasattr(ext, name):
             monkeypatch.setattr(ext, name, _counted(calls, name, getattr(ext, name)))
     torch.manual_seed(0)
@@ -232,10 +241,10 @@ def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
     # four unclipped steps of seven: one call each; the clipped ones finish at the clip
     assert calls["stats_step"] == 4 and calls["stats_cat_finish"] == calls["step_launch"] == 3
     assert other["stats_cat_finish"] == other["step_launch"] == 7 and "stats_step" not in other
-    # each bucket's group partials every step, over its shard or (CPU) its grads held in place
+    # each bucket's group partials every step, over its shard or over its grads held in place
     for counts in (calls, other):
-        assert counts.get("group_partials", 0) + counts.get("group_partials_parts", 0) == 7 * merged["buckets"]
-        assert (counts.get("group_partials_parts", 0) > 0) == (device == "cpu")
+        assert counts.get("group_partials", 0) + counts.get("group_partials_held", 0) == 7 * merged["buckets"]
+        assert counts.get("group_partials_held", 0) > 0
     assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
     for a, b in zip(merged["params"], separate["params"]):
         assert torch.equal(a, b)

@@ -129,7 +129,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     flags (the step's health) and the norm partial (one rank: the bucket is the shard; the
     stager's hook under a landing plan, which runs ``bucket_stats``, or on the CPU the same pass
     over the grads where autograd left them, no copy: ``copy`` False); with several
-    groups each group's partial too (over the held grads: ``group_partials_parts``); per step one
+    groups each group's partial too (over the held grads: ``group_partials_held``); per step one
     call that assembles and finishes the stats (one process: nothing reduces them in between)
     and one call for the scalar launch and every bucket's step (one rank: nothing is
     all-gathered between them); where nothing asked for the stats before the step (no unscale,
@@ -151,7 +151,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     # (the step's wrapper also asks whether anything records its label, through the module's
     # query it found at the first step: not counted here, where the module's names are wrapped)
     if groups > 1:
-        want["group_partials" if copy else "group_partials_parts"] = buckets
+        want["group_partials" if copy else "group_partials_held"] = buckets
     calls = _native_calls(opt, scaler, model, clip)
     # every bucket lands in the hook, under the plan set at zero_grad
     assert calls.pop("planned", 0) == buckets

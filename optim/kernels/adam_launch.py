@@ -170,7 +170,7 @@ def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[in
     segments, and their grad shards; ``(None, [])`` if some launch does not take the compiled
     kernels (its state kinds). Where ``grads`` holds a bucket's grads in place
     (``shards.buffers.ShardGrads.for_step``: one process) its launch is handed them
-    (``set_parts``, the launch then drops them) and an empty tensor stands in for its shard, so
+    (``set_held``, the launch then drops them) and an empty tensor stands in for its shard, so
     no shard is made for the step; the caller must launch what this returns."""
     natives, shards, parts = [], [], []
     order = [i for i in order if launches[i].segments.segments]
@@ -189,7 +189,7 @@ def native_launches(ext: Any, launches: Sequence[AdamLaunch], order: Sequence[in
         natives.append(native)
         shards.append(grad)
     for native, held in parts:  # only once every launch is native: none is left holding them
-        native.set_parts(held.grads, held.offsets)
+        native.set_held(held.parts)
     return natives, shards
 
 

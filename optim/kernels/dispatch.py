@@ -262,10 +262,10 @@ def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_typ
     device = held.marker.device
     ext = _native(device)
     if device.type == "cpu":
-        ext.group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out, float(norm_type))
+        ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type))
         return
-    ext.group_partials_parts(held.grads, held.offsets, held.numel, segments.table, out, float(norm_type),
-                             _group_chunks(ext, segments, device, held.numel, n_params, out.numel()), segments.spans)
+    ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type),
+                            _group_chunks(ext, segments, device, held.numel, n_params, out.numel()), segments.spans)
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float,

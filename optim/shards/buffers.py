@@ -52,15 +52,14 @@ def param_alias(buffer: Tensor, slot: ParamSlot) -> Tensor:
 
 @dataclass(eq=False)
 class HeldGrads:
-    """One process: a bucket's grads left where autograd put them (the zero-copy
-    landing, sync/merged_landings.py), ``grads[i]`` being the slot of ``like[i]`` (its param) at
-    element ``offsets[i]`` of the shard. The step reads them in place; whatever else reads the
-    shard makes it first (:attr:`BucketBuffers.grad_shard`). ``marker``: an empty tensor of their
-    dtype, what the step's launch takes in the shard's place."""
+    """One process: a bucket's grads left where autograd put them (the zero-copy landing,
+    sync/merged_landings.py), as the native stager hands them over: ``parts``, its
+    ``HeldParts`` (csrc/grad_parts.h: each grad in its param's slot of the shard; no Python
+    object per grad). The step reads them in place; whatever else reads the shard makes it first
+    (:attr:`BucketBuffers.grad_shard`). ``marker``: an empty tensor of their dtype, what the
+    step's launch takes in the shard's place."""
 
-    grads: List[Tensor]
-    like: List[Tensor]
-    offsets: List[int]
+    parts: Any
     marker: Tensor
     numel: int  # the shard's elements
 
@@ -106,7 +105,7 @@ class BucketBuffers:
         if held is None:
             self.grad_store = store
             return store, True
-        kernels.land_grads(store, held.grads, held.like, held.offsets, accumulate=False, zero_rest=True)
+        held.parts.land(store)
         self.grad_store, self.held = store, None
         return store, False
 
@@ -456,7 +455,7 @@ def memory_stats(buffers: List[BucketBuffers], alive_full: List[Tensor]) -> dict
             aliased = buf.master.data_ptr() == buf.params[buf.shard].data_ptr()
             stats["master"] += 0 if aliased else nbytes(buf.master)
             stats["moments"] += moments
-        stats["grad_shards"] += nbytes(buf.grad_store) + (sum(nbytes(g) for g in buf.held.grads) if buf.held else 0)
+        stats["grad_shards"] += nbytes(buf.grad_store) + (buf.held.parts.nbytes if buf.held else 0)
         stats["param_sync"] += nbytes(buf.sync)
     stats["grad_buckets"] = sum(nbytes(t) for t in alive_full)
     stats["total"] = sum(stats.values())

@@ -132,11 +132,10 @@ class MergedLandings:
         began, landed, error, complete = self.stager.end_quiet()
         return began, self._landed(landed), error, complete
 
-    def _landed(self, landed: Sequence[Tuple[int, Optional[Tensor], List[Tensor], List[int], List[Tensor]]]
-                ) -> List[Tuple[int, "Tensor | HeldGrads"]]:
+    def _landed(self, landed: Sequence[Tuple[int, Optional[Tensor], Any]]) -> List[Tuple[int, "Tensor | HeldGrads"]]:
         out: List[Tuple[int, "Tensor | HeldGrads"]] = []
-        for index, full, like, offsets, grads in landed:
+        for index, full, parts in landed:
             if full is None:  # held in place: the shard is made only if something reads it
-                full = HeldGrads(grads, like, offsets, self.like[index], self.states[index].buffers.shard_numel)
+                full = HeldGrads(parts, self.like[index], self.states[index].buffers.shard_numel)
             out.append((index, full))
         return out
