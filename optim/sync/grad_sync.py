@@ -26,9 +26,10 @@ grad is held exactly as torch holds ``param.grad``, so peak memory stays torch's
 native stager, a complete bucket that is next to launch is allocated, landed and passed over for
 its flags and norm partial inside the grad hook, under a landing plan (merged_landings.py), so
 such a bucket calls no Python at all (its grads are not even copied where the kernels read them
-in place: held, ``HeldGrads``; kernels.holds_grads). The plan is set at ``zero_grad`` for the whole next backward (``prearm``: the
-hook queues that backward's end itself, ``quiet_end``, and Python catches its begin up at its
-first entry point), and by Python inside a backward after any event that called it (``_arm_plan``).
+in place: held, ``HeldGrads``; kernels.holds_grads). The plan is set at ``zero_grad`` for the
+whole next backward (``prearm``: the hook queues that backward's end itself, ``quiet_end``, and
+Python catches its begin up at its first entry point), and by Python inside a backward after any
+event that called it (``_arm_plan``).
 """
 from __future__ import annotations
 
