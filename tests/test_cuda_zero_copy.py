@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 
 from shardamp.optim import DistributedFusedAdam, config, kernels
-from test_zero_copy_landing import _bitwise, _landed, _layout, _train, _train_subsets
+from test_zero_copy_landing import (LOOPS, _bitwise, _landed, _layout, _train, _train_subsets,
+                                    check_held_as_the_copy, check_held_as_torch, check_inf_step, loop_kw)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -31,46 +32,22 @@ def _native():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("loop", ["plain", "clip", "scaler+clip", "max_grad_norm in step"])
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("buckets", ["one", "several"])
 def test_held_grads_train_bitwise_as_the_copy(dtype, loop, buckets):
-    """Two param groups throughout (their norms' partials: with ``max_grad_norm`` in the step the
-    bucket's shard is made from the held grads for them, no in-place kernel reads them on CUDA)."""
-    kw = dict(dtype=dtype, clip=loop in ("clip", "scaler+clip"), scaled="scaler" in loop, device="cuda",
-              bucket_cap_mb=25.0 if buckets == "one" else 0.002,
-              max_grad_norm=0.5 if loop == "max_grad_norm in step" else None)
-    params, held, norms, _ = _train(False, **kw)
-    copied, held_copy, norms_copy, _ = _train(True, **kw)
-    _bitwise(params, copied)
-    assert norms == norms_copy
-    assert all(all(h) for h in held), held  # every bucket of every step was held in place
-    assert (len(held[0]) == 1) == (buckets == "one")
-    assert not any(any(h) for h in held_copy)  # copy_grads: every bucket landed in its shard
+    """Two param groups throughout: their norms' partials read the held grads in place too."""
+    check_held_as_the_copy(buckets, **loop_kw(loop, dtype=dtype, device="cuda"))
 
 
-@pytest.mark.parametrize("loop", ["plain", "clip", "scaler+clip", "max_grad_norm in step"])
+@pytest.mark.parametrize("loop", LOOPS)
 def test_held_grads_train_as_torch_adamw(loop):
-    kw = dict(clip=loop in ("clip", "scaler+clip"), scaled="scaler" in loop, steps=5, device="cuda",
-              max_grad_norm=0.5 if loop == "max_grad_norm in step" else None)
-    params, held, norms, _ = _train(False, **kw)
-    ref, _, ref_norms, _ = _train(False, torch_ref=True, **kw)
-    assert all(all(h) for h in held)
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
+    check_held_as_torch(**loop_kw(loop, steps=5, device="cuda"))
 
 
 @pytest.mark.parametrize("loop", ["plain", "scaler+clip"])
 def test_an_inf_bucket_is_held_flagged_and_its_step_skipped(loop):
-    kw = dict(clip="clip" in loop, scaled="scaler" in loop, inf_at=2, steps=5, device="cuda")
-    params, held, _, _ = _train(False, **kw)
-    copied, _, _, _ = _train(True, **kw)
-    _bitwise(params, copied)
+    held = check_inf_step(**loop_kw(loop, inf_at=2, steps=5, device="cuda"))
     assert all(all(h) for h in held)  # the device flags the inf: held like the others
-    if kw["scaled"]:  # torch's GradScaler skips that step too
-        ref, _, _, _ = _train(False, torch_ref=True, **kw)
-        for p, r in zip(params, ref):
-            torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
 def test_reading_param_grad_and_accumulating_train_the_same():

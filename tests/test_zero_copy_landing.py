@@ -107,24 +107,30 @@ def _bitwise(a: List[torch.Tensor], b: List[torch.Tensor]) -> None:
         assert torch.equal(x, y), (x - y).abs().max()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("loop", ["plain", "clip", "scaler+clip"])
-@pytest.mark.parametrize("buckets", ["one", "several"])
-def test_held_grads_train_bitwise_as_the_copy(dtype, loop, buckets):
-    kw = dict(dtype=dtype, clip="clip" in loop, scaled="scaler" in loop,
-              bucket_cap_mb=25.0 if buckets == "one" else 0.002)
+LOOPS = ["plain", "clip", "scaler+clip", "max_grad_norm in step"]
+
+
+def loop_kw(loop: str, **kw):
+    """``_train``'s keywords for one of :data:`LOOPS` (plus ``kw``)."""
+    return dict(clip=loop in ("clip", "scaler+clip"), scaled="scaler" in loop,
+                max_grad_norm=0.5 if loop == "max_grad_norm in step" else None, **kw)
+
+
+def check_held_as_the_copy(buckets: str, **kw) -> None:
+    """Every bucket of every step held in place, training bit for bit (params and norms) as the
+    copying landing, whose buckets all land in their shards. ``buckets``: "one" or "several"."""
+    kw["bucket_cap_mb"] = 25.0 if buckets == "one" else 0.002
     params, held, norms, _ = _train(False, **kw)
     copied, held_copy, norms_copy, _ = _train(True, **kw)
     _bitwise(params, copied)
     assert norms == norms_copy
-    assert all(all(h) for h in held), held  # every bucket of every step was held in place
+    assert all(all(h) for h in held), held
     assert (len(held[0]) == 1) == (buckets == "one")
-    assert not any(any(h) for h in held_copy)  # copy_grads: every bucket landed in its shard
+    assert not any(any(h) for h in held_copy)
 
 
-@pytest.mark.parametrize("loop", ["plain", "clip", "scaler+clip"])
-def test_held_grads_train_as_torch_adamw(loop):
-    kw = dict(clip="clip" in loop, scaled="scaler" in loop, steps=5)
+def check_held_as_torch(**kw) -> None:
+    """Every bucket held, training as torch's AdamW (and its clip) to the fp32 tolerance."""
     params, held, norms, _ = _train(False, **kw)
     ref, _, ref_norms, _ = _train(False, torch_ref=True, **kw)
     assert all(all(h) for h in held)
@@ -133,17 +139,36 @@ def test_held_grads_train_as_torch_adamw(loop):
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("loop", ["plain", "scaler+clip"])
-def test_an_inf_bucket_lands_in_its_shard_and_the_step_is_skipped(loop):
-    kw = dict(clip="clip" in loop, scaled="scaler" in loop, inf_at=2, steps=5)
+def check_inf_step(**kw) -> List[List[bool]]:
+    """Step ``inf_at`` with an inf in its grads: bit for bit the copying landing, and with a scaler
+    torch's (its GradScaler skips the step too; without one torch's AdamW would step on NaN).
+    Returns the held pattern."""
     params, held, _, _ = _train(False, **kw)
     copied, _, _, _ = _train(True, **kw)
     _bitwise(params, copied)
-    assert not any(held[2]) and all(held[1]) and all(held[3])  # the inf step copied, the others held
-    if kw["scaled"]:  # torch's GradScaler skips that step too (without one, torch's AdamW would step on NaN)
+    if kw.get("scaled"):
         ref, _, _, _ = _train(False, torch_ref=True, **kw)
         for p, r in zip(params, ref):
             torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    return held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("buckets", ["one", "several"])
+def test_held_grads_train_bitwise_as_the_copy(dtype, loop, buckets):
+    check_held_as_the_copy(buckets, **loop_kw(loop, dtype=dtype))
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_held_grads_train_as_torch_adamw(loop):
+    check_held_as_torch(**loop_kw(loop, steps=5))
+
+
+@pytest.mark.parametrize("loop", ["plain", "scaler+clip"])
+def test_an_inf_bucket_lands_in_its_shard_and_the_step_is_skipped(loop):
+    held = check_inf_step(**loop_kw(loop, inf_at=2, steps=5))
+    assert not any(held[2]) and all(held[1]) and all(held[3])  # the inf step copied, the others held
 
 
 def test_reading_param_grad_makes_the_shard_and_trains_the_same():
