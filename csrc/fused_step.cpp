@@ -25,6 +25,20 @@ void adam_launch(const AdamLaunch& l) {
 
 namespace {
 
+// Every launch lets go of its grad and its held grads when the call that took them returns or
+// raises: a held bucket's grads left on its launch object would be read by a later step that
+// lands that bucket in its shard instead (set before the call: adam_launch.native_launches).
+struct ReleaseGrads {
+  const std::vector<AdamLaunch*>& launches;
+  ~ReleaseGrads() {
+    for (AdamLaunch* l : launches) {
+      l->grad = at::Tensor();
+      l->part_grads.clear();
+      l->part_offsets.clear();
+    }
+  }
+};
+
 // adam_launch_all's work (below); ``prepare_checked``: the caller made adam_prepare's checks of
 // ``prepare`` and ``records`` before the step's first kernel (check_step_records), so the
 // records are formed without making them again (microseconds of host time a step, right after a
@@ -32,16 +46,7 @@ namespace {
 void launch_all(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                 const at::Tensor& hparams, const at::Tensor& touched, const at::Tensor& found_inf,
                 c10::optional<at::Tensor> records, const c10::optional<at::Tensor>& prepare, bool prepare_checked) {
-  struct Release {
-    const std::vector<AdamLaunch*>& launches;
-    ~Release() {
-      for (AdamLaunch* l : launches) {
-        l->grad = at::Tensor();
-        l->part_grads.clear();
-        l->part_offsets.clear();
-      }
-    }
-  } release{launches};
+  const ReleaseGrads release{launches};
   SHARDAMP_CHECK(launches.size() == grads.size(), "adam_launch_all: one grad per launch (", launches.size(),
                  " launches, ", grads.size(), " grads)");
   if (prepare && !launches.empty()) {
@@ -257,6 +262,7 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
                  const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                  const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
                  const c10::optional<at::Tensor>& records) {
+  const ReleaseGrads release{launches};  // also where a check or the scalars raise before the launches
   check_step_records("step_launch", launches, hparams, touched, skip_out, prepare, records);
   checked_step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale,
                        avg, skip_above, counters, record, ranks, record_host);
@@ -283,6 +289,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
                                    const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                                    const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
                                    c10::optional<at::Tensor> records) {
+  const ReleaseGrads release{launches};  // also where the finish or a check raises before the launches
   const auto n_views = static_cast<int64_t>(views.size());
   SHARDAMP_CHECK(touched_view >= 0 && touched_view < n_views && ranks_view >= -1 && ranks_view < n_views,
                  "stats_step: touched_view and ranks_view must name views (ranks_view -1: none)");

@@ -177,10 +177,9 @@ class GradStager {
     s.prearmed = true;
   }
 
-  // Ends the plan: the buckets it landed, in order, as (bucket, shard, params, offsets, grads): a
-  // shard and no grads, or (held in place, set_hold) no shard (None) and the bucket's params, their
-  // offsets in the shard and their grads;
-  // and the error of a landing that failed after taking its grads ("" if none).
+  // Ends the plan: the buckets it landed, in order, as (bucket, shard, None), or (held in place,
+  // set_hold) as (bucket, None, HeldParts: grad_parts.h); and the error of a landing that failed
+  // after taking its grads ("" if none).
   std::pair<py::list, std::string> finish_plan() {
     auto& s = *state_;
     std::vector<StagerState::Landed> landed;

@@ -63,7 +63,7 @@ struct StagerState {
     std::vector<at::Tensor> grads;
   };
   std::vector<Landed> plan_landed;  // in landing order
-  bool hold = false;  // set_hold: a CPU bucket's grads are held in place where they allow it (holdable)
+  bool hold = false;  // set_hold: a bucket's grads are held in place where they allow it (hold_planned)
   std::string plan_error;  // a landing that failed after taking its grads: Python raises it
   // The standing plan (set_standing): the entries every pre-armed backward starts from, without
   // their flags. prearm(flags) (zero_grad, every bucket released) arms the stager and sets the

@@ -253,19 +253,23 @@ def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> bool:
     return device.type == "cuda" and max(segment_counts, default=0) <= getattr(ext, "HELD_SEGMENTS", -1)
 
 
-def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> None:
+def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> bool:
     """:func:`group_partials` over a bucket's grads held where autograd left them
-    (``shards.buffers.HeldGrads``: one process; only the compiled stager holds them, so the
-    compiled kernels are there), the same sums as over its landed shard."""
-    if not segments.segments:
-        return
+    (``shards.buffers.HeldGrads``: one process; only the compiled stager holds them), the same
+    sums as over its landed shard. Returns False, doing nothing, where the compiled kernels are
+    no longer in use (``SHARDAMP_KERNELS=reference`` set since): the caller reads the shard."""
     device = held.marker.device
     ext = _native(device)
+    if ext is None:
+        return False
+    if not segments.segments:
+        return True
     if device.type == "cpu":
         ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type))
-        return
+        return True
     ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type),
                             _group_chunks(ext, segments, device, held.numel, n_params, out.numel()), segments.spans)
+    return True
 
 
 def stats_finish(stats: Tensor, end: int, norm_type: float,

@@ -244,9 +244,7 @@ def _group_partials(buckets: Sequence[Any], grad_shards: Sequence[Tensor], out: 
     held_of = getattr(grad_shards, "held", None)  # shards.buffers.ShardGrads: grads may be held in place
     for i, bucket in enumerate(buckets):
         held = held_of(i) if held_of is not None else None
-        if held is not None:
-            kernels.group_partials_held(held, bucket.segments, out, norm_type, n_params)
-        else:
+        if held is None or not kernels.group_partials_held(held, bucket.segments, out, norm_type, n_params):
             kernels.group_partials(grad_shards[i], bucket.segments, out, norm_type, n_params)
 
 
