@@ -43,9 +43,8 @@ std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std
 
 std::vector<const void*> segment_bases(const std::vector<GradPart>& parts, const std::vector<int64_t>& spans,
                                        at::ScalarType dtype, const char* what) {
-  SHARDAMP_CHECK(spans.size() % 2 == 0 && static_cast<int64_t>(spans.size() / 2) <= kHeldSegments, what,
-                 ": grads read in place take at most ", kHeldSegments, " segments (start, length each; got ",
-                 spans.size(), " numbers)");
+  SHARDAMP_CHECK(spans.size() % 2 == 0, what, ": spans are (start, length) per segment (got ", spans.size(),
+                 " numbers)");
   const uintptr_t item = static_cast<uintptr_t>(c10::elementSize(dtype));
   std::vector<const void*> out(spans.size() / 2, nullptr);
   for (size_t k = 0; k < out.size(); ++k) {
@@ -75,8 +74,6 @@ bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std:
 #if defined(SHARDAMP_WITH_CUDA)
   SHARDAMP_CHECK(device.is_cuda(), "bucket_stats_parts: unsupported device ", device);
   SHARDAMP_CHECK(rows && flags, "bucket_stats_parts: CUDA grads need the bucket's rows and flags (as bucket_stats)");
-  SHARDAMP_CHECK(static_cast<int64_t>(parts.size()) <= kHeldSegments, "bucket_stats_parts: at most ", kHeldSegments,
-                 " grads on CUDA (got ", parts.size(), ")");
   SHARDAMP_CHECK(rows->device() == device && rows->scalar_type() == at::kLong && rows->dim() == 2 &&
                      rows->is_contiguous() && flags->device() == device && flags->scalar_type() == at::kFloat &&
                      flags->is_contiguous() && flags->numel() >= 1,
@@ -154,8 +151,6 @@ void register_grad_parts(pybind11::module_& m) {  // module.cpp calls it
              for (const auto& g : h.grads) n += g.numel() * static_cast<int64_t>(g.element_size());
              return n;
            }, "the grads' bytes")
-      .def_property_readonly("grads", [](const HeldParts& h) { return h.grads; }, "the grads (a list: tests)")
-      .def_property_readonly("offsets", [](const HeldParts& h) { return h.offsets; })
       .def("land", [](const HeldParts& h, at::Tensor full) {
              land_grads(full, h.grads, h.like, h.offsets, /*accumulate=*/false, /*zero_rest=*/true);
            }, "Copy the grads into their slots of the flat shard `full` (allocated uninitialized: every byte no grad "

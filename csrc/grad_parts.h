@@ -47,7 +47,7 @@ std::vector<GradPart> grad_parts(const std::vector<at::Tensor>& grads, const std
 // Per segment of ``spans`` (flat: start, length per segment), the address its grads are read
 // from as the shard's are (element i of the shard at [i] of a ``dtype`` array: the part's data
 // less its start), or null where no part holds the segment (a param without a grad: the step
-// skips it). A segment that starts in a part must end in it. At most kHeldSegments segments.
+// skips it). A segment that starts in a part must end in it.
 std::vector<const void*> segment_bases(const std::vector<GradPart>& parts, const std::vector<int64_t>& spans,
                                        at::ScalarType dtype, const char* what);
 
@@ -61,11 +61,12 @@ bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype
 
 #if defined(SHARDAMP_WITH_CUDA) || defined(__CUDACC__)
 namespace cuda {  // cuda/grad_stats.cu
-// bucket_stats over the parts (at most kHeldSegments of them, on one CUDA device): the L2 partial
-// into out[0:2] and the params' non-finite flags (``rows``, ``flags`` as bucket_stats takes them),
-// summed in the order bucket_stats sums the landed shard, so bitwise its result; true. False,
-// with nothing launched, while the current stream is being captured into a CUDA graph (the
-// grads' addresses would be baked into the graph; they change every backward).
+// bucket_stats over the parts (on one CUDA device): the L2 partial into out[0:2] and the params'
+// non-finite flags (``rows``, ``flags`` as bucket_stats takes them), summed in the order
+// bucket_stats sums the landed shard, so bitwise its result; true. False, with nothing launched,
+// where they cannot be read in place: more than kHeldSegments parts (their addresses travel in
+// the launch's arguments), or the current stream being captured into a CUDA graph (the grads'
+// addresses would be baked into the graph; they change every backward).
 bool bucket_stats_parts(const std::vector<GradPart>& parts, at::ScalarType dtype, int64_t n, const at::Tensor& rows,
                         at::Tensor& flags, at::Tensor& out, bool assign);
 // group_partials over held grads: segment s's read from bases[s] (segment_bases), in the chunks'

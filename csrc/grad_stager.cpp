@@ -234,7 +234,7 @@ class GradStager {
     return began;
   }
 
-  // Let complete CPU buckets be held in place under the plan (StagerState::hold_planned).
+  // Let complete buckets be held in place under the plan (StagerState::hold_planned).
   void set_hold(bool hold) {
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->hold = hold;

@@ -139,8 +139,7 @@ bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
     like.push_back(p);
     offsets.push_back(offset[pg.first]);
   }
-  if (grads.empty() || (!e.like.is_cpu() && static_cast<int64_t>(grads.size()) > kHeldSegments) ||
-      !checked_bucket_stats_parts(grads, offsets, e.numel, e.partial, assign, e.rows, e.flags)) {
+  if (grads.empty() || !checked_bucket_stats_parts(grads, offsets, e.numel, e.partial, assign, e.rows, e.flags)) {
     return false;
   }
   for (auto& pg : pending[b]) staged[pg.first] = 0;

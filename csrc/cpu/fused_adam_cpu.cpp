@@ -31,18 +31,19 @@ struct Step {
 };
 
 // With the grads where autograd left them (AdamArgs::parts): per segment, a pointer indexed as the
-// shard is (element i of the segment at [i]), into the part that holds the segment.
+// shard is (segment_bases, as CUDA's launch takes them); a segment the step updates must have one.
 template <typename G>
 std::vector<const G*> segment_grads(const std::vector<GradPart>& parts, const std::vector<Step>& segs) {
+  std::vector<int64_t> spans;
+  spans.reserve(2 * segs.size());
+  for (const Step& s : segs) spans.insert(spans.end(), {s.start, s.len});
+  const std::vector<const void*> bases = segment_bases(parts, spans, c10::CppTypeToScalarType<G>::value, "adam_step");
   std::vector<const G*> out(segs.size(), nullptr);
   for (size_t k = 0; k < segs.size(); ++k) {
     const Step& s = segs[k];
-    if (s.skip || s.len == 0) continue;
-    auto it = part_at(parts, s.start);
-    SHARDAMP_CHECK(it != parts.end() && it->start <= s.start && s.start + s.len <= it->start + it->len,
-                   "adam_step: no grad part holds segment ", k, " (elements ", s.start, " to ", s.start + s.len, ")");
-    out[k] = reinterpret_cast<const G*>(reinterpret_cast<std::uintptr_t>(it->data) -
-                                        static_cast<std::uintptr_t>(it->start) * sizeof(G));
+    SHARDAMP_CHECK(bases[k] != nullptr || s.skip || s.len == 0, "adam_step: no grad part holds segment ", k,
+                   " (elements ", s.start, " to ", s.start + s.len, ")");
+    out[k] = static_cast<const G*>(bases[k]);
   }
   return out;
 }

@@ -262,13 +262,11 @@ def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_typ
     ext = _native(device)
     if ext is None:
         return False
-    if not segments.segments:
-        return True
-    if device.type == "cpu":
-        ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type))
-        return True
-    ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type),
-                            _group_chunks(ext, segments, device, held.numel, n_params, out.numel()), segments.spans)
+    if segments.segments:  # CUDA reads each segment through its chunk map and host-side span
+        cuda = device.type == "cuda"
+        ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type),
+                                _group_chunks(ext, segments, device, held.numel, n_params, out.numel()),
+                                segments.spans if cuda else None)
     return True
 
 
