@@ -234,10 +234,13 @@ class GradStager {
     return began;
   }
 
-  // Let complete buckets be held in place under the plan (StagerState::hold_planned).
-  void set_hold(bool hold) {
+  // Which complete buckets may be held in place under the plan (StagerState::hold_planned): one
+  // flag per bucket.
+  void set_hold(const std::vector<bool>& hold) {
+    SHARDAMP_CHECK(hold.size() == state_->pending.size(), "GradStager.set_hold: one flag per bucket (",
+                   state_->pending.size(), "), got ", hold.size());
     std::lock_guard<std::mutex> lock(state_->mu);
-    state_->hold = hold;
+    state_->hold.assign(hold.begin(), hold.end());
   }
 
   py::bytes touched() {

@@ -63,7 +63,9 @@ struct StagerState {
     std::vector<at::Tensor> grads;
   };
   std::vector<Landed> plan_landed;  // in landing order
-  bool hold = false;  // set_hold: a bucket's grads are held in place where they allow it (hold_planned)
+  // set_hold: per bucket, its grads may be held in place where they allow it (hold_planned); a
+  // bucket whose segments the update launch cannot carry (kHeldSegments on CUDA) is never held
+  std::vector<char> hold;
   std::string plan_error;  // a landing that failed after taking its grads: Python raises it
   // The standing plan (set_standing): the entries every pre-armed backward starts from, without
   // their flags. prearm(flags) (zero_grad, every bucket released) arms the stager and sets the

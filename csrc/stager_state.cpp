@@ -159,7 +159,7 @@ void StagerState::land_planned(int64_t b) {
     std::lock_guard<std::mutex> lock(mu);
     std::swap(e, plan[b]);
     assign = plan_assign;
-    held = hold;
+    held = b < static_cast<int64_t>(hold.size()) && hold[b];
   }
   if (held) {
     try {

@@ -101,6 +101,41 @@ def test_a_bucket_past_held_segments_is_copied_and_trains_the_same():
     assert not any(held)
 
 
+def test_only_the_bucket_past_held_segments_is_copied():
+    """The gate is per bucket: beside a bucket of more than ``HELD_SEGMENTS`` segments, the
+    optimizer's other bucket is still held; both train as the copying landing and as torch."""
+    n = _native().HELD_SEGMENTS + 1
+
+    def run(copy: bool, torch_ref: bool = False):
+        config.configure(copy_grads=copy)
+        torch.manual_seed(0)
+        small = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
+        big = nn.Parameter(torch.randn(1 << 19, device="cuda"))  # 2 MB: a bucket of its own at 1 MB
+        params = [big, *small]
+        if torch_ref:
+            opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+        else:
+            opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.0, bucket_cap_mb=1)
+            assert len(opt._buffers) == 2
+        held = []
+        for step in range(3):
+            opt.zero_grad()
+            sum((p * p).sum() * (step + 1) for p in params).backward()
+            if not torch_ref:
+                # (is the big param's bucket, is held), the small params' bucket first
+                held.append(sorted((b.shard_numel >= 1 << 19, b.held is not None) for b in opt._buffers))
+            opt.step()
+        return [p.detach().clone() for p in params], held
+
+    params, held = run(False)
+    copied, _ = run(True)
+    ref, _ = run(False, torch_ref=True)
+    _bitwise(params, copied)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    assert held == [[(False, False), (True, True)]] * 3, held
+
+
 def test_held_grads_take_no_shard_memory():
     """The held bucket's shard is never allocated: the peak of a backward and step is the
     copying landing's less (about) the shard."""

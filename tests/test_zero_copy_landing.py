@@ -213,6 +213,36 @@ def test_held_grads_make_no_shard_and_zero_grad_drops_them():
     assert buf.held is None and buf.grad_store is None and buf.released
 
 
+def test_hold_is_per_bucket_and_a_bucket_not_held_is_copied():
+    """The stager holds per bucket (on CUDA a bucket past ``HELD_SEGMENTS`` is not held, the
+    others are): with holding off for one bucket, that one lands in its shard, the others stay
+    held, and training is bitwise the copying landing's."""
+    def run(copy: bool, hold=None):
+        config.configure(copy_grads=copy)
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(4096)) for _ in range(4)]  # 16 KB each
+        opt = DistributedFusedAdam(params, lr=1e-2, bucket_cap_mb=0.02)
+        n = len(opt._buffers)
+        assert n >= 2
+        if hold is not None:
+            opt._grad_sync.stager.set_hold([b != hold for b in range(n)])
+        seen = []
+        for step in range(3):
+            opt.zero_grad()
+            sum((p * p).sum() * (step + 1) for p in params).backward()
+            seen.append([b.held is not None for b in opt._buffers])
+            opt.step()
+        return [p.detach().clone() for p in params], seen, n
+
+    params, seen, n = run(False, hold=1)
+    copied, seen_copy, _ = run(True)
+    _bitwise(params, copied)
+    assert seen == [[b != 1 for b in range(n)]] * 3, seen
+    assert not any(map(any, seen_copy))
+    with pytest.raises((RuntimeError, ValueError), match="one flag per bucket"):
+        DistributedFusedAdam([nn.Parameter(torch.randn(4))], lr=1e-2)._grad_sync.stager.set_hold([True, True])
+
+
 # ------------------------------------------------------------------ the kernels over parts
 def _layout(seed: int, numel: int) -> Tuple[List[int], List[int]]:
     """Random parts of a ``numel`` shard: their offsets and sizes, with gaps (no grad) between."""

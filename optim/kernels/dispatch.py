@@ -240,17 +240,19 @@ def _group_chunks(ext: Any, segments: SegmentTable, device: torch.device, numel:
     return segments.extra[key]
 
 
-def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> bool:
-    """Whether the compiled kernels for ``device`` read a bucket's grads where autograd left them
-    (the zero-copy landing, ``shards.buffers.HeldGrads``) for buckets of ``segment_counts``
-    segments: on the CPU always; on CUDA where every bucket has at most ``HELD_SEGMENTS`` (their
-    addresses travel in the launches' arguments) and the kernels have the in-place reads."""
+def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> List[bool]:
+    """Per bucket of ``segment_counts`` segments, whether the compiled kernels for ``device`` read
+    its grads where autograd left them (the zero-copy landing, ``shards.buffers.HeldGrads``): on
+    the CPU every bucket; on CUDA a bucket of at most ``HELD_SEGMENTS`` segments (their addresses
+    travel in the launches' arguments), where the kernels have the in-place reads; nowhere
+    without the compiled kernels."""
     ext = _native(device)
     if ext is None or not hasattr(ext, "bucket_stats_parts"):
-        return False
+        return [False] * len(segment_counts)
     if device.type == "cpu":
-        return True
-    return device.type == "cuda" and max(segment_counts, default=0) <= getattr(ext, "HELD_SEGMENTS", -1)
+        return [True] * len(segment_counts)
+    bound = getattr(ext, "HELD_SEGMENTS", -1) if device.type == "cuda" else -1
+    return [n <= bound for n in segment_counts]
 
 
 def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> bool:

@@ -156,7 +156,7 @@ class GradSync:
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
         # StepHealth methods
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       device, hold=not host.active and kernels.holds_grads(
+                                       device, hold=None if host.active else kernels.holds_grads(
                                            device, [len(b.segments.segments) if b.segments else 0 for b in buckets]))
         # the plan pre-armed at zero_grad (one process): the stager queues that backward's end
         # itself at its first grad (``quiet_end``) and calls no Python there; Python catches the

@@ -52,14 +52,16 @@ class MergedLandings:
         landing_flags: health.py's ``StepHealth.landing_flags``.
         landing_rows: ``StepHealth.landing_rows``.
         device: the buckets' device.
-        hold: a complete bucket's grads may stay where autograd left them (the zero-copy landing,
-            see below): False where something must read every landed shard (offload) or the
-            kernels cannot read them in place (``kernels.holds_grads``).
+        hold: per bucket, whether a complete bucket's grads may stay where autograd left them
+            (the zero-copy landing, see below): none where something must read every landed shard
+            (offload), and not a bucket the kernels cannot read in place (``kernels.holds_grads``).
+            None: no bucket.
     """
 
     def __init__(self, stager: Any, states: Sequence[BucketGrads], release_shards: bool,
                  landing_flags: Callable[[int], Tuple[Tensor, Tensor]],
-                 landing_rows: Callable[[int], Tensor], device: torch.device, hold: bool = False) -> None:
+                 landing_rows: Callable[[int], Tensor], device: torch.device,
+                 hold: Optional[Sequence[bool]] = None) -> None:
         self.stager = stager
         self.states = states
         self.landing_flags = landing_flags
@@ -79,9 +81,8 @@ class MergedLandings:
         # place. The copy of ~1 MB of grads was ~50 us of a ~1.2 ms small-model iteration on the
         # CPU; on CUDA it is an allocation and a launch on the autograd thread, a read and a write
         # of every grad byte on the GPU and the shard's memory on top of the grads' (docs/performance.md).
-        self.holds = self.plans and hold and not config.settings().copy_grads
-        if self.holds:
-            stager.set_hold(True)
+        if self.plans and hold is not None and any(hold) and not config.settings().copy_grads:
+            stager.set_hold(list(hold))
 
     def arm(self, next_launch: int, assign: bool) -> None:
         """Inside a backward: hand the stager the landings it may run itself, each bucket from
