@@ -243,6 +243,42 @@ def test_hold_is_per_bucket_and_a_bucket_not_held_is_copied():
         DistributedFusedAdam([nn.Parameter(torch.randn(4))], lr=1e-2)._grad_sync.stager.set_hold([True, True])
 
 
+def test_a_step_that_raises_before_its_launches_lets_go_of_the_held_grads(monkeypatch):
+    """The step's native call is handed the held grads before it checks its arguments: one that
+    raises there must drop them, or a later step that lands that bucket in its shard would read
+    the grads of the step that raised. Here the step after it lands the shard (``full_grad``
+    makes it) from other grads, and trains bitwise as the same steps without the raise."""
+    from shardamp.optim.kernels import fused_step
+
+    def run(fail: bool):
+        config.configure(copy_grads=False)
+        torch.manual_seed(0)
+        model = Net()
+        opt = DistributedFusedAdam([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.05)
+        opt.zero_grad()
+        model(_batch(0, torch.float32)).pow(2).mean().backward()
+        if fail:
+            real = fused_step.stats_step
+
+            def bad_views(parts, end, norm_type, views, view_of, *rest):
+                return real(parts, end, norm_type, views, dict(view_of, touched=len(views)), *rest)
+
+            with monkeypatch.context() as m:
+                m.setattr(fused_step, "stats_step", bad_views)
+                with pytest.raises(RuntimeError, match="touched_view"):
+                    opt.step()
+            assert opt._buffers[0].held is not None  # the raise came after the grads were handed over
+        opt.zero_grad()
+        model(_batch(1, torch.float32)).pow(2).mean().backward()
+        assert opt._buffers[0].held is not None
+        opt.full_grad(model.fc1.weight)  # makes the shard: the step reads it, not held grads
+        assert opt._buffers[0].held is None
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+
+    _bitwise(run(True), run(False))
+
+
 # ------------------------------------------------------------------ the kernels over parts
 def _layout(seed: int, numel: int) -> Tuple[List[int], List[int]]:
     """Random parts of a ``numel`` shard: their offsets and sizes, with gaps (no grad) between."""
