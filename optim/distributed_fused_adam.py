@@ -98,7 +98,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         grad_sync_dtype: the dtype grads are reduce-scattered in; default the param dtype.
         param_sync_dtype: the dtype params are all-gathered in; default the param dtype.
         bucket_cap_mb: the size of a flat bucket, in MB; below ~100 MB, backward becomes
-            host-bound on GPUs.
+            host-bound on GPUs. At one process on CUDA a bucket also holds at most 128 params
+            (``HELD_SEGMENTS``: its grads are then read where autograd left them).
         overlap_grad_sync: reduce-scatter each bucket during backward as soon as it is complete
             (``False``: at ``grad_sync()`` / ``step``).
         overlap_param_sync: leave the all-gathers in flight after ``step``; each module waits
@@ -226,7 +227,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
             check_remainders(dtype, param_sync_dtype, [p.dtype for p in self._params])
         self.store_param_remainders = store_param_remainders
         self._buckets: List[Bucket] = build_layout(
-            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN))
+            indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN),
+            self._held_bucket_params(capturable))
         self._host = HostState(self._offload, self._buckets, self._device, self._formats, dtype, grad_sync_dtype,
                                param_sync_dtype, self._comm, len(self._params))  # where the state lives: shards/host_state.py
         # the formats against where each bucket's state lives (an offloaded one takes the CPU kernels)
@@ -510,6 +512,17 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self._cycle.stepped(max_norms, r.raw_norms, cache_after_step=not self.capturable)
         self._grad_sync.step_done()
         return loss
+
+    def _held_bucket_params(self, capturable: bool) -> Optional[int]:
+        """At one process a complete bucket's grads are read where autograd left them
+        (sync/merged_landings.py), as long as its launches carry every grad's address: buckets
+        are cut at that many params there, so none is copied into its shard for having more
+        (one process, neither capturable nor offloaded; not with a blockwise moment, whose
+        block grid stays the bucket's at every world size)."""
+        if (self._comm.reduces_grads or capturable or self._offload.offload is not None
+                or any(f.blockwise for _, f in self._formats.items())):
+            return None
+        return kernels.held_bucket_params(self._device)
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]

@@ -23,7 +23,7 @@ updates and all-gathers buckets in :func:`forward_order`, so the first module's 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -132,10 +132,13 @@ def forward_order(n_buckets: int) -> range:
     return range(n_buckets - 1, -1, -1)
 
 
-def plan_buckets(params: Sequence[Tuple[torch.Tensor, int]], bucket_cap_mb: float) -> List[List[int]]:
+def plan_buckets(params: Sequence[Tuple[torch.Tensor, int]], bucket_cap_mb: float,
+                 max_params: Optional[int] = None) -> List[List[int]]:
     """The bucket policy: param indices per bucket, each in backward order (see the module
     docstring). A bucket holds one dtype and device and at most ``bucket_cap_mb`` of it (a
-    larger param gets a bucket of its own)."""
+    larger param gets a bucket of its own), and at most ``max_params`` params where given (one
+    process on CUDA: the most grads a bucket's launches read where autograd left them,
+    ``kernels.held_bucket_params``; a bucket past it would be copied into its shard)."""
     cap_bytes = max(int(bucket_cap_mb * 2**20), 1)
     open_plan: Dict[Tuple[torch.dtype, torch.device], int] = {}  # key -> plan index
     open_bytes: Dict[Tuple[torch.dtype, torch.device], int] = {}
@@ -145,7 +148,8 @@ def plan_buckets(params: Sequence[Tuple[torch.Tensor, int]], bucket_cap_mb: floa
         key = (p.dtype, p.device)
         nbytes = p.numel() * p.element_size()
         b = open_plan.get(key)
-        if b is not None and open_bytes[key] + nbytes > cap_bytes:
+        if b is not None and (open_bytes[key] + nbytes > cap_bytes
+                              or (max_params is not None and len(plan[b]) >= max_params)):
             b = None
         if b is None:
             b = open_plan[key] = len(plan)
@@ -162,11 +166,13 @@ def build_layout(
     shard_size: int,
     shard_rank: int,
     block: int = ALIGN,
+    max_params: Optional[int] = None,
 ) -> List[Bucket]:
     """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets
     (:func:`plan_buckets`) and pack them (:func:`pack`). The result is identical on every rank,
     which is what makes the fixed collective order possible. ``block``: every shard is a
-    multiple of it (``MomentFormats.grid``: the blockwise moments' block, else ``ALIGN``)."""
+    multiple of it (``MomentFormats.grid``: the blockwise moments' block, else ``ALIGN``).
+    ``max_params``: :func:`plan_buckets`'."""
     for index, (p, _group) in enumerate(params):
         if not is_dense_non_overlapping(p):
             raise ValueError(
@@ -174,7 +180,7 @@ def build_layout(
                 "dense and non-overlapping; make it contiguous (or channels_last) before building "
                 "the optimizer"
             )
-    return pack(plan_buckets(params, bucket_cap_mb), params, shard_size, shard_rank, block)
+    return pack(plan_buckets(params, bucket_cap_mb, max_params), params, shard_size, shard_rank, block)
 
 
 def pack(plan: List[List[int]], params: Sequence[Tuple[torch.Tensor, int]], shard_size: int,

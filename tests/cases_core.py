@@ -328,8 +328,51 @@ def case_memory_stats_low_bit(rank, world, **kw):
     return out
 
 
+class _HeldBound:
+    """``kernels.held_bucket_params`` answering ``bound`` (the CUDA kernels' HELD_SEGMENTS), so
+    the CPU ranks lay buckets out as one CUDA process does."""
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+
+    def __enter__(self) -> None:
+        from shardamp.optim import kernels
+
+        self.saved = kernels.held_bucket_params
+        kernels.held_bucket_params = lambda device: self.bound
+
+    def __exit__(self, *exc) -> None:
+        from shardamp.optim import kernels
+
+        kernels.held_bucket_params = self.saved
+
+
+def case_held_bucket_bound(rank, world, **kw):
+    """One process cuts buckets at the grads its launches read in place (here 2 a bucket, in one
+    big-capped bucket's place); more ranks do not. Trains as torch either way."""
+    with _HeldBound(2):
+        return train(rank, world, **kw, opt_kwargs=dict(bucket_cap_mb=1000.0))
+
+
+def case_held_bucket_layout(rank, world, **kw):
+    """The bucket sizes (params a bucket) the bound gives: cut at one process unless capturable,
+    offloaded or with a blockwise moment; never at more ranks."""
+    from shardamp.optim import DistributedFusedAdam
+
+    out = {}
+    with _HeldBound(2):
+        for name, opts in (("default", {}), ("capturable", dict(capturable=True)), ("offload", dict(offload="cpu")),
+                           ("8bit", Q8)):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
+            opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=1000.0, **opts)
+            out[name] = [len(b.slots) for b in opt._buckets]
+            del opt  # one live optimizer per process group
+    return out
+
+
 CASES = [name for name in dir() if name.startswith("case_")]
 # cases that check bookkeeping (memory, staging), not parity with torch
 NOT_PARITY = ("case_grad_memory_bounded", "case_memory_stats", "case_grad_staging_and_release",
               "case_memory_stats_dtypes", "case_memory_stats_low_bit", "case_remainders_bitwise", "case_bf16_moments",
-              "case_bf16_exp_avg_sq_only")
+              "case_bf16_exp_avg_sq_only", "case_held_bucket_layout")

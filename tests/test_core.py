@@ -42,6 +42,13 @@ def test_memory_stats_is_zero2(world: int) -> None:
         assert stats["host_total"] == stats["host_master"] == stats["host_moments"] == stats["host_copies"] == 0
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_process_cuts_buckets_at_the_held_bound(world: int) -> None:
+    for value in case_values(_results(world), "case_held_bucket_layout"):
+        assert value["default"] == ([2, 2, 2] if world == 1 else [6]), value
+        assert value["capturable"] == value["offload"] == value["8bit"] == [6], value
+
+
 def check_staging_case(results, world: int) -> None:
     for value in case_values(results, "case_grad_staging_and_release"):
         for capturable in (False, True):

@@ -77,9 +77,47 @@ def test_held_and_landed_steps_mixed_train_as_the_copy_and_torch():
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
-def test_a_bucket_past_held_segments_is_copied_and_trains_the_same():
-    """More segments in a bucket than a launch's arguments carry (``HELD_SEGMENTS``): its grads
-    are copied into its shard, as before the zero-copy landing."""
+def test_buckets_are_cut_at_held_segments_and_every_one_is_held():
+    """One process cuts its buckets at ``HELD_SEGMENTS`` params (under the byte cap), so a model
+    with more params than that in one cap's worth still has every bucket held; it trains bitwise
+    as the copying landing (the same layout) and as torch's AdamW."""
+    n = 2 * _native().HELD_SEGMENTS + 1
+
+    def run(copy: bool, torch_ref: bool = False):
+        config.configure(copy_grads=copy)
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
+        opt = (torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0) if torch_ref
+               else DistributedFusedAdam(params, lr=1e-2, weight_decay=0.0))
+        held, sizes = [], None
+        for step in range(3):
+            opt.zero_grad()
+            sum((p * p).sum() * (step + 1) for p in params).backward()
+            if not torch_ref:
+                held.append([b.held is not None for b in opt._buffers])
+                sizes = [len(b.slots) for b in opt._buckets]
+            if torch_ref:
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+            else:
+                opt.clip_grad_norm(1.0)
+            opt.step()
+        return [p.detach().clone() for p in params], held, sizes
+
+    params, held, sizes = run(False)
+    copied, copied_held, copied_sizes = run(True)
+    ref, _, _ = run(False, torch_ref=True)
+    assert sorted(sizes) == sorted([_native().HELD_SEGMENTS] * 2 + [1]) and sizes == copied_sizes, sizes
+    assert all(all(h) for h in held) and not any(map(any, copied_held)), held
+    _bitwise(params, copied)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_bucket_past_held_segments_is_copied_and_trains_the_same(monkeypatch):
+    """More segments in a bucket than a launch's arguments carry (``HELD_SEGMENTS``; the layout
+    does not cut here, as where a state format keeps buckets whole): its grads are copied into
+    its shard, as before the zero-copy landing."""
+    monkeypatch.setattr(kernels, "held_bucket_params", lambda device: None)
     n = _native().HELD_SEGMENTS + 1
 
     def run(copy: bool):
@@ -101,9 +139,11 @@ def test_a_bucket_past_held_segments_is_copied_and_trains_the_same():
     assert not any(held)
 
 
-def test_only_the_bucket_past_held_segments_is_copied():
-    """The gate is per bucket: beside a bucket of more than ``HELD_SEGMENTS`` segments, the
-    optimizer's other bucket is still held; both train as the copying landing and as torch."""
+def test_only_the_bucket_past_held_segments_is_copied(monkeypatch):
+    """The gate is per bucket: beside a bucket of more than ``HELD_SEGMENTS`` segments (the
+    layout not cutting it), the optimizer's other bucket is still held; both train as the
+    copying landing and as torch."""
+    monkeypatch.setattr(kernels, "held_bucket_params", lambda device: None)
     n = _native().HELD_SEGMENTS + 1
 
     def run(copy: bool, torch_ref: bool = False):

@@ -86,7 +86,8 @@ def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
     if rng.random() < 0.5:  # a second dtype: its params get buckets of their own
         params = [(p.double(), g) if rng.random() < 0.5 else (p, g) for p, g in params]
     cap = rng.choice([0.0001, 0.001, 0.01, 100.0])
-    plan = plan_buckets(params, cap)
+    max_params = rng.choice([None, 1, 2, 3])
+    plan = plan_buckets(params, cap, max_params)
     flat = [i for bucket in plan for i in bucket]
     assert sorted(flat) == list(range(len(params)))
     for bucket in plan:
@@ -94,8 +95,19 @@ def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
         assert len({params[i][0].dtype for i in bucket}) == 1
         nbytes = sum(params[i][0].numel() * params[i][0].element_size() for i in bucket)
         assert len(bucket) == 1 or nbytes <= max(int(cap * 2**20), 1)
+        assert max_params is None or len(bucket) <= max_params
+    if max_params is None:
+        assert plan == plan_buckets(params, cap, len(params))  # a bound no bucket reaches cuts nothing
+    else:  # the bound only adds cuts: per dtype the same params in the same order, in as many buckets or more
+        free = plan_buckets(params, cap)
+        for dtype in {p.dtype for p, _ in params}:
+            def of(plan_):
+                return [b for b in plan_ if params[b[0]][0].dtype == dtype]
+            assert sum(of(plan), []) == sum(of(free), [])
+            assert len(of(plan)) >= max(len(of(free)), -(-len(sum(of(free), [])) // max_params))
     for world in (1, 3):
-        a, b = build_layout(params, cap, world, world - 1), pack(plan, params, world, world - 1)
+        a = build_layout(params, cap, world, world - 1, max_params=max_params)
+        b = pack(plan, params, world, world - 1)
         assert [[(s.index, s.offset) for s in x.slots] for x in a] == [[(s.index, s.offset) for s in x.slots] for x in b]
         assert [x.shard_numel for x in a] == [x.shard_numel for x in b]
     assert list(forward_order(len(plan))) == list(reversed(backward_order(len(plan))))

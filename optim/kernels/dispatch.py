@@ -255,6 +255,16 @@ def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> List[boo
     return [n <= bound for n in segment_counts]
 
 
+def held_bucket_params(device: torch.device) -> Optional[int]:
+    """The most grads a bucket may hold for the compiled kernels on ``device`` to read them where
+    autograd left them (their addresses travel in the launches' arguments: ``HELD_SEGMENTS`` on
+    CUDA); None where there is no such bound (the CPU) or nothing is read in place."""
+    ext = _native(device)
+    if device.type != "cuda" or ext is None or not hasattr(ext, "bucket_stats_parts"):
+        return None
+    return getattr(ext, "HELD_SEGMENTS", None)
+
+
 def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_type: float, n_params: int) -> bool:
     """:func:`group_partials` over a bucket's grads held where autograd left them
     (``shards.buffers.HeldGrads``: one process; only the compiled stager holds them), the same
