@@ -31,6 +31,7 @@ from .step.health import StepHealth, check_skip_above
 from .shards.view import ShardView
 from .step.step_round import StepRound
 from .sync.grad_sync import GradSync
+from .sync.merged_landings import held_bucket_bound
 from .checks.deferred import DeferredChecks
 from .hparams import (NO_COPY, NO_KEY, HparamTable, check_hparams, check_new_group, check_max_norm, check_norm_type,
                       check_options, clip_invalid, plain_key, tensor_lrs)
@@ -228,7 +229,7 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self.store_param_remainders = store_param_remainders
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN),
-            self._held_bucket_params(capturable))
+            held_bucket_bound(self._comm, capturable, self._offload.offload is not None, self._formats, self._device))
         self._host = HostState(self._offload, self._buckets, self._device, self._formats, dtype, grad_sync_dtype,
                                param_sync_dtype, self._comm, len(self._params))  # where the state lives: shards/host_state.py
         # the formats against where each bucket's state lives (an offloaded one takes the CPU kernels)
@@ -512,17 +513,6 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self._cycle.stepped(max_norms, r.raw_norms, cache_after_step=not self.capturable)
         self._grad_sync.step_done()
         return loss
-
-    def _held_bucket_params(self, capturable: bool) -> Optional[int]:
-        """At one process a complete bucket's grads are read where autograd left them
-        (sync/merged_landings.py), as long as its launches carry every grad's address: buckets
-        are cut at that many params there, so none is copied into its shard for having more
-        (one process, neither capturable nor offloaded; not with a blockwise moment, whose
-        block grid stays the bucket's at every world size)."""
-        if (self._comm.reduces_grads or capturable or self._offload.offload is not None
-                or any(f.blockwise for _, f in self._formats.items())):
-            return None
-        return kernels.held_bucket_params(self._device)
 
     def _reattach(self, index: int) -> bool:
         slot = self._grad_sync.slots[index]

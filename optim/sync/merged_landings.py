@@ -27,12 +27,25 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .. import config
+from .. import config, kernels
 from ..shards.buffers import HeldGrads
 from .grad_state import BucketGrads
 
 # grad dtypes the compiled flags' pass takes (kernels.bucket_stats: others run the reference)
 NATIVE_GRADS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def held_bucket_bound(comm: Any, capturable: bool, offloaded: bool, formats: Any,
+                      device: torch.device) -> Optional[int]:
+    """The most params a bucket may hold (``layout.plan_buckets``' ``max_params``) for its grads
+    to be held where autograd left them: at one process a complete bucket's are, as long as its
+    launches carry every grad's address (``kernels.held_bucket_params``: CUDA), so buckets are
+    cut there and none is copied into its shard for having more. None (no bound): more ranks,
+    capturable or offloaded optimizers (their grads are landed), a blockwise moment (its block
+    grid stays the bucket's at every world size), the CPU."""
+    if comm.reduces_grads or capturable or offloaded or any(f.blockwise for _, f in formats.items()):
+        return None
+    return kernels.held_bucket_params(device)
 
 
 def fresh_shard(s: BucketGrads) -> bool:
