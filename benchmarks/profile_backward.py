@@ -33,7 +33,8 @@ from host_iteration import sync  # noqa: E402
 from host_models import build_model, model_specs  # noqa: E402
 
 from shardamp.optim import DistributedFusedAdam, kernels  # noqa: E402
-from shardamp.optim.sync import grad_sync, reductions
+from shardamp.optim.step import cycle
+from shardamp.optim.sync import grad_sync, merged_landings, reductions
 
 
 def main() -> None:
@@ -81,6 +82,13 @@ def main() -> None:
         grad_sync.GradSync.quiet_end = timed("end of backward, queued by the hook (one process)",
                                              grad_sync.GradSync.quiet_end)
         grad_sync.GradSync._begin = timed("  of which the first grad's bookkeeping", grad_sync.GradSync._begin)
+        # the quiet end's other pieces (each a few us; after a backward every one runs cold)
+        merged_landings.MergedLandings.end_quiet = timed("  of which the stager's end and its landed buckets",
+                                                         merged_landings.MergedLandings.end_quiet)
+        grad_sync.GradSync._adopt_all = timed("  of which adopting the landed buckets", grad_sync.GradSync._adopt_all)
+        grad_sync.GradSync._finish_round = timed("  of which ending the round", grad_sync.GradSync._finish_round)
+        cycle.StepCycle.backward_ended = timed("  of which the params' class switch (backward_ended)",
+                                               cycle.StepCycle.backward_ended)
         grad_sync.GradSync.on_grad = timed("  of which grads Python stages itself", grad_sync.GradSync.on_grad)
         grad_sync.GradSync._flush = timed("  of which bucket landings (with their allocs)", grad_sync.GradSync._flush)
         grad_sync.GradSync._launch = timed("  of which bucket launches (with their allocs, stats)", grad_sync.GradSync._launch)
