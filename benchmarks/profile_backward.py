@@ -82,7 +82,8 @@ def main() -> None:
         grad_sync.GradSync.quiet_end = timed("end of backward, queued by the hook (one process)",
                                              grad_sync.GradSync.quiet_end)
         grad_sync.GradSync._begin = timed("  of which the first grad's bookkeeping", grad_sync.GradSync._begin)
-        # the quiet end's other pieces (each a few us; after a backward every one runs cold)
+        # the quiet end's other pieces (each a few us; after a backward every one runs cold; the
+        # adoption and the class switch are counted wherever called, inside the end or not)
         merged_landings.MergedLandings.end_quiet = timed("  of which the stager's end and its landed buckets",
                                                          merged_landings.MergedLandings.end_quiet)
         grad_sync.GradSync._adopt_all = timed("  of which adopting the landed buckets", grad_sync.GradSync._adopt_all)

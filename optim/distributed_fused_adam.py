@@ -99,7 +99,8 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         grad_sync_dtype: the dtype grads are reduce-scattered in; default the param dtype.
         param_sync_dtype: the dtype params are all-gathered in; default the param dtype.
         bucket_cap_mb: the size of a flat bucket, in MB; below ~100 MB, backward becomes
-            host-bound on GPUs. At one process on CUDA a bucket also holds at most 128 params
+            host-bound on GPUs. At one process on CUDA (neither capturable, offloaded nor with a
+            blockwise moment) a bucket of 16 MB or more also holds at most 128 params
             (``HELD_SEGMENTS``: its grads are then read where autograd left them).
         overlap_grad_sync: reduce-scatter each bucket during backward as soon as it is complete
             (``False``: at ``grad_sync()`` / ``step``).
@@ -229,7 +230,9 @@ class DistributedFusedAdam(OptimizerReads, OptimizerSync, ScalerHooks, torch.opt
         self.store_param_remainders = store_param_remainders
         self._buckets: List[Bucket] = build_layout(
             indexed, self.bucket_cap_mb, self._comm.shard_size, self._comm.shard_rank, self._formats.grid(ALIGN),
-            held_bucket_bound(self._comm, capturable, self._offload.offload is not None, self._formats, self._device))
+            *held_bucket_bound(self._comm, capturable, overlap_grad_sync, self._offload.offload is not None,
+                               self._formats, [grad_sync_dtype or p.dtype for p in self._params],
+                               [p.dtype for p in self._params], self._device))
         self._host = HostState(self._offload, self._buckets, self._device, self._formats, dtype, grad_sync_dtype,
                                param_sync_dtype, self._comm, len(self._params))  # where the state lives: shards/host_state.py
         # the formats against where each bucket's state lives (an offloaded one takes the CPU kernels)

@@ -9,7 +9,9 @@ Every param starts at a multiple of ``ALIGN`` elements and every shard is a mult
 With a blockwise moment format (``"8bit"`` / ``"4bit"``, ``state_formats.py``) every shard is
 also a multiple of the format's block (``block``, a multiple of ``ALIGN``): shard boundaries fall
 on the bucket's block grid, so no block straddles two ranks and a block holds the same bucket
-elements at every world size. Param offsets never depend on the world size or the block.
+elements at every world size. Param offsets never depend on the world size or the block (but
+for one process on CUDA, whose large buckets are also cut at the grads its launches read in
+place: never with a blockwise moment).
 
 Two steps: :func:`plan_buckets` is the bucket POLICY (which params share a bucket, in which
 order), :func:`pack` the mechanics (offsets, alignment, shards, segment tables). A new policy
@@ -133,12 +135,15 @@ def forward_order(n_buckets: int) -> range:
 
 
 def plan_buckets(params: Sequence[Tuple[torch.Tensor, int]], bucket_cap_mb: float,
-                 max_params: Optional[int] = None) -> List[List[int]]:
+                 max_params: Optional[int] = None, cut_bytes: int = 0) -> List[List[int]]:
     """The bucket policy: param indices per bucket, each in backward order (see the module
     docstring). A bucket holds one dtype and device and at most ``bucket_cap_mb`` of it (a
-    larger param gets a bucket of its own), and at most ``max_params`` params where given (one
-    process on CUDA: the most grads a bucket's launches read where autograd left them,
-    ``kernels.held_bucket_params``; a bucket past it would be copied into its shard)."""
+    larger param gets a bucket of its own); where ``max_params`` is given, a bucket that holds
+    that many params and at least ``cut_bytes`` is closed too (one process on CUDA: the most
+    grads a bucket's launches read where autograd left them, sync/merged_landings.py
+    ``held_bucket_bound``; a bucket past it is copied into its shard)."""
+    if max_params is not None and max_params < 1:
+        raise ValueError(f"plan_buckets: max_params={max_params} must be >= 1 (or None)")
     cap_bytes = max(int(bucket_cap_mb * 2**20), 1)
     open_plan: Dict[Tuple[torch.dtype, torch.device], int] = {}  # key -> plan index
     open_bytes: Dict[Tuple[torch.dtype, torch.device], int] = {}
@@ -149,7 +154,8 @@ def plan_buckets(params: Sequence[Tuple[torch.Tensor, int]], bucket_cap_mb: floa
         nbytes = p.numel() * p.element_size()
         b = open_plan.get(key)
         if b is not None and (open_bytes[key] + nbytes > cap_bytes
-                              or (max_params is not None and len(plan[b]) >= max_params)):
+                              or (max_params is not None and len(plan[b]) >= max_params
+                                  and open_bytes[key] >= cut_bytes)):
             b = None
         if b is None:
             b = open_plan[key] = len(plan)
@@ -167,12 +173,13 @@ def build_layout(
     shard_rank: int,
     block: int = ALIGN,
     max_params: Optional[int] = None,
+    cut_bytes: int = 0,
 ) -> List[Bucket]:
     """Assign ``params`` (each ``(param, group_index)``, in param_groups order) to buckets
     (:func:`plan_buckets`) and pack them (:func:`pack`). The result is identical on every rank,
     which is what makes the fixed collective order possible. ``block``: every shard is a
     multiple of it (``MomentFormats.grid``: the blockwise moments' block, else ``ALIGN``).
-    ``max_params``: :func:`plan_buckets`'."""
+    ``max_params``, ``cut_bytes``: :func:`plan_buckets`'."""
     for index, (p, _group) in enumerate(params):
         if not is_dense_non_overlapping(p):
             raise ValueError(
@@ -180,7 +187,7 @@ def build_layout(
                 "dense and non-overlapping; make it contiguous (or channels_last) before building "
                 "the optimizer"
             )
-    return pack(plan_buckets(params, bucket_cap_mb, max_params), params, shard_size, shard_rank, block)
+    return pack(plan_buckets(params, bucket_cap_mb, max_params, cut_bytes), params, shard_size, shard_rank, block)
 
 
 def pack(plan: List[List[int]], params: Sequence[Tuple[torch.Tensor, int]], shard_size: int,

@@ -337,14 +337,17 @@ class _HeldBound:
 
     def __enter__(self) -> None:
         from shardamp.optim import kernels
+        from shardamp.optim.sync import merged_landings
 
-        self.saved = kernels.held_bucket_params
+        self.saved = kernels.held_bucket_params, merged_landings.HELD_CUT_BYTES
         kernels.held_bucket_params = lambda device: self.bound
+        merged_landings.HELD_CUT_BYTES = 0  # the tiny test models' buckets are cut too
 
     def __exit__(self, *exc) -> None:
         from shardamp.optim import kernels
+        from shardamp.optim.sync import merged_landings
 
-        kernels.held_bucket_params = self.saved
+        kernels.held_bucket_params, merged_landings.HELD_CUT_BYTES = self.saved
 
 
 def case_held_bucket_bound(rank, world, **kw):
@@ -356,13 +359,15 @@ def case_held_bucket_bound(rank, world, **kw):
 
 def case_held_bucket_layout(rank, world, **kw):
     """The bucket sizes (params a bucket) the bound gives: cut at one process unless capturable,
-    offloaded or with a blockwise moment; never at more ranks."""
+    offloaded, with a blockwise moment, without overlap or with grads in another dtype than the
+    params' (nothing is held then); never at more ranks."""
     from shardamp.optim import DistributedFusedAdam
 
     out = {}
     with _HeldBound(2):
         for name, opts in (("default", {}), ("capturable", dict(capturable=True)), ("offload", dict(offload="cpu")),
-                           ("8bit", Q8)):
+                           ("8bit", Q8), ("no_overlap", dict(overlap_grad_sync=False)),
+                           ("bf16_grads", dict(grad_sync_dtype=torch.bfloat16))):
             torch.manual_seed(0)
             model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(3)])
             opt = DistributedFusedAdam(model.parameters(), bucket_cap_mb=1000.0, **opts)

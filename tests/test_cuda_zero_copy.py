@@ -77,11 +77,17 @@ def test_held_and_landed_steps_mixed_train_as_the_copy_and_torch():
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)
 
 
-def test_buckets_are_cut_at_held_segments_and_every_one_is_held():
-    """One process cuts its buckets at ``HELD_SEGMENTS`` params (under the byte cap), so a model
-    with more params than that in one cap's worth still has every bucket held; it trains bitwise
-    as the copying landing (the same layout) and as torch's AdamW."""
+def test_buckets_are_cut_at_held_segments_and_every_one_is_held(monkeypatch):
+    """One process cuts its buckets at ``HELD_SEGMENTS`` params (under the byte cap, once they
+    hold ``HELD_CUT_BYTES``: 0 here, for tiny params), so a model with more params than that in
+    one cap's worth still has every bucket held; it trains bitwise as the copying landing (the
+    same layout) and as torch's AdamW. Without the patch the same tiny params keep one bucket."""
+    from shardamp.optim.sync import merged_landings
+
     n = 2 * _native().HELD_SEGMENTS + 1
+    small = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
+    assert len(DistributedFusedAdam(small, lr=1e-2)._buckets) == 1  # a few KB: left whole, copied
+    monkeypatch.setattr(merged_landings, "HELD_CUT_BYTES", 0)
 
     def run(copy: bool, torch_ref: bool = False):
         config.configure(copy_grads=copy)
@@ -174,6 +180,35 @@ def test_only_the_bucket_past_held_segments_is_copied(monkeypatch):
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     assert held == [[(False, False), (True, True)]] * 3, held
+
+
+def test_a_bucket_past_held_segments_with_fewer_grads_is_not_held(monkeypatch):
+    """A bucket of more than ``HELD_SEGMENTS`` segments that completes with at most that many
+    grads (one param frozen: a segment, but no grad): the per-bucket gate, not the count of
+    grads, keeps it from being held (the update launch needs every segment's address); it
+    trains as the copying landing."""
+    monkeypatch.setattr(kernels, "held_bucket_params", lambda device: None)
+    n = _native().HELD_SEGMENTS + 1
+
+    def run(copy: bool):
+        config.configure(copy_grads=copy)
+        torch.manual_seed(0)
+        params = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
+        params[0].requires_grad_(False)
+        opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.0)
+        assert len(opt._buckets) == 1 and len(opt._buckets[0].slots) == n
+        held = []
+        for step in range(3):
+            opt.zero_grad()
+            sum((p * p).sum() * (step + 1) for p in params[1:]).backward()
+            held.append(opt._buffers[0].held is not None)
+            opt.step()
+        return [p.detach().clone() for p in params], held
+
+    params, held = run(False)
+    copied, _ = run(True)
+    _bitwise(params, copied)
+    assert not any(held)
 
 
 def test_held_grads_take_no_shard_memory():

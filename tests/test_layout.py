@@ -87,7 +87,8 @@ def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
         params = [(p.double(), g) if rng.random() < 0.5 else (p, g) for p, g in params]
     cap = rng.choice([0.0001, 0.001, 0.01, 100.0])
     max_params = rng.choice([None, 1, 2, 3])
-    plan = plan_buckets(params, cap, max_params)
+    cut_bytes = rng.choice([0, 0, 64, 4096])
+    plan = plan_buckets(params, cap, max_params, cut_bytes)
     flat = [i for bucket in plan for i in bucket]
     assert sorted(flat) == list(range(len(params)))
     for bucket in plan:
@@ -95,7 +96,9 @@ def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
         assert len({params[i][0].dtype for i in bucket}) == 1
         nbytes = sum(params[i][0].numel() * params[i][0].element_size() for i in bucket)
         assert len(bucket) == 1 or nbytes <= max(int(cap * 2**20), 1)
-        assert max_params is None or len(bucket) <= max_params
+        if max_params is not None and len(bucket) > max_params:  # left whole: too few bytes to cut
+            first = bucket[:max_params]
+            assert sum(params[i][0].numel() * params[i][0].element_size() for i in first) < cut_bytes
     if max_params is None:
         assert plan == plan_buckets(params, cap, len(params))  # a bound no bucket reaches cuts nothing
     else:  # the bound only adds cuts: per dtype the same params in the same order, in as many buckets or more
@@ -104,9 +107,12 @@ def test_bucket_plan_is_the_policy_pack_the_layout(seed: int) -> None:
             def of(plan_):
                 return [b for b in plan_ if params[b[0]][0].dtype == dtype]
             assert sum(of(plan), []) == sum(of(free), [])
-            assert len(of(plan)) >= max(len(of(free)), -(-len(sum(of(free), [])) // max_params))
+            at_least = -(-len(sum(of(free), [])) // max_params) if cut_bytes == 0 else 0
+            assert len(of(plan)) >= max(len(of(free)), at_least)
+    with pytest.raises(ValueError, match="max_params"):
+        plan_buckets(params, cap, 0)
     for world in (1, 3):
-        a = build_layout(params, cap, world, world - 1, max_params=max_params)
+        a = build_layout(params, cap, world, world - 1, max_params=max_params, cut_bytes=cut_bytes)
         b = pack(plan, params, world, world - 1)
         assert [[(s.index, s.offset) for s in x.slots] for x in a] == [[(s.index, s.offset) for s in x.slots] for x in b]
         assert [x.shard_numel for x in a] == [x.shard_numel for x in b]

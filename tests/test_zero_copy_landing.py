@@ -243,6 +243,29 @@ def test_hold_is_per_bucket_and_a_bucket_not_held_is_copied():
         DistributedFusedAdam([nn.Parameter(torch.randn(4))], lr=1e-2)._grad_sync.stager.set_hold([True, True])
 
 
+def test_the_hold_gate_and_bound_per_bucket_from_the_extension(monkeypatch):
+    """``holds_grads`` answers per bucket against the extension's ``HELD_SEGMENTS`` on CUDA (none
+    on the CPU), and ``held_bucket_params`` hands that bound to the layout (a stand-in
+    extension: the gate's arithmetic, not the kernels)."""
+    from shardamp.optim.kernels import dispatch
+
+    class FakeCuda:
+        HELD_SEGMENTS = 2
+
+        def bucket_stats_parts(self, *args):
+            raise AssertionError("not called")
+
+    real = dispatch._native
+    monkeypatch.setattr(dispatch, "_native", lambda d: FakeCuda() if d.type == "cuda" else real(d))
+    cuda = torch.device("cuda")
+    assert kernels.holds_grads(cuda, [1, 2, 3, 0]) == [True, True, False, True]
+    assert kernels.held_bucket_params(cuda) == 2
+    assert kernels.holds_grads(torch.device("cpu"), [1, 500]) == [True, True]
+    assert kernels.held_bucket_params(torch.device("cpu")) is None
+    monkeypatch.setattr(dispatch, "_native", lambda d: None)
+    assert kernels.holds_grads(cuda, [1, 2]) == [False, False] and kernels.held_bucket_params(cuda) is None
+
+
 def test_a_step_that_raises_before_its_launches_lets_go_of_the_held_grads(monkeypatch):
     """The step's native call is handed the held grads before it checks its arguments: one that
     raises there must drop them, or a later step that lands that bucket in its shard would read

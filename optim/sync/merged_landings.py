@@ -22,7 +22,7 @@ hook hands to Python, a bucket completing out of launch order) lands the separat
 (grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and with the Python hooks."""
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -35,17 +35,35 @@ from .grad_state import BucketGrads
 NATIVE_GRADS = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def held_bucket_bound(comm: Any, capturable: bool, offloaded: bool, formats: Any,
-                      device: torch.device) -> Optional[int]:
-    """The most params a bucket may hold (``layout.plan_buckets``' ``max_params``) for its grads
-    to be held where autograd left them: at one process a complete bucket's are, as long as its
-    launches carry every grad's address (``kernels.held_bucket_params``: CUDA), so buckets are
-    cut there and none is copied into its shard for having more. None (no bound): more ranks,
-    capturable or offloaded optimizers (their grads are landed), a blockwise moment (its block
-    grid stays the bucket's at every world size), the CPU."""
-    if comm.reduces_grads or capturable or offloaded or any(f.blockwise for _, f in formats.items()):
-        return None
-    return kernels.held_bucket_params(device)
+# A bucket is cut at the held bound only once its grads reach this many bytes: below it the copy
+# into its shard costs the GPU microseconds and the memory of a few MB, while each more bucket
+# costs the host a launch or two a step (host-bound models of many small params keep theirs).
+HELD_CUT_BYTES = 16 * 2**20
+
+
+class HeldCut(NamedTuple):
+    """``layout.build_layout``'s ``max_params`` and ``cut_bytes`` (see :func:`held_bucket_bound`)."""
+
+    max_params: Optional[int] = None
+    cut_bytes: int = 0
+
+
+def held_bucket_bound(comm: Any, capturable: bool, overlap: bool, offloaded: bool, formats: Any,
+                      grad_dtypes: Sequence[torch.dtype], param_dtypes: Sequence[torch.dtype],
+                      device: torch.device) -> HeldCut:
+    """Where a bucket is cut for its grads to be held where autograd left them: at one process a
+    complete bucket's are, as long as its launches carry every grad's address
+    (``kernels.held_bucket_params``: CUDA), so a bucket of that many params holding
+    ``HELD_CUT_BYTES`` or more is closed there. No cut (``HeldCut()``) where nothing is held:
+    more ranks, capturable, ``overlap_grad_sync=False`` or offloaded optimizers (their grads are
+    landed), grads in another dtype than their params' or one the hook's pass does not take; nor
+    with a blockwise moment (its block grid stays the bucket's at every world size); none on the
+    CPU (no bound). ``SHARDAMP_COPY_GRADS=1`` cuts as without it (its A/B keeps the layout)."""
+    if (comm.reduces_grads or capturable or not overlap or offloaded
+            or any(f.blockwise for _, f in formats.items())
+            or any(g not in NATIVE_GRADS or g != p for g, p in zip(grad_dtypes, param_dtypes))):
+        return HeldCut()
+    return HeldCut(kernels.held_bucket_params(device), HELD_CUT_BYTES)
 
 
 def fresh_shard(s: BucketGrads) -> bool:
