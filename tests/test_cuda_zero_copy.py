@@ -119,28 +119,38 @@ def test_buckets_are_cut_at_held_segments_and_every_one_is_held(monkeypatch):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
 
 
-def test_a_bucket_past_held_segments_is_copied_and_trains_the_same(monkeypatch):
+def _past_held_segments(copy: bool, frozen: bool):
+    """``HELD_SEGMENTS + 1`` params in one bucket (the caller turns the layout's cut off), the
+    first frozen where ``frozen`` (a segment without a grad); three steps. Returns the params
+    and whether the bucket was held after each backward."""
+    n = _native().HELD_SEGMENTS + 1
+    config.configure(copy_grads=copy)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
+    if frozen:
+        params[0].requires_grad_(False)
+    opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.0)
+    assert len(opt._buckets) == 1 and len(opt._buckets[0].slots) == n
+    held = []
+    for step in range(3):
+        opt.zero_grad()
+        sum((p * p).sum() * (step + 1) for p in params[int(frozen):]).backward()
+        held.append(opt._buffers[0].held is not None)
+        opt.step()
+    return [p.detach().clone() for p in params], held
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_bucket_past_held_segments_is_copied_and_trains_the_same(monkeypatch, frozen):
     """More segments in a bucket than a launch's arguments carry (``HELD_SEGMENTS``; the layout
     does not cut here, as where a state format keeps buckets whole): its grads are copied into
-    its shard, as before the zero-copy landing."""
+    its shard, as before the zero-copy landing. ``frozen``: the bucket completes with
+    ``HELD_SEGMENTS`` grads (a frozen param is a segment without one), so the per-bucket gate on
+    segments, not the count of grads, keeps it from being held (the update launch needs every
+    segment's address)."""
     monkeypatch.setattr(kernels, "held_bucket_params", lambda device: None)
-    n = _native().HELD_SEGMENTS + 1
-
-    def run(copy: bool):
-        config.configure(copy_grads=copy)
-        torch.manual_seed(0)
-        params = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
-        opt = DistributedFusedAdam(params, lr=1e-2)
-        held = []
-        for step in range(3):
-            opt.zero_grad()
-            sum((p * p).sum() * (step + 1) for p in params).backward()
-            held.append(opt._buffers[0].held is not None)
-            opt.step()
-        return [p.detach().clone() for p in params], held
-
-    params, held = run(False)
-    copied, _ = run(True)
+    params, held = _past_held_segments(False, frozen)
+    copied, _ = _past_held_segments(True, frozen)
     _bitwise(params, copied)
     assert not any(held)
 
@@ -180,35 +190,6 @@ def test_only_the_bucket_past_held_segments_is_copied(monkeypatch):
     for p, r in zip(params, ref):
         torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
     assert held == [[(False, False), (True, True)]] * 3, held
-
-
-def test_a_bucket_past_held_segments_with_fewer_grads_is_not_held(monkeypatch):
-    """A bucket of more than ``HELD_SEGMENTS`` segments that completes with at most that many
-    grads (one param frozen: a segment, but no grad): the per-bucket gate, not the count of
-    grads, keeps it from being held (the update launch needs every segment's address); it
-    trains as the copying landing."""
-    monkeypatch.setattr(kernels, "held_bucket_params", lambda device: None)
-    n = _native().HELD_SEGMENTS + 1
-
-    def run(copy: bool):
-        config.configure(copy_grads=copy)
-        torch.manual_seed(0)
-        params = [nn.Parameter(torch.randn(5, device="cuda")) for _ in range(n)]
-        params[0].requires_grad_(False)
-        opt = DistributedFusedAdam(params, lr=1e-2, weight_decay=0.0)
-        assert len(opt._buckets) == 1 and len(opt._buckets[0].slots) == n
-        held = []
-        for step in range(3):
-            opt.zero_grad()
-            sum((p * p).sum() * (step + 1) for p in params[1:]).backward()
-            held.append(opt._buffers[0].held is not None)
-            opt.step()
-        return [p.detach().clone() for p in params], held
-
-    params, held = run(False)
-    copied, _ = run(True)
-    _bitwise(params, copied)
-    assert not any(held)
 
 
 def test_held_grads_take_no_shard_memory():
