@@ -246,13 +246,11 @@ def holds_grads(device: torch.device, segment_counts: Sequence[int]) -> List[boo
     the CPU every bucket; on CUDA a bucket of at most ``HELD_SEGMENTS`` segments (their addresses
     travel in the launches' arguments), where the kernels have the in-place reads; nowhere
     without the compiled kernels."""
-    ext = _native(device)
-    if ext is None or not hasattr(ext, "bucket_stats_parts"):
-        return [False] * len(segment_counts)
     if device.type == "cpu":
-        return [True] * len(segment_counts)
-    bound = getattr(ext, "HELD_SEGMENTS", -1) if device.type == "cuda" else -1
-    return [n <= bound for n in segment_counts]
+        ext = _native(device)
+        return [ext is not None and hasattr(ext, "bucket_stats_parts")] * len(segment_counts)
+    bound = held_bucket_params(device)  # None: no in-place reads (no kernels, or no HELD_SEGMENTS)
+    return [bound is not None and n <= bound for n in segment_counts]
 
 
 def held_bucket_params(device: torch.device) -> Optional[int]:

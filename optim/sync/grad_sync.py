@@ -48,7 +48,7 @@ from ..shards.buffers import BucketBuffers, HeldGrads
 from ..comm.collectives import Comm
 from ..layout import Bucket, ParamSlot
 from .grad_state import BucketGrads, ParamGrad, grad_states
-from .merged_landings import MergedLandings, fresh_shard
+from .merged_landings import MergedLandings, fresh_shard, may_hold
 from .reductions import Reductions
 
 # read every step over the buckets: C-level iteration (map), no Python frame per bucket
@@ -155,9 +155,11 @@ class GradSync:
         # landing and flags' pass in one call in the grad hook under a landing plan (``_arm_plan``,
         # ``prearm``; adopted by ``_take_planned``). landing_flags / landing_rows: health.py's
         # StepHealth methods
+        holds = may_hold(comm.reduces_grads, keep_buffers, overlap, host.active)
         self.landings = MergedLandings(self.stager, self.states, self.release_shards, landing_flags, landing_rows,
-                                       device, hold=None if host.active else kernels.holds_grads(
-                                           device, [len(b.segments.segments) if b.segments else 0 for b in buckets]))
+                                       device, hold=kernels.holds_grads(
+                                           device, [len(b.segments.segments) if b.segments else 0 for b in buckets])
+                                       if holds else None)
         # the plan pre-armed at zero_grad (one process): the stager queues that backward's end
         # itself at its first grad (``quiet_end``) and calls no Python there; Python catches the
         # begin up at its first entry point (``_take_planned``)

@@ -48,6 +48,15 @@ class HeldCut(NamedTuple):
     cut_bytes: int = 0
 
 
+def may_hold(reduces_grads: bool, capturable: bool, overlap: bool, offloaded: bool) -> bool:
+    """Whether an optimizer's options let a complete bucket's grads stay where autograd left them
+    (the zero-copy landing): one process (nothing reduces them), not capturable (CUDA graphs keep
+    their buffers and take the Python hooks), ``overlap_grad_sync`` on (buckets land inside the
+    backward) and not offloaded (the host copy reads every landed shard). The one place this is
+    decided: the layout's cut (:func:`held_bucket_bound`) and GradSync's plan both ask it."""
+    return not (reduces_grads or capturable or not overlap or offloaded)
+
+
 def held_bucket_bound(comm: Any, capturable: bool, overlap: bool, offloaded: bool, formats: Any,
                       grad_dtypes: Sequence[torch.dtype], param_dtypes: Sequence[torch.dtype],
                       device: torch.device) -> HeldCut:
@@ -59,7 +68,7 @@ def held_bucket_bound(comm: Any, capturable: bool, overlap: bool, offloaded: boo
     landed), grads in another dtype than their params' or one the hook's pass does not take; nor
     with a blockwise moment (its block grid stays the bucket's at every world size); none on the
     CPU (no bound). ``SHARDAMP_COPY_GRADS=1`` cuts as without it (its A/B keeps the layout)."""
-    if (comm.reduces_grads or capturable or not overlap or offloaded
+    if (not may_hold(comm.reduces_grads, capturable, overlap, offloaded)
             or any(f.blockwise for _, f in formats.items())
             or any(g not in NATIVE_GRADS or g != p for g, p in zip(grad_dtypes, param_dtypes))):
         return HeldCut()
