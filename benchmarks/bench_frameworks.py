@@ -6,6 +6,7 @@ interval, and peak memory.
     python benchmarks/bench_frameworks.py --device cpu --small --repeats 2 --iters 3 --out out/fw_cpu
     python benchmarks/bench_frameworks.py --device cuda --frameworks lightning --models gpt2 --precisions fp16
     python benchmarks/bench_frameworks.py --device cuda --nproc 8 --models gpt2-large   # 8 GPUs: DDP against ZeRO-2
+    python benchmarks/bench_frameworks.py --device cuda --frameworks lightning --models mlp --precisions bf16 --profile
 
 Frameworks (benchmarks/framework_routes.py has the details of each route):
 
@@ -98,6 +99,9 @@ def parse_args() -> argparse.Namespace:
                         "each trains its own micro-batch, so the default routes wrap the model in DDP")
     p.add_argument("--budget", type=float, default=330.0, help="seconds; no new configuration starts past it (0: none)")
     p.add_argument("--out", default="out/frameworks_bench")
+    p.add_argument("--profile", action="store_true",
+                   help="after each config's pairs, record where each route's host time goes "
+                        "(framework_profile.py) into <out>/profile/")
     # the worker's own flags (bench_frameworks.py starts itself once per framework)
     p.add_argument("--worker", choices=FRAMEWORKS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -143,7 +147,7 @@ def run_worker(framework: str, args: argparse.Namespace, deadline: Optional[floa
     cmd = launch + [str(Path(__file__).resolve()), "--worker", framework, "--result", str(path), "--ranks", str(args.nproc),
            "--deadline", str(deadline or 0.0), "--device", args.device, "--models", args.models,
            "--precisions", args.precisions, "--repeats", str(args.repeats), "--iters", str(args.iters),
-           "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
+           "--warmup", str(args.warmup)] + (["--small"] if args.small else []) + (["--profile"] if args.profile else [])
     env = dict(os.environ)
     if args.device == "cuda":  # the Trainer takes every visible GPU (DataParallel) unless launched per rank
         env.setdefault("CUDA_VISIBLE_DEVICES", ",".join(str(i) for i in range(args.nproc)))
@@ -266,7 +270,8 @@ def main() -> None:
                     rank=int(os.environ.get("RANK", 0)) if args.nproc > 1 else 0)
         if args.device == "cpu":
             torch.set_num_threads(min(2, os.cpu_count() or 1))
-        worker(args.worker, args.result, args.deadline or None, args.model_list, args.precision_list, args.repeats, s)
+        worker(args.worker, args.result, args.deadline or None, args.model_list, args.precision_list, args.repeats, s,
+               profile=args.profile)
         return
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -41,7 +41,7 @@ import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "examples"))  # framework_common.py
 import framework_common as common  # noqa: E402  (the examples' MLP, its loss, decay groups, AdamW settings)
 from framework_models import Workload, workload  # noqa: E402
+from framework_profile import KINDS, BlockProfile, python_diff  # noqa: E402
 from host_iteration import sync  # noqa: E402
 
 FRAMEWORKS = ("lightning", "accelerate", "transformers")
@@ -127,8 +128,9 @@ class BlockTimer:
     host's clock. Their median (``median_ms``) ignores the few iterations a run loses to
     something else on the machine, which the block's mean takes in whole."""
 
-    def __init__(self, device: torch.device, warmup: int, iters: int) -> None:
+    def __init__(self, device: torch.device, warmup: int, iters: int, profile: Optional[BlockProfile] = None) -> None:
         self.device, self.warmup, self.iters = device, warmup, iters
+        self.profile = profile  # bench_frameworks --profile: records the block instead of timing it
         self.t0: Optional[float] = None
         self.t1: Optional[float] = None
         self.loss: Optional[float] = None
@@ -150,11 +152,15 @@ class BlockTimer:
             gc.disable()
             self.t0 = time.perf_counter()
             self._mark()
+            if self.profile is not None:
+                self.profile.start()
         elif self.warmup < step <= self.warmup + self.iters:
             self._mark()
             if step == self.warmup + self.iters:
                 sync(self.device)
                 self.t1 = time.perf_counter()
+                if self.profile is not None:
+                    self.profile.stop(self.iters)
                 gc.enable()
                 if loss is not None:
                     self.loss = float(loss.detach())
@@ -292,9 +298,11 @@ def run_transformers(route: str, work: Workload, s: Setting, precision: str, tim
 RUNNERS = {"lightning": run_lightning, "accelerate": run_accelerate, "transformers": run_transformers}
 
 
-def one_run(framework: str, route: str, work: Workload, s: Setting, precision: str) -> Dict[str, Any]:
+def one_run(framework: str, route: str, work: Workload, s: Setting, precision: str,
+            profile: Optional[BlockProfile] = None) -> Dict[str, Any]:
     """One fresh model, optimizer and trainer, trained ``s.steps`` iterations: ms per iteration
-    of the timed block and the peak bytes allocated above what was allocated before it."""
+    of the timed block and the peak bytes allocated above what was allocated before it
+    (``profile``: the block recorded into it, its times not a measurement)."""
     env = dict(os.environ)  # Lightning's launcher exports LOCAL_RANK, WORLD_SIZE, ... even at one device
     gc.collect()
     base = 0
@@ -302,7 +310,7 @@ def one_run(framework: str, route: str, work: Workload, s: Setting, precision: s
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(s.device)
         torch.cuda.reset_peak_memory_stats(s.device)
-    timer = BlockTimer(s.device, s.warmup, s.iters)
+    timer = BlockTimer(s.device, s.warmup, s.iters, profile)
     try:
         info = RUNNERS[framework](route, work, s, precision, timer)
     finally:
@@ -352,9 +360,11 @@ def _agreed(s: Setting, value: Any) -> Any:
 
 
 def worker(framework: str, result_path: str, deadline: Optional[float], models: List[str], precisions: List[str],
-           repeats: int, s: Setting) -> None:
+           repeats: int, s: Setting, profile: bool = False) -> None:
     """Every (precision, model) of one framework, into ``result_path`` (JSON, written by rank 0).
-    At ``s.world`` > 1 every rank of the torchrun job runs this; rank 0 times and reports."""
+    At ``s.world`` > 1 every rank of the torchrun job runs this; rank 0 times and reports.
+    ``profile``: after a config's pairs, each route's block recorded (framework_profile.py) into
+    ``profile/<framework>_<model>_<precision>.txt`` beside ``result_path``."""
     import importlib
     import signal
 
@@ -418,6 +428,13 @@ def worker(framework: str, result_path: str, deadline: Optional[float], models: 
                             write()  # a worker stopped midway still leaves its finished runs
                             peak = "" if run["peak_bytes"] is None else f", peak {run['peak_bytes'] / 2**30:.2f} GiB"
                             say(f"{label} repeat {r} {route}: {run['ms']:.2f} ms/iter{peak}")
+                    if profile:
+                        text = profiled(framework, work, s, precision)
+                        if lead:
+                            where = Path(result_path).parent / "profile"
+                            where.mkdir(exist_ok=True)
+                            (where / f"{framework}_{model}_{precision}.txt").write_text(text)
+                            say(f"{label}: profiled into {where}")
                     config["status"] = "ok"
                 except Exception as exc:  # noqa: BLE001 - one config failing must not cost the others
                     config.update(status="error", reason=f"{type(exc).__name__}: {exc}",
@@ -429,6 +446,22 @@ def worker(framework: str, result_path: str, deadline: Optional[float], models: 
         if dist.is_initialized():
             dist.destroy_process_group()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def profiled(framework: str, work: Workload, s: Setting, precision: str) -> str:
+    """One run of each route per recording kind (framework_profile.KINDS), as text: each
+    recording, then the Python functions whose own time differs most between the routes."""
+    recs: Dict[Tuple[str, str], BlockProfile] = {}
+    for kind in KINDS:
+        for route in ROUTES:
+            recs[(route, kind)] = rec = BlockProfile(kind, s.device)
+            one_run(framework, route, work, s, precision, rec)
+    parts = [f"# {framework} {work.name} {precision}: where the host time goes (recorded runs, not timed)"]
+    for (route, kind), rec in recs.items():
+        parts += ["", f"## {route}, {kind}"] + rec.lines
+    parts += ["", "## python: shardamp against default"] + python_diff(recs[("default", "python")],
+                                                                     recs[("shardamp", "python")])
+    return "\n".join(parts) + "\n"
 
 
 def _skip_reason(s: Setting, model: str, precision: str, deadline: Optional[float],
