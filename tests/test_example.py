@@ -176,6 +176,27 @@ def test_bench_frameworks_cpu_smoke(tmp_path: Path) -> None:
     assert "| accelerate | gpt2-large" in (tmp_path / "bench_frameworks.md").read_text()
 
 
+def test_bench_frameworks_profile_cpu_smoke(tmp_path: Path) -> None:
+    """bench_frameworks.py --profile on the CPU (accelerate, the tiny MLP): after the pairs, each
+    route's block recorded both ways; the shardamp route's cProfile holds its optimizer's step and
+    the default's does not, and the routes' difference is listed."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "bench_frameworks.py"), "--device", "cpu", "--small",
+                           "--frameworks", "accelerate", "--models", "mlp", "--precisions", "bf16", "--repeats", "1",
+                           "--iters", "3", "--warmup", "1", "--profile", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = (tmp_path / "profile" / "accelerate_mlp_bf16.txt").read_text()
+    sections = dict(part.split("\n", 1) for part in text.split("\n## ")[1:])
+    assert set(sections) == {"default, python", "shardamp, python", "default, trace", "shardamp, trace",
+                             "python: shardamp against default"}, list(sections)
+    assert "per iteration over 3" in sections["shardamp, python"], sections["shardamp, python"]
+    assert "distributed_fused_adam.py" in sections["shardamp, python"], sections["shardamp, python"]
+    assert "distributed_fused_adam.py" not in sections["default, python"], sections["default, python"]
+    assert "aten ops by own CPU time" in sections["default, trace"], sections["default, trace"]
+    assert "shardamp - default" in sections["python: shardamp against default"]
+
+
 def test_accelerate_loop_cpu_smoke() -> None:
     """benchmarks/accelerate_loop.py on the CPU (the tiny MLP): both routes timed in each loop and
     phase, every number positive."""
