@@ -27,6 +27,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from host_trace import idle_gaps
+
 KINDS = ("python", "trace")
 Key = Tuple[str, int, str]  # cProfile's (file, line, function)
 
@@ -116,14 +118,10 @@ class BlockProfile:
                 gpu.append((evt.time_range.start, evt.time_range.end))
         lines = [f"torch.profiler, per iteration over {n}:"]
         if gpu:
-            busy, end = 0.0, cpu_start
-            for a, b in sorted(gpu):
-                a = max(a, end)
-                if b > a:
-                    busy += b - a
-                    end = b
-            wall = max(cpu_end, end) - cpu_start
-            lines.append(f"  wall {wall / n:.0f}us, GPU busy {busy / n:.0f}us, idle {(wall - busy) / n:.0f}us")
+            end = max([cpu_end] + [e for _, e in gpu])
+            busy, gaps = idle_gaps(gpu, cpu_start, end, lambda t: "")
+            lines.append(f"  wall {(end - cpu_start) / n:.0f}us, GPU busy {busy / n:.0f}us, idle "
+                         f"{(end - cpu_start - busy) / n:.0f}us in {len(gaps) / n:.1f} gaps")
         lines.append("  CUDA runtime calls: " + (", ".join(
             f"{k} {count[k] / n:g}x {spent[k] / n:.0f}us" for k in sorted(count, key=lambda k: -spent[k]))
             or "none"))
