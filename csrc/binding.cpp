@@ -394,6 +394,11 @@ void checked_bucket_stats(const at::Tensor& full, const at::Tensor& rows, at::Te
                           bool assign) {
   bucket_stats(full, rows, flags, out, assign);
 }
+// fused_step.cpp's stats_step: group_partials with the binding's own checks.
+void checked_group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor out, double norm_type,
+                            const c10::optional<at::Tensor>& chunks) {
+  group_partials(grad, segments, out, norm_type, chunks);
+}
 // fused_step.cpp's merged calls: the same entry points, with the same checks (fused_step.h)
 void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale,
                           const c10::optional<at::Tensor>& norm, double max_norm, const at::Tensor& found_inf,

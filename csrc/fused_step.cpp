@@ -269,6 +269,27 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
   launch_all(launches, grads, hparams, touched, skip_out, records, prepare, true);
 }
 
+// Each param group's norm partial of every launch's grads, added into ``out`` (the stats' group
+// view) in the launches' order, as optim/kernels/dispatch.py ``group_partials_all`` adds them:
+// over the held grads where a launch holds them (set_held), else over its grad shard. Before the
+// launches run, which let go of the held grads.
+void launch_group_partials(const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                           const at::Tensor& out, double norm_type) {
+  SHARDAMP_CHECK(launches.size() == grads.size(), "stats_step: one grad per launch (", launches.size(),
+                 " launches, ", grads.size(), " grads)");
+  for (size_t i = 0; i < launches.size(); ++i) {
+    const AdamLaunch& l = *launches[i];
+    if (l.part_grads.empty()) {
+      checked_group_partials(grads[i], l.segments, out, norm_type, l.group_chunks);
+      continue;
+    }
+    c10::optional<std::vector<int64_t>> spans;
+    if (!l.master.device().is_cpu()) spans = l.segment_spans;
+    checked_group_partials_parts(l.part_grads, l.part_offsets, l.master.numel(), l.segments, out, norm_type,
+                                 l.group_chunks, spans);
+  }
+}
+
 // The whole launch sequence of a step whose stats nothing asked for before it (no clip, no
 // unscale): stats_cat_finish, then step_launch over its results, ``[stats, norm, found_inf,
 // *views]`` returned as stats_cat_finish returns them. On CUDA, where the parts gather in one
@@ -277,12 +298,14 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
 // bits) with step_scalars' and adam_prepare's checks made before it: two launches fewer, each
 // ~10 us of host time right after a backward on a GPU host. The step's touched flags are
 // ``views[touched_view]``, the health's count of ranks with inf/NaN grads ``views[ranks_view]``
-// (-1: none); the norm is the health's raw norm, found-inf the step's. No clip: the clip's
-// norm is handed out before the step, so a clipped step's stats are finished by then.
+// (-1: none); the norm is the health's raw norm, found-inf the step's. With several param
+// groups, ``views[groups_view]`` (-1: none) takes each group's partial of every launch's grads
+// (launch_group_partials: one Python call less per bucket). No clip: the clip's norm is handed
+// out before the step, so a clipped step's stats are finished by then.
 std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t end, double norm_type,
                                    const std::vector<std::pair<int64_t, int64_t>>& views, int64_t touched_view,
-                                   int64_t ranks_view, at::Tensor coef_out, const at::Tensor& base, double scale,
-                                   at::Tensor steps, const at::Tensor& skip_out,
+                                   int64_t ranks_view, int64_t groups_view, at::Tensor coef_out,
+                                   const at::Tensor& base, double scale, at::Tensor steps, const at::Tensor& skip_out,
                                    const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                                    const at::Tensor& counters, const at::Tensor& record,
                                    const c10::optional<at::Tensor>& record_host,
@@ -291,8 +314,10 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
                                    c10::optional<at::Tensor> records) {
   const ReleaseGrads release{launches};  // also where the finish or a check raises before the launches
   const auto n_views = static_cast<int64_t>(views.size());
-  SHARDAMP_CHECK(touched_view >= 0 && touched_view < n_views && ranks_view >= -1 && ranks_view < n_views,
-                 "stats_step: touched_view and ranks_view must name views (ranks_view -1: none)");
+  SHARDAMP_CHECK(touched_view >= 0 && touched_view < n_views && ranks_view >= -1 && ranks_view < n_views &&
+                     groups_view >= -1 && groups_view < n_views,
+                 "stats_step: touched_view, ranks_view and groups_view must name views (ranks_view and groups_view "
+                 "-1: none)");
 #if defined(SHARDAMP_WITH_CUDA)
   const int64_t total = gathered_numel(parts);
   if (total >= 0 && total + steps.numel() <= kHeadElements) {  // the finish and the scalars in one launch
@@ -315,11 +340,13 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
     }
     cuda::stats_step_head(parts, out[0], end, norm_type == 2.0, header, coef_out, base, scale, steps, touched, health,
                           with_records ? &prep : nullptr);
+    if (groups_view >= 0) launch_group_partials(launches, grads, out[3 + groups_view], norm_type);
     launch_all(launches, grads, hparams, touched, skip_out, records, with_records ? c10::nullopt : prepare, true);
     return out;
   }
 #endif
   std::vector<at::Tensor> out = stats_cat_finish(parts, end, norm_type, views);
+  if (groups_view >= 0) launch_group_partials(launches, grads, out[3 + groups_view], norm_type);
   const at::Tensor& touched = out[3 + touched_view];
   c10::optional<at::Tensor> ranks;
   if (ranks_view >= 0) ranks = out[3 + ranks_view];
@@ -380,6 +407,7 @@ void register_fused_step(pybind11::module_& m) {
       .def_readwrite("record_offset", &shardamp::AdamLaunch::record_offset)
       .def_readwrite("shape", &shardamp::AdamLaunch::shape)
       .def_readwrite("segment_spans", &shardamp::AdamLaunch::segment_spans)
+      .def_readwrite("group_chunks", &shardamp::AdamLaunch::group_chunks)
       .def("set_held", [](shardamp::AdamLaunch& l, const shardamp::HeldParts& held) {
              l.part_grads = held.grads;
              l.part_offsets = held.offsets;
@@ -399,9 +427,10 @@ void register_fused_step(pybind11::module_& m) {
         "step_scalars with the step's health, then adam_launch_all skipping on skip_out: the one-shard-rank step in one "
         "call (positional arguments: step_scalars', then launches, grads, hparams, prepare, records)");
   m.def("stats_step", &stats_step,
-        "stats_cat_finish, then step_launch over its results (touched and the ranks count: views of the stats; no "
-        "clip): a one-process step whose stats nothing asked for before it, in one call; returns [stats, norm, "
-        "found_inf, *views] (positional arguments)");
+        "stats_cat_finish, then step_launch over its results (touched, the ranks count and the group partials: "
+        "views of the stats; no clip), each launch's group partials formed before its step: a one-process step "
+        "whose stats nothing asked for before it, in one call; returns [stats, norm, found_inf, *views] "
+        "(positional arguments)");
 }
 
 }  // namespace shardamp

@@ -31,6 +31,9 @@ struct AdamLaunch {
   // (start, length) of each row of ``segments``, on the host: where a CUDA launch reads each
   // segment's grads when they are held in place (segment_bases); set once
   std::vector<int64_t> segment_spans;
+  // CUDA: the chunk map of the param groups' partials over ``segments`` (group_partials'
+  // ``chunks``), set once where the step's one call forms them (stats_step's ``groups_view``)
+  c10::optional<at::Tensor> group_chunks;
 };
 
 // fused_step.cpp: the stats' finish, bound as stats_finish (binding.cpp)
@@ -53,6 +56,9 @@ StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& bas
                                const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                                const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
                                const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host);
+// binding.cpp: group_partials as bound (checks included)
+void checked_group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor out, double norm_type,
+                            const c10::optional<at::Tensor>& chunks);
 struct GradPart;  // grad_parts.h
 // adam_step over ``l``'s arguments with its checks (``parts``: the grads where autograd left them)
 void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts);

@@ -87,15 +87,10 @@ bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std:
 #endif
 }
 
-namespace {
-
-// group_partials over grads held in place: each segment's partial read from the part holding it
-// (none: the segment's slot would be zeros, its partial 0), as over the landed shard. CUDA: the
-// segments' (start, length) on the host (``spans``) and their chunk map (``chunks``, as
-// group_partials takes it) too.
-void group_partials_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets, int64_t numel,
-                          const at::Tensor& segments, at::Tensor out, double norm_type,
-                          const c10::optional<at::Tensor>& chunks, const c10::optional<std::vector<int64_t>>& spans) {
+void checked_group_partials_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
+                                  int64_t numel, const at::Tensor& segments, at::Tensor out, double norm_type,
+                                  const c10::optional<at::Tensor>& chunks,
+                                  const c10::optional<std::vector<int64_t>>& spans) {
   SHARDAMP_CHECK(!grads.empty(), "group_partials_parts: no grads");
   const at::Device device = grads.front().device();
   SHARDAMP_CHECK(segments.device() == device && segments.scalar_type() == at::kLong && segments.dim() == 2 &&
@@ -131,6 +126,8 @@ void group_partials_parts(const std::vector<at::Tensor>& grads, const std::vecto
   cpu::group_partials_parts(parts, dtype, segments, out, norm_type);
 }
 
+namespace {
+
 // bucket_stats over grads held in place (tests): CPU, false where some element is inf/NaN
 bool bucket_stats_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets, int64_t numel,
                         at::Tensor partial, bool assign, const c10::optional<at::Tensor>& rows,
@@ -158,10 +155,10 @@ void register_grad_parts(pybind11::module_& m) {  // module.cpp calls it
   m.def("group_partials_held", [](const HeldParts& h, int64_t numel, const at::Tensor& segments, at::Tensor out,
                                   double norm_type, const c10::optional<at::Tensor>& chunks,
                                   const c10::optional<std::vector<int64_t>>& spans) {
-          group_partials_parts(h.grads, h.offsets, numel, segments, out, norm_type, chunks, spans);
+          checked_group_partials_parts(h.grads, h.offsets, numel, segments, out, norm_type, chunks, spans);
         }, "group_partials_parts over a HeldParts", py::arg("held"), py::arg("numel"), py::arg("segments"),
         py::arg("out"), py::arg("norm_type"), py::arg("chunks") = py::none(), py::arg("spans") = py::none());
-  m.def("group_partials_parts", &group_partials_parts,
+  m.def("group_partials_parts", &checked_group_partials_parts,
         "group_partials over grads held in place: grads[i] at element offsets[i] of a numel-element shard",
         py::arg("grads"), py::arg("offsets"), py::arg("numel"), py::arg("segments"), py::arg("out"),
         py::arg("norm_type"), py::arg("chunks") = py::none(), py::arg("spans") = py::none());

@@ -86,4 +86,14 @@ bool checked_bucket_stats_parts(const std::vector<at::Tensor>& grads, const std:
                                 const c10::optional<at::Tensor>& rows = c10::nullopt,
                                 const c10::optional<at::Tensor>& flags = c10::nullopt);
 
+// group_partials over grads held in place: each segment's partial read from the part holding it
+// (none: the segment's slot would be zeros, its partial 0), as over the landed shard. CUDA: the
+// segments' (start, length) on the host (``spans``) and their chunk map (``chunks``, as
+// group_partials takes it) too. Bound as group_partials_parts and group_partials_held; the
+// step's one call (fused_step.cpp stats_step) runs it over a launch's held grads.
+void checked_group_partials_parts(const std::vector<at::Tensor>& grads, const std::vector<int64_t>& offsets,
+                                  int64_t numel, const at::Tensor& segments, at::Tensor out, double norm_type,
+                                  const c10::optional<at::Tensor>& chunks,
+                                  const c10::optional<std::vector<int64_t>>& spans);
+
 }  // namespace shardamp

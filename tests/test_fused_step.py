@@ -241,9 +241,11 @@ def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
     # four unclipped steps of seven: one call each; the clipped ones finish at the clip
     assert calls["stats_step"] == 4 and calls["stats_cat_finish"] == calls["step_launch"] == 3
     assert other["stats_cat_finish"] == other["step_launch"] == 7 and "stats_step" not in other
-    # each bucket's group partials every step, over its shard or over its grads held in place
-    for counts in (calls, other):
-        assert counts.get("group_partials", 0) + counts.get("group_partials_held", 0) == 7 * merged["buckets"]
+    # each bucket's group partials every step, over its shard or over its grads held in place: from
+    # Python where the stats were finished before the step (the clipped steps, and every step of
+    # the separate calls), inside the step's one call otherwise
+    for counts, steps in ((calls, 3), (other, 7)):
+        assert counts.get("group_partials", 0) + counts.get("group_partials_held", 0) == steps * merged["buckets"]
         assert counts.get("group_partials_held", 0) > 0
     assert not {"stats_finish", "step_scalars", "adam_launch_all"} & (set(calls) | set(other))
     for a, b in zip(merged["params"], separate["params"]):
@@ -516,3 +518,27 @@ def test_a_stats_plan_with_an_all_gather_between_buckets_is_refused():
                                (torch.ones(()), 1.0, None, 0.0), torch.zeros(1), [], [0], [], torch.zeros(1, 5),
                                None, True, after_bucket=lambda i: None)
     assert launched == []
+
+
+@pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the compiled kernels")
+def test_the_one_call_refuses_a_group_view_it_does_not_hold(monkeypatch):
+    """``stats_step``'s ``groups_view`` must name one of its views (or be -1): a wrong index is
+    refused by the native call, naming the argument, before any kernel runs (the params stay)."""
+    from shardamp.optim.kernels import fused_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 2))
+    opt = DistributedFusedAdam([{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=1e-2)
+    real = fused_step.stats_step
+
+    def bad_groups(parts, end, norm_type, views, view_of, *rest):
+        assert view_of.get("groups") == 1  # two groups: the step asks the call for their partials
+        return real(parts, end, norm_type, views, dict(view_of, groups=len(views)), *rest)
+
+    monkeypatch.setattr(fused_step, "stats_step", bad_groups)
+    opt.zero_grad()
+    model(torch.randn(3, 6)).square().mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="groups_view must name views"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))

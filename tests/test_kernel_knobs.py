@@ -178,7 +178,7 @@ def test_records_without_their_table_are_refused_before_the_step_runs(monkeypatc
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     args = seen["args"]
-    steps, counters = args[9], args[14]  # stats_step's positional step counts and health counters
+    steps, counters = args[10], args[15]  # stats_step's positional step counts and health counters
     before = steps.clone(), counters.clone()
     assert float(steps.sum()) == 2  # the call was made, and advanced both params' counts
     with pytest.raises(RuntimeError, match="records is the buffer prepare forms them into"):

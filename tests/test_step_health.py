@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from conftest import set_env
 from parity import MLP, named_two_groups, two_groups
 from shardamp.optim import DistributedFusedAdam
 from shardamp.scaler import ShardedGradScaler
@@ -176,6 +177,42 @@ def test_spike_is_not_an_overflow_for_the_scaler() -> None:
     assert scaler.get_scale() == 2.0**11 and not bool(scaler.last_step_skipped)
     stats = opt.step_stats()
     assert stats["skipped_spike"] == 1 and stats["skipped_nonfinite"] == 0 and stats["loss_scale"] == 2.0**11
+
+
+def _decay_groups(model: nn.Module):
+    """The frameworks' two groups: decay on the matrices, none on the vectors (so every bucket
+    holds segments of both)."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("copy_grads", [False, True])
+def test_grad_norms_by_group_of_a_plain_step_world1(copy_grads: bool, monkeypatch) -> None:
+    """No clip and no scaler: the step's stats are finished in its own call, which forms each
+    group's norm too (over the grads held where autograd left them, or over the landed shards
+    with ``SHARDAMP_COPY_GRADS``). Against torch's norm of each group's grads, read after the
+    step: two groups interleaved in every bucket, several buckets, a layer left out of one
+    backward (its grads None)."""
+    set_env(monkeypatch, "SHARDAMP_COPY_GRADS", "1" if copy_grads else "0")
+    torch.manual_seed(0)
+    model = MLP()
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(_decay_groups(model), lr=1e-2, bucket_cap_mb=0.001)
+    assert len(opt._buckets) >= 3
+    for step in range(3):
+        skip = ("b",) if step == 1 else ()
+        opt.zero_grad()
+        ref.zero_grad()
+        x, y = _batch(step)
+        nn.functional.mse_loss(ref(x, skip), y).backward()
+        nn.functional.mse_loss(model(x, skip), y).backward()
+        want = [float(torch.nn.utils.get_total_norm([p.grad for p in g["params"] if p.grad is not None]))
+                for g in _decay_groups(ref)]
+        opt.step()
+        assert opt.grad_norms_by_group().tolist() == pytest.approx(want, rel=1e-5)
+        with torch.no_grad():
+            for p, q in zip(ref.parameters(), model.parameters()):
+                p.copy_(q)
 
 
 def test_grad_norms_by_group_world1() -> None:

@@ -133,7 +133,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     call that assembles and finishes the stats (one process: nothing reduces them in between)
     and one call for the scalar launch and every bucket's step (one rank: nothing is
     all-gathered between them); where nothing asked for the stats before the step (no unscale,
-    no clip) those two are the step's ONE call. A new pass over the grads, or a landing the
+    no clip) those two and the group partials are the step's ONE call. A new pass over the grads, or a landing the
     zero-copy path should not make, shows up here."""
     if copy:
         set_env(monkeypatch, "SHARDAMP_COPY_GRADS", "1")
@@ -150,7 +150,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     want = {"stats_cat_finish": 1, "step_launch": 1} if scaled or clip else {"stats_step": 1}
     # (the step's wrapper also asks whether anything records its label, through the module's
     # query it found at the first step: not counted here, where the module's names are wrapped)
-    if groups > 1:
+    if groups > 1 and (scaled or clip):  # unclipped and unscaled: the step's one call forms them too
         want["group_partials" if copy else "group_partials_held"] = buckets
     calls = _native_calls(opt, scaler, model, clip)
     # every bucket lands in the hook, under the plan set at zero_grad

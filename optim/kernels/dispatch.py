@@ -224,11 +224,25 @@ def group_partials(grad: Tensor, segments: SegmentTable, out: Tensor, norm_type:
     if ext is None or not hasattr(ext, "group_partials") or grad.dtype not in _NATIVE_DTYPES:
         reference.group_partials(grad, _host_rows(segments), out, norm_type)
         return
-    chunks = _group_chunks(ext, segments, grad.device, grad.numel(), n_params, out.numel())
+    chunks = group_chunk_map(ext, segments, grad.device, grad.numel(), n_params, out.numel())
     ext.group_partials(grad, segments.table, out, float(norm_type), chunks)
 
 
-def _group_chunks(ext: Any, segments: SegmentTable, device: torch.device, numel: int, n_params: int,
+def group_partials_all(holders: Sequence[Any], order: Sequence[int], grads: Sequence[Tensor], out: Tensor,
+                       norm_type: float, n_params: int) -> None:
+    """:func:`group_partials` of ``grads[i]`` over ``holders[i].segments`` (a bucket or its step
+    launch) for each ``i`` of ``order``, added into ``out`` in that order (the step's one native
+    call adds them in the same order: fused_step.stats_step); over the grads held in place
+    where ``grads`` (``shards.buffers.ShardGrads``) holds a bucket's, so no shard is made."""
+    held_of = getattr(grads, "held", None)
+    for i in order:
+        segments = holders[i].segments
+        held = held_of(i) if held_of is not None else None
+        if held is None or not group_partials_held(held, segments, out, norm_type, n_params):
+            group_partials(grads[i], segments, out, norm_type, n_params)
+
+
+def group_chunk_map(ext: Any, segments: SegmentTable, device: torch.device, numel: int, n_params: int,
                   n_groups: int) -> Optional[Tensor]:
     """The blocks' map of the CUDA group partials over ``segments`` (built once from the
     host-side segments); None on the CPU."""
@@ -275,7 +289,7 @@ def group_partials_held(held: Any, segments: SegmentTable, out: Tensor, norm_typ
     if segments.segments:  # CUDA reads each segment through its chunk map and host-side span
         cuda = device.type == "cuda"
         ext.group_partials_held(held.parts, held.numel, segments.table, out, float(norm_type),
-                                _group_chunks(ext, segments, device, held.numel, n_params, out.numel()),
+                                group_chunk_map(ext, segments, device, held.numel, n_params, out.numel()),
                                 segments.spans if cuda else None)
     return True
 

@@ -9,8 +9,9 @@ shard rank, two pairs of the step's calls have nothing between them and are made
 - ``step_launch``: the step's scalar launch (``step_scalars``) and every bucket's step kernel
   (``launch_adam_all``), when no all-gather runs between the buckets' kernels;
 - ``stats_step``: both of the above in one, where nothing asked for the stats before the step
-  (no clip, no unscale: the stats' finish is then the step's first launch). A clipped step's
-  stats are finished by the clip, whose norm is handed out before the step: its step is
+  (no clip, no unscale: the stats' finish is then the step's first launch), with the param
+  groups' norm partials of every bucket (several groups) formed in the same call. A clipped
+  step's stats are finished by the clip, whose norm is handed out before the step: its step is
   ``step_launch``.
 
 The native calls are csrc/fused_step.cpp's.
@@ -33,7 +34,7 @@ import torch
 from torch import Tensor
 
 from .adam_launch import AdamLaunch, StepRecords, launch_adam_all, native_launches
-from .dispatch import _native, scalars_native, stats_finish, step_scalars
+from .dispatch import _native, group_chunk_map, group_partials_all, scalars_native, stats_finish, step_scalars
 
 
 def stats_cat_finish(parts: Sequence[Tensor], end: int, norm_type: float,
@@ -151,14 +152,17 @@ def _scalars_take(ext: Any, coef_out: Tensor, base: Tensor, skip: Tensor, steps:
 def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Sequence[Tuple[int, int]],
                view_of: Dict[str, int], coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tensor], float],
                steps: Tensor, health: Dict[str, Any], launches: Sequence[AdamLaunch], order: Sequence[int],
-               grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords, bias_correction: bool) -> List[Tensor]:
-    """A one-shard-rank step whose stats nothing asked for before it: :func:`stats_cat_finish`
-    and then :func:`launch_step` over its results, in ONE native call where the compiled kernels
-    take both. ``view_of``: which of ``views`` are the step's touched flags (``"touched"``) and
-    the health's count of ranks with inf/NaN grads (``"ranks"``); ``health``: ``step_scalars``'
-    keywords without ``raw_norm`` and ``ranks`` (the stats' norm and that view). No clip
-    (``coef_parts``' norm is None). Returns ``[stats, norm, found_inf, *views]`` as
-    :func:`stats_cat_finish`. No host sync."""
+               grads: Sequence[Tensor], hparams: Tensor, prepare: StepRecords, bias_correction: bool,
+               n_params: int = 0) -> List[Tensor]:
+    """A one-shard-rank step whose stats nothing asked for before it: :func:`stats_cat_finish`,
+    the param groups' partials (:func:`group_partials_all`) and then :func:`launch_step` over its
+    results, in ONE native call where the compiled kernels take them all. ``view_of``: which of
+    ``views`` are the step's touched flags (``"touched"``), the health's count of ranks with
+    inf/NaN grads (``"ranks"``) and, with several groups, the group partials (``"groups"``,
+    over the optimizer's ``n_params`` params); ``health``: ``step_scalars``' keywords without
+    ``raw_norm`` and ``ranks`` (the stats' norm and that view). No clip (``coef_parts``' norm is
+    None). Returns ``[stats, norm, found_inf, *views]`` as :func:`stats_cat_finish`. No host
+    sync."""
     base, scale, norm, _ = coef_parts
     if norm is not None:
         raise ValueError("stats_step: a clip's norm is handed out before the step (finish the stats first)")
@@ -166,6 +170,7 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
     ext = _native(device)
     h = health
     skip = h["skip_out"]
+    groups = view_of.get("groups", -1)
     if (ext is not None and hasattr(ext, "stats_step") and (norm_type == 2.0 or math.isinf(norm_type))
             and _fp32_on(parts, coef_out.get_device()) and skip is not None and order
             and h.get("counters") is not None and h.get("record") is not None
@@ -173,16 +178,33 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
             and _scalars_take(ext, coef_out, base, skip, steps, h)):
         natives, shards = native_launches(ext, launches, order, grads, hparams)
         if natives is not None:
+            if groups >= 0 and coef_out.is_cuda:
+                _set_group_chunks(ext, natives, launches, order, coef_out.device, n_params, views[groups][1])
             table, records = (prepare.table, prepare.records) if coef_out.is_cuda else (None, None)
             return ext.stats_step(list(parts), int(end), float(norm_type), list(views), view_of["touched"],
-                                  view_of.get("ranks", -1), coef_out, base, float(scale), steps, skip,
+                                  view_of.get("ranks", -1), groups, coef_out, base, float(scale), steps, skip,
                                   h.get("inv_scale"), float(h.get("avg", 1.0)), float(h.get("skip_above", math.inf)),
                                   h["counters"], h["record"], h.get("record_host"), natives, shards, hparams, table,
                                   records)
     out = stats_cat_finish(parts, end, norm_type, views)
+    if groups >= 0:
+        group_partials_all(launches, order, grads, out[3 + groups], norm_type, n_params)
     touched = out[3 + view_of["touched"]]
     ranks = view_of.get("ranks", -1)
     h = dict(health, raw_norm=out[1], ranks=out[3 + ranks] if ranks >= 0 else None)
     launch_step(coef_out, coef_parts, out[2], steps, touched, h, launches, order, grads, hparams, prepare,
                 bias_correction)
     return out
+
+
+def _set_group_chunks(ext: Any, natives: Sequence[Any], launches: Sequence[AdamLaunch], order: Sequence[int],
+                      device: torch.device, n_params: int, n_groups: int) -> None:
+    """Give each native launch of ``natives`` (those of ``order`` with segments, as
+    ``native_launches`` returns them) the chunk map of its group partials on CUDA, once."""
+    if all(native.group_chunks is not None for native in natives):
+        return
+    with_segments = [launches[i] for i in order if launches[i].segments.segments]
+    for native, launch in zip(natives, with_segments):
+        if native.group_chunks is None:
+            native.group_chunks = group_chunk_map(ext, launch.segments, device, launch.master.numel(), n_params,
+                                                  n_groups)

@@ -23,6 +23,7 @@ from .. import kernels, norms
 from ..kernels import fused_step
 from ..checks import agreement
 from ..kernels import partials
+from ..layout import forward_order
 
 HEADER = norms.PARTIAL  # norm partial, non-finite flag
 
@@ -184,24 +185,28 @@ class StatsPlan(NamedTuple):
              health: Dict[str, Any], launches: Sequence[Any], order: Sequence[int], grads: Sequence[Tensor],
              hparams: Tensor, prepare: Any, bias_correction: bool) -> GradStats:
         """Finish the stats in the step's one native call (``fused_step.stats_step``: then the
-        scalars, the health record and every bucket's update; ``health``: ``step_scalars``'
-        keywords, its norm and ranks count taken from these stats); returns the stats."""
+        param groups' partials, the scalars, the health record and every bucket's update;
+        ``health``: ``step_scalars``' keywords, its norm and ranks count taken from these
+        stats); returns the stats."""
         # views: the touched flags, then health.stats_views' (group partials, ranks with inf/NaN)
-        out = fused_step.stats_step(self.parts, self.end, self.norm_type, self.views, {"touched": 0, "ranks": 2},
-                                    coef_out, coef_parts, steps, health, launches, order, grads, hparams, prepare,
-                                    bias_correction)
-        return self.stats_of(out)
+        view_of = {"touched": 0, "ranks": 2} if self.groups is None else {"touched": 0, "groups": 1, "ranks": 2}
+        out = fused_step.stats_step(self.parts, self.end, self.norm_type, self.views, view_of, coef_out, coef_parts,
+                                    steps, health, launches, order, grads, hparams, prepare, bias_correction,
+                                    self.n_params)
+        return self.stats_of(out, groups_formed=True)
 
     def finished(self, out: Sequence[Tensor]) -> ReducedStats:
         """The reduced stats from the finish's ``[stats, norm, found_inf, *views]``."""
         return ReducedStats(self.stats_of(out), False, self.names)
 
-    def stats_of(self, out: Sequence[Tensor]) -> GradStats:
-        """The stats from the finish's ``[stats, norm, found_inf, *views]``."""
+    def stats_of(self, out: Sequence[Tensor], groups_formed: bool = False) -> GradStats:
+        """The stats from the finish's ``[stats, norm, found_inf, *views]`` (``groups_formed``:
+        the step's call formed the group partials too)."""
         _buf, raw, found_inf, touched, *more = out
-        if self.groups is not None:  # written after the finish, which reads nothing past the touched flags
-            # more[0] is buf[self.groups] (health.stats_views: the group partials first), made by
-            # the native call: a slice here would cost the step another view op
+        if self.groups is not None and not groups_formed:
+            # after the finish, which reads nothing past the touched flags; more[0] is
+            # buf[self.groups] (health.stats_views: the group partials first), made by the native
+            # call: a slice here would cost the step another view op
             _group_partials(self.buckets, self.grad_shards, more[0], self.norm_type, self.n_params)
         self.health.note_stats(more, self.norm_type)
         return GradStats(self.norm_type, raw, found_inf, touched, views=more)
@@ -241,11 +246,9 @@ def launch_step(stats: Union[GradStats, StatsPlan], bad_clip: Optional[Tensor], 
 
 def _group_partials(buckets: Sequence[Any], grad_shards: Sequence[Tensor], out: Tensor, norm_type: float,
                     n_params: int) -> None:
-    held_of = getattr(grad_shards, "held", None)  # shards.buffers.ShardGrads: grads may be held in place
-    for i, bucket in enumerate(buckets):
-        held = held_of(i) if held_of is not None else None
-        if held is None or not kernels.group_partials_held(held, bucket.segments, out, norm_type, n_params):
-            kernels.group_partials(grad_shards[i], bucket.segments, out, norm_type, n_params)
+    # in the step's bucket order, as the step's one native call adds them: a step's group norms
+    # do not depend on whether a clip finished its stats or the step did
+    kernels.group_partials_all(buckets, forward_order(len(buckets)), grad_shards, out, norm_type, n_params)
 
 
 def reduce_norm(norm_type: float, grad_shards: Sequence[Tensor], device: Any,
