@@ -4,7 +4,9 @@ The model is a 263K-param MLP (``Linear(256, 512)``, GELU, ``Linear(512, 256)``,
 its forward, backward and step take a few hundred microseconds, so an iteration measures the
 optimizer's fixed host cost per step as much as its math. World 1 and no process group (a user's
 first script on one machine). Each side runs the same iteration: ``zero_grad``, forward,
-backward, clip to norm 1.0, step (``--loop plain``: no clip).
+backward, clip to norm 1.0, step (``--loop plain``: no clip). ``--groups 2``: two param groups,
+weight decay on the matrices only (the frameworks' rule: Lightning's and accelerate's examples,
+the transformers Trainer), whose per-group norms shardamp forms every step.
 
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` + ``torch.nn.utils.clip_grad_norm_``;
 * ``torch foreach``: ``torch.optim.AdamW(foreach=True)`` + ``clip_grad_norm_``;
@@ -43,7 +45,16 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
 
 
-def make_iteration(side: str, clip: bool, batch: int) -> Callable[..., None]:
+def param_groups(model: nn.Module, groups: int) -> List[Dict]:
+    """One group (weight decay 0.01 on every param), or two: decay on the matrices only."""
+    params = list(model.parameters())
+    if groups == 1:
+        return [{"params": params, "weight_decay": 0.01}]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def make_iteration(side: str, clip: bool, batch: int, groups: int = 1) -> Callable[..., None]:
     """One whole iteration of ``side`` (its model, optimizer and data built here); given a dict
     of lists, it appends each phase's host microseconds to them (perf_counter between phases)."""
     model = make_model()
@@ -51,10 +62,10 @@ def make_iteration(side: str, clip: bool, batch: int) -> Callable[..., None]:
     x, y = torch.randn(batch, 256, generator=gen), torch.randn(batch, 256, generator=gen)
     params = list(model.parameters())
     if side == "shardamp":
-        opt = DistributedFusedAdam(params, lr=1e-3, weight_decay=0.01)
+        opt = DistributedFusedAdam(param_groups(model, groups), lr=1e-3)
         clip_fn = lambda: opt.clip_grad_norm(1.0)  # noqa: E731
     else:
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **{side.split()[1]: True})
+        opt = torch.optim.AdamW(param_groups(model, groups), lr=1e-3, **{side.split()[1]: True})
         clip_fn = lambda: torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)  # noqa: E731
 
     def one(phases: Optional[Dict[str, List[float]]] = None) -> None:
@@ -91,12 +102,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--loop", choices=("clip", "plain"), default="clip")
+    ap.add_argument("--groups", type=int, choices=(1, 2), default=1,
+                    help="param groups: 2 puts weight decay on the matrices only (the frameworks' rule)")
     ap.add_argument("--phases", action="store_true",
                     help="then one more interleaved run timing each phase (median us per phase and side)")
     ap.add_argument("--json", default="", help="write the row here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    fns = {side: make_iteration(side, args.loop == "clip", args.batch) for side in SIDES}
+    fns = {side: make_iteration(side, args.loop == "clip", args.batch, args.groups) for side in SIDES}
     for fn in fns.values():
         for _ in range(args.warmup):
             fn()
@@ -111,11 +124,12 @@ def main() -> None:
             runs[side].append((time.perf_counter() - t0) / args.iters * 1e6)
     us = {side: statistics.median(v) for side, v in runs.items()}
     fastest = min(("torch fused", "torch foreach"), key=us.get)
-    row = dict(loop=args.loop, threads=args.threads, rounds=args.rounds, iters=args.iters, torch=torch.__version__,
+    row = dict(loop=args.loop, groups=args.groups, threads=args.threads, rounds=args.rounds, iters=args.iters,
+               torch=torch.__version__,
                params=sum(p.numel() for p in make_model().parameters()), us=us, runs=runs, fastest_torch=fastest,
                ratios={t: paired_ratio(runs[t], runs["shardamp"]) for t in ("torch fused", "torch foreach")})
-    print(f"{row['params']} params, loop {args.loop}, {args.threads} thread(s), {args.rounds} rounds x {args.iters} "
-          f"iterations, torch {torch.__version__}")
+    print(f"{row['params']} params, {args.groups} param group(s), loop {args.loop}, {args.threads} thread(s), "
+          f"{args.rounds} rounds x {args.iters} iterations, torch {torch.__version__}")
     for side in SIDES:
         print(f"  {side:14s} {us[side]:8.1f} us/iteration")
     for t in ("torch fused", "torch foreach"):

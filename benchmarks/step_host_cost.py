@@ -23,8 +23,12 @@ outside the timing):
 * the Python functions each side's ``opt.step()`` enters: a count that does not scatter.
 
 Medians of ``--rounds`` interleaved rounds of ``--iters`` calls each, microseconds a call.
+``--groups 2``: two param groups, weight decay on the matrices only (the frameworks' rule,
+``framework_common.decay_groups``), whose norm partials the step forms too;
+``--bucket-cap-mb``: smaller buckets, more of them (the per-bucket share of the host time).
 
     python benchmarks/step_host_cost.py --device cuda
+    python benchmarks/step_host_cost.py --device cpu --groups 2 --bucket-cap-mb 0.05
 """
 from __future__ import annotations
 
@@ -59,6 +63,14 @@ def build(device: torch.device, dim: int, depth: int):
         loss.backward()
 
     return model, backward
+
+
+def param_groups(model: torch.nn.Module, groups: int) -> List[Dict[str, Any]]:
+    """One group (weight decay 0.01 on every param), or the examples' two: decay on the matrices only."""
+    from framework_common import decay_groups
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": params, "weight_decay": 0.01}] if groups == 1 else decay_groups(model)
 
 
 def timed(fn: Callable[[], None], before: Callable[[], None], device: torch.device, iters: int,
@@ -136,6 +148,9 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--groups", type=int, choices=(1, 2), default=1,
+                    help="param groups: 2 puts weight decay on the matrices only (the frameworks' rule)")
+    ap.add_argument("--bucket-cap-mb", type=float, default=100.0, help="the optimizer's bucket_cap_mb")
     ap.add_argument("--calls-out", default=None,
                     help="write each side's step as the tree of functions it enters (Python and C) to this file")
     args = ap.parse_args()
@@ -148,7 +163,7 @@ def main() -> None:
     # the CPU holds a complete bucket's grads where autograd left them, handed to one launch only:
     # landed copies here, so the captured call can be made again
     config.configure(copy_grads=True)
-    opt = DistributedFusedAdam(params, lr=1e-4, weight_decay=0.01)
+    opt = DistributedFusedAdam(param_groups(model, args.groups), lr=1e-4, bucket_cap_mb=args.bucket_cap_mb)
     ext = kernels.native_module(device)
     if ext is None or not hasattr(ext, "stats_step"):
         raise SystemExit(f"no compiled kernels for {device.type}: nothing to take apart")
@@ -170,8 +185,11 @@ def main() -> None:
         ext.stats_step = real
     if "stats_step" not in captured:
         raise SystemExit("the step did not take the one native call (stats_step): nothing to take apart")
+    args_of = list(captured["stats_step"])
+    if isinstance(args_of[6], int):  # the group partials' view (a build before it passed none)
+        del args_of[6]
     (parts, end, norm_type, views, touched_view, ranks_view, coef_out, base, scale, steps, skip, inv_scale, avg,
-     skip_above, counters, record, record_host, natives, shards, hparams, table, *more) = captured["stats_step"]
+     skip_above, counters, record, record_host, natives, shards, hparams, table, *more) = args_of
     records = more[0] if more else None  # the records' persistent buffer (a tree before it passed none)
     out = real(*captured["stats_step"])
     touched, ranks = out[3 + touched_view], (out[3 + ranks_view] if ranks_view >= 0 else None)
@@ -183,8 +201,7 @@ def main() -> None:
     ref_v = [torch.zeros_like(p) for p in params]
     ref_steps = [torch.zeros((), device=device) for _ in params]  # fused: the step counts on the device
     torch_model, torch_backward = build(device, dim, depth)
-    torch_opt = torch.optim.AdamW(torch_model.parameters(), lr=1e-4, weight_decay=0.01,
-                                  fused=device.type == "cuda")
+    torch_opt = torch.optim.AdamW(param_groups(torch_model, args.groups), lr=1e-4, fused=device.type == "cuda")
 
     def shard_step_before() -> None:
         opt.zero_grad(set_to_none=True)
@@ -241,7 +258,8 @@ def main() -> None:
                 f.write("\n".join(tree) + "\n")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"== step_host_cost on {label}, torch {torch.__version__}: host us a call, median of {args.rounds} "
-          f"interleaved rounds x {args.iters} calls ({len(params)} params, {sum(p.numel() for p in params) / 1e6:.1f}M)")
+          f"interleaved rounds x {args.iters} calls ({len(params)} params, "
+          f"{sum(p.numel() for p in params) / 1e6:.1f}M, {len(opt.param_groups)} group(s), {len(opt._buckets)} bucket(s))")
     for k in runs:
         v = runs[k]
         print(f"{k:36s} {statistics.median(v):8.1f}   (rounds {min(v):.1f}-{max(v):.1f})")
