@@ -5,8 +5,8 @@ its forward, backward and step take a few hundred microseconds, so an iteration 
 optimizer's fixed host cost per step as much as its math. World 1 and no process group (a user's
 first script on one machine). Each side runs the same iteration: ``zero_grad``, forward,
 backward, clip to norm 1.0, step (``--loop plain``: no clip). ``--groups 2``: two param groups,
-weight decay on the matrices only (the frameworks' rule: Lightning's and accelerate's examples,
-the transformers Trainer), whose per-group norms shardamp forms every step.
+weight decay on the matrices only (``examples/framework_common.decay_groups``: the frameworks'
+rule, the transformers Trainer's), whose per-group norms shardamp forms every step.
 
 * ``torch fused``: ``torch.optim.AdamW(fused=True)`` + ``torch.nn.utils.clip_grad_norm_``;
 * ``torch foreach``: ``torch.optim.AdamW(foreach=True)`` + ``clip_grad_norm_``;
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
@@ -34,7 +35,9 @@ import torch
 import torch.nn as nn
 
 from host_iteration import paired_ratio
-from shardamp.optim import DistributedFusedAdam
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from framework_common import decay_groups  # noqa: E402  (the frameworks' two groups)
+from shardamp.optim import DistributedFusedAdam  # noqa: E402
 
 SIDES = ("torch fused", "torch foreach", "shardamp")
 PHASES = ("zero_grad", "forward", "backward", "clip", "step")
@@ -46,12 +49,8 @@ def make_model() -> nn.Module:
 
 
 def param_groups(model: nn.Module, groups: int) -> List[Dict]:
-    """One group (weight decay 0.01 on every param), or two: decay on the matrices only."""
-    params = list(model.parameters())
-    if groups == 1:
-        return [{"params": params, "weight_decay": 0.01}]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    """One group (weight decay 0.01 on every param), or the examples' two (``decay_groups``)."""
+    return [{"params": list(model.parameters()), "weight_decay": 0.01}] if groups == 1 else decay_groups(model)
 
 
 def make_iteration(side: str, clip: bool, batch: int, groups: int = 1) -> Callable[..., None]:

@@ -30,7 +30,7 @@ import framework_models  # noqa: E402
 import framework_routes  # noqa: E402
 from shardamp.optim.sync import grad_stager, grad_sync, merged_landings  # noqa: E402
 
-GRAD_SYNC = ("prearm", "on_grad", "on_event", "quiet_end", "end_of_backward", "_flush", "_finish_round", "sync")
+GRAD_SYNC = ("prearm", "on_grad", "quiet_end", "end_of_backward", "_flush", "_finish_round", "sync")  # + on_event
 EVENTS = {grad_stager.NONE: "none", grad_stager.SLOW: "slow", grad_stager.FLUSH: "flush",
           grad_stager.COMPLETE: "complete"}
 
@@ -62,8 +62,7 @@ def _took_back(self: Any) -> str:
 def count(framework: str, setting: framework_routes.Setting, precision: str, small: bool) -> Dict[str, float]:
     """One shardamp run of ``framework`` on the MLP: each entry point's calls per optimizer step."""
     counts: Counter = collections.Counter()
-    undo = [_counted(counts, grad_sync.GradSync, name, lambda self, *a, n=name: f"GradSync.{n}") for name in GRAD_SYNC
-            if name != "on_event"]
+    undo = [_counted(counts, grad_sync.GradSync, name, lambda self, *a, n=name: f"GradSync.{n}") for name in GRAD_SYNC]
     undo.append(_counted(counts, grad_sync.GradSync, "on_event",
                          lambda self, event, arg: f"GradSync.on_event {EVENTS.get(event, event)}"))
     undo.append(_counted(counts, merged_landings.MergedLandings, "take", _took_back))

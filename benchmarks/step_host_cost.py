@@ -186,7 +186,7 @@ def main() -> None:
     if "stats_step" not in captured:
         raise SystemExit("the step did not take the one native call (stats_step): nothing to take apart")
     args_of = list(captured["stats_step"])
-    if isinstance(args_of[6], int):  # the group partials' view (a build before it passed none)
+    if isinstance(args_of[6], int):  # the group partials' view (older builds have none): not timed apart below
         del args_of[6]
     (parts, end, norm_type, views, touched_view, ranks_view, coef_out, base, scale, steps, skip, inv_scale, avg,
      skip_above, counters, record, record_host, natives, shards, hparams, table, *more) = args_of
@@ -259,7 +259,8 @@ def main() -> None:
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"== step_host_cost on {label}, torch {torch.__version__}: host us a call, median of {args.rounds} "
           f"interleaved rounds x {args.iters} calls ({len(params)} params, "
-          f"{sum(p.numel() for p in params) / 1e6:.1f}M, {len(opt.param_groups)} group(s), {len(opt._buckets)} bucket(s))")
+          f"{sum(p.numel() for p in params) / 1e6:.1f}M, {len(opt.param_groups)} group(s), "
+          f"{len(opt._buckets)} bucket(s))")
     for k in runs:
         v = runs[k]
         print(f"{k:36s} {statistics.median(v):8.1f}   (rounds {min(v):.1f}-{max(v):.1f})")
