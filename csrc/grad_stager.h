@@ -39,7 +39,8 @@ struct StagerState {
   py::object callback;  // callback(event, arg): arg is a param index (kSlow) or a bucket
   std::mutex mu;
   // The landing plan (one process; set_plan / finish_plan): a complete bucket that is the next to
-  // launch and has a plan entry is allocated, landed and passed over here, on the autograd
+  // launch (or completed ahead of it: then after the ones before it) and has a plan entry is
+  // allocated, landed and passed over here, on the autograd
   // thread without the GIL, instead of calling Python; Python adopts the landed shards later
   // (finish_plan). The plan ends at the first event that calls Python.
   struct PlanEntry {
@@ -100,6 +101,11 @@ struct StagerState {
   // allocation that fails leaves the grads staged and hands the bucket to Python (which raises
   // it); a failure after the grads were taken is kept for Python to raise (finish_plan).
   void land_planned(int64_t b);
+
+  // land_planned(b), then each next bucket of the plan that completed while it waited its turn
+  // (hook_body stages such a bucket and calls no one), in launch order, until one is not complete
+  // or the plan ended
+  void land_planned_in_order(int64_t b);
 
   // land_planned's zero-copy landing of bucket b (``hold``): where every staged grad is a dense
   // tensor on the bucket's device in its param's layout and dtype (CPU: and the bucket holds no

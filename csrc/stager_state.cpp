@@ -85,15 +85,19 @@ void StagerState::hook_body(int64_t i) {
     began = prearmed;  // the first grad of a pre-armed backward
     prearmed = false;
     if (began) began_quietly = true;
-    if (event == kComplete && plan_active && arg == plan_next && plan[arg].on) {
-      planned = true;
+    if (event == kComplete && plan_active && arg >= plan_next && plan[arg].on) {
+      // A bucket completing ahead of its turn stays staged: it lands after the buckets before it
+      // (land_planned_in_order), as Python's launches wait for them, so the shared partial row
+      // adds the buckets in launch order either way
+      planned = arg == plan_next;
+      if (!planned) event = kNone;
     } else if (event != kNone) {
       plan_active = false;  // Python decides from here on (it adopts what was landed first)
     }
   }
   if (began) queue_quiet_end();  // no Python call: its end runs when the backward finishes
   if (planned) {
-    land_planned(arg);
+    land_planned_in_order(arg);
   } else if (event != kNone) {
     call(event, arg);
   }
@@ -121,6 +125,19 @@ void StagerState::queue_quiet_end() {
       Py_DECREF(result);
     }
   });
+}
+
+void StagerState::land_planned_in_order(int64_t b) {
+  while (true) {
+    land_planned(b);
+    std::lock_guard<std::mutex> lock(mu);
+    b = plan_next;
+    // the next bucket completed while waiting for this one (its event called no one): it lands now
+    if (!plan_active || b >= static_cast<int64_t>(plan.size()) || !plan[b].on || fired[b] < expected[b] ||
+        pending[b].empty()) {
+      return;
+    }
+  }
 }
 
 bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {

@@ -4,6 +4,7 @@ complete buckets land in the hook. Whatever calls Python before that backward, o
 must do, undoes the plan; training equals torch's AdamW in every case."""
 from __future__ import annotations
 
+from collections import Counter
 from typing import List
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from kernel_shards import DEVICES
+from landings import count_landings
 from shardamp.optim import DistributedFusedAdam, kernels
 from shardamp.optim.sync import grad_stager
 from shardamp.optim.sync.grad_sync import GradSync
@@ -150,3 +152,111 @@ def test_a_shard_read_around_grad_sync_during_the_plan_raises():
     opt._buffers[0].grad_shard  # allocates zeros beside the plan
     with pytest.raises(RuntimeError, match="read it through GradSync.shard"):
         model(_x(0)).square().mean().backward()
+
+
+class _Branchy(nn.Module):
+    """A three-layer MLP and a side branch ``extra`` (used only where ``forward`` is told to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+        self.extra = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, extra: bool = True) -> torch.Tensor:
+        out = self.net(x)
+        return out + self.extra(x) if extra else out
+
+
+def _decay_groups(model: nn.Module, wd: float = 0.1) -> List[dict]:
+    """The transformers Trainer's groups: decay on matrices, none on biases. The layout's buckets
+    follow the reverse of this order, so the first layer's weight completes its bucket before
+    the biases' bucket ahead of it in launch order completes."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": wd},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _completion_order(model: nn.Module, opt: DistributedFusedAdam) -> List[int]:
+    """Records, for each backward, the buckets in the order their last grad arrives (a list the
+    caller reads); from the optimizer's layout and the params' post-accumulate hooks."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    bucket_of = {id(params[slot.index]): b.index for b in opt._buckets for slot in b.slots}
+    left = {b.index: len(b.slots) for b in opt._buckets}
+    order: List[int] = []
+
+    def arrived(p: torch.Tensor) -> None:
+        b = bucket_of[id(p)]
+        left[b] -= 1
+        if left[b] == 0:
+            order.append(b)
+            left[b] = len(opt._buckets[b].slots)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(arrived)
+    return order
+
+
+def _branchy_pair(device: str):
+    torch.manual_seed(0)
+    model, ref = _Branchy().to(device), _Branchy().to(device)
+    ref.load_state_dict(model.state_dict())
+    opt = DistributedFusedAdam(_decay_groups(model), lr=1e-2, bucket_cap_mb=0.0005)
+    torch_opt = torch.optim.AdamW(_decay_groups(ref), lr=1e-2)
+    return model, ref, opt, torch_opt
+
+
+@native
+@devices
+def test_buckets_completing_ahead_of_their_turn_land_in_the_hook_in_launch_order(device, monkeypatch):
+    """The Trainer's decay groups: a bucket completes before the one launched ahead of it. It
+    waits, staged, and the hook lands it right after that one, calling no Python in the whole
+    backward; the buckets land in launch order (the round's first assigns the shared norm
+    partial), and training and the grad norm equal torch's AdamW and ``clip_grad_norm_``."""
+    model, ref, opt, torch_opt = _branchy_pair(device)
+    order = _completion_order(model, opt)
+    seen = _events(monkeypatch)
+    calls: Counter = Counter()
+    assigned: List[bool] = []
+    count_landings(opt._grad_sync, calls, assigned)
+    buckets = len(opt._buckets)
+    assert buckets >= 3
+    for step in range(4):
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        del seen[:], order[:], assigned[:]
+        model(_x(step, 0, device)).square().mean().backward()
+        ref(_x(step, 0, device)).square().mean().backward()
+        assert sorted(order) == list(range(buckets)) and order != sorted(order), order  # some bucket ran ahead
+        assert seen == [], seen
+        assert assigned == [True] + [False] * (buckets - 1)
+        norm = opt.clip_grad_norm(1.0)
+        torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).to(norm.device),
+                                   rtol=1e-5, atol=0)
+        opt.step()
+        torch_opt.step()
+    assert calls["planned"] == 4 * buckets
+    _assert_same(model, ref)
+
+
+@native
+@devices
+def test_a_bucket_ahead_of_one_that_never_completes_lands_at_the_backward_end(device, monkeypatch):
+    """A side branch left out of some steps' forward: the biases' bucket (launched first) never
+    completes in those backward passes, so the buckets completing after it wait, staged, through
+    the whole backward; its end lands them all in launch order, the unused params without a grad
+    as torch's. Every step trains as torch's AdamW (which skips params without a grad)."""
+    model, ref, opt, torch_opt = _branchy_pair(device)
+    seen = _events(monkeypatch)
+    for step in range(5):
+        extra = step % 2 == 0
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        del seen[:]
+        model(_x(step, 0, device), extra).square().mean().backward()
+        ref(_x(step, 0, device), extra).square().mean().backward()
+        assert seen == [], seen  # nothing completed in turn: no event either
+        before = model.extra.weight.detach().clone()
+        opt.step()
+        torch_opt.step()
+        _assert_same(model, ref)
+        assert torch.equal(before, model.extra.weight) == (not extra)  # no grad: not stepped

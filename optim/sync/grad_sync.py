@@ -231,7 +231,7 @@ class GradSync:
     def _arm_plan(self) -> None:
         """Hand the native stager the landings it may run itself (one process, inside a
         backward): each bucket from ``next_launch`` on whose shard is still fresh.
-        When such a bucket completes in launch order the hook lands it without calling Python
+        When such a bucket completes the hook lands it without calling Python, in launch order
         (a GIL round trip and this module's bookkeeping, tens of microseconds a bucket on a GPU
         host); the plan ends at the first event that does call Python."""
         if not self._enabled or not self.overlap or self._defer_launches or self._hold_launches:

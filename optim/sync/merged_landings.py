@@ -17,9 +17,12 @@ same landings made from a Python call measured 1.023 / 1.020 of this path's iter
 loop / plain step, H200, the examples' MLP), the separate native calls 1.019 and 1.031 in the
 clip loop (the step's calls alone, then also each bucket's);
 the plan set at ``zero_grad`` against one set at each backward's first grad was within the runs'
-spread, with one Python decision less inside the backward. A bucket Python completes (a grad the
-hook hands to Python, a bucket completing out of launch order) lands the separate way
-(grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and with the Python hooks."""
+spread, with one Python decision less inside the backward. A bucket completing ahead of its
+launch order (the first layer's weight before its bias, where the param groups split them: the
+Trainer's and Lightning's decay groups) stays staged and lands in the hook after the buckets
+before it, as Python's launches would wait. A bucket Python completes (a grad the hook hands to
+Python) lands the separate way (grad_sync.py's ``_flush`` and ``_launch``), as at world > 1 and
+with the Python hooks."""
 from __future__ import annotations
 
 from typing import Any, Callable, List, NamedTuple, Optional, Sequence, Tuple
@@ -127,7 +130,8 @@ class MergedLandings:
     def arm(self, next_launch: int, assign: bool) -> None:
         """Inside a backward: hand the stager the landings it may run itself, each bucket from
         ``next_launch`` on whose shard is fresh (``assign``: the first one starts the partial row).
-        When such a bucket completes in launch order the hook lands it without calling Python."""
+        When such a bucket completes the hook lands it without calling Python, in launch order
+        (one completing ahead waits, staged, for the ones before it)."""
         entries = [(s.index, s.buffers.shard_numel, self.like[s.index], *self.landing_flags(s.index), s.partial)
                    for s in self.states[next_launch:] if fresh_shard(s)]
         if entries:
