@@ -174,6 +174,10 @@ void StagerState::land_planned(int64_t b) {
   bool held;
   {
     std::lock_guard<std::mutex> lock(mu);
+    // Taking the entry claims the landing: where two autograd threads both find bucket b due
+    // (its own hook, and the thread that landed the bucket ahead of it), one lands it; and a plan
+    // Python ended meanwhile lands nothing (the grads stay staged for Python)
+    if (!plan_active || b >= static_cast<int64_t>(plan.size()) || !plan[b].on) return;
     std::swap(e, plan[b]);
     assign = plan_assign;
     held = b < static_cast<int64_t>(hold.size()) && hold[b];
