@@ -217,6 +217,27 @@ def test_framework_paths_cpu_smoke() -> None:
     assert not any(k.startswith(("GradSync._flush", "GradSync.on_event")) for k in rows), proc.stdout
 
 
+def test_reduce_order_cpu_smoke() -> None:
+    """benchmarks/reduce_order.py on two CPU ranks: with one param group the reduce-scatters start
+    as backward goes (the first after a quarter of the grads); each mode launches every bucket
+    once, in a non-decreasing count of grads, the last after all of them."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "reduce_order.py"), "--world", "2", "--layers", "4"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        for mode in ("one group", "decay groups"):
+            if line.strip().startswith(mode):
+                buckets, grads = (int(w) for w in line.split(mode)[1].split(":")[0].replace(",", "").split()[::2])
+                rows[mode] = (buckets, grads, [int(v) for v in line.split("[")[1].rstrip("]").split(",")])
+    assert set(rows) == {"one group", "decay groups"}, proc.stdout
+    for buckets, grads, starts in rows.values():
+        assert buckets == 4 and grads == 8 and len(starts) == buckets, proc.stdout
+        assert starts == sorted(starts) and starts[-1] == grads, proc.stdout
+    assert rows["one group"][2][0] <= 3, proc.stdout  # the last layer's pair and one more grad
+
+
 def test_accelerate_loop_cpu_smoke() -> None:
     """benchmarks/accelerate_loop.py on the CPU (the tiny MLP): both routes timed in each loop and
     phase, every number positive."""
