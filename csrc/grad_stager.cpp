@@ -143,7 +143,8 @@ class GradStager {
 
   // The landing plan (see StagerState): from bucket `next` on, each bucket named in `entries`
   // ((bucket, numel, like, rows, flags, partial): its shard's size, a dtype template, its flag
-  // rows, the round's flags and the shared partial row) is landed by the hook itself once it is complete and the next to launch; `assign`: the first such landing
+  // rows, the round's flags and the shared partial row) is landed by the hook itself once it is complete, in launch
+  // order (StagerState::land_planned_in_order); `assign`: the first such landing
   // replaces the shared partial row's values.
   void set_plan(int64_t next, bool assign, const std::vector<py::tuple>& entries) {
     auto plan = plan_entries(entries, true, "GradStager.set_plan");

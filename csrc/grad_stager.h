@@ -104,7 +104,8 @@ struct StagerState {
 
   // land_planned(b), then each next bucket of the plan that completed while it waited its turn
   // (hook_body stages such a bucket and calls no one), in launch order, until one is not complete
-  // or the plan ended
+  // or the plan ended; one complete with nothing to land (a frozen bucket) ends the plan and goes
+  // to Python
   void land_planned_in_order(int64_t b);
 
   // land_planned's zero-copy landing of bucket b (``hold``): where every staged grad is a dense

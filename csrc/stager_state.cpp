@@ -85,10 +85,11 @@ void StagerState::hook_body(int64_t i) {
     began = prearmed;  // the first grad of a pre-armed backward
     prearmed = false;
     if (began) began_quietly = true;
-    if (event == kComplete && plan_active && arg >= plan_next && plan[arg].on) {
-      // A bucket completing ahead of its turn stays staged: it lands after the buckets before it
-      // (land_planned_in_order), as Python's launches wait for them, so the shared partial row
-      // adds the buckets in launch order either way
+    if (event == kComplete && plan_active && arg >= plan_next && plan[arg].on &&
+        (arg == plan_next || fired[plan_next] < expected[plan_next])) {
+      // A bucket completing ahead of its turn stays staged while the next one's grads are still
+      // coming: it lands after the buckets before it (land_planned_in_order), as Python's launches
+      // wait for them, so the shared partial row adds the buckets in launch order either way
       planned = arg == plan_next;
       if (!planned) event = kNone;
     } else if (event != kNone) {
@@ -130,13 +131,20 @@ void StagerState::queue_quiet_end() {
 void StagerState::land_planned_in_order(int64_t b) {
   while (true) {
     land_planned(b);
-    std::lock_guard<std::mutex> lock(mu);
-    b = plan_next;
-    // the next bucket completed while waiting for this one (its event called no one): it lands now
-    if (!plan_active || b >= static_cast<int64_t>(plan.size()) || !plan[b].on || fired[b] < expected[b] ||
-        pending[b].empty()) {
-      return;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      b = plan_next;
+      if (!plan_active || b >= static_cast<int64_t>(plan.size()) || fired[b] < expected[b]) {
+        return;  // the plan ended, or the next bucket's grads are still coming: its own hook lands it
+      }
+      if (plan[b].on && !pending[b].empty()) continue;  // it completed while waiting for this one: it lands now
+      // Complete by its counts with nothing here to land (no param of it takes a grad: a frozen
+      // layer's bucket; or Python took it): Python launches it, then the buckets waiting behind
+      // it, in order, and arms the plan again
+      plan_active = false;
     }
+    call(kComplete, b);
+    return;
   }
 }
 
@@ -176,7 +184,8 @@ void StagerState::land_planned(int64_t b) {
     std::lock_guard<std::mutex> lock(mu);
     // Taking the entry claims the landing: where two autograd threads both find bucket b due
     // (its own hook, and the thread that landed the bucket ahead of it), one lands it; and a plan
-    // Python ended meanwhile lands nothing (the grads stay staged for Python)
+    // Python ended before the claim lands nothing (the grads stay staged for Python). A plan
+    // Python ends after the claim, from another thread, is not guarded here (as before)
     if (!plan_active || b >= static_cast<int64_t>(plan.size()) || !plan[b].on) return;
     std::swap(e, plan[b]);
     assign = plan_assign;

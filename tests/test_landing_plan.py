@@ -260,3 +260,41 @@ def test_a_bucket_ahead_of_one_that_never_completes_lands_at_the_backward_end(de
         torch_opt.step()
         _assert_same(model, ref)
         assert torch.equal(before, model.extra.weight) == (not extra)  # no grad: not stepped
+
+
+@native
+@devices
+def test_a_frozen_bucket_goes_to_python_and_the_plan_lands_the_rest(device, monkeypatch):
+    """A frozen layer's bucket (no param of it takes a grad) is complete by its counts from the
+    start, with nothing for the hook to land: once the bucket ahead of it has landed, the hook
+    hands it to Python (one event), which launches it and arms the plan again, so every other
+    bucket still lands in the hook, none waiting behind it for the backward's end. Training equals
+    torch's AdamW (which skips the frozen params)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)]
+    model = nn.Sequential(*layers).to(device)
+    ref = nn.Sequential(*[nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 2)]).to(device)
+    ref.load_state_dict(model.state_dict())
+    for net in (model, ref):
+        net[4].requires_grad_(False)
+    opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.02, bucket_cap_mb=0.0005)
+    torch_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.02)
+    states = opt._grad_sync.states
+    frozen = [s.index for s in states if s.expected == 0]
+    assert len(frozen) == 1 and 0 < frozen[0] < len(states) - 1, [s.expected for s in states]
+    seen = _events(monkeypatch)
+    calls: Counter = Counter()
+    count_landings(opt._grad_sync, calls)
+    for step in range(3):
+        opt.zero_grad()
+        torch_opt.zero_grad()
+        del seen[:]
+        calls.clear()
+        model(_x(step, 0, device)).square().mean().backward()
+        ref(_x(step, 0, device)).square().mean().backward()
+        assert seen == [COMPLETE], seen
+        assert calls["planned"] == len(states) - 1
+        opt.step()
+        torch_opt.step()
+    _assert_same(model, ref)
