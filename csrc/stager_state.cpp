@@ -137,10 +137,13 @@ void StagerState::land_planned_in_order(int64_t b) {
       if (!plan_active || b >= static_cast<int64_t>(plan.size()) || fired[b] < expected[b]) {
         return;  // the plan ended, or the next bucket's grads are still coming: its own hook lands it
       }
-      if (plan[b].on && !pending[b].empty()) continue;  // it completed while waiting for this one: it lands now
-      // Complete by its counts with nothing here to land (no param of it takes a grad: a frozen
-      // layer's bucket; or Python took it): Python launches it, then the buckets waiting behind
-      // it, in order, and arms the plan again
+      // not named (any more): another thread claimed it (it lands it), or the plan leaves it to
+      // Python, which the next bucket's event calls (hook_body waits only behind expected grads)
+      if (!plan[b].on) return;
+      if (!pending[b].empty()) continue;  // it completed while waiting for this one: it lands now
+      // Complete by its counts with nothing staged (no param of it takes a grad: a frozen layer's
+      // bucket): Python launches it, then the buckets waiting behind it, in order, and arms the
+      // plan again
       plan_active = false;
     }
     call(kComplete, b);

@@ -218,16 +218,21 @@ def test_buckets_completing_ahead_of_their_turn_land_in_the_hook_in_launch_order
     calls: Counter = Counter()
     assigned: List[bool] = []
     count_landings(opt._grad_sync, calls, assigned)
+    landings = opt._grad_sync.landings
+    landed: List[int] = []
+    end_quiet = landings.end_quiet
+    landings.end_quiet = lambda: (lambda out: (landed.extend(i for i, _ in out[1]), out)[1])(end_quiet())
     buckets = len(opt._buckets)
     assert buckets >= 3
     for step in range(4):
         opt.zero_grad()
         torch_opt.zero_grad()
-        del seen[:], order[:], assigned[:]
+        del seen[:], order[:], assigned[:], landed[:]
         model(_x(step, 0, device)).square().mean().backward()
         ref(_x(step, 0, device)).square().mean().backward()
         assert sorted(order) == list(range(buckets)) and order != sorted(order), order  # some bucket ran ahead
         assert seen == [], seen
+        assert landed == list(range(buckets)), landed  # the hook's landings, in launch order
         assert assigned == [True] + [False] * (buckets - 1)
         norm = opt.clip_grad_norm(1.0)
         torch.testing.assert_close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).to(norm.device),
