@@ -3,13 +3,17 @@ the plain values that validated last time), and kept on the device as the fp64 `
 (lr, beta1, beta2, eps, weight_decay) the step kernels read.
 
 Re-uploaded only when a value changed (from pinned memory, non-blocking: no host sync), so LR
-schedulers and edits take effect at the next step; a tensor lr (capturable) is read every step,
+schedulers and edits take effect at the next step. Where only the groups' float lrs changed (an LR
+scheduler's every step) the lrs alone are checked and written, as values carried by one fill
+launch (two where the groups' lrs differ): no host tensor, no pinned buffer, no copy, much as
+torch's fused AdamW hands its kernel a float lr. A tensor lr (capturable) is read every step,
 so CUDA graphs that replay the step read its current value: once per step into one device tensor
 (``tensor_lrs``), which both the agreement entries and the table take.
 """
 from __future__ import annotations
 
 import math
+import operator
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -168,6 +172,8 @@ _PLAIN_TYPES = frozenset(_PLAIN)
 _OPTION_NAMES = tuple(UNSUPPORTED_OPTIONS)
 _OPTION_ABSENT = (_ABSENT,) * len(_OPTION_NAMES)
 NO_KEY = object()  # a caller that has not computed plain_key (None is a key: "not cacheable")
+_lr_of = operator.itemgetter(0)  # a plain key's group entry: (lr, beta1, beta2, eps, wd, *options)
+_rest_of = operator.itemgetter(slice(1, None))
 
 
 def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
@@ -186,6 +192,20 @@ def plain_key(param_groups: Sequence[dict]) -> Optional[tuple]:
     return tuple(key)
 
 
+def lrs_only_changed(key: Optional[tuple], last: Optional[tuple]) -> bool:
+    """Whether plain keys ``key`` and ``last`` (same groups) differ at most in the groups' lrs,
+    and every lr of ``key`` is valid (finite, >= 0): what an LR scheduler's step changes. False
+    (check everything) otherwise, also where an lr is invalid (the full check names it)."""
+    if key is None or last is None or len(key) != len(last):
+        return False
+    if list(map(_rest_of, key)) != list(map(_rest_of, last)):
+        return False
+    lrs = list(map(_lr_of, key))
+    # NaN fails min's comparison or the sum; inf the sum (a sum overflowing from finite lrs only
+    # sends them to the full check, which accepts them)
+    return min(lrs) >= 0 and math.isfinite(sum(lrs))
+
+
 class HparamTable:
     """The step kernels' fp64 ``[G, 5]`` table on the device, and the step's validation of the
     groups: both skipped while the groups hold the values last validated and uploaded (the
@@ -194,6 +214,8 @@ class HparamTable:
     def __init__(self, num_groups: int, device: torch.device) -> None:
         self.device = device
         self.table = torch.zeros(num_groups, 5, dtype=torch.float64, device=device)
+        self._lr_column = self.table[:, 0]  # views made once: a view op costs a step microseconds
+        self._lr_cells = list(self._lr_column.unbind())
         self._host: Optional[List[Tuple]] = None
         self._valid_key: Optional[tuple] = None  # the last plain_key that validated
         self._table_key: Optional[tuple] = None  # the plain_key the table holds
@@ -207,7 +229,8 @@ class HparamTable:
         """``validate_groups`` (the first problem, '' if none), skipped while the groups hold the
         values that validated last time. ``key``: ``plain_key(param_groups)`` if the caller has it."""
         key = plain_key(param_groups) if key is NO_KEY else key
-        if key is not None and key == self._valid_key:
+        if key is not None and (key == self._valid_key or lrs_only_changed(key, self._valid_key)):
+            self._valid_key = key
             return ""
         problem = validate_groups(param_groups, read_lr=self.device.type != "cuda")
         self._valid_key = None if problem else key
@@ -219,6 +242,11 @@ class HparamTable:
         ``key``: ``plain_key(param_groups)`` if the caller has it (the groups unchanged since)."""
         key = plain_key(param_groups) if key is NO_KEY else key
         if key is not None and key == self._table_key:  # float lrs only: no tensor lr to copy either
+            return self.table
+        if lrs_only_changed(key, self._table_key):  # a scheduler's step: the lrs alone, no upload
+            self._write_lrs(list(map(_lr_of, key)))
+            self._host = None  # the rows a full refresh compares with are stale: it uploads
+            self._table_key = self._valid_key = key
             return self.table
         host = []
         for i, group in enumerate(param_groups):
@@ -247,6 +275,17 @@ class HparamTable:
                 for k, i in enumerate(lrs.groups):
                     self.table[i, 0].copy_(lrs.values[k])
         return self.table
+
+    def _write_lrs(self, lrs: List[float]) -> None:
+        """Write the groups' float ``lrs`` into the table's lr column on its stream, each value a
+        launch argument: one fill where all are equal (a scheduler scales groups alike, and their
+        base lrs are mostly one), else a zero and an add over the column's cells (exact: 0 + lr)."""
+        first = lrs[0]
+        if lrs.count(first) == len(lrs):
+            self._lr_column.fill_(first)
+        else:
+            torch._foreach_zero_(self._lr_cells)
+            torch._foreach_add_(self._lr_cells, lrs)
 
 
 _SYNC_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -28,6 +28,20 @@ def case_lr_schedule(rank, world, **kw):
     return train(rank, world, **kw, lr_schedule=lambda step: 1e-2 / (1 + step))
 
 
+def case_lr_schedule_shared(rank, world, **kw):
+    # every group the same lr each step (a scheduler over groups with one base lr): one fill
+    return train(rank, world, **kw, lr_schedule=lambda step: [1e-2 / (1 + step)] * 2)
+
+
+# the groups' lrs shared, then apart, unchanged, shared again, one of them 0, an int: each way the
+# step writes only the lrs, and back
+_MIXED_LRS = [[1e-2, 1e-2], [2e-3, 5e-3], [2e-3, 5e-3], [4e-3, 4e-3], [0.0, 3e-3], [1, 1]]
+
+
+def case_lr_schedule_mixed(rank, world, **kw):
+    return train(rank, world, **kw, opt_kwargs=dict(bucket_cap_mb=TINY), lr_schedule=lambda step: _MIXED_LRS[step])
+
+
 def case_no_sync(rank, world, **kw):
     return train(rank, world, **kw, micro_batches=3, opt_kwargs=dict(bucket_cap_mb=TINY))
 

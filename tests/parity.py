@@ -7,7 +7,7 @@ Every rank builds the reference too (it is tiny), so results from any rank can b
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -172,7 +172,7 @@ def train(
     groups: bool = True,
     skip: Callable[[int, int], Sequence[str]] = lambda step, r: (),
     micro_batches: int = 1,
-    lr_schedule: Optional[Callable[[int], float]] = None,
+    lr_schedule: Optional[Callable[[int], Union[float, Sequence[float]]]] = None,
     param_dtype: torch.dtype = torch.float32,
     channels_last: bool = False,
     sum_grads: bool = False,
@@ -236,10 +236,11 @@ def train(
     denom = 1.0 if sum_grads else float(len(ranks))
     shadow = shadow_ref or param_dtype != torch.float32
     for step in range(steps):
-        if lr_schedule is not None:
+        if lr_schedule is not None:  # a number: group i takes (1 + i) times it; a list: each group's
+            value = lr_schedule(step)
             for o in (opt, ropt):
                 for i, g in enumerate(o.param_groups):
-                    g["lr"] = lr_schedule(step) * (1 + i)
+                    g["lr"] = value[i] if isinstance(value, (list, tuple)) else value * (1 + i)
         data = [batches(step * micro_batches + m, world, kind, device=device) for m in range(micro_batches)]
         # reference first (the bf16 reference reads the sharded model's weights before its step):
         # one process, the union of all ranks' batches, grads averaged like ours

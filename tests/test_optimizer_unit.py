@@ -119,7 +119,7 @@ def test_lr_tensor_and_param_group_edits_take_effect() -> None:
 
 
 @pytest.mark.parametrize("key, bad, match", [
-    ("lr", -0.01, "lr=-0.01"), ("lr", True, "lr=True"), ("lr", float("nan"), "lr=nan"),
+    ("lr", -0.01, "lr=-0.01"), ("lr", True, "lr=True"), ("lr", float("nan"), "lr=nan"), ("lr", float("inf"), "lr=inf"),
     ("betas", [0.9, 0.99, 0.5], "betas="), ("betas", (0.9, 1.0), "betas="), ("eps", float("inf"), "eps=inf"),
     ("weight_decay", -1, "weight_decay=-1"), ("amsgrad", True, "amsgrad=True"),
 ])

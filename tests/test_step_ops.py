@@ -4,6 +4,7 @@ entry points, which are not aten ops, are counted by name per iteration. The gra
 launch (``kernels.step_scalars``), a tensor lr is read once per step."""
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from typing import List
 
@@ -231,3 +232,43 @@ def test_unscaled_step_reads_its_record_back_without_a_copy(clip: bool) -> None:
     assert [v[0] for v in seen] == [0.0, 0.0, 1.0, 0.0]
     assert len({h.data_ptr() for h in hosts}) <= 2  # the deferred checks' two slots, reused
     assert opt.step_stats()["skipped_nonfinite"] == 1
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_schedulers_lr_change_writes_the_lrs_alone(shared: bool) -> None:
+    """An LR scheduler changes every group's float lr each step: the step checks the lrs alone and
+    writes them as launch arguments, one fill where the groups share the value (a zero and an add
+    where they differ), with no host tensor, pinned buffer or copy; the table holds the new lrs
+    and the run trains as torch's AdamW under the same schedule. Any other change (betas here)
+    goes through the full check and upload."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = copy.deepcopy(model)
+    groups = lambda m: [{"params": m[0].parameters()}, {"params": m[2].parameters(), "weight_decay": 0.0}]
+    opt = DistributedFusedAdam(groups(model), lr=1e-3, weight_decay=0.1)
+    ropt = torch.optim.AdamW(groups(ref), lr=1e-3, weight_decay=0.1)
+    lambdas = [lambda s: 1.0 / (1 + s), lambda s: (1.0 if shared else 0.5) / (1 + s)]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambdas) for o in (opt, ropt)]
+    for step in range(5):
+        if step == 3:  # not the scheduler's change: the full path, then its fast path again
+            for o in (opt, ropt):
+                o.param_groups[1]["betas"] = (0.8, 0.99)
+        for m, o in ((model, opt), (ref, ropt)):
+            o.zero_grad()
+            g = torch.Generator().manual_seed(step)
+            m(torch.randn(4, 8, generator=g)).square().sum().backward()
+        mode = Ops()
+        with mode:
+            opt.step()
+        ropt.step()
+        assert opt._hparam_table.table[:, 0].tolist() == [g["lr"] for g in opt.param_groups]
+        if step in (1, 2, 4):
+            writes = ["fill_"] if shared else ["_foreach_zero_", "_foreach_add_"]
+            assert [op for op in mode.ops if op in ("fill_", "_foreach_zero_", "_foreach_add_")] == writes, mode.ops
+            assert not {"copy_", "_to_copy", "lift_fresh", "_pin_memory", "clone"} & set(mode.ops), mode.ops
+        elif step == 3:
+            assert "copy_" in mode.ops and "fill_" not in mode.ops, mode.ops
+        for a, b in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for s in scheds:
+            s.step()
