@@ -22,7 +22,9 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # BASE_TAR, default out/base.tar, made by `git archive <commit> -o out/base.tar` and carried; its
 # csrc/ must be this tree's, which it is linked to, so nothing is built twice), frameworks_bench
 # (benchmarks/bench_frameworks.py: each framework's default route against its shardamp route, about
-# 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), variants (step
+# 5 minutes; FRAMEWORKS_BENCH_ARGS adds flags, split on spaces), frameworks_base (those rows from
+# a base tree and this one taking turns, as step_cost_base: FRAMEWORKS_BASE_PAIRS, BASE_TAR;
+# benchmarks/frameworks_ab.py compares them), variants (step
 # chunk sizes side by side), profile, overlap, deepspeed (benchmarks/bench_deepspeed.py: DeepSpeed
 # ZeRO-2 against shardamp, GPT-2 bf16 at world 1; DS_MODELS (default 124m,350m), DS_REPEATS (3),
 # DS_TIMEOUT (its budget, default 420 s), DS_ARGS (more flags, split on spaces); the machine has
@@ -132,6 +134,26 @@ if [[ " $PARTS " == *" step_cost_base "* ]]; then
     done 2>&1 | tee "$OUT/step_cost_base.log"
   else
     echo "step_cost_base: no ${BASE_TAR:-out/base.tar} (git archive <commit> -o out/base.tar, carried)"; status=1
+  fi
+fi
+if [[ " $PARTS " == *" frameworks_base "* ]]; then
+  # a change's effect on the frameworks' rows on one machine: bench_frameworks.py from the base
+  # tree (BASE_TAR, as step_cost_base) and from this tree, FRAMEWORKS_BASE_PAIRS (3) runs of each
+  # taking turns, FRAMEWORKS_BENCH_ARGS for every run; benchmarks/frameworks_ab.py pairs them
+  base_dir="$(mktemp -d)"
+  if tar -xf "${BASE_TAR:-out/base.tar}" -C "$base_dir"; then
+    rm -rf "$base_dir/csrc" && ln -s "$PWD/csrc" "$base_dir/csrc"
+    for i in $(seq "${FRAMEWORKS_BASE_PAIRS:-3}"); do
+      for side in base tree; do
+        root="$PWD"; [[ $side == base ]] && root="$base_dir"
+        echo "== $side $i: $(cd /tmp && PYTHONPATH="$root" python3 -c 'import shardamp.optim as o; print(o.__file__)')"
+        PYTHONPATH="$root" timeout "$(left 200)" python3 benchmarks/bench_frameworks.py --device cuda ${FRAMEWORKS_BENCH_ARGS:-} \
+          --out "$OUT/frameworks_base/${side}_$i" 2>&1 | grep -E "^\| " || status=1
+      done
+    done >"$OUT/frameworks_base.log" 2>&1
+    python3 benchmarks/frameworks_ab.py "$OUT/frameworks_base" 2>&1 | tee -a "$OUT/frameworks_base.log" || status=1
+  else
+    echo "frameworks_base: no ${BASE_TAR:-out/base.tar} (git archive <commit> -o out/base.tar, carried)"; status=1
   fi
 fi
 if [[ " $PARTS " == *" backward "* ]]; then

@@ -238,6 +238,36 @@ def test_reduce_order_cpu_smoke() -> None:
     assert rows["one group"][2][0] <= 3, proc.stdout  # the last layer's pair and one more grad
 
 
+def test_frameworks_ab_pairs_base_and_tree_runs(tmp_path: Path) -> None:
+    """benchmarks/frameworks_ab.py pairs run i of the base with run i of the tree: the geometric
+    mean of the ratios' quotients, each side's median ratio and shardamp ms; a run without its
+    partner and a failed row are left out."""
+    def write(name: str, ratio: float, ms: float, status: str = "ok") -> None:
+        (tmp_path / name).mkdir()
+        row = dict(framework="transformers", model="mlp", precision="bf16", status=status, ratio=ratio,
+                   shardamp_ms=ms)
+        (tmp_path / name / "bench_frameworks.json").write_text(json.dumps({"rows": [row]}))
+
+    write("base_1", 1.00, 5.0)
+    write("tree_1", 1.10, 4.6)
+    write("base_2", 0.90, 5.4)
+    write("tree_2", 0.99, 5.0)
+    write("tree_3", 9.0, 1.0)  # no base_3: left out
+    write("base_4", 1.0, 5.0, status="timeout")
+    write("tree_4", 1.0, 5.0, status="timeout")
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "frameworks_ab.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| transformers"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "2" and cells[4] == "0.950x" and cells[5] == "1.045x", row
+    assert cells[6] == "5.20 / 4.80", row
+    assert cells[7].startswith("1.100 [1.100-1.100]"), row  # both runs' quotients are 1.10
+    empty = subprocess.run([sys.executable, str(BENCHMARKS / "frameworks_ab.py"), str(tmp_path / "base_1")],
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode != 0 and "no paired" in empty.stderr, empty.stderr
+
+
 def test_accelerate_loop_cpu_smoke() -> None:
     """benchmarks/accelerate_loop.py on the CPU (the tiny MLP): both routes timed in each loop and
     phase, every number positive."""
