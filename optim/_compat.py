@@ -88,10 +88,10 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def graph_task_id() -> int:
-    """The id of the autograd graph task this thread is running (one per ``backward()`` call; a
-    reentrant backward nested in another has its own), -1 outside any backward."""
-    return torch._C._current_graph_task_id()
+# ``graph_task_id()``: the id of the autograd graph task this thread is running (one per
+# ``backward()`` call; a reentrant backward nested in another has its own), -1 outside any
+# backward. torch's own C function: no Python frame where a hot path asks (torch_tools.py).
+graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
 
 
 def grad_accumulator(param: Tensor) -> Any:
@@ -406,9 +406,6 @@ def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
     key = (base, fget, fset)
     cls = _grad_classes.get(key)
     if cls is None:
-        def _get(self: Tensor) -> Optional[Tensor]:
-            return fget(self)
-
         def _set(self: Tensor, value: Optional[Tensor]) -> None:
             if fset is None:
                 _TENSOR_GRAD.__set__(self, value)
@@ -428,7 +425,8 @@ def grad_property_class(base: type, fget: Callable[[Tensor], Optional[Tensor]],
             return copy
 
         cls = type(base.__name__, (base,), {
-            "grad": property(_get, _set, _del, _TENSOR_GRAD.__doc__),
+            # fget itself (no wrapper): torch's clip and GradScaler read it once per param a step
+            "grad": property(fget, _set, _del, _TENSOR_GRAD.__doc__),
             "__deepcopy__": _deepcopy,
             "__module__": __name__,
             "__qualname__": base.__qualname__,

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import norms as norm_math
 from .distributed_fused_adam import DistributedFusedAdam
-from .grads_view import owner as _owner
+from .grads_view import owners as _owners
 from .hparams import check_max_norm, check_norm_type
 
 
@@ -56,8 +56,7 @@ def clip_grad_norm_(
     owned: Dict[int, DistributedFusedAdam] = {}
     seen: Dict[int, set] = {}
     plain: List[Tensor] = []
-    for p in params:
-        opt = _owner(p)
+    for p, opt in zip(params, _owners(params)):
         if opt is None:
             if p.grad is not None:
                 plain.append(p)

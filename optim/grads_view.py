@@ -85,6 +85,18 @@ def owner(p: Tensor) -> Optional[Any]:
     return None
 
 
+def owners(params: Sequence[Tensor]) -> List[Optional[Any]]:
+    """:func:`owner` of each of ``params``, in one call: torch's clip hands every param of the
+    model each step, and a Python frame per param costs a GPU host a microsecond or more."""
+    out: List[Optional[Any]] = []
+    tag_of = param_tags.by_id
+    for p in params:
+        tag = tag_of(id(p))
+        opt = tag.optimizer() if tag is not None else None
+        out.append(opt if opt is not None and tag.owner is opt._grads_view.owner_token else None)
+    return out
+
+
 _GONE = ("the DistributedFusedAdam that managed this param's grad was garbage-collected: read grads while their "
          "optimizer is alive")
 
@@ -147,6 +159,18 @@ class GradsView:
                              "are in their .grad as usual.")
         return i
 
+    def indices(self, params: Sequence[Any], what: str) -> List[int]:
+        """:meth:`index` of each of ``params`` (one call for a whole model's params)."""
+        out: List[int] = []
+        mine = self.source().params
+        get = self.index_of.get
+        for p in params:
+            i = get(id(p))
+            if i is None or mine[i] is not p:
+                self.index(p, what)  # raises, naming the tensor
+            out.append(i)
+        return out
+
     def dropped(self) -> None:
         """``zero_grad``: the grads (so the cached norms) are gone."""
         self.generation += 1
@@ -154,8 +178,12 @@ class GradsView:
 
     def has_grads(self) -> bool:
         """Some backward on this rank produced grads for this optimizer since ``zero_grad``
-        (``param.grad`` is not None in torch then)."""
-        return self.source().cycle.grad_since_zero
+        (``param.grad`` is not None in torch then). Read per param by every ``param.grad``
+        (torch_tools.py): one frame, the cycle's flag an attribute."""
+        src = self._source()
+        if src is None:
+            raise RuntimeError(_GONE)
+        return src.cycle.grad_since_zero
 
     def require(self, action: Action, what: str) -> None:
         """The step cycle's gate (step/cycle.py): raise if ``action`` is out of order now (a read

@@ -100,12 +100,13 @@ import torch
 from torch import Tensor
 
 from . import _compat, config, norms, param_tags
-from .grads_view import owner
+from .grads_view import owner, owners
 from .step.cycle import Action
 
 
 # ====================================================================== the grad a managed param shows
 _tag_of = param_tags.by_id  # read per param by torch's clip
+_graph_task_id = _compat.graph_task_id  # -1 outside a backward (_compat.in_backward, without its frame)
 
 
 def _grad_of_managed(p: Tensor) -> Optional[Tensor]:
@@ -121,7 +122,7 @@ def _grad_of_managed(p: Tensor) -> Optional[Tensor]:
     view = opt._grads_view  # the optimizer's one seam for reading its grads (grads_view.py)
     if tag.owner is not view.owner_token:
         return None  # a newer optimizer took it over
-    if not view.has_grads() or _compat.in_backward():
+    if not view.has_grads() or _graph_task_id() != -1:
         return None  # no grads; or inside a backward, where hooks read autograd's field as before
     i = view.index_of[id(p)]  # p is opt's (checked above), which keeps it alive: ids are unique
     handle = view.handles[i]
@@ -168,12 +169,16 @@ class ShardedGrad(torch.Tensor):
         t._opt, t._index = weakref.ref(opt), index
         return t
 
-    def _view(self) -> Any:
+    def optimizer(self) -> Any:
+        """The DistributedFusedAdam whose grads this views (raises if it is gone)."""
         opt = self._opt()
         if opt is None:
             raise RuntimeError("p.grad was read from a DistributedFusedAdam that is gone; read grads while their "
                                "optimizer is alive")
-        return opt._grads_view
+        return opt
+
+    def _view(self) -> Any:
+        return self.optimizer()._grads_view
 
     def __repr__(self) -> str:
         return (f"ShardedGrad(shape={tuple(self.shape)}, dtype={self.dtype}, param {self._index} of a "
@@ -277,10 +282,11 @@ _switched: Dict[int, "weakref.ref[Tensor]"] = {}
 _epoch = 0  # uninstall() calls so far
 
 
-def _by_optimizer(opts: List[Any], indices: List[int]) -> Dict[int, Tuple[Any, List[int]]]:
-    out: Dict[int, Tuple[Any, List[int]]] = {}
-    for opt, i in zip(opts, indices):
-        out.setdefault(id(opt), (opt, []))[1].append(i)
+def _by_optimizer(opts: List[Any], items: List[Any]) -> Dict[int, Tuple[Any, List[Any]]]:
+    """``items`` grouped by the optimizer beside each: ``{id(opt): (opt, [its items])}``."""
+    out: Dict[int, Tuple[Any, List[Any]]] = {}
+    for opt, item in zip(opts, items):
+        out.setdefault(id(opt), (opt, []))[1].append(item)
     return out
 
 
@@ -296,7 +302,7 @@ def get_total_norm(tensors: Any, norm_type: float = 2.0, error_if_nonfinite: boo
         return original(tensors, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
     device = tensors[0].device
-    groups = _by_optimizer([v._view().optimizer() for v in views], [v._index for v in views])
+    groups = _by_optimizer([v.optimizer() for v in views], [v._index for v in views])
     parts = [opt._grads_view.total_norm(indices, norm_type) for opt, indices in groups.values()]
     plain = [t for t in tensors if type(t) is not ShardedGrad]
     if plain:
@@ -317,12 +323,12 @@ def clip_grads_with_norm_(parameters: Any, max_norm: float, total_norm: Tensor,
     if not _live:
         return original(parameters, max_norm, total_norm, foreach)
     params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    managed = [(p, owner(p)) for p in params]
-    plain = [p for p, opt in managed if opt is None]
+    opts = owners(params)
+    plain = [p for p, opt in zip(params, opts) if opt is None]
     if len(plain) == len(params):
         return original(params, max_norm, total_norm, foreach)
-    mine = [(opt, opt._grads_view.index(p, "clip_grads_with_norm_")) for p, opt in managed if opt is not None]
-    groups = _by_optimizer([o for o, _ in mine], [i for _, i in mine])
+    theirs = _by_optimizer([o for o in opts if o is not None], [p for p, o in zip(params, opts) if o is not None])
+    groups = {key: (opt, opt._grads_view.indices(mine, "clip_grads_with_norm_")) for key, (opt, mine) in theirs.items()}
     for opt, indices in groups.values():  # every check first: nothing is clipped when one raises
         opt._grads_view.require(Action.CLIP, "clip_grads_with_norm_")
     for opt, indices in groups.values():

@@ -12,7 +12,9 @@ Blockwise moments (``quant.QuantizedShard``) take ``blockwise.py``'s launch (its
 from __future__ import annotations
 
 import math
+import operator
 import warnings
+from itertools import repeat
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -167,6 +169,17 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         reference.step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, **h)
 
 
+_dtype_of = operator.attrgetter("dtype")
+
+
+def _fp32_dense_on(tensors: List[Tensor], device: int) -> bool:
+    """Every tensor is a contiguous float32 one on the device of index ``device`` (-1: the CPU);
+    C-level iteration (no Python frame per tensor: the step asks every step)."""
+    return (all(map(operator.is_, map(_dtype_of, tensors), repeat(torch.float32)))
+            and all(map(operator.eq, map(Tensor.get_device, tensors), repeat(device)))
+            and all(map(Tensor.is_contiguous, tensors)))
+
+
 def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Optional[Tensor], found_inf: Tensor,
                    steps: Tensor, touched: Tensor, h: Dict[str, Any]) -> bool:
     """Whether the compiled ``step_scalars`` takes these arguments (``h``: its health keywords);
@@ -178,8 +191,7 @@ def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Opt
     host = h.get("record_host")
     if host is not None and not (host.dtype is f32 and host.is_cpu and host.is_contiguous()):
         raise ValueError("step_scalars: record_host must be a contiguous float32 CPU tensor")
-    return ext is not None and hasattr(ext, "step_scalars") and all(
-        t.dtype is f32 and t.get_device() == device and t.is_contiguous() for t in tensors) and (
+    return ext is not None and hasattr(ext, "step_scalars") and _fp32_dense_on(tensors, device) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
         and touched.numel() == steps.numel()
         and (h.get("ranks") is None or (h["ranks"].numel() == 1 and h.get("record") is not None

@@ -156,7 +156,9 @@ class StepCycle:
         # grad arrived since zero_grad, and whether a step consumed them since zero_grad
         self._backwards = 0
         self._rounds_since_step = 0
-        self._grad_since_zero = False
+        # read by every param.grad of a managed param (torch_tools.py), so a plain attribute, not a
+        # property; only this class writes it
+        self.grad_since_zero = False  # a grad arrived since the last zero_grad(set_to_none=True)
         self._stepped_since_zero = False
         # where this rank is, for the message when the ranks' collectives do not line up
         self._steps_taken = 0
@@ -233,7 +235,7 @@ class StepCycle:
 
     def _holds(self, fact: Fact, norm_type: float) -> bool:
         if fact is Fact.GRADS:
-            return self._grad_since_zero
+            return self.grad_since_zero
         if fact is Fact.NORM_KEPT:
             last = self.last_step()
             return last is None or norm_type in last.raw_norms
@@ -282,13 +284,13 @@ class StepCycle:
         # the new grads add to what param.grad showed, as in torch; with no grad since zero_grad
         # (a clip before any backward: torch's clips nothing) there is nothing to fold, and the
         # shards may be the grad hook's to land (its landing plan)
-        held = self._grad_since_zero
+        held = self.grad_since_zero
         if held and self.holds_pending_coef() and self._fold is not None:
             self._fold()
         self._backwards += 1
         self._drop_counted = False
         self._stepped_since_zero = False
-        self._grad_since_zero = True
+        self.grad_since_zero = True
         self._round, self._last = None, None
         self._phase = StepPhase.ACCUMULATING
         return stepped
@@ -298,7 +300,7 @@ class StepCycle:
         ``param.grad`` shows the held grads (``on_grads_held``). Not at the first grad: inside a
         backward both classes read autograd's field, and the switch (a class assignment per param)
         would delay the first bucket's reduction instead of running once every launch is queued."""
-        if self._grad_since_zero and not self._shown:
+        if self.grad_since_zero and not self._shown:
             self._shown = True
             self._grads_held(True)
 
@@ -373,7 +375,7 @@ class StepCycle:
     def dropping(self) -> None:
         """``zero_grad`` is about to drop the grads: a round no step consumed counts as dropped
         (once: ``grads_dropped`` ends it)."""
-        if self._grad_since_zero and not self._stepped_since_zero and not self._drop_counted:
+        if self.grad_since_zero and not self._stepped_since_zero and not self._drop_counted:
             self._dropped_rounds += 1
             self._drop_counted = True
 
@@ -383,8 +385,8 @@ class StepCycle:
         self.dropping()
         self._drop_counted = False
         self._stepped_since_zero = False
-        if set_to_none and self._grad_since_zero:
-            self._grad_since_zero = False
+        if set_to_none and self.grad_since_zero:
+            self.grad_since_zero = False
             if self._shown:
                 self._shown = False
                 self._grads_held(False)
@@ -408,11 +410,6 @@ class StepCycle:
     def rounds_since_step(self) -> int:
         """Reduction rounds launched since the last step (compared across ranks every step)."""
         return self._rounds_since_step
-
-    @property
-    def grad_since_zero(self) -> bool:
-        """A grad arrived since the last ``zero_grad(set_to_none=True)``."""
-        return self._grad_since_zero
 
     @property
     def stepped_since_zero(self) -> bool:
