@@ -186,7 +186,7 @@ class GradStager {
     std::vector<StagerState::Landed> landed;
     std::string error;
     {
-      std::lock_guard<std::mutex> lock(s.mu);
+      auto lock = settled();
       s.reset_plan_locked();
       std::swap(landed, s.plan_landed);
       std::swap(error, s.plan_error);
@@ -204,7 +204,7 @@ class GradStager {
     std::string error;
     bool began, complete;
     {
-      std::lock_guard<std::mutex> lock(s.mu);
+      auto lock = settled();
       began = s.began_quietly;
       s.began_quietly = false;
       complete = s.plan_error.empty() && s.plan_next == static_cast<int64_t>(s.pending.size());
@@ -275,7 +275,7 @@ class GradStager {
   }
   void clear() {
     auto& s = *state_;
-    std::lock_guard<std::mutex> lock(s.mu);
+    auto lock = settled();
     for (auto& bucket : s.pending) bucket.clear();
     std::fill(s.staged.begin(), s.staged.end(), 0);
     std::fill(s.staged_bytes.begin(), s.staged_bytes.end(), 0);
@@ -298,6 +298,25 @@ class GradStager {
   int64_t hooks() const { return static_cast<int64_t>(hooks_.size()); }
 
  private:
+  // The stager's lock, taken once no claimed landing is in flight (StagerState::plan_inflight):
+  // what Python takes from the plan (finish_plan, end_quiet, clear) includes every bucket another
+  // autograd thread's hook claimed. Called with the GIL, which the wait releases (reacquired with
+  // the lock free: a thread holding the GIL may be waiting for the lock).
+  std::unique_lock<std::mutex> settled() {
+    auto& s = *state_;
+    std::unique_lock<std::mutex> lock(s.mu);
+    while (s.plan_inflight > 0) {
+      lock.unlock();
+      {
+        py::gil_scoped_release nogil;
+        std::unique_lock<std::mutex> wait(s.mu);
+        s.wait_landings(wait);
+      }
+      lock.lock();
+    }
+    return lock;
+  }
+
   void check_param(int64_t i) const {
     SHARDAMP_CHECK(i >= 0 && i < static_cast<int64_t>(state_->params.size()), "GradStager: no param ", i);
   }

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <cstdint>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -64,6 +65,13 @@ struct StagerState {
     std::vector<at::Tensor> grads;
   };
   std::vector<Landed> plan_landed;  // in landing order
+  // Landings claimed (their plan entry taken) and not yet in plan_landed: another autograd
+  // thread's hook may be landing a bucket while Python ends the plan (params of one optimizer on
+  // two devices). What Python takes from the plan (finish_plan, end_quiet, clear) waits for them
+  // (wait_landings), so a claimed bucket is adopted by Python, never launched by it a second time
+  int64_t plan_inflight = 0;
+  static constexpr int kLandingWaitSeconds = 60;  // a landing is launches only: far below this
+  std::condition_variable plan_cv;  // notified when plan_inflight falls to 0
   // set_hold: per bucket, its grads may be held in place where they allow it (hold_planned); a
   // bucket whose segments the update launch cannot carry (kHeldSegments on CUDA) is never held
   std::vector<char> hold;
@@ -101,6 +109,11 @@ struct StagerState {
   // allocation that fails leaves the grads staged and hands the bucket to Python (which raises
   // it); a failure after the grads were taken is kept for Python to raise (finish_plan).
   void land_planned(int64_t b);
+
+  // Under `lock` (on mu): wait until no claimed landing is in flight (plan_inflight == 0), at
+  // most kLandingWait; raises naming the stuck landing past it. The caller holds no GIL while
+  // waiting (a landing never needs it) or the landing's thread needs none.
+  void wait_landings(std::unique_lock<std::mutex>& lock);
 
   // land_planned(b), then each next bucket of the plan that completed while it waited its turn
   // (hook_body stages such a bucket and calls no one), in launch order, until one is not complete

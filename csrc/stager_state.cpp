@@ -2,6 +2,8 @@
 // Python, the bucket landings (land_grads.h) and the landing plan's landings in the hook.
 #include "grad_stager.h"
 
+#include <chrono>
+
 #include <torch/csrc/autograd/engine.h>
 
 #include <algorithm>
@@ -179,6 +181,38 @@ bool StagerState::hold_planned(int64_t b, const PlanEntry& e, bool assign) {
   return true;
 }
 
+namespace {
+// A claimed landing in flight (StagerState::plan_inflight) until released: at every exit of
+// land_planned, and before it calls Python (which may wait for it: wait_landings).
+class InflightClaim {
+ public:
+  explicit InflightClaim(StagerState& s) : s_(s) {}
+  InflightClaim(const InflightClaim&) = delete;
+  InflightClaim& operator=(const InflightClaim&) = delete;
+  ~InflightClaim() { release(); }
+  void release() {
+    if (released_) return;
+    released_ = true;
+    {
+      std::lock_guard<std::mutex> lock(s_.mu);
+      --s_.plan_inflight;
+    }
+    s_.plan_cv.notify_all();
+  }
+
+ private:
+  StagerState& s_;
+  bool released_ = false;
+};
+}  // namespace
+
+void StagerState::wait_landings(std::unique_lock<std::mutex>& lock) {
+  if (!plan_cv.wait_for(lock, std::chrono::seconds(kLandingWaitSeconds), [this] { return plan_inflight == 0; })) {
+    SHARDAMP_CHECK(false, "GradStager: a grad hook's landing on another autograd thread did not finish in ",
+                   kLandingWaitSeconds, " s (", plan_inflight, " in flight); its backward is stuck");
+  }
+}
+
 void StagerState::land_planned(int64_t b) {
   PlanEntry e;
   bool assign;
@@ -188,12 +222,15 @@ void StagerState::land_planned(int64_t b) {
     // Taking the entry claims the landing: where two autograd threads both find bucket b due
     // (its own hook, and the thread that landed the bucket ahead of it), one lands it; and a plan
     // Python ended before the claim lands nothing (the grads stay staged for Python). A plan
-    // Python ends after the claim, from another thread, is not guarded here (as before)
+    // Python ends after the claim (from another thread) waits for this landing to finish
+    // (plan_inflight, wait_landings) and adopts it
     if (!plan_active || b >= static_cast<int64_t>(plan.size()) || !plan[b].on) return;
     std::swap(e, plan[b]);
     assign = plan_assign;
     held = b < static_cast<int64_t>(hold.size()) && hold[b];
+    ++plan_inflight;
   }
+  InflightClaim claim(*this);
   if (held) {
     try {
       if (hold_planned(b, e, assign)) return;
@@ -208,6 +245,7 @@ void StagerState::land_planned(int64_t b) {
       std::lock_guard<std::mutex> lock(mu);
       plan_active = false;
     }
+    claim.release();  // Python may end the plan, which waits for claims in flight
     call(kComplete, b);
     return;
   }
