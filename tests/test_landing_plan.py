@@ -181,15 +181,18 @@ def _completion_order(model: nn.Module, opt: DistributedFusedAdam) -> List[int]:
     caller reads); from the optimizer's layout and the params' post-accumulate hooks."""
     params = [p for g in opt.param_groups for p in g["params"]]
     bucket_of = {id(params[slot.index]): b.index for b in opt._buckets for slot in b.slots}
-    left = {b.index: len(b.slots) for b in opt._buckets}
+    sizes = {b.index: len(b.slots) for b in opt._buckets}
+    left = dict(sizes)
     order: List[int] = []
 
+    # holds no optimizer: a param's hook that did would keep it alive past the test (autograd holds
+    # the hook, where Python's collector does not look), and with it torch's wrapped functions
     def arrived(p: torch.Tensor) -> None:
         b = bucket_of[id(p)]
         left[b] -= 1
         if left[b] == 0:
             order.append(b)
-            left[b] = len(opt._buckets[b].slots)
+            left[b] = sizes[b]
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(arrived)
