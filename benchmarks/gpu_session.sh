@@ -118,43 +118,43 @@ if [[ " $PARTS " == *" step_cost "* ]]; then
     >"$OUT/step_cost.log" 2>&1 || status=1
   tail -12 "$OUT/step_cost.log"
 fi
-if [[ " $PARTS " == *" step_cost_base "* ]]; then
+unpack_base() {  # $1: the part. BASE_TAR (git archive <commit>, carried) unpacked into $base_dir,
+  # its csrc/ this tree's (linked: the extension it imports is this tree's, built once)
+  base_dir="$(mktemp -d)"
+  if tar -xf "${BASE_TAR:-out/base.tar}" -C "$base_dir"; then
+    rm -rf "$base_dir/csrc" && ln -s "$PWD/csrc" "$base_dir/csrc"
+    return 0
+  fi
+  echo "$1: no ${BASE_TAR:-out/base.tar} (git archive <commit> -o out/base.tar, carried)"; status=1; return 1
+}
+take_turns() {  # $1 rounds of the base tree, then this one: $2 (a function) with $side, $i and
+  # $root (the tree PYTHONPATH must import) set; the scripts run are this tree's for both
+  for i in $(seq "$1"); do
+    for side in base tree; do
+      root="$PWD"; [[ $side == base ]] && root="$base_dir"
+      echo "== $side $i: $(cd /tmp && PYTHONPATH="$root" python3 -c 'import shardamp.optim as o; print(o.__file__)')"
+      "$2"
+    done
+  done
+}
+if [[ " $PARTS " == *" step_cost_base "* ]] && unpack_base step_cost_base; then
   # a change's effect on the step's host time, measured on one machine: hosts differ by more than it
-  base_dir="$(mktemp -d)"
-  if tar -xf "${BASE_TAR:-out/base.tar}" -C "$base_dir"; then
-    rm -rf "$base_dir/csrc" && ln -s "$PWD/csrc" "$base_dir/csrc"
-    for i in $(seq "${STEP_COST_PAIRS:-3}"); do
-      for side in base tree; do
-        root="$PWD"; [[ $side == base ]] && root="$base_dir"
-        echo "== $side $i: $(cd /tmp && PYTHONPATH="$root" python3 -c 'import shardamp.optim as o; print(o.__file__)')"
-        # the script is this tree's for both; PYTHONPATH picks the package it measures
-        PYTHONPATH="$root" timeout "$(left 120)" python3 benchmarks/step_host_cost.py --device "${STEP_COST_DEVICE:-cuda}" \
-          2>&1 | grep -E "step\(\)|stats_step|_fused_adamw_|calls" || status=1
-      done
-    done 2>&1 | tee "$OUT/step_cost_base.log"
-  else
-    echo "step_cost_base: no ${BASE_TAR:-out/base.tar} (git archive <commit> -o out/base.tar, carried)"; status=1
-  fi
+  step_cost_turn() {
+    PYTHONPATH="$root" timeout "$(left 120)" python3 benchmarks/step_host_cost.py --device "${STEP_COST_DEVICE:-cuda}" \
+      2>&1 | grep -E "step\(\)|stats_step|_fused_adamw_|calls" || status=1
+  }
+  take_turns "${STEP_COST_PAIRS:-3}" step_cost_turn 2>&1 | tee "$OUT/step_cost_base.log"
 fi
-if [[ " $PARTS " == *" frameworks_base "* ]]; then
+if [[ " $PARTS " == *" frameworks_base "* ]] && unpack_base frameworks_base; then
   # a change's effect on the frameworks' rows on one machine: bench_frameworks.py from the base
-  # tree (BASE_TAR, as step_cost_base) and from this tree, FRAMEWORKS_BASE_PAIRS (3) runs of each
-  # taking turns, FRAMEWORKS_BENCH_ARGS for every run; benchmarks/frameworks_ab.py pairs them
-  base_dir="$(mktemp -d)"
-  if tar -xf "${BASE_TAR:-out/base.tar}" -C "$base_dir"; then
-    rm -rf "$base_dir/csrc" && ln -s "$PWD/csrc" "$base_dir/csrc"
-    for i in $(seq "${FRAMEWORKS_BASE_PAIRS:-3}"); do
-      for side in base tree; do
-        root="$PWD"; [[ $side == base ]] && root="$base_dir"
-        echo "== $side $i: $(cd /tmp && PYTHONPATH="$root" python3 -c 'import shardamp.optim as o; print(o.__file__)')"
-        PYTHONPATH="$root" timeout "$(left 200)" python3 benchmarks/bench_frameworks.py --device cuda ${FRAMEWORKS_BENCH_ARGS:-} \
-          --out "$OUT/frameworks_base/${side}_$i" 2>&1 | grep -E "^\| " || status=1
-      done
-    done >"$OUT/frameworks_base.log" 2>&1
-    python3 benchmarks/frameworks_ab.py "$OUT/frameworks_base" 2>&1 | tee -a "$OUT/frameworks_base.log" || status=1
-  else
-    echo "frameworks_base: no ${BASE_TAR:-out/base.tar} (git archive <commit> -o out/base.tar, carried)"; status=1
-  fi
+  # tree and from this tree, FRAMEWORKS_BASE_PAIRS (3) runs of each taking turns,
+  # FRAMEWORKS_BENCH_ARGS for every run; benchmarks/frameworks_ab.py pairs them
+  frameworks_turn() {
+    PYTHONPATH="$root" timeout "$(left 200)" python3 benchmarks/bench_frameworks.py --device cuda ${FRAMEWORKS_BENCH_ARGS:-} \
+      --out "$OUT/frameworks_base/${side}_$i" 2>&1 | grep -E "^\| " || status=1
+  }
+  take_turns "${FRAMEWORKS_BASE_PAIRS:-3}" frameworks_turn >"$OUT/frameworks_base.log" 2>&1
+  python3 benchmarks/frameworks_ab.py "$OUT/frameworks_base" 2>&1 | tee -a "$OUT/frameworks_base.log" || status=1
 fi
 if [[ " $PARTS " == *" backward "* ]]; then
   # backward's host time against plain autograd, split into the grad hooks' Python callbacks
