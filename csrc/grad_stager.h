@@ -111,8 +111,8 @@ struct StagerState {
   void land_planned(int64_t b);
 
   // Under `lock` (on mu): wait until no claimed landing is in flight (plan_inflight == 0), at
-  // most kLandingWait; raises naming the stuck landing past it. The caller holds no GIL while
-  // waiting (a landing never needs it) or the landing's thread needs none.
+  // most kLandingWaitSeconds; raises naming the stuck landing past it. The caller must not hold
+  // the GIL meanwhile (GradStager::settled releases it), though no landing asks for it.
   void wait_landings(std::unique_lock<std::mutex>& lock);
 
   // land_planned(b), then each next bucket of the plan that completed while it waited its turn

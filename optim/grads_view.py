@@ -78,11 +78,7 @@ class LocalGrad(NamedTuple):
 
 def owner(p: Tensor) -> Optional[Any]:
     """The live DistributedFusedAdam that manages ``p`` (the last one built over it), or None."""
-    tag = param_tags.get(p)
-    opt = tag.optimizer() if tag is not None else None
-    if opt is not None and tag.owner is opt._grads_view.owner_token:
-        return opt
-    return None
+    return owners((p,))[0]
 
 
 def owners(params: Sequence[Tensor]) -> List[Optional[Any]]:
