@@ -4,6 +4,7 @@ complete buckets land in the hook. Whatever calls Python before that backward, o
 must do, undoes the plan; training equals torch's AdamW in every case."""
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from typing import List
 
@@ -224,7 +225,13 @@ def test_buckets_completing_ahead_of_their_turn_land_in_the_hook_in_launch_order
     landings = opt._grad_sync.landings
     landed: List[int] = []
     end_quiet = landings.end_quiet
-    landings.end_quiet = lambda: (lambda out: (landed.extend(i for i, _ in out[1]), out)[1])(end_quiet())
+
+    def recorded_end_quiet():
+        out = end_quiet()
+        landed.extend(i for i, _ in out[1])  # the buckets the hook landed, in its order
+        return out
+
+    landings.end_quiet = recorded_end_quiet
     buckets = len(opt._buckets)
     assert buckets >= 3
     for step in range(4):
@@ -279,11 +286,9 @@ def test_a_frozen_bucket_goes_to_python_and_the_plan_lands_the_rest(device, monk
     bucket still lands in the hook, none waiting behind it for the backward's end. Training equals
     torch's AdamW (which skips the frozen params)."""
     torch.manual_seed(0)
-    layers = [nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)]
-    model = nn.Sequential(*layers).to(device)
-    ref = nn.Sequential(*[nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
-                          nn.Linear(16, 2)]).to(device)
-    ref.load_state_dict(model.state_dict())
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                          nn.Linear(16, 2)).to(device)
+    ref = copy.deepcopy(model)
     for net in (model, ref):
         net[4].requires_grad_(False)
     opt = DistributedFusedAdam(model.parameters(), lr=1e-2, weight_decay=0.02, bucket_cap_mb=0.0005)

@@ -172,12 +172,13 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
 _dtype_of = operator.attrgetter("dtype")
 
 
-def _fp32_dense_on(tensors: List[Tensor], device: int) -> bool:
-    """Every tensor is a contiguous float32 one on the device of index ``device`` (-1: the CPU);
-    C-level iteration (no Python frame per tensor: the step asks every step)."""
+def fp32_on(tensors: Sequence[Tensor], device: int, contiguous: bool = False) -> bool:
+    """Every tensor is a float32 one (and ``contiguous``: a contiguous one) on the device of index
+    ``device`` (-1: the CPU); C-level iteration (no Python frame per tensor: the step asks every
+    step)."""
     return (all(map(operator.is_, map(_dtype_of, tensors), repeat(torch.float32)))
             and all(map(operator.eq, map(Tensor.get_device, tensors), repeat(device)))
-            and all(map(Tensor.is_contiguous, tensors)))
+            and (not contiguous or all(map(Tensor.is_contiguous, tensors))))
 
 
 def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Optional[Tensor], found_inf: Tensor,
@@ -191,7 +192,7 @@ def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Opt
     host = h.get("record_host")
     if host is not None and not (host.dtype is f32 and host.is_cpu and host.is_contiguous()):
         raise ValueError("step_scalars: record_host must be a contiguous float32 CPU tensor")
-    return ext is not None and hasattr(ext, "step_scalars") and _fp32_dense_on(tensors, device) and (
+    return ext is not None and hasattr(ext, "step_scalars") and fp32_on(tensors, device, contiguous=True) and (
         coef_out.numel() == base.numel() == found_inf.numel() == 1 and (norm is None or norm.numel() == 1)
         and touched.numel() == steps.numel()
         and (h.get("ranks") is None or (h["ranks"].numel() == 1 and h.get("record") is not None

@@ -27,14 +27,13 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from itertools import repeat
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
 
 from .adam_launch import AdamLaunch, StepRecords, launch_adam_all, native_launches
-from .dispatch import _native, group_chunk_map, group_partials_all, scalars_native, stats_finish, step_scalars
+from .dispatch import _native, fp32_on, group_chunk_map, group_partials_all, scalars_native, stats_finish, step_scalars
 
 
 def stats_cat_finish(parts: Sequence[Tensor], end: int, norm_type: float,
@@ -124,14 +123,7 @@ class _Accepted:
 
 
 _deref = weakref.ref.__call__
-_dtype = operator.attrgetter("dtype")
 _STATS_STEP_SCALARS = _Accepted()
-
-
-def _fp32_on(parts: Sequence[Tensor], index: int) -> bool:
-    """Every part is fp32 on the device of index ``index`` (-1: the CPU); C-level iteration."""
-    return (all(map(operator.is_, map(_dtype, parts), repeat(torch.float32)))
-            and all(map(operator.eq, map(Tensor.get_device, parts), repeat(index))))
 
 
 def _scalars_take(ext: Any, coef_out: Tensor, base: Tensor, skip: Tensor, steps: Tensor, h: Dict[str, Any]) -> bool:
@@ -172,7 +164,7 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
     skip = h["skip_out"]
     groups = view_of.get("groups", -1)
     if (ext is not None and hasattr(ext, "stats_step") and (norm_type == 2.0 or math.isinf(norm_type))
-            and _fp32_on(parts, coef_out.get_device()) and skip is not None and order
+            and fp32_on(parts, coef_out.get_device()) and skip is not None and order
             and h.get("counters") is not None and h.get("record") is not None
             and ("ranks" not in view_of or h["record"].numel() == 4)
             and _scalars_take(ext, coef_out, base, skip, steps, h)):
