@@ -149,6 +149,20 @@ def _lightning_rank(rank: int, world: int, out_dir: str, accumulate: int = 1) ->
     from shardamp.integrations.lightning import ShardampMonitor
     from shardamp.optim import DistributedFusedAdam
 
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.profilers import PassThroughProfiler
+
+    entered = set()  # (callback class, hook) of every callback hook Lightning entered
+
+    class Entered(PassThroughProfiler):
+        def start(self, action_name: str) -> None:
+            if action_name.startswith("[Callback]"):
+                owner, hook = action_name[len("[Callback]"):].rsplit(".", 1)
+                entered.add((owner.rsplit(".", 1)[-1], hook))
+
+    class Control(Callback):  # overrides nothing: Lightning enters each of its hooks anyway
+        pass
+
     reads = []  # each host read of the step values (one per logged optimizer step)
     real_values = _step_logging.step_values
     _step_logging.step_values = lambda optimizers: reads.append(1) or real_values(optimizers)
@@ -172,14 +186,15 @@ def _lightning_rank(rank: int, world: int, out_dir: str, accumulate: int = 1) ->
     trainer = L.Trainer(strategy="shardamp", accelerator="cpu", devices=1, max_steps=STEPS // accumulate,
                         precision="32-true", gradient_clip_val=CLIP, log_every_n_steps=1,
                         accumulate_grad_batches=accumulate, logger=CSVLogger(out_dir, name="run"),
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                        callbacks=[Control()], profiler=Entered())
     try:
         trainer.fit(Module(), data)
     finally:
         _step_logging.step_values = real_values
     monitors = [c for c in trainer.callbacks if isinstance(c, ShardampMonitor)]
     return {"monitors": len(monitors), "log_dir": trainer.logger.log_dir, "batches": seen, "reads": len(reads),
-            "global_step": trainer.global_step}
+            "global_step": trainer.global_step, "entered": sorted(entered)}
 
 
 def test_lightning_strategy_logs_through_its_monitor() -> None:
@@ -195,6 +210,24 @@ def test_lightning_strategy_logs_through_its_monitor() -> None:
         assert float(row["grad_norm"]) == pytest.approx(norm, rel=1e-5), row  # the pre-clip norm the step used
         assert float(row["skipped_steps"]) == 0.0
         assert not row.get("loss_scale")  # 32-true: no scaler, no scale
+
+
+PER_BATCH_HOOKS = {"on_train_batch_start", "on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                   "on_before_zero_grad", "on_train_batch_end"}
+
+
+def test_lightning_monitor_is_entered_once_a_training_batch() -> None:
+    """Lightning enters every callback's hook of each name (a profiler section and a call each);
+    the monitor's per-batch hooks but the one it uses are None, which Lightning skips: a
+    callback overriding nothing is entered six times a batch, the monitor once."""
+    pytest.importorskip("lightning")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = run_distributed(_lightning_rank, 1, tmp)[0]
+    hooks = {owner: {h for o, h in out["entered"] if o == owner and h in PER_BATCH_HOOKS}
+             for owner in ("Control", "ShardampMonitor")}
+    assert hooks["Control"] == PER_BATCH_HOOKS, out["entered"]
+    assert hooks["ShardampMonitor"] == {"on_train_batch_end"}, out["entered"]
+    assert ("ShardampMonitor", "on_fit_start") in out["entered"]  # the others as any callback's
 
 
 def test_lightning_monitor_reads_once_per_optimizer_step_under_accumulation() -> None:
