@@ -296,7 +296,8 @@ class MonitorLogic:
     # Lightning enters every callback's hook of each name it reaches, whether a callback overrides
     # it or not (a profiler section and a call, six times a training batch: ~20 us of a small
     # model's iteration on a CPU host), and skips a hook that is not callable. The per-batch hooks
-    # this callback does not use are None, so a host-bound loop pays for the one it does.
+    # this callback does not use are None, so a host-bound loop pays for the one it does (a
+    # subclass may still override them; it has no base method of theirs to call).
     on_train_batch_start = on_before_backward = on_after_backward = None
     on_before_optimizer_step = on_before_zero_grad = None
     on_validation_batch_start = on_validation_batch_end = None
