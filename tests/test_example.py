@@ -217,6 +217,31 @@ def test_framework_paths_cpu_smoke() -> None:
     assert not any(k.startswith(("GradSync._flush", "GradSync.on_event")) for k in rows), proc.stdout
 
 
+def test_lightning_share_cpu_smoke() -> None:
+    """benchmarks/lightning_share.py on the CPU: the four sides (bare loop and Lightning, each
+    optimizer) each time every round, and the shares are formed from their medians."""
+    pytest.importorskip("lightning")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "lightning_share.py"), "--device", "cpu", "--rounds", "2",
+                           "--iters", "6", "--warmup", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if len(words) > 3 and words[0] in ("bare", "lightning") and words[1] in ("torch", "shardamp"):
+            rounds = [float(v) for v in line.split("rounds")[1].replace(",", " ").split()]
+            rows[(words[0], words[1])] = (float(words[2]), rounds)
+    assert len(rows) == 4, proc.stdout
+    for median, rounds in rows.values():
+        assert len(rounds) == 2 and median > 0 and min(rounds) <= median <= max(rounds), proc.stdout
+    share = [line for line in proc.stdout.splitlines() if line.startswith("Lightning's share")]
+    assert len(share) == 1, proc.stdout
+    want = (rows[("lightning", "shardamp")][0] - rows[("bare", "shardamp")][0]) - (
+        rows[("lightning", "torch")][0] - rows[("bare", "torch")][0])
+    assert float(share[0].split("shardamp's - torch's ")[1].split()[0]) == pytest.approx(want, abs=0.25), share
+
+
 def test_reduce_order_cpu_smoke() -> None:
     """benchmarks/reduce_order.py on two CPU ranks: with one param group the reduce-scatters start
     as backward goes (the first after a quarter of the grads); each mode launches every bucket

@@ -1,0 +1,181 @@
+"""Lightning's own share of an iteration on each optimizer's route: whether ``ShardampStrategy``
+costs the host more than Lightning's default strategy does around the same loop.
+
+bench_frameworks.py compares Lightning's two routes whole (``strategy="auto"`` with torch's AdamW
+against ``strategy="shardamp"`` with DistributedFusedAdam), so a difference there is the
+optimizers' and the strategies' together. Here each optimizer also runs the same iteration in a
+bare loop (autocast, forward, ``zero_grad``, backward, ``step``: Lightning's automatic order),
+and Lightning's share of a route is its iteration time minus the bare loop's with that
+optimizer. A share larger on shardamp's route than on torch's is what its strategy, precision
+plugin and monitor add.
+
+The model is the examples' MLP (bench_host's ``mlp bf16``: 33.6M params, batch 64 on CUDA; a
+4-layer one of width 64 on the CPU), ``bf16-mixed``, one device. Rounds are interleaved (each
+round runs the four sides, ``--iters`` iterations each after ``--warmup``, in an order that
+rotates); a side's time is the median of its per-iteration times. Printed: each side's median
+over the rounds, the shares formed from those, and the difference of the two shares round by
+round with its median (a host's speed drifts between rounds more than within one). Host time
+between consecutive ``on_train_batch_start`` calls (Lightning) or loop iterations (bare),
+nothing synchronized inside (a host-bound model: the host's time is the iteration's).
+
+    python benchmarks/lightning_share.py --device cuda --rounds 5
+    python benchmarks/lightning_share.py --device cpu --rounds 7 --iters 300
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import logging
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from framework_common import Net, loss_fn  # noqa: E402
+
+from shardamp.optim import DistributedFusedAdam  # noqa: E402
+
+OPTIMIZERS = ("torch", "shardamp")
+
+
+def _optimizer(route: str, params: Any, cuda: bool) -> torch.optim.Optimizer:
+    """torch's fastest AdamW where it has one (fused), or DistributedFusedAdam."""
+    if route == "shardamp":
+        return DistributedFusedAdam(params, lr=1e-4)
+    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+
+
+class Setup:
+    """The model's size, its batches and the device."""
+
+    def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
+        self.device = device
+        cuda = device.type == "cuda"
+        self.dim, self.depth, self.batch = (2048, 8, 64) if cuda else (64, 4, 8)
+        self.iters, self.warmup = iters, warmup
+        gen = torch.Generator().manual_seed(0)
+        n = (iters + warmup + 1) * self.batch
+        self.x = torch.randn(n, 16, generator=gen)
+        self.y = torch.randn(n, 4, generator=gen)
+
+    def model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return Net(self.dim, self.depth)
+
+    def loader(self) -> torch.utils.data.DataLoader:
+        data = torch.utils.data.TensorDataset(self.x, self.y)
+        return torch.utils.data.DataLoader(data, batch_size=self.batch, shuffle=False)
+
+
+def bare(route: str, s: Setup) -> List[float]:
+    """The loop without Lightning: per-iteration host seconds after the warm-up."""
+    if not dist.is_initialized():  # DistributedFusedAdam's group: one process
+        backend = "nccl" if s.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    net = s.model().to(s.device)
+    opt = _optimizer(route, net.parameters(), s.device.type == "cuda")
+    times: List[float] = []
+    last = None
+    for x, y in s.loader():
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
+        with torch.autocast(s.device.type, dtype=torch.bfloat16):
+            loss = loss_fn(net(x), y)
+        opt.zero_grad()  # where Lightning's automatic optimization calls it: after the forward
+        loss.backward()
+        opt.step()
+    del opt, net
+    dist.destroy_process_group()
+    return times[s.warmup:]
+
+
+def lightning(route: str, s: Setup) -> List[float]:
+    """The same iteration as a LightningModule's training_step under the route's strategy."""
+    import lightning.pytorch as pl
+
+    import shardamp.integrations.lightning  # noqa: F401  (registers strategy="shardamp")
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = s.model()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return loss_fn(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return _optimizer(route, self.parameters(), s.device.type == "cuda")
+
+    times: List[float] = []
+
+    class Timer(pl.Callback):
+        last = None
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            now = time.perf_counter()
+            if Timer.last is not None:
+                times.append(now - Timer.last)
+            Timer.last = now
+
+    trainer = pl.Trainer(
+        strategy="shardamp" if route == "shardamp" else "auto", accelerator="gpu" if s.device.type == "cuda" else "cpu",
+        devices=1, precision="bf16-mixed", max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
+    )
+    trainer.fit(Module(), s.loader())
+    return times[s.warmup:]
+
+
+SIDES: Dict[str, Callable[[str, Setup], List[float]]] = {"bare": bare, "lightning": lightning}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=200, help="timed iterations a side a round")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads (one: less scatter on a small VM)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    s = Setup(device, args.iters, args.warmup)
+    medians: Dict[tuple, List[float]] = {}
+    for r in range(args.rounds):
+        sides = [(kind, route) for kind in SIDES for route in OPTIMIZERS]
+        for kind, route in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates
+            times = SIDES[kind](route, s)
+            medians.setdefault((kind, route), []).append(statistics.median(times) * 1e6)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"lightning_share on {name}, torch {torch.__version__}, {datetime.date.today()}: MLP {s.dim}x{s.depth}, "
+          f"bf16-mixed, {args.rounds} rounds x {args.iters} iterations; host us an iteration (median of the rounds' medians)")
+    med = {k: statistics.median(v) for k, v in medians.items()}
+    for (kind, route), v in sorted(medians.items()):
+        print(f"  {kind:9s} {route:8s} {med[(kind, route)]:8.1f}   rounds {', '.join(f'{x:.1f}' for x in v)}")
+    share = {route: med[("lightning", route)] - med[("bare", route)] for route in OPTIMIZERS}
+    # each round's own difference too: the host's speed drifts between rounds, less within one
+    diffs = [(ls - bs) - (lt - bt) for ls, bs, lt, bt in zip(medians[("lightning", "shardamp")], medians[("bare", "shardamp")],
+                                                              medians[("lightning", "torch")], medians[("bare", "torch")])]
+    print(f"Lightning's share: torch's route {share['torch']:+.1f} us, shardamp's route {share['shardamp']:+.1f} us, "
+          f"shardamp's - torch's {share['shardamp'] - share['torch']:+.1f} us; per round: median "
+          f"{statistics.median(diffs):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in diffs)})")
+
+
+if __name__ == "__main__":
+    main()
