@@ -7,7 +7,8 @@ optimizers' and the strategies' together. Here each optimizer also runs the same
 bare loop (autocast, forward, ``zero_grad``, backward, ``step``: Lightning's automatic order),
 and Lightning's share of a route is its iteration time minus the bare loop's with that
 optimizer. A share larger on shardamp's route than on torch's is what its strategy, precision
-plugin and monitor add.
+plugin and monitor add (``--no-monitor``: one side more, the route without its monitor, which
+reads the step's values and logs them every ``log_every_n_steps``).
 
 The model is the examples' MLP (bench_host's ``mlp bf16``: 33.6M params, batch 64 on CUDA; a
 4-layer one of width 64 on the CPU), ``bf16-mixed``, one device. Rounds are interleaved (each
@@ -100,10 +101,11 @@ def bare(route: str, s: Setup) -> List[float]:
 
 
 def lightning(route: str, s: Setup) -> List[float]:
-    """The same iteration as a LightningModule's training_step under the route's strategy."""
+    """The same iteration as a LightningModule's training_step under the route's strategy
+    (``shardamp-no-monitor``: ``ShardampStrategy(log_step_stats=False)``, no ShardampMonitor)."""
     import lightning.pytorch as pl
 
-    import shardamp.integrations.lightning  # noqa: F401  (registers strategy="shardamp")
+    from shardamp.integrations.lightning import ShardampStrategy
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -115,8 +117,10 @@ def lightning(route: str, s: Setup) -> List[float]:
             return loss_fn(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(route, self.parameters(), s.device.type == "cuda")
+            return _optimizer(optimizer, self.parameters(), s.device.type == "cuda")
 
+    optimizer = "torch" if route == "torch" else "shardamp"
+    strategy: Any = {"torch": "auto", "shardamp": "shardamp"}.get(route) or ShardampStrategy(log_step_stats=False)
     times: List[float] = []
 
     class Timer(pl.Callback):
@@ -129,7 +133,7 @@ def lightning(route: str, s: Setup) -> List[float]:
             Timer.last = now
 
     trainer = pl.Trainer(
-        strategy="shardamp" if route == "shardamp" else "auto", accelerator="gpu" if s.device.type == "cuda" else "cpu",
+        strategy=strategy, accelerator="gpu" if s.device.type == "cuda" else "cpu",
         devices=1, precision="bf16-mixed", max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
     )
@@ -147,6 +151,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=200, help="timed iterations a side a round")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads (one: less scatter on a small VM)")
+    ap.add_argument("--no-monitor", action="store_true",
+                    help="one side more: Lightning's shardamp route without its ShardampMonitor (log_step_stats=False)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -159,6 +165,8 @@ def main() -> None:
     medians: Dict[tuple, List[float]] = {}
     for r in range(args.rounds):
         sides = [(kind, route) for kind in SIDES for route in OPTIMIZERS]
+        if args.no_monitor:
+            sides.append(("lightning", "shardamp-no-monitor"))
         for kind, route in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates
             times = SIDES[kind](route, s)
             medians.setdefault((kind, route), []).append(statistics.median(times) * 1e6)
@@ -175,6 +183,10 @@ def main() -> None:
     print(f"Lightning's share: torch's route {share['torch']:+.1f} us, shardamp's route {share['shardamp']:+.1f} us, "
           f"shardamp's - torch's {share['shardamp'] - share['torch']:+.1f} us; per round: median "
           f"{statistics.median(diffs):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in diffs)})")
+    if args.no_monitor:
+        off = [on - off for on, off in zip(medians[("lightning", "shardamp")], medians[("lightning", "shardamp-no-monitor")])]
+        print(f"ShardampMonitor's share (with it - without it): median {statistics.median(off):+.1f} us "
+              f"(rounds {', '.join(f'{d:+.0f}' for d in off)})")
 
 
 if __name__ == "__main__":

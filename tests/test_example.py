@@ -219,12 +219,14 @@ def test_framework_paths_cpu_smoke() -> None:
 
 def test_lightning_share_cpu_smoke() -> None:
     """benchmarks/lightning_share.py on the CPU: the four sides (bare loop and Lightning, each
-    optimizer) each time every round, and the shares are formed from their medians."""
+    optimizer) each time every round, and the shares are formed from their medians; with
+    ``--no-monitor`` the shardamp route without its monitor is a fifth side."""
     pytest.importorskip("lightning")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "lightning_share.py"), "--device", "cpu", "--rounds", "2",
-                           "--iters", "6", "--warmup", "2"], capture_output=True, text=True, timeout=300, env=env)
+                           "--iters", "6", "--warmup", "2", "--no-monitor"], capture_output=True, text=True,
+                          timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {}
     for line in proc.stdout.splitlines():
@@ -240,6 +242,10 @@ def test_lightning_share_cpu_smoke() -> None:
     want = (rows[("lightning", "shardamp")][0] - rows[("bare", "shardamp")][0]) - (
         rows[("lightning", "torch")][0] - rows[("bare", "torch")][0])
     assert float(share[0].split("shardamp's - torch's ")[1].split()[0]) == pytest.approx(want, abs=0.25), share
+    # --no-monitor: the route without its ShardampMonitor ran too, each round
+    off = [line for line in proc.stdout.splitlines() if line.split()[:2] == ["lightning", "shardamp-no-monitor"]]
+    assert len(off) == 1 and len(off[0].split("rounds")[1].split(",")) == 2, proc.stdout
+    assert any(line.startswith("ShardampMonitor's share") for line in proc.stdout.splitlines()), proc.stdout
 
 
 def test_reduce_order_cpu_smoke() -> None:
