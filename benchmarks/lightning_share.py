@@ -46,7 +46,7 @@ from shardamp.optim import DistributedFusedAdam  # noqa: E402
 OPTIMIZERS = ("torch", "shardamp")
 
 
-def _optimizer(route: str, params: Any, cuda: bool) -> torch.optim.Optimizer:
+def _optimizer(route: str, params: Any) -> torch.optim.Optimizer:
     """torch's fastest AdamW where it has one (fused), or DistributedFusedAdam."""
     if route == "shardamp":
         return DistributedFusedAdam(params, lr=1e-4)
@@ -81,7 +81,7 @@ def bare(route: str, s: Setup) -> List[float]:
         backend = "nccl" if s.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
     net = s.model().to(s.device)
-    opt = _optimizer(route, net.parameters(), s.device.type == "cuda")
+    opt = _optimizer(route, net.parameters())
     times: List[float] = []
     last = None
     for x, y in s.loader():
@@ -117,7 +117,7 @@ def lightning(route: str, s: Setup) -> List[float]:
             return loss_fn(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(optimizer, self.parameters(), s.device.type == "cuda")
+            return _optimizer(optimizer, self.parameters())
 
     optimizer = "torch" if route == "torch" else "shardamp"
     strategy: Any = {"torch": "auto", "shardamp": "shardamp"}.get(route) or ShardampStrategy(log_step_stats=False)
