@@ -10,8 +10,10 @@ optimizer. A share larger on shardamp's route than on torch's is what its strate
 plugin and monitor add (``--no-monitor``: one side more, the route without its monitor, which
 reads the step's values and logs them every ``log_every_n_steps``).
 
-The model is the examples' MLP (bench_host's ``mlp bf16``: 33.6M params, batch 64 on CUDA; a
-4-layer one of width 64 on the CPU), ``bf16-mixed``, one device. Rounds are interleaved (each
+The workload and optimizers are bench_frameworks' (``framework_models.workload("mlp")``: the
+examples' MLP, 33.6M params at batch 64, its small version on the CPU; ``framework_routes.
+make_optimizer``: the frameworks' decay groups and settings, torch's AdamW fused on CUDA), ``bf16-mixed``,
+one device. Rounds are interleaved (each
 round runs the four sides, ``--iters`` iterations each after ``--warmup``, in an order that
 rotates); a side's time is the median of its per-iteration times. Printed: each side's median
 over the rounds, the shares formed from those, and the difference of the two shares round by
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import logging
 import statistics
 import sys
@@ -38,63 +41,63 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from framework_common import Net, loss_fn  # noqa: E402
-
-from shardamp.optim import DistributedFusedAdam  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from framework_models import Workload, workload  # noqa: E402  (bench_frameworks' MLP and its data)
+from framework_routes import make_optimizer  # noqa: E402  (its Lightning route's optimizer, decay groups)
 
 OPTIMIZERS = ("torch", "shardamp")
-
-
-def _optimizer(route: str, params: Any) -> torch.optim.Optimizer:
-    """torch's fastest AdamW where it has one (fused), or DistributedFusedAdam."""
-    if route == "shardamp":
-        return DistributedFusedAdam(params, lr=1e-4)
-    return torch.optim.AdamW(params, lr=1e-4, fused=True)
+ROUTE = {"torch": "default", "shardamp": "shardamp"}  # framework_routes' names
 
 
 class Setup:
-    """The model's size, its batches and the device."""
+    """The workload (bench_frameworks' ``mlp``; its small one on the CPU), the device and the
+    iteration counts."""
 
     def __init__(self, device: torch.device, iters: int, warmup: int) -> None:
-        self.device = device
-        cuda = device.type == "cuda"
-        self.dim, self.depth, self.batch = (2048, 8, 64) if cuda else (64, 4, 8)
-        self.iters, self.warmup = iters, warmup
-        gen = torch.Generator().manual_seed(0)
-        n = (iters + warmup + 1) * self.batch
-        self.x = torch.randn(n, 16, generator=gen)
-        self.y = torch.randn(n, 4, generator=gen)
-
-    def model(self) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return Net(self.dim, self.depth)
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.work: Workload = workload("mlp", small=device.type != "cuda")
+        self.cuda = device.type == "cuda"
 
     def loader(self) -> torch.utils.data.DataLoader:
-        data = torch.utils.data.TensorDataset(self.x, self.y)
-        return torch.utils.data.DataLoader(data, batch_size=self.batch, shuffle=False)
+        return torch.utils.data.DataLoader(self.work.dataset(self.iters + self.warmup + 1),
+                                           batch_size=self.work.batch, shuffle=False)
+
+
+def _timed(run: Callable[[], None]) -> None:
+    """``run()`` with Python's cyclic collector run before it and off inside it (as the
+    frameworks' BlockTimer): a full collection would land in one side's round and scatter it."""
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+    finally:
+        gc.enable()
 
 
 def bare(route: str, s: Setup) -> List[float]:
     """The loop without Lightning: per-iteration host seconds after the warm-up."""
     if not dist.is_initialized():  # DistributedFusedAdam's group: one process
-        backend = "nccl" if s.device.type == "cuda" else "gloo"
+        backend = "nccl" if s.cuda else "gloo"
         dist.init_process_group(backend, init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
-    net = s.model().to(s.device)
-    opt = _optimizer(route, net.parameters())
+    net = s.work.model(s.device)
+    opt = make_optimizer(ROUTE[route], net, s.cuda)
     times: List[float] = []
-    last = None
-    for x, y in s.loader():
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-        x, y = x.to(s.device, non_blocking=True), y.to(s.device, non_blocking=True)
-        with torch.autocast(s.device.type, dtype=torch.bfloat16):
-            loss = loss_fn(net(x), y)
-        opt.zero_grad()  # where Lightning's automatic optimization calls it: after the forward
-        loss.backward()
-        opt.step()
+
+    def run() -> None:
+        last = None
+        for batch in s.loader():
+            now = time.perf_counter()
+            if last is not None:
+                times.append(now - last)
+            last = now
+            batch = {k: v.to(s.device, non_blocking=True) for k, v in batch.items()}
+            with torch.autocast(s.device.type, dtype=torch.bfloat16):
+                loss = net(**batch)["loss"]
+            opt.zero_grad()  # where Lightning's automatic optimization calls it: after the forward
+            loss.backward()
+            opt.step()
+
+    _timed(run)
     del opt, net
     dist.destroy_process_group()
     return times[s.warmup:]
@@ -107,19 +110,19 @@ def lightning(route: str, s: Setup) -> List[float]:
 
     from shardamp.integrations.lightning import ShardampStrategy
 
+    optimizer = "torch" if route == "torch" else "shardamp"
+
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = s.model()
+            self.net = s.work.model(s.device)
 
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return loss_fn(self.net(x), y)
+        def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+            return self.net(**batch)["loss"]
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return _optimizer(optimizer, self.parameters())
+            return make_optimizer(ROUTE[optimizer], self.net, s.cuda)
 
-    optimizer = "torch" if route == "torch" else "shardamp"
     strategy: Any = {"torch": "auto", "shardamp": "shardamp"}.get(route) or ShardampStrategy(log_step_stats=False)
     times: List[float] = []
 
@@ -133,11 +136,11 @@ def lightning(route: str, s: Setup) -> List[float]:
             Timer.last = now
 
     trainer = pl.Trainer(
-        strategy=strategy, accelerator="gpu" if s.device.type == "cuda" else "cpu",
+        strategy=strategy, accelerator="gpu" if s.cuda else "cpu",
         devices=1, precision="bf16-mixed", max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[Timer()],
     )
-    trainer.fit(Module(), s.loader())
+    _timed(lambda: trainer.fit(Module(), s.loader()))
     return times[s.warmup:]
 
 
@@ -171,7 +174,8 @@ def main() -> None:
             times = SIDES[kind](route, s)
             medians.setdefault((kind, route), []).append(statistics.median(times) * 1e6)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"lightning_share on {name}, torch {torch.__version__}, {datetime.date.today()}: MLP {s.dim}x{s.depth}, "
+    print(f"lightning_share on {name}, torch {torch.__version__}, {datetime.date.today()}: bench_frameworks' "
+          f"{'mlp' if s.cuda else 'small mlp'} ({s.work.params():,} params, batch {s.work.batch}), "
           f"bf16-mixed, {args.rounds} rounds x {args.iters} iterations; host us an iteration (median of the rounds' medians)")
     med = {k: statistics.median(v) for k, v in medians.items()}
     for (kind, route), v in sorted(medians.items()):
