@@ -8,7 +8,11 @@ bare loop (autocast, forward, ``zero_grad``, backward, ``step``: Lightning's aut
 and Lightning's share of a route is its iteration time minus the bare loop's with that
 optimizer. A share larger on shardamp's route than on torch's is what its strategy, precision
 plugin and monitor add (``--no-monitor``: one side more, the route without its monitor, which
-reads the step's values and logs them every ``log_every_n_steps``).
+reads the step's values and logs them every ``log_every_n_steps``; ``--auto-strategy``: one more,
+DistributedFusedAdam under ``strategy="auto"``, with Lightning's own precision plugin and no
+process group, so that the strategy's share and the optimizer's are told apart). Every side
+starts without a process group: Lightning's DDP-based strategies leave theirs until the
+interpreter exits, and a side run after one would run beside it.
 
 The workload and optimizers are bench_frameworks' (``framework_models.workload("mlp")``: the
 examples' MLP, 33.6M params at batch 64, its small version on the CPU; ``framework_routes.
@@ -22,6 +26,7 @@ between consecutive ``on_train_batch_start`` calls (Lightning) or loop iteration
 nothing synchronized inside (a host-bound model: the host's time is the iteration's).
 
     python benchmarks/lightning_share.py --device cuda --rounds 5
+    python benchmarks/lightning_share.py --device cuda --rounds 6 --no-monitor --auto-strategy
     python benchmarks/lightning_share.py --device cpu --rounds 7 --iters 300
 """
 from __future__ import annotations
@@ -105,7 +110,8 @@ def bare(route: str, s: Setup) -> List[float]:
 
 def lightning(route: str, s: Setup) -> List[float]:
     """The same iteration as a LightningModule's training_step under the route's strategy
-    (``shardamp-no-monitor``: ``ShardampStrategy(log_step_stats=False)``, no ShardampMonitor)."""
+    (``shardamp-no-monitor``: ``ShardampStrategy(log_step_stats=False)``, no ShardampMonitor;
+    ``shardamp-auto``: DistributedFusedAdam under Lightning's ``strategy="auto"``, no process group)."""
     import lightning.pytorch as pl
 
     from shardamp.integrations.lightning import ShardampStrategy
@@ -123,7 +129,8 @@ def lightning(route: str, s: Setup) -> List[float]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(ROUTE[optimizer], self.net, s.cuda)
 
-    strategy: Any = {"torch": "auto", "shardamp": "shardamp"}.get(route) or ShardampStrategy(log_step_stats=False)
+    strategy: Any = ({"torch": "auto", "shardamp": "shardamp", "shardamp-auto": "auto"}.get(route)
+                     or ShardampStrategy(log_step_stats=False))
     times: List[float] = []
 
     class Timer(pl.Callback):
@@ -156,6 +163,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads (one: less scatter on a small VM)")
     ap.add_argument("--no-monitor", action="store_true",
                     help="one side more: Lightning's shardamp route without its ShardampMonitor (log_step_stats=False)")
+    ap.add_argument("--auto-strategy", action="store_true",
+                    help="one side more: DistributedFusedAdam under strategy='auto' (the optimizer in Lightning without "
+                         "ShardampStrategy, its precision plugin and its monitor)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -170,8 +180,12 @@ def main() -> None:
         sides = [(kind, route) for kind in SIDES for route in OPTIMIZERS]
         if args.no_monitor:
             sides.append(("lightning", "shardamp-no-monitor"))
+        if args.auto_strategy:
+            sides.append(("lightning", "shardamp-auto"))
         for kind, route in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates
             times = SIDES[kind](route, s)
+            if dist.is_initialized():  # Lightning's DDP-based strategies leave theirs to the interpreter's exit
+                dist.destroy_process_group()  # every side starts without one, as it would alone
             medians.setdefault((kind, route), []).append(statistics.median(times) * 1e6)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"lightning_share on {name}, torch {torch.__version__}, {datetime.date.today()}: bench_frameworks' "
@@ -179,7 +193,7 @@ def main() -> None:
           f"bf16-mixed, {args.rounds} rounds x {args.iters} iterations; host us an iteration (median of the rounds' medians)")
     med = {k: statistics.median(v) for k, v in medians.items()}
     for (kind, route), v in sorted(medians.items()):
-        print(f"  {kind:9s} {route:8s} {med[(kind, route)]:8.1f}   rounds {', '.join(f'{x:.1f}' for x in v)}")
+        print(f"  {kind:9s} {route:20s} {med[(kind, route)]:8.1f}   rounds {', '.join(f'{x:.1f}' for x in v)}")
     share = {route: med[("lightning", route)] - med[("bare", route)] for route in OPTIMIZERS}
     # each round's own difference too: the host's speed drifts between rounds, less within one
     diffs = [(ls - bs) - (lt - bt) for ls, bs, lt, bt in zip(medians[("lightning", "shardamp")], medians[("bare", "shardamp")],
@@ -191,6 +205,12 @@ def main() -> None:
         off = [on - off for on, off in zip(medians[("lightning", "shardamp")], medians[("lightning", "shardamp-no-monitor")])]
         print(f"ShardampMonitor's share (with it - without it): median {statistics.median(off):+.1f} us "
               f"(rounds {', '.join(f'{d:+.0f}' for d in off)})")
+    if args.auto_strategy:
+        own_route = ("lightning", "shardamp-no-monitor" if args.no_monitor else "shardamp")
+        own = [a - b for a, b in zip(medians[own_route], medians[("lightning", "shardamp-auto")])]
+        print(f"ShardampStrategy's share (its route{' without the monitor' if args.no_monitor else ''} - "
+              f"DistributedFusedAdam under strategy='auto'): median "
+              f"{statistics.median(own):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in own)})")
 
 
 if __name__ == "__main__":

@@ -220,12 +220,14 @@ def test_framework_paths_cpu_smoke() -> None:
 def test_lightning_share_cpu_smoke() -> None:
     """benchmarks/lightning_share.py on the CPU: the four sides (bare loop and Lightning, each
     optimizer) each time every round, and the shares are formed from their medians; with
-    ``--no-monitor`` the shardamp route without its monitor is a fifth side."""
+    ``--no-monitor`` the shardamp route without its monitor is a fifth side, with
+    ``--auto-strategy`` DistributedFusedAdam under ``strategy="auto"`` a sixth, each side run
+    without the process group the one before it left."""
     pytest.importorskip("lightning")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "lightning_share.py"), "--device", "cpu", "--rounds", "2",
-                           "--iters", "6", "--warmup", "2", "--no-monitor"], capture_output=True, text=True,
+                           "--iters", "6", "--warmup", "2", "--no-monitor", "--auto-strategy"], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {}
@@ -246,6 +248,10 @@ def test_lightning_share_cpu_smoke() -> None:
     off = [line for line in proc.stdout.splitlines() if line.split()[:2] == ["lightning", "shardamp-no-monitor"]]
     assert len(off) == 1 and len(off[0].split("rounds")[1].split(",")) == 2, proc.stdout
     assert any(line.startswith("ShardampMonitor's share") for line in proc.stdout.splitlines()), proc.stdout
+    auto = [line for line in proc.stdout.splitlines() if line.split()[:2] == ["lightning", "shardamp-auto"]]
+    assert len(auto) == 1 and len(auto[0].split("rounds")[1].split(",")) == 2, proc.stdout
+    strategy = [line for line in proc.stdout.splitlines() if line.startswith("ShardampStrategy's share")]
+    assert len(strategy) == 1, proc.stdout
 
 
 def test_reduce_order_cpu_smoke() -> None:
