@@ -218,9 +218,14 @@ def _to_copy(func: Any, args: Tuple, kwargs: Dict) -> ShardedGrad:
             or kwargs.get("layout", torch.strided) not in (None, torch.strided) \
             or kwargs.get("memory_format", torch.preserve_format) not in (None, torch.preserve_format):
         what = f".to({device}, {kwargs.get('dtype')})"
+        # the common way here is a module moved off the GPU once training ends (Lightning's
+        # strategy="auto" tears down that way): its grads cannot follow, the params can once dropped
         raise RuntimeError(
             _UNSUPPORTED.format(op=what) + " Move and cast a model whose params a DistributedFusedAdam manages "
-            "BEFORE building the optimizer: its params are views into the optimizer's buffers.")
+            "BEFORE building the optimizer: its params are views into the optimizer's buffers. To move it once "
+            "training is over (model.cpu(); Lightning's Trainer does at the end of fit with strategy='auto'), drop "
+            "the grads first with opt.zero_grad(): the params' values then move. With Lightning use "
+            "strategy='shardamp', which does that.")
     return _detach(func, args, kwargs)
 
 

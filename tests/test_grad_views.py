@@ -317,6 +317,12 @@ def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() ->
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
     with pytest.raises(RuntimeError, match="BEFORE building the optimizer"):
         model.conv1.weight.grad.to(torch.float64)
+    # the module moved once training is over (a Trainer's teardown): the message names the way
+    with pytest.raises(RuntimeError, match=r"drop the grads first with opt.zero_grad\(\)"):
+        model.double()
+    opt.zero_grad()
+    model.double()  # the grads dropped, the params' values move (they leave the optimizer's buffers)
+    assert all(p.dtype == torch.float64 and p.grad is None for p in model.parameters())
 
 
 def test_torchs_own_functions_bound_before_the_wrapping_are_true_or_raise() -> None:
