@@ -10,7 +10,9 @@ optimizer. A share larger on shardamp's route than on torch's is what its strate
 plugin and monitor add (``--no-monitor``: one side more, the route without its monitor, which
 reads the step's values and logs them every ``log_every_n_steps``; ``--auto-strategy``: one more,
 DistributedFusedAdam under ``strategy="auto"``, with Lightning's own precision plugin and no
-process group, so that the strategy's share and the optimizer's are told apart). Every side
+process group, so that the strategy's share and the optimizer's are told apart; ``--torch-group``:
+torch's route beside a world-1 process group with its communicator made, which ShardampStrategy's
+route has and ``strategy="auto"`` has not). Every side
 starts without a process group: Lightning's DDP-based strategies leave theirs until the
 interpreter exits, and a side run after one would run beside it.
 
@@ -26,7 +28,7 @@ between consecutive ``on_train_batch_start`` calls (Lightning) or loop iteration
 nothing synchronized inside (a host-bound model: the host's time is the iteration's).
 
     python benchmarks/lightning_share.py --device cuda --rounds 5
-    python benchmarks/lightning_share.py --device cuda --rounds 6 --no-monitor --auto-strategy
+    python benchmarks/lightning_share.py --device cuda --rounds 6 --no-monitor --auto-strategy --torch-group
     python benchmarks/lightning_share.py --device cpu --rounds 7 --iters 300
 """
 from __future__ import annotations
@@ -116,7 +118,11 @@ def lightning(route: str, s: Setup) -> List[float]:
 
     from shardamp.integrations.lightning import ShardampStrategy
 
-    optimizer = "torch" if route == "torch" else "shardamp"
+    optimizer = "torch" if route.startswith("torch") else "shardamp"
+    if route == "torch-group":  # torch's route beside a world-1 process group with its communicator made
+        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{tempfile.mkdtemp()}/pg",
+                                rank=0, world_size=1)
+        dist.all_reduce(torch.ones(1, device=s.device))
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -129,7 +135,7 @@ def lightning(route: str, s: Setup) -> List[float]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(ROUTE[optimizer], self.net, s.cuda)
 
-    strategy: Any = ({"torch": "auto", "shardamp": "shardamp", "shardamp-auto": "auto"}.get(route)
+    strategy: Any = ({"torch": "auto", "torch-group": "auto", "shardamp": "shardamp", "shardamp-auto": "auto"}.get(route)
                      or ShardampStrategy(log_step_stats=False))
     times: List[float] = []
 
@@ -176,6 +182,9 @@ def main() -> None:
     ap.add_argument("--auto-strategy", action="store_true",
                     help="one side more: DistributedFusedAdam under strategy='auto' (the optimizer in Lightning without "
                          "ShardampStrategy, its precision plugin and its monitor)")
+    ap.add_argument("--torch-group", action="store_true",
+                    help="one side more: torch's Lightning route beside a world-1 process group (ShardampStrategy's "
+                         "route has one, strategy='auto' none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -192,6 +201,8 @@ def main() -> None:
             sides.append(("lightning", "shardamp-no-monitor"))
         if args.auto_strategy:
             sides.append(("lightning", "shardamp-auto"))
+        if args.torch_group:
+            sides.append(("lightning", "torch-group"))
         for kind, route in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates
             times = SIDES[kind](route, s)
             if dist.is_initialized():  # Lightning's DDP-based strategies leave theirs to the interpreter's exit
@@ -215,6 +226,10 @@ def main() -> None:
         off = [on - off for on, off in zip(medians[("lightning", "shardamp")], medians[("lightning", "shardamp-no-monitor")])]
         print(f"ShardampMonitor's share (with it - without it): median {statistics.median(off):+.1f} us "
               f"(rounds {', '.join(f'{d:+.0f}' for d in off)})")
+    if args.torch_group:
+        group = [a - b for a, b in zip(medians[("lightning", "torch-group")], medians[("lightning", "torch")])]
+        print(f"A process group's share on torch's route (with one - without): median {statistics.median(group):+.1f} us "
+              f"(rounds {', '.join(f'{d:+.0f}' for d in group)})")
     if args.auto_strategy:
         own_route = ("lightning", "shardamp-no-monitor" if args.no_monitor else "shardamp")
         own = [a - b for a, b in zip(medians[own_route], medians[("lightning", "shardamp-auto")])]
