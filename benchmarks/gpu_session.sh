@@ -16,7 +16,9 @@ source benchmarks/gpu_env.sh  # env.log, install (or source-tree shim), kernel b
 # names another of bench_host's models, e.g. "mlp bf16"), phases
 # (benchmarks/host_phases.py: the MLP's host time per phase, torch against shardamp; PHASES_ARGS
 # adds flags, split on spaces: no quoted values), lightning_share (benchmarks/lightning_share.py:
-# Lightning's share of an iteration on each optimizer's route; LIGHTNING_SHARE_ARGS), step_cost (benchmarks/step_host_cost.py: the MLP's
+# Lightning's share of an iteration on each optimizer's route; LIGHTNING_SHARE_ARGS), lightning_phases
+# (benchmarks/lightning_phases.py: that iteration's host time between Lightning's hooks per route;
+# LIGHTNING_PHASES_ARGS), step_cost (benchmarks/step_host_cost.py: the MLP's
 # plain step, its native call taken apart, against torch's fused AdamW; each side's step as the tree of
 # functions it enters in step_calls.txt), step_cost_base (the same at
 # another commit and at this tree, STEP_COST_PAIRS (3) processes of each taking turns on this machine:
@@ -118,6 +120,12 @@ if [[ " $PARTS " == *" lightning_share "* ]]; then
   timeout "$(left 200)" python3 benchmarks/lightning_share.py --device cuda ${LIGHTNING_SHARE_ARGS:-} \
     >"$OUT/lightning_share.log" 2>&1 || status=1
   grep -v "^\s*$" "$OUT/lightning_share.log" | tail -7
+fi
+if [[ " $PARTS " == *" lightning_phases "* ]]; then
+  # where in Lightning's iteration each route's host time goes (between the Trainer's hooks)
+  timeout "$(left 200)" python3 benchmarks/lightning_phases.py --device cuda ${LIGHTNING_PHASES_ARGS:-} \
+    >"$OUT/lightning_phases.log" 2>&1 || status=1
+  grep -v "^\s*$" "$OUT/lightning_phases.log" | tail -9
 fi
 if [[ " $PARTS " == *" step_cost "* ]]; then
   # the plain step's host time taken apart (its native call and the calls inside it) against torch's

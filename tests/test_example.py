@@ -259,6 +259,29 @@ def test_lightning_share_cpu_smoke() -> None:
     assert any(line.startswith("A process group's share") for line in proc.stdout.splitlines()), proc.stdout
 
 
+def test_lightning_phases_cpu_smoke() -> None:
+    """benchmarks/lightning_phases.py on the CPU: every route's six phases, each positive, summing
+    to the printed sum (whole iterations stamped in Lightning's automatic order)."""
+    pytest.importorskip("lightning")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "lightning_phases.py"), "--device", "cpu", "--rounds", "1",
+                           "--iters", "6", "--warmup", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    head = [i for i, line in enumerate(lines) if line.split()[:1] == ["phase"]]
+    assert len(head) == 1 and lines[head[0]].split()[1:] == ["torch", "shardamp", "shardamp-auto"], proc.stdout
+    table = {}
+    for line in lines[head[0] + 1:head[0] + 8]:
+        *name, a, b, c = line.split()
+        table[" ".join(name)] = [float(a), float(b), float(c)]
+    phases = ["forward", "zero_grad", "backward", "before the step", "step", "to the next batch"]
+    assert list(table) == phases + ["sum"], proc.stdout
+    for route in range(3):  # one round: the sum is the phases' sum (rounding of the printed tenths aside)
+        assert all(table[p][route] > 0 for p in phases), proc.stdout
+        assert sum(table[p][route] for p in phases) == pytest.approx(table["sum"][route], abs=0.5), proc.stdout
+
+
 def test_reduce_order_cpu_smoke() -> None:
     """benchmarks/reduce_order.py on two CPU ranks: with one param group the reduce-scatters start
     as backward goes (the first after a quarter of the grads); each mode launches every bucket
