@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import logging
 import statistics
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -33,31 +31,18 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from framework_routes import make_optimizer  # noqa: E402
-from lightning_share import Setup, _timed  # noqa: E402  (the workload, its loader, the collector off)
+from lightning_share import (Setup, _timed, common_args, make_module, make_trainer, setup_from,  # noqa: E402
+                             strategy_of)  # its workload, Trainer and arguments
 
 MARKS = ("on_train_batch_start", "on_before_zero_grad", "on_before_backward", "on_after_backward",
          "on_before_optimizer_step", "on_train_batch_end")
 PHASES = ("forward", "zero_grad", "backward", "before the step", "step", "to the next batch")
-ROUTES = ("torch", "shardamp", "shardamp-auto")
+ROUTES = ("torch", "shardamp-no-monitor", "shardamp-auto")
 
 
 def phases(route: str, s: Setup) -> Dict[str, float]:
     """One Trainer run of ``route``: each phase's median host us over the iterations after the warm-up."""
     import lightning.pytorch as pl
-
-    from shardamp.integrations.lightning import ShardampStrategy
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = s.work.model(s.device)
-
-        def training_step(self, batch: Dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-            return self.net(**batch)["loss"]
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return make_optimizer("default" if route == "torch" else "shardamp", self.net, s.cuda)
 
     done: List[List[float]] = []
     current: List[float] = []
@@ -72,20 +57,10 @@ def phases(route: str, s: Setup) -> Dict[str, float]:
             current.append(now)
         return hook
 
-    Stamps = type("Stamps", (pl.Callback,), {name: stamp(name) for name in MARKS})
-
-    class DropGrads(pl.Callback):
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            for opt in trainer.optimizers:
-                opt.zero_grad()
-
-    strategy: Any = "auto" if route in ("torch", "shardamp-auto") else ShardampStrategy(log_step_stats=False)
-    trainer = pl.Trainer(
-        strategy=strategy, accelerator="gpu" if s.cuda else "cpu", devices=1, precision="bf16-mixed",
-        max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[Stamps(), DropGrads()],
-    )
-    _timed(lambda: trainer.fit(Module(), s.loader()))
+    stamps = type("Stamps", (pl.Callback,), {name: stamp(name) for name in MARKS})
+    trainer = make_trainer(strategy_of(route), s, [stamps()])
+    module = make_module("torch" if route == "torch" else "shardamp", s)
+    _timed(lambda: trainer.fit(module, s.loader()))
     rows = done[s.warmup:]
     if not rows:
         raise RuntimeError(f"lightning_phases: route {route} recorded no whole iteration (hooks not called in order)")
@@ -94,34 +69,23 @@ def phases(route: str, s: Setup) -> Dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--iters", type=int, default=200, help="timed iterations a route a round")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads")
+    common_args(ap)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    s = Setup(device, args.iters, args.warmup)
+    s = setup_from(args)
     got: Dict[str, List[Dict[str, float]]] = {r: [] for r in ROUTES}
     for i in range(args.rounds):
         for route in ROUTES[i % len(ROUTES):] + ROUTES[:i % len(ROUTES)]:  # the order rotates
             got[route].append(phases(route, s))
             if dist.is_initialized():  # ShardampStrategy's group outlives its Trainer
                 dist.destroy_process_group()
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(s.device) if s.cuda else "cpu"
     print(f"lightning_phases on {name}, torch {torch.__version__}, {datetime.date.today()}: "
           f"{s.work.params():,} params, bf16-mixed, {args.rounds} rounds x {args.iters} iterations; host us a phase "
           "(median of the rounds' medians)")
-    print(f"  {'phase':20s}" + "".join(f"{r:>16s}" for r in ROUTES))
+    print(f"  {'phase':20s}" + "".join(f"{r:>21s}" for r in ROUTES))
     for p in PHASES + ("sum",):
         cells = [statistics.median(sum(x.values()) if p == "sum" else x[p] for x in got[r]) for r in ROUTES]
-        print(f"  {p:20s}" + "".join(f"{c:16.1f}" for c in cells))
+        print(f"  {p:20s}" + "".join(f"{c:21.1f}" for c in cells))
 
 
 if __name__ == "__main__":

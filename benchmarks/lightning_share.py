@@ -110,19 +110,10 @@ def bare(route: str, s: Setup) -> List[float]:
     return times[s.warmup:]
 
 
-def lightning(route: str, s: Setup) -> List[float]:
-    """The same iteration as a LightningModule's training_step under the route's strategy
-    (``shardamp-no-monitor``: ``ShardampStrategy(log_step_stats=False)``, no ShardampMonitor;
-    ``shardamp-auto``: DistributedFusedAdam under Lightning's ``strategy="auto"``, no process group)."""
+def make_module(optimizer: str, s: Setup) -> Any:
+    """The workload's model as a LightningModule whose ``configure_optimizers`` returns
+    ``optimizer``'s (``"torch"`` or ``"shardamp"``) as bench_frameworks makes it."""
     import lightning.pytorch as pl
-
-    from shardamp.integrations.lightning import ShardampStrategy
-
-    optimizer = "torch" if route.startswith("torch") else "shardamp"
-    if route == "torch-group":  # torch's route beside a world-1 process group with its communicator made
-        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{tempfile.mkdtemp()}/pg",
-                                rank=0, world_size=1)
-        dist.all_reduce(torch.ones(1, device=s.device))
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -135,8 +126,46 @@ def lightning(route: str, s: Setup) -> List[float]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(ROUTE[optimizer], self.net, s.cuda)
 
-    strategy: Any = ({"torch": "auto", "torch-group": "auto", "shardamp": "shardamp", "shardamp-auto": "auto"}.get(route)
-                     or ShardampStrategy(log_step_stats=False))
+    return Module()
+
+
+def make_trainer(strategy: Any, s: Setup, callbacks: List[Any]) -> Any:
+    """A Trainer of ``s``'s iterations on one device, ``bf16-mixed``, nothing logged or saved.
+    DistributedFusedAdam's grads are dropped at ``on_train_end``, as ShardampStrategy's teardown
+    does first: ``strategy="auto"`` moves the module to the CPU at the end of ``fit``, and a
+    managed param's grad (a view of the optimizer's shards on the GPU) cannot move with it."""
+    import lightning.pytorch as pl
+
+    class DropGrads(pl.Callback):
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            for opt in trainer.optimizers:
+                opt.zero_grad()
+
+    return pl.Trainer(
+        strategy=strategy, accelerator="gpu" if s.cuda else "cpu", devices=1, precision="bf16-mixed",
+        max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=callbacks + [DropGrads()],
+    )
+
+
+def strategy_of(route: str) -> Any:
+    """The Trainer's strategy for ``route`` (``shardamp-no-monitor``: ShardampStrategy without its
+    ShardampMonitor; ``shardamp-auto``: Lightning's ``"auto"``, no process group)."""
+    from shardamp.integrations.lightning import ShardampStrategy
+
+    named = {"torch": "auto", "torch-group": "auto", "shardamp": "shardamp", "shardamp-auto": "auto"}
+    return named.get(route) or ShardampStrategy(log_step_stats=False)
+
+
+def lightning(route: str, s: Setup) -> List[float]:
+    """The same iteration as a LightningModule's training_step under the route's strategy
+    (``strategy_of``; ``torch-group``: torch's route beside a world-1 process group)."""
+    import lightning.pytorch as pl
+
+    if route == "torch-group":  # with its communicator made
+        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{tempfile.mkdtemp()}/pg",
+                                rank=0, world_size=1)
+        dist.all_reduce(torch.ones(1, device=s.device))
     times: List[float] = []
 
     class Timer(pl.Callback):
@@ -148,35 +177,39 @@ def lightning(route: str, s: Setup) -> List[float]:
                 times.append(now - Timer.last)
             Timer.last = now
 
-    class DropGrads(pl.Callback):
-        """What ShardampStrategy's teardown does first: ``strategy="auto"`` moves the module to the
-        CPU at the end of ``fit``, and a managed param's grad (a view of the optimizer's shards on
-        the GPU) cannot move with it."""
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            for opt in trainer.optimizers:
-                opt.zero_grad()
-
-    trainer = pl.Trainer(
-        strategy=strategy, accelerator="gpu" if s.cuda else "cpu",
-        devices=1, precision="bf16-mixed", max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[Timer()] + ([DropGrads()] if route == "shardamp-auto" else []),
-    )
-    _timed(lambda: trainer.fit(Module(), s.loader()))
+    trainer = make_trainer(strategy_of(route), s, [Timer()])
+    module = make_module("torch" if route.startswith("torch") else "shardamp", s)
+    _timed(lambda: trainer.fit(module, s.loader()))
     return times[s.warmup:]
 
 
 SIDES: Dict[str, Callable[[str, Setup], List[float]]] = {"bare": bare, "lightning": lightning}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_args(ap: argparse.ArgumentParser) -> None:
+    """The device, the rounds and the iterations (this script's and lightning_phases.py's)."""
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=200, help="timed iterations a side a round")
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--threads", type=int, default=1, help="torch's CPU threads (one: less scatter on a small VM)")
+
+
+def setup_from(args: argparse.Namespace) -> Setup:
+    """``common_args``' values applied (threads, device), Lightning's chatter off, the Setup."""
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device.index or 0)
+    warnings.filterwarnings("ignore")
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    return Setup(device, args.iters, args.warmup)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_args(ap)
     ap.add_argument("--no-monitor", action="store_true",
                     help="one side more: Lightning's shardamp route without its ShardampMonitor (log_step_stats=False)")
     ap.add_argument("--auto-strategy", action="store_true",
@@ -186,14 +219,8 @@ def main() -> None:
                     help="one side more: torch's Lightning route beside a world-1 process group (ShardampStrategy's "
                          "route has one, strategy='auto' none)")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device.index or 0)
-    warnings.filterwarnings("ignore")
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    s = Setup(device, args.iters, args.warmup)
+    s = setup_from(args)
+    device = s.device
     medians: Dict[tuple, List[float]] = {}
     for r in range(args.rounds):
         sides = [(kind, route) for kind in SIDES for route in OPTIMIZERS]

@@ -270,7 +270,7 @@ def test_lightning_phases_cpu_smoke() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     head = [i for i, line in enumerate(lines) if line.split()[:1] == ["phase"]]
-    assert len(head) == 1 and lines[head[0]].split()[1:] == ["torch", "shardamp", "shardamp-auto"], proc.stdout
+    assert len(head) == 1 and lines[head[0]].split()[1:] == ["torch", "shardamp-no-monitor", "shardamp-auto"], proc.stdout
     table = {}
     for line in lines[head[0] + 1:head[0] + 8]:
         *name, a, b, c = line.split()
