@@ -12,7 +12,9 @@ reads the step's values and logs them every ``log_every_n_steps``; ``--auto-stra
 DistributedFusedAdam under ``strategy="auto"``, with Lightning's own precision plugin and no
 process group, so that the strategy's share and the optimizer's are told apart; ``--torch-group``:
 torch's route beside a world-1 process group with its communicator made, which ShardampStrategy's
-route has and ``strategy="auto"`` has not). Every side
+route has and ``strategy="auto"`` has not; ``--zero-first``: torch's route and shardamp's without
+its monitor with the grads dropped at ``on_train_batch_start``, before the forward, where
+Lightning drops them after it). Every side
 starts without a process group: Lightning's DDP-based strategies leave theirs until the
 interpreter exits, and a side run after one would run beside it.
 
@@ -110,9 +112,11 @@ def bare(route: str, s: Setup) -> List[float]:
     return times[s.warmup:]
 
 
-def make_module(optimizer: str, s: Setup) -> Any:
+def make_module(optimizer: str, s: Setup, zero_first: bool = False) -> Any:
     """The workload's model as a LightningModule whose ``configure_optimizers`` returns
-    ``optimizer``'s (``"torch"`` or ``"shardamp"``) as bench_frameworks makes it."""
+    ``optimizer``'s (``"torch"`` or ``"shardamp"``) as bench_frameworks makes it.
+    ``zero_first``: the grads are dropped at ``on_train_batch_start``, before the forward,
+    instead of where Lightning's automatic optimization drops them (after the forward)."""
     import lightning.pytorch as pl
 
     class Module(pl.LightningModule):
@@ -126,7 +130,14 @@ def make_module(optimizer: str, s: Setup) -> Any:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(ROUTE[optimizer], self.net, s.cuda)
 
-    return Module()
+    class ZeroFirst(Module):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.optimizers().zero_grad()
+
+        def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+            pass  # done before the forward
+
+    return ZeroFirst() if zero_first else Module()
 
 
 def make_trainer(strategy: Any, s: Setup, callbacks: List[Any]) -> Any:
@@ -153,7 +164,8 @@ def strategy_of(route: str) -> Any:
     ShardampMonitor; ``shardamp-auto``: Lightning's ``"auto"``, no process group)."""
     from shardamp.integrations.lightning import ShardampStrategy
 
-    named = {"torch": "auto", "torch-group": "auto", "shardamp": "shardamp", "shardamp-auto": "auto"}
+    named = {"torch": "auto", "torch-group": "auto", "shardamp": "shardamp", "shardamp-auto": "auto",
+             "torch-zero-first": "auto"}
     return named.get(route) or ShardampStrategy(log_step_stats=False)
 
 
@@ -178,7 +190,7 @@ def lightning(route: str, s: Setup) -> List[float]:
             Timer.last = now
 
     trainer = make_trainer(strategy_of(route), s, [Timer()])
-    module = make_module("torch" if route.startswith("torch") else "shardamp", s)
+    module = make_module("torch" if route.startswith("torch") else "shardamp", s, zero_first=route.endswith("zero-first"))
     _timed(lambda: trainer.fit(module, s.loader()))
     return times[s.warmup:]
 
@@ -218,6 +230,9 @@ def main() -> None:
     ap.add_argument("--torch-group", action="store_true",
                     help="one side more: torch's Lightning route beside a world-1 process group (ShardampStrategy's "
                          "route has one, strategy='auto' none)")
+    ap.add_argument("--zero-first", action="store_true",
+                    help="two sides more: torch's route and shardamp's without its monitor, each dropping the grads "
+                         "before the forward (on_train_batch_start) instead of after it")
     args = ap.parse_args()
     s = setup_from(args)
     device = s.device
@@ -230,6 +245,8 @@ def main() -> None:
             sides.append(("lightning", "shardamp-auto"))
         if args.torch_group:
             sides.append(("lightning", "torch-group"))
+        if args.zero_first:
+            sides += [("lightning", "torch-zero-first"), ("lightning", "shardamp-no-monitor-zero-first")]
         for kind, route in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates
             times = SIDES[kind](route, s)
             if dist.is_initialized():  # Lightning's DDP-based strategies leave theirs to the interpreter's exit
@@ -241,7 +258,7 @@ def main() -> None:
           f"bf16-mixed, {args.rounds} rounds x {args.iters} iterations; host us an iteration (median of the rounds' medians)")
     med = {k: statistics.median(v) for k, v in medians.items()}
     for (kind, route), v in sorted(medians.items()):
-        print(f"  {kind:9s} {route:20s} {med[(kind, route)]:8.1f}   rounds {', '.join(f'{x:.1f}' for x in v)}")
+        print(f"  {kind:9s} {route:31s} {med[(kind, route)]:8.1f}   rounds {', '.join(f'{x:.1f}' for x in v)}")
     share = {route: med[("lightning", route)] - med[("bare", route)] for route in OPTIMIZERS}
     # each round's own difference too: the host's speed drifts between rounds, less within one
     diffs = [(ls - bs) - (lt - bt) for ls, bs, lt, bt in zip(medians[("lightning", "shardamp")], medians[("bare", "shardamp")],
@@ -257,6 +274,12 @@ def main() -> None:
         group = [a - b for a, b in zip(medians[("lightning", "torch-group")], medians[("lightning", "torch")])]
         print(f"A process group's share on torch's route (with one - without): median {statistics.median(group):+.1f} us "
               f"(rounds {', '.join(f'{d:+.0f}' for d in group)})")
+    if args.zero_first:
+        for route, base in (("torch-zero-first", "torch"), ("shardamp-no-monitor-zero-first", "shardamp-no-monitor")):
+            if ("lightning", base) in medians:
+                moved = [a - b for a, b in zip(medians[("lightning", route)], medians[("lightning", base)])]
+                print(f"zero_grad before the forward on {base}'s route (its side - {base}): median "
+                      f"{statistics.median(moved):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in moved)})")
     if args.auto_strategy:
         own_route = ("lightning", "shardamp-no-monitor" if args.no_monitor else "shardamp")
         own = [a - b for a, b in zip(medians[own_route], medians[("lightning", "shardamp-auto")])]

@@ -222,14 +222,15 @@ def test_lightning_share_cpu_smoke() -> None:
     optimizer) each time every round, and the shares are formed from their medians; with
     ``--no-monitor`` the shardamp route without its monitor is a fifth side, with
     ``--auto-strategy`` DistributedFusedAdam under ``strategy="auto"`` a sixth, with ``--torch-group``
-    torch's route beside a process group a seventh, each side run
+    torch's route beside a process group a seventh, with ``--zero-first`` two more (``zero_grad``
+    before the forward), each side run
     without the process group the one before it left."""
     pytest.importorskip("lightning")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
                                                             "MASTER_PORT")}
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "lightning_share.py"), "--device", "cpu", "--rounds", "2",
                            "--iters", "6", "--warmup", "2", "--no-monitor", "--auto-strategy",
-                           "--torch-group"], capture_output=True, text=True,
+                           "--torch-group", "--zero-first"], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = {}
@@ -257,6 +258,9 @@ def test_lightning_share_cpu_smoke() -> None:
     group = [line for line in proc.stdout.splitlines() if line.split()[:2] == ["lightning", "torch-group"]]
     assert len(group) == 1 and len(group[0].split("rounds")[1].split(",")) == 2, proc.stdout
     assert any(line.startswith("A process group's share") for line in proc.stdout.splitlines()), proc.stdout
+    # --zero-first: each route with zero_grad before the forward, against the same route without
+    moved = [line for line in proc.stdout.splitlines() if line.startswith("zero_grad before the forward")]
+    assert len(moved) == 2 and all(len(line.split("rounds")[1].split(",")) == 2 for line in moved), proc.stdout
 
 
 def test_lightning_phases_cpu_smoke() -> None:
