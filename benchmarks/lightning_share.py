@@ -22,7 +22,7 @@ The workload and optimizers are bench_frameworks' (``framework_models.workload("
 examples' MLP, 33.6M params at batch 64, its small version on the CPU; ``framework_routes.
 make_optimizer``: the frameworks' decay groups and settings, torch's AdamW fused on CUDA), ``bf16-mixed``,
 one device. Rounds are interleaved (each
-round runs the four sides, ``--iters`` iterations each after ``--warmup``, in an order that
+round runs every side, ``--iters`` iterations each after ``--warmup``, in an order that
 rotates); a side's time is the median of its per-iteration times. Printed: each side's median
 over the rounds, the shares formed from those, and the difference of the two shares round by
 round with its median (a host's speed drifts between rounds more than within one). Host time
@@ -85,9 +85,7 @@ def _timed(run: Callable[[], None]) -> None:
 
 def bare(route: str, s: Setup) -> List[float]:
     """The loop without Lightning: per-iteration host seconds after the warm-up."""
-    if not dist.is_initialized():  # DistributedFusedAdam's group: one process
-        backend = "nccl" if s.cuda else "gloo"
-        dist.init_process_group(backend, init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
+    world_one_group(s)  # DistributedFusedAdam's group: one process, as under torchrun
     net = s.work.model(s.device)
     opt = make_optimizer(ROUTE[route], net, s.cuda)
     times: List[float] = []
@@ -107,9 +105,13 @@ def bare(route: str, s: Setup) -> List[float]:
             opt.step()
 
     _timed(run)
-    del opt, net
-    dist.destroy_process_group()
     return times[s.warmup:]
+
+
+def world_one_group(s: Setup) -> None:
+    """A world-1 process group (each side ends without one: ``main`` destroys what is left)."""
+    dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{tempfile.mkdtemp()}/pg",
+                            rank=0, world_size=1)
 
 
 def make_module(optimizer: str, s: Setup, zero_first: bool = False) -> Any:
@@ -175,8 +177,7 @@ def lightning(route: str, s: Setup) -> List[float]:
     import lightning.pytorch as pl
 
     if route == "torch-group":  # with its communicator made
-        dist.init_process_group("nccl" if s.cuda else "gloo", init_method=f"file://{tempfile.mkdtemp()}/pg",
-                                rank=0, world_size=1)
+        world_one_group(s)
         dist.all_reduce(torch.ones(1, device=s.device))
     times: List[float] = []
 
@@ -232,27 +233,26 @@ def main() -> None:
                          "route has one, strategy='auto' none)")
     ap.add_argument("--zero-first", action="store_true",
                     help="two sides more: torch's route and shardamp's without its monitor, each dropping the grads "
-                         "before the forward (on_train_batch_start) instead of after it")
+                         "before the forward (on_train_batch_start) instead of after it; adds the no-monitor side too")
     args = ap.parse_args()
     s = setup_from(args)
-    device = s.device
+    sides = [(kind, route) for kind in SIDES for route in OPTIMIZERS]
+    if args.no_monitor or args.zero_first:  # the zero-first shardamp side is read against it
+        sides.append(("lightning", "shardamp-no-monitor"))
+    if args.auto_strategy:
+        sides.append(("lightning", "shardamp-auto"))
+    if args.torch_group:
+        sides.append(("lightning", "torch-group"))
+    if args.zero_first:
+        sides += [("lightning", "torch-zero-first"), ("lightning", "shardamp-no-monitor-zero-first")]
     medians: Dict[tuple, List[float]] = {}
     for r in range(args.rounds):
-        sides = [(kind, route) for kind in SIDES for route in OPTIMIZERS]
-        if args.no_monitor:
-            sides.append(("lightning", "shardamp-no-monitor"))
-        if args.auto_strategy:
-            sides.append(("lightning", "shardamp-auto"))
-        if args.torch_group:
-            sides.append(("lightning", "torch-group"))
-        if args.zero_first:
-            sides += [("lightning", "torch-zero-first"), ("lightning", "shardamp-no-monitor-zero-first")]
         for kind, route in sides[r % len(sides):] + sides[:r % len(sides)]:  # the order rotates
             times = SIDES[kind](route, s)
             if dist.is_initialized():  # Lightning's DDP-based strategies leave theirs to the interpreter's exit
                 dist.destroy_process_group()  # every side starts without one, as it would alone
             medians.setdefault((kind, route), []).append(statistics.median(times) * 1e6)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(s.device) if s.cuda else "cpu"
     print(f"lightning_share on {name}, torch {torch.__version__}, {datetime.date.today()}: bench_frameworks' "
           f"{'mlp' if s.cuda else 'small mlp'} ({s.work.params():,} params, batch {s.work.batch}), "
           f"bf16-mixed, {args.rounds} rounds x {args.iters} iterations; host us an iteration (median of the rounds' medians)")
@@ -266,27 +266,23 @@ def main() -> None:
     print(f"Lightning's share: torch's route {share['torch']:+.1f} us, shardamp's route {share['shardamp']:+.1f} us, "
           f"shardamp's - torch's {share['shardamp'] - share['torch']:+.1f} us; per round: median "
           f"{statistics.median(diffs):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in diffs)})")
+
+    def paired(label: str, route: str, base: str) -> None:
+        """Lightning's ``route`` less its ``base`` round by round: the median and each round."""
+        d = [a - b for a, b in zip(medians[("lightning", route)], medians[("lightning", base)])]
+        print(f"{label}: median {statistics.median(d):+.1f} us (rounds {', '.join(f'{x:+.0f}' for x in d)})")
+
     if args.no_monitor:
-        off = [on - off for on, off in zip(medians[("lightning", "shardamp")], medians[("lightning", "shardamp-no-monitor")])]
-        print(f"ShardampMonitor's share (with it - without it): median {statistics.median(off):+.1f} us "
-              f"(rounds {', '.join(f'{d:+.0f}' for d in off)})")
+        paired("ShardampMonitor's share (with it - without it)", "shardamp", "shardamp-no-monitor")
     if args.torch_group:
-        group = [a - b for a, b in zip(medians[("lightning", "torch-group")], medians[("lightning", "torch")])]
-        print(f"A process group's share on torch's route (with one - without): median {statistics.median(group):+.1f} us "
-              f"(rounds {', '.join(f'{d:+.0f}' for d in group)})")
+        paired("A process group's share on torch's route (with one - without)", "torch-group", "torch")
     if args.zero_first:
         for route, base in (("torch-zero-first", "torch"), ("shardamp-no-monitor-zero-first", "shardamp-no-monitor")):
-            if ("lightning", base) in medians:
-                moved = [a - b for a, b in zip(medians[("lightning", route)], medians[("lightning", base)])]
-                print(f"zero_grad before the forward on {base}'s route (its side - {base}): median "
-                      f"{statistics.median(moved):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in moved)})")
+            paired(f"zero_grad before the forward on {base}'s route (its side - {base})", route, base)
     if args.auto_strategy:
-        own_route = ("lightning", "shardamp-no-monitor" if args.no_monitor else "shardamp")
-        own = [a - b for a, b in zip(medians[own_route], medians[("lightning", "shardamp-auto")])]
-        print(f"ShardampStrategy's share (its route{' without the monitor' if args.no_monitor else ''} - "
-              f"DistributedFusedAdam under strategy='auto'): median "
-              f"{statistics.median(own):+.1f} us (rounds {', '.join(f'{d:+.0f}' for d in own)})")
-
+        own = "shardamp-no-monitor" if args.no_monitor else "shardamp"
+        paired(f"ShardampStrategy's share (its route{' without the monitor' if args.no_monitor else ''} - "
+               "DistributedFusedAdam under strategy='auto')", own, "shardamp-auto")
 
 if __name__ == "__main__":
     main()
