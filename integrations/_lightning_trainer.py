@@ -211,10 +211,11 @@ class TrainerStrategyMixin(common.StrategyBase):
         """Drop the optimizers' grads (``zero_grad()``), then Lightning's teardown, which moves the
         module to the CPU.
 
-        The grads must go first: a managed param's ``.grad`` is a view of the optimizer's reduced
-        shards, which cannot be moved (it raises), and Lightning's ``module.cpu()`` moves every
-        grad with its param. Dropping them frees the grad buffers as the teardown intends; the
-        params' values move to the CPU as with any strategy. Not a collective."""
+        The grads go first: a managed param's ``.grad`` is a view of the optimizer's reduced
+        shards, and Lightning's ``module.cpu()`` moves every grad with its param, which with peers
+        is a collective per param (``full_grad``). Dropped, they free the grad buffers as the
+        teardown intends, and the params' values move to the CPU as with any strategy. Not a
+        collective."""
         for opt in self._fused_adams():
             if isinstance(opt, DistributedFusedAdam):
                 opt.zero_grad()

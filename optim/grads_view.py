@@ -349,8 +349,11 @@ class GradsView:
         return slot, bucket, src.buffers[slot.bucket], ranges
 
     def full_grad(self, p: Any) -> Optional[Tensor]:
-        what = "full_grad"
-        i = self.index(p, what)
+        return self.full_grad_at(self.index(p, "full_grad"), "full_grad")
+
+    def full_grad_at(self, i: int, what: str) -> Optional[Tensor]:
+        """Param ``i``'s whole grad as torch's ``param.grad`` holds it (None where no rank produced
+        one): a collective (every rank reads the same param; ``what`` names the read in errors)."""
         self.require(Action.READ, what)
         src = self.source()
         order.arrive(src.comm, what)  # a rank alone raises in bounded time, issuing no collective
@@ -372,7 +375,7 @@ class GradsView:
         for r, (lo_r, hi_r) in enumerate(ranges):
             if hi_r > lo_r:
                 flat[lo_r - slot.offset:hi_r - slot.offset] = gathered[r, :hi_r - lo_r]
-        out = flat.mul_(self.factor()).to(p.dtype)
+        out = flat.mul_(self.factor()).to(src.params[i].dtype)
         return out.as_strided(slot.shape, slot.stride)  # memory order: the param's own strides
 
     def local_grad(self, p: Any) -> Optional[LocalGrad]:

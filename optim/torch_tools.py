@@ -50,7 +50,9 @@ exact and cheaper.
   (``torch.linalg.vector_norm``, ``Tensor.norm``, ``.data``, ``torch._foreach_norm``: every
   param's norm in one all-reduce per step and norm order, see grads_view.py) and
   ``torch._amp_foreach_non_finite_check_and_unscale_`` (GradScaler.unscale_: the optimizer's
-  ``unscale_grads``, the global found-inf written back). Any other op raises, naming
+  ``unscale_grads``, the global found-inf written back), and ``.to()``: onto its own device the
+  same view, onto another device or dtype the values there (``full_grad``'s, a collective with
+  peers; ``model.cpu()`` after training moves each grad with its param). Any other op raises, naming
   ``opt.full_grad(p)`` and ``opt.local_grad(p)``: no silent zeros, no accidental materialisation
   of the whole model's grads.
 * torch's ``get_total_norm`` and ``clip_grads_with_norm_`` are wrapped (both their
@@ -154,8 +156,8 @@ class ShardedGrad(torch.Tensor):
 
     Shape, dtype, device and strides are the param's; its values are those torch's
     ``param.grad`` would hold in the same unsharded loop (grads_view.py: averaged as configured,
-    scaled before ``unscale_``, clipped after a clip). Only norms and GradScaler's unscale run
-    on it; see the module docstring. It reads the optimizer's grads when an op runs. Every
+    scaled before ``unscale_``, clipped after a clip). Only norms, GradScaler's unscale and
+    ``.to()`` run on it; see the module docstring. It reads the optimizer's grads when an op runs. Every
     param of an optimizer holding grads shows one: a param no rank produced a grad for shows
     zeros where torch has None (telling them apart takes a collective; ``opt.full_grad(p)``
     returns None for it).
@@ -204,9 +206,13 @@ def _detach(func: Any, args: Tuple, kwargs: Dict) -> ShardedGrad:
     return ShardedGrad(g, g._opt(), g._index) if g._opt() is not None else g  # ``.data``, ``.detach()``
 
 
-def _to_copy(func: Any, args: Tuple, kwargs: Dict) -> ShardedGrad:
-    """``.to()`` (``model.to(device)`` applies it to every ``p.grad``): to where the grad already
-    is, it is the same view; anything else would move or cast the optimizer's grads alone."""
+def _to_copy(func: Any, args: Tuple, kwargs: Dict) -> Tensor:
+    """``.to()`` (``model.to(...)`` applies it to every ``p.grad`` and assigns the result back): to
+    where the grad already is, the same view; to another device or dtype (a model moved once
+    training is over: Lightning's teardown under ``strategy="auto"`` calls ``module.cpu()``) the
+    grad's values, moved as torch moves a plain grad. Those are whole grads: with peers a
+    collective per param, as ``opt.full_grad(p)`` (every rank moves its model, as frameworks do).
+    The params themselves leave the optimizer's buffers then: its next step raises."""
     g = args[0]
     device = kwargs.get("device")
     device = g.device if device is None else torch.device(device)
@@ -214,19 +220,22 @@ def _to_copy(func: Any, args: Tuple, kwargs: Dict) -> ShardedGrad:
                                                     or device.index == g.device.index)
     if device.type == "cuda" and device.index is None:
         same_device = g.device.index == torch.cuda.current_device()
-    if not same_device or kwargs.get("dtype", g.dtype) not in (None, g.dtype) \
-            or kwargs.get("layout", torch.strided) not in (None, torch.strided) \
-            or kwargs.get("memory_format", torch.preserve_format) not in (None, torch.preserve_format):
-        what = f".to({device}, {kwargs.get('dtype')})"
-        # the common way here is a module moved off the GPU once training ends (Lightning's
-        # strategy="auto" tears down that way): its grads cannot follow, the params can once dropped
-        raise RuntimeError(
-            _UNSUPPORTED.format(op=what) + " Move and cast a model whose params a DistributedFusedAdam manages "
-            "BEFORE building the optimizer: its params are views into the optimizer's buffers. To move it once "
-            "training is over (model.cpu(); Lightning's Trainer does at the end of fit with strategy='auto'), drop "
-            "the grads first with opt.zero_grad(): the params' values then move. With Lightning use "
-            "strategy='shardamp', which does that.")
-    return _detach(func, args, kwargs)
+    if same_device and kwargs.get("dtype", g.dtype) in (None, g.dtype) \
+            and kwargs.get("layout", torch.strided) in (None, torch.strided) \
+            and kwargs.get("memory_format", torch.preserve_format) in (None, torch.preserve_format):
+        return _detach(func, args, kwargs)
+    what = f"p.grad.to({device}, {kwargs.get('dtype') or g.dtype}) (a model moved or cast while its optimizer holds grads)"
+    view = g._view()
+    values = view.full_grad_at(g._index, what)
+    if values is None:  # no rank produced one: the zeros the view showed
+        values = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device).zero_()
+    out = func(values, **kwargs)
+    p = view.source().params[g._index]
+    if (p.device, p.dtype) == (out.device, out.dtype):
+        # Module._apply moved the param first and next sets ``.data`` on what ``p.grad`` returns:
+        # autograd's own field, holding the moved grad, as for a plain param (not this view)
+        _compat.set_raw_grad(p, out)
+    return out
 
 
 def _norm_of(g: ShardedGrad, ord: Any, dtype: Optional[torch.dtype]) -> Tensor:

@@ -7,7 +7,8 @@ buckets (params straddle shards unevenly), an inf in ONE rank's batch at ``INF_S
 Per step it records, on both sides: the grads before unscaling (``full_grad`` / ``local_grad`` vs
 the reference's scaled ``p.grad``), after ``unscale_`` (also Lightning's ``grad_norm`` and
 ``get_total_norm([p.grad ...])``), torch's ``clip_grad_norm_`` (its norm and the clipped grads),
-the grads after ``step`` and after ``zero_grad``, and the params.
+the grads after ``step`` and after ``zero_grad``, and the params; then, after one more step, both
+models cast (a Trainer's teardown moving its model while the optimizer holds grads).
 """
 from __future__ import annotations
 
@@ -62,6 +63,37 @@ def _locals(opt: DistributedFusedAdam, model: nn.Module) -> List[Any]:
     for p in model.parameters():
         lg = opt.local_grad(p)
         out.append(None if lg is None else (lg.tensor.clone(), lg.start, lg.end))
+    return out
+
+
+def _moved_at_the_end(model: nn.Module, ref: nn.Module, opt: DistributedFusedAdam, ropt: Any, scaler: Any,
+                      rscaler: Any, rank: int, world: int) -> Dict[str, Any]:
+    """One more step on both sides, its grads kept, then both models cast to float64 (every rank, as a
+    Trainer's teardown moves its model): the grads and params each side then holds."""
+    loss_fn = nn.MSELoss()
+    data = batches(STEPS, world, "conv")
+    total = sum(loss_fn(ref(x), y) for x, y in data) / world
+    x, y = data[rank]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        for side, o, s, loss in ((ref, ropt, rscaler, total), (model, opt, scaler, loss_fn(model(x), y))):
+            (s.scale(loss) if s else loss).backward()
+            if s:
+                s.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(side.parameters(), MAX_NORM)
+            (s.step(o), s.update()) if s else o.step()
+    model.double()
+    ref.double()
+    out: Dict[str, Any] = {"types": [(type(p.grad).__name__, p.grad.dtype, p.dtype) for p in model.parameters()],
+                           "grads": [p.grad.clone() for p in model.parameters()],
+                           "ref_grads": [p.grad.clone() for p in ref.parameters()],
+                           "params": [p.detach().clone() for p in model.parameters()],
+                           "ref_params": [p.detach().clone() for p in ref.parameters()]}
+    try:
+        opt.step()
+        out["step_after"] = ""
+    except RuntimeError as e:
+        out["step_after"] = str(e)
     return out
 
 
@@ -129,6 +161,7 @@ def run_reads(rank: int, world: int, scaler_kind: str) -> Dict[str, Any]:
         rec["ref_params"] = [p.detach().clone() for p in ref.parameters()]
         rec["flat"] = [None if g is None else _memory_order(g) for g in rec["clipped"]]
         steps.append(rec)
-    return {"steps": steps, "numel": [p.numel() for p in model.parameters()],
+    moved = _moved_at_the_end(model, ref, opt, ropt, scaler, rscaler, rank, world)
+    return {"steps": steps, "moved": moved, "numel": [p.numel() for p in model.parameters()],
             "channels_last": [p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
                               for p in model.parameters() if p.dim() == 4]}

@@ -44,3 +44,46 @@ def test_example_on_cuda(script, framework, precision, tmp_path) -> None:
         assert "step time" in out and "DDP + AdamW(fused)" in out, out[-5000:]
     if framework == "transformers":
         assert "+ resume_from_checkpoint ends on the same params: PASS" in out, out[-5000:]
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_lightning_auto_strategy_fit_ends_with_the_module_and_grads_on_the_cpu(precision) -> None:
+    """DistributedFusedAdam under Lightning's ``strategy="auto"`` on one GPU: its teardown moves the
+    module to the CPU after the last step, grads held; params and grads arrive there as torch
+    AdamW's do under the same Trainer."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from shardamp.optim import DistributedFusedAdam
+
+    class Module(pl.LightningModule):
+        def __init__(self, ours: bool) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+            self.ours = ours
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            kind = DistributedFusedAdam if self.ours else torch.optim.AdamW
+            return kind(self.parameters(), lr=1e-2, weight_decay=0.01)
+
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))
+    modules = []
+    for ours in (True, False):
+        module = Module(ours)
+        trainer = pl.Trainer(accelerator="gpu", devices=1, strategy="auto", precision=precision, max_steps=4,
+                             gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, enable_checkpointing=False)
+        trainer.fit(module, DataLoader(data, batch_size=16))
+        modules.append(module)
+    tol = dict(rtol=1e-4, atol=1e-5) if precision == "32-true" else dict(rtol=2e-2, atol=2e-3)
+    for p, q in zip(modules[0].parameters(), modules[1].parameters()):
+        assert p.device.type == "cpu" and p.grad is not None and p.grad.device.type == "cpu"
+        assert type(p.grad) is torch.Tensor
+        torch.testing.assert_close(p, q, **tol)
+        torch.testing.assert_close(p.grad, q.grad, **tol)

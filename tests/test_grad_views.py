@@ -72,7 +72,7 @@ def test_a_post_accumulate_hook_still_sees_autograds_grad() -> None:
 
 @pytest.mark.parametrize("op", [
     lambda g: g + 1, lambda g: g.clone(), lambda g: g.mul_(0.5), lambda g: g.zero_(), lambda g: g.sum(),
-    lambda g: torch.isfinite(g).all(), lambda g: g.double(), lambda g: g.norm(dim=0), lambda g: copy.deepcopy(g),
+    lambda g: torch.isfinite(g).all(), lambda g: g.norm(dim=0), lambda g: copy.deepcopy(g),
 ])
 def test_other_ops_on_the_view_raise_naming_the_fix(op) -> None:
     model, _, opt = _setup()
@@ -303,7 +303,7 @@ def test_a_clip_before_any_backward_clips_nothing_and_the_next_backward_lands(bu
 def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() -> None:
     """``model.to(device)`` (a Trainer moves the model at each call) applies ``.to`` to every
     ``p.grad`` and assigns the result back: to where it is, the view is kept (autograd's field stays
-    empty) and the step trains like torch; a cast of the grads alone raises naming the fix."""
+    empty) and the step trains like torch; a cast of a grad alone gives its values cast, as torch's."""
     model, ref, opt = _setup()
     ropt = torch.optim.AdamW(two_groups(ref))
     _backward(model)
@@ -311,18 +311,42 @@ def test_model_to_the_same_device_between_backward_and_step_keeps_the_grads() ->
     model.to("cpu:0")
     model.to(torch.device("cpu"))
     assert all(type(p.grad) is ShardedGrad and _compat.raw_grad(p) is None for p in model.parameters())
+    cast = model.conv1.weight.grad.to(torch.float64)
+    assert type(cast) is torch.Tensor and cast.dtype == torch.float64
+    torch.testing.assert_close(cast, ref.conv1.weight.grad.double(), rtol=RTOL, atol=ATOL)
+    assert _compat.raw_grad(model.conv1.weight) is None  # the param did not move: nothing left in it
     opt.step()
     ropt.step()
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
-    with pytest.raises(RuntimeError, match="BEFORE building the optimizer"):
-        model.conv1.weight.grad.to(torch.float64)
-    # the module moved once training is over (a Trainer's teardown): the message names the way
-    with pytest.raises(RuntimeError, match=r"drop the grads first with opt.zero_grad\(\)"):
-        model.double()
-    opt.zero_grad()
-    model.double()  # the grads dropped, the params' values move (they leave the optimizer's buffers)
-    assert all(p.dtype == torch.float64 and p.grad is None for p in model.parameters())
+
+
+def test_model_moved_once_training_is_over_takes_its_grads_along() -> None:
+    """A model moved or cast while the optimizer holds grads (Lightning's teardown under
+    ``strategy="auto"`` calls ``module.cpu()`` after the last step): as torch's, its params and
+    their grads move, the grads plain tensors with torch's values; the params have left the
+    optimizer's buffers, so its next step raises naming that, and the model still moves after
+    ``zero_grad`` (then without grads)."""
+    model, ref, opt = _setup()
+    ropt = torch.optim.AdamW(two_groups(ref))
+    for m, o in ((model, opt), (ref, ropt)):
+        _backward(m)
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+        o.step()
+    model.double()
+    ref.double()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert type(p.grad) is torch.Tensor and p.grad.dtype == torch.float64 and p.dtype == torch.float64
+        assert p.grad.stride() == q.grad.stride()
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
+    with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
+        opt.step()
+    model2, _, opt2 = _setup()
+    _backward(model2)
+    opt2.zero_grad()
+    model2.double()  # the grads dropped, the params' values move
+    assert all(p.dtype == torch.float64 and p.grad is None for p in model2.parameters())
 
 
 def test_torchs_own_functions_bound_before_the_wrapping_are_true_or_raise() -> None:

@@ -306,3 +306,13 @@ def test_grad_reads_match_torch(world: int, case: str) -> None:
     # the poisoned step was skipped (params did not move)
     for a, b in zip(v0["steps"][POISONED - 1]["params"], v0["steps"][POISONED]["params"]):
         assert torch.equal(a, b)
+    # the model cast after a step, its grads held (a Trainer's teardown): grads and params follow, as torch's
+    for value in values:
+        moved = value["moved"]
+        assert all(t == ("Tensor", torch.float64, torch.float64) for t in moved["types"]), moved["types"]
+        for i, (a, b) in enumerate(zip(moved["grads"], moved["ref_grads"])):
+            assert a.stride() == b.stride(), i
+            _close(a, b, 1.0, f"moved grad {i}")
+        for i, (a, b) in enumerate(zip(moved["params"], moved["ref_params"])):
+            _close(a, b, 1.0, f"moved param {i}")
+        assert "no longer lives in the optimizer's flat buffer" in moved["step_after"], moved["step_after"]
