@@ -127,6 +127,7 @@ class GradsView:
         self.owner_token = source.grad_sync.owner_token
         self.index_of: Dict[int, int] = {id(p): i for i, p in enumerate(source.params)}  # by id(param)
         self.handles: List[Optional[Tensor]] = [None] * len(source.params)
+        self._moved: List[Tuple[int, Tensor]] = []  # (param, the grad it took along when moved): see moved()
         self.generation = 0  # zero_grad calls: the cached norms are of dropped grads after one
         self._norms: Optional[Tuple[tuple, Tensor]] = None  # (key, raw per-param norms)
         self._scaled: Optional[Tuple[tuple, Tensor]] = None  # (key, the norms times factor())
@@ -168,9 +169,23 @@ class GradsView:
         return out
 
     def dropped(self) -> None:
-        """``zero_grad``: the grads (so the cached norms) are gone."""
+        """``zero_grad``: the grads (so the cached norms) are gone, also those moved params took along."""
         self.generation += 1
         self._norms = self._scaled = None
+        if self._moved:
+            params = self.source().params
+            for i, grad in self._moved:
+                if _compat.raw_grad(params[i]) is grad:  # not replaced since
+                    _compat.set_raw_grad(params[i], None)
+            self._moved.clear()
+
+    def moved(self, i: int, grad: Tensor) -> None:
+        """Param ``i`` was moved or cast (``Module._apply``: its ``.data`` first, then ``.to()`` of its
+        ``.grad``) while grads are held: ``grad``, its values where it went, goes into autograd's own
+        field, as a plain param's grad does (``Module._apply`` next sets ``.data`` on what ``p.grad``
+        returns); ``zero_grad`` drops it."""
+        _compat.set_raw_grad(self.source().params[i], grad)
+        self._moved.append((i, grad))
 
     def has_grads(self) -> bool:
         """Some backward on this rank produced grads for this optimizer since ``zero_grad``

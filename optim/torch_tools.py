@@ -231,10 +231,8 @@ def _to_copy(func: Any, args: Tuple, kwargs: Dict) -> Tensor:
         values = torch.empty_strided(g.shape, g.stride(), dtype=g.dtype, device=g.device).zero_()
     out = func(values, **kwargs)
     p = view.source().params[g._index]
-    if (p.device, p.dtype) == (out.device, out.dtype):
-        # Module._apply moved the param first and next sets ``.data`` on what ``p.grad`` returns:
-        # autograd's own field, holding the moved grad, as for a plain param (not this view)
-        _compat.set_raw_grad(p, out)
+    if (p.device, p.dtype) == (out.device, out.dtype):  # its param went there first: Module._apply
+        view.moved(g._index, out)
     return out
 
 

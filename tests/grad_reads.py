@@ -94,6 +94,8 @@ def _moved_at_the_end(model: nn.Module, ref: nn.Module, opt: DistributedFusedAda
         out["step_after"] = ""
     except RuntimeError as e:
         out["step_after"] = str(e)
+    opt.zero_grad()
+    out["after_zero"] = [p.grad is None for p in model.parameters()]
     return out
 
 

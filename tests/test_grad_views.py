@@ -342,6 +342,8 @@ def test_model_moved_once_training_is_over_takes_its_grads_along() -> None:
         torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL)
     with pytest.raises(RuntimeError, match="no longer lives in the optimizer's flat buffer"):
         opt.step()
+    opt.zero_grad()  # drops the grads the params took along, as torch's
+    assert all(p.grad is None for p in model.parameters())
     model2, _, opt2 = _setup()
     _backward(model2)
     opt2.zero_grad()

@@ -316,3 +316,4 @@ def test_grad_reads_match_torch(world: int, case: str) -> None:
         for i, (a, b) in enumerate(zip(moved["params"], moved["ref_params"])):
             _close(a, b, 1.0, f"moved param {i}")
         assert "no longer lives in the optimizer's flat buffer" in moved["step_after"], moved["step_after"]
+        assert all(moved["after_zero"]), moved["after_zero"]  # zero_grad drops what they took along
