@@ -9,8 +9,7 @@ training batch, in the automatic order (``on_train_batch_start``, the forward,
 step, ``on_train_batch_end``, the loop to the next batch), so each phase is the host time between
 two stamps (the callback's own calls are in every route alike). Routes: torch's AdamW under
 ``strategy="auto"``, DistributedFusedAdam under ``ShardampStrategy(log_step_stats=False)``, and
-DistributedFusedAdam under ``strategy="auto"`` (its grads dropped at ``on_train_end``, as
-ShardampStrategy's teardown does: "auto" moves the module to the CPU afterwards). The workload
+DistributedFusedAdam under ``strategy="auto"``. The workload
 is lightning_share's (bench_frameworks' MLP, ``bf16-mixed``, one device). Printed: per phase, the
 median over the rounds of each round's median, in microseconds.
 

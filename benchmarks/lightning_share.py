@@ -143,21 +143,13 @@ def make_module(optimizer: str, s: Setup, zero_first: bool = False) -> Any:
 
 
 def make_trainer(strategy: Any, s: Setup, callbacks: List[Any]) -> Any:
-    """A Trainer of ``s``'s iterations on one device, ``bf16-mixed``, nothing logged or saved.
-    DistributedFusedAdam's grads are dropped at ``on_train_end``, as ShardampStrategy's teardown
-    does first: ``strategy="auto"`` moves the module to the CPU at the end of ``fit``, and a
-    managed param's grad (a view of the optimizer's shards on the GPU) cannot move with it."""
+    """A Trainer of ``s``'s iterations on one device, ``bf16-mixed``, nothing logged or saved."""
     import lightning.pytorch as pl
-
-    class DropGrads(pl.Callback):
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            for opt in trainer.optimizers:
-                opt.zero_grad()
 
     return pl.Trainer(
         strategy=strategy, accelerator="gpu" if s.cuda else "cpu", devices=1, precision="bf16-mixed",
         max_steps=s.iters + s.warmup + 1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=callbacks + [DropGrads()],
+        enable_model_summary=False, callbacks=callbacks,
     )
 
 
