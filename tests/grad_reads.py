@@ -81,7 +81,11 @@ def _moved_at_the_end(model: nn.Module, ref: nn.Module, opt: DistributedFusedAda
             if s:
                 s.unscale_(o)
             torch.nn.utils.clip_grad_norm_(side.parameters(), MAX_NORM)
-            (s.step(o), s.update()) if s else o.step()
+            if s:
+                s.step(o)
+                s.update()
+            else:
+                o.step()
     model.double()
     ref.double()
     out: Dict[str, Any] = {"types": [(type(p.grad).__name__, p.grad.dtype, p.dtype) for p in model.parameters()],
