@@ -242,7 +242,8 @@ StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& bas
                                const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
                                const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                                const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
-                               const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host) {
+                               const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
+                               const c10::optional<at::Tensor>& spare) {
   auto check = [&](const at::Tensor& t, const char* name, int64_t numel) {
     SHARDAMP_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.device() == coef_out.device(),
                    "step_scalars: ", name, " must be a contiguous fp32 tensor on ", coef_out.device());
@@ -255,7 +256,7 @@ StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& bas
   check(steps, "steps", -1);
   check(touched, "touched", steps.numel());
   StepHealth health{nullptr, nullptr, nullptr, static_cast<float>(avg), skip_above,
-                    nullptr, nullptr, nullptr, false, nullptr};
+                    nullptr, nullptr, nullptr, false, nullptr, nullptr, 0};
   if (skip_out) {
     SHARDAMP_CHECK(raw_norm.has_value(), "step_scalars: skip_out needs raw_norm");
     check(*skip_out, "skip_out", 1);
@@ -291,9 +292,14 @@ StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& bas
                      "step_scalars: record_host must be a contiguous fp32 CPU tensor of the record's size");
       health.record_host = record_host->data_ptr<float>();
     }
+    if (spare) {
+      check(*spare, "spare", -1);
+      health.spare = spare->data_ptr<float>();
+      health.spare_count = spare->numel();
+    }
   } else {
-    SHARDAMP_CHECK(!counters && !record && !ranks && !record_host,
-                   "step_scalars: counters, record, ranks and record_host need skip_out");
+    SHARDAMP_CHECK(!counters && !record && !ranks && !record_host && !spare,
+                   "step_scalars: counters, record, ranks, record_host and spare need skip_out");
   }
   return health;
 }
@@ -309,9 +315,11 @@ void step_scalars(at::Tensor coef_out, const at::Tensor& base, double scale, con
                   const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
                   const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                   const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
-                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host) {
+                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
+                  const c10::optional<at::Tensor>& spare) {
   const StepHealth health = checked_step_health(coef_out, base, norm, found_inf, steps, touched, skip_out, raw_norm,
-                                                inv_scale, avg, skip_above, counters, record, ranks, record_host);
+                                                inv_scale, avg, skip_above, counters, record, ranks, record_host,
+                                                spare);
   const StepHealth* h = skip_out ? &health : nullptr;
   if (coef_out.is_cuda()) {
 #if defined(SHARDAMP_WITH_CUDA)
@@ -406,9 +414,9 @@ void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double sc
                           const c10::optional<at::Tensor>& raw_norm, const c10::optional<at::Tensor>& inv_scale,
                           double avg, double skip_above, const c10::optional<at::Tensor>& counters,
                           const c10::optional<at::Tensor>& record, const c10::optional<at::Tensor>& ranks,
-                          const c10::optional<at::Tensor>& record_host) {
+                          const c10::optional<at::Tensor>& record_host, const c10::optional<at::Tensor>& spare) {
   step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale, avg,
-               skip_above, counters, record, ranks, record_host);
+               skip_above, counters, record, ranks, record_host, spare);
 }
 void checked_adam_step(const AdamLaunch& l, const std::vector<GradPart>* parts) {
   adam_step_of(l.grad, l.master, l.exp_avg, l.exp_avg_sq, l.model_out, l.segments, l.hparams, l.steps, l.touched,
@@ -475,12 +483,13 @@ void shardamp::register_bindings(py::module& m) {  // module.cpp's PYBIND11_MODU
         py::arg("zero_rest") = false);
   m.def("step_scalars", &shardamp::step_scalars,
         "coef_out = base * scale * clip_coef(max_norm, norm); steps += touched * (1 - skip); with skip_out the "
-        "step's skip (found-inf or a norm spike) and the health counters",
+        "step's skip (found-inf or a norm spike) and the health counters (and spare zeroed)",
         py::arg("coef_out"), py::arg("base"), py::arg("scale"), py::arg("norm"), py::arg("max_norm"),
         py::arg("found_inf"), py::arg("steps"), py::arg("touched"), py::arg("skip_out") = py::none(),
         py::arg("raw_norm") = py::none(), py::arg("inv_scale") = py::none(), py::arg("avg") = 1.0,
         py::arg("skip_above") = std::numeric_limits<double>::infinity(), py::arg("counters") = py::none(),
-        py::arg("record") = py::none(), py::arg("ranks") = py::none(), py::arg("record_host") = py::none());
+        py::arg("record") = py::none(), py::arg("ranks") = py::none(), py::arg("record_host") = py::none(),
+        py::arg("spare") = py::none());
   m.def("nonfinite_flags", &shardamp::nonfinite_flags,
         "flags[index] = 1 (and flags[-1] = 1) for each (start, length, index) row of full holding an inf or NaN",
         py::arg("full"), py::arg("rows"), py::arg("flags"));

@@ -259,13 +259,13 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
                  const at::Tensor& skip_out, const at::Tensor& raw_norm, const c10::optional<at::Tensor>& inv_scale,
                  double avg, double skip_above, const at::Tensor& counters, const at::Tensor& record,
                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
-                 const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
+                 const c10::optional<at::Tensor>& spare, const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                  const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
                  const c10::optional<at::Tensor>& records) {
   const ReleaseGrads release{launches};  // also where a check or the scalars raise before the launches
   check_step_records("step_launch", launches, hparams, touched, skip_out, prepare, records);
   checked_step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out, raw_norm, inv_scale,
-                       avg, skip_above, counters, record, ranks, record_host);
+                       avg, skip_above, counters, record, ranks, record_host, spare);
   launch_all(launches, grads, hparams, touched, skip_out, records, prepare, true);
 }
 
@@ -309,6 +309,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
                                    const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                                    const at::Tensor& counters, const at::Tensor& record,
                                    const c10::optional<at::Tensor>& record_host,
+                                   const c10::optional<at::Tensor>& spare,
                                    const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
                                    const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
                                    c10::optional<at::Tensor> records) {
@@ -328,7 +329,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
     if (ranks_view >= 0) ranks = out[3 + ranks_view];
     const StepHealth health = checked_step_health(coef_out, base, c10::nullopt, out[2], steps, touched, skip_out,
                                                   out[1], inv_scale, avg, skip_above, counters, record, ranks,
-                                                  record_host);
+                                                  record_host, spare);
     check_step_records("stats_step", launches, hparams, touched, skip_out, prepare, records);
     // the records too where they go to the optimizer's buffer and are few enough for one block
     const bool with_records = prepare && records && !launches.empty() && prepare->size(0) <= kHeadSegments;
@@ -351,7 +352,7 @@ std::vector<at::Tensor> stats_step(const std::vector<at::Tensor>& parts, int64_t
   c10::optional<at::Tensor> ranks;
   if (ranks_view >= 0) ranks = out[3 + ranks_view];
   step_launch(coef_out, base, scale, c10::nullopt, 0.0, out[2], steps, touched, skip_out, out[1], inv_scale, avg,
-              skip_above, counters, record, ranks, record_host, launches, grads, hparams, prepare, records);
+              skip_above, counters, record, ranks, record_host, spare, launches, grads, hparams, prepare, records);
   return out;
 }
 

@@ -46,7 +46,7 @@ void checked_step_scalars(at::Tensor coef_out, const at::Tensor& base, double sc
                           const c10::optional<at::Tensor>& raw_norm, const c10::optional<at::Tensor>& inv_scale,
                           double avg, double skip_above, const c10::optional<at::Tensor>& counters,
                           const c10::optional<at::Tensor>& record, const c10::optional<at::Tensor>& ranks,
-                          const c10::optional<at::Tensor>& record_host);
+                          const c10::optional<at::Tensor>& record_host, const c10::optional<at::Tensor>& spare);
 struct StepHealth;  // step_scalars.h
 // checked_step_scalars' checks of its arguments and the health they describe (binding.cpp)
 StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& base,
@@ -55,7 +55,8 @@ StepHealth checked_step_health(const at::Tensor& coef_out, const at::Tensor& bas
                                const c10::optional<at::Tensor>& skip_out, const c10::optional<at::Tensor>& raw_norm,
                                const c10::optional<at::Tensor>& inv_scale, double avg, double skip_above,
                                const c10::optional<at::Tensor>& counters, const c10::optional<at::Tensor>& record,
-                               const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host);
+                               const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
+                               const c10::optional<at::Tensor>& spare);
 // binding.cpp: group_partials as bound (checks included)
 void checked_group_partials(const at::Tensor& grad, const at::Tensor& segments, at::Tensor out, double norm_type,
                             const c10::optional<at::Tensor>& chunks);

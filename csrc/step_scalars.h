@@ -52,7 +52,17 @@ struct StepHealth {
   // the record written again where the host reads it (page-locked memory the kernel reaches through
   // its mapped address), or null: no device-to-host copy for the record (optim/checks/deferred.py)
   float* record_host;
+  // the round flags' spare buffer (optim/step/health.py), zeroed here for the round after this
+  // step, or null: the zero_grad that starts the next round then launches nothing for it
+  float* spare;
+  int64_t spare_count;
 };
+
+// The spare flags' elements i = first, first + stride, ... set to zero (``first``: this thread's
+// index among ``stride`` threads; one thread on the CPU).
+SHARDAMP_HD void zero_spare(const StepHealth& h, int64_t first, int64_t stride) {
+  for (int64_t i = first; i < h.spare_count; i += stride) h.spare[i] = 0.0f;
+}
 
 // ``raw * avg * inv_scale`` in that order, as StepRound forms the norm grad_norm() hands out.
 SHARDAMP_HD float unscaled_norm(const StepHealth& h) {

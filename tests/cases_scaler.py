@@ -277,14 +277,16 @@ class _Records(__import__("logging").Handler):
 
 
 # (step, rank, param name, value): the grads poisoned on that rank only, before their reduction
-NAMED_POISON = {2: [(-1, "b.weight", float("inf"))], 5: [(0, "head.bias", float("nan")), (1, "a.weight", float("-inf"))]}
+# both at even steps: the round's flags take turns between two buffers, so step 6 flags into the
+# one step 2 flagged b.weight in (an earlier round's flag must not come back: step/health.py)
+NAMED_POISON = {2: [(-1, "b.weight", float("inf"))], 6: [(0, "head.bias", float("nan")), (1, "a.weight", float("-inf"))]}
 NAMED_STEPS = 8
 
 
 def case_nonfinite_named(rank, world, device="cpu", **kw):
     """named_parameters() in two groups, tiny buckets (uneven shards): an inf in ONE named
     param's grad on ONE rank (step 2: the last rank's b.weight), then on two ranks at once
-    (step 5: rank 0's head.bias NaN, rank 1's a.weight -inf): every rank's last_nonfinite()
+    (step 6: rank 0's head.bias NaN, rank 1's a.weight -inf): every rank's last_nonfinite()
     names exactly those (rank, name) pairs, the step is skipped as torch skips it (params equal
     unsharded AdamW's, with and without a scaler), step_stats() counts it, and the shardamp
     logger names them once per burst."""

@@ -160,7 +160,8 @@ def test_step_scalars_health_match_reference_bitwise(device):
     counters and the record [reason, unscaled norm], or the whole report [reason, unscaled
     norm, ranks (0 if not given), inverse scale (1 without)]: bit for bit the reference's torch
     ops, for norms below, at and above the threshold, inf and NaN, with and without a scale; the
-    record's host copy (``record_host``) equals it, pinned or not."""
+    record's host copy (``record_host``) equals it, pinned or not; the spare flags (``spare``, of
+    any size: the block's threads stride over it) end all zero."""
     ext = ext_for(device)
     touched = torch.tensor([1.0, 0.0, 1.0, 1.0], device=device)
     cases = [(raw, found, inv, above, 2, None) for raw in (0.0, 0.5, 2.0, 2.0 + 1e-6, 3e38, math.inf, math.nan)
@@ -176,18 +177,21 @@ def test_step_scalars_health_match_reference_bitwise(device):
             host = torch.full((record_len,), -5.0, pin_memory=pinned)
             coef, steps = torch.empty((), device=device), torch.arange(4.0, device=device)
             counters = torch.tensor([5.0, 1.0, 2.0, 3.0], dtype=torch.float64, device=device)
+            spare = None if n_case % 3 == 2 else torch.full((1 + 517 * (n_case % 3),), 7.0, device=device)
             health = dict(skip_out=torch.full((), -1.0, device=device),
                           raw_norm=torch.tensor(raw_value, device=device),
                           inv_scale=None if inv is None else torch.tensor(inv, device=device),
                           avg=0.5, skip_above=above, counters=counters,
                           record=torch.full((record_len,), -1.0, device=device),
                           ranks=None if ranks is None else torch.tensor([ranks], device=device),
-                          record_host=host)
+                          record_host=host, spare=spare)
             fn(coef, torch.tensor(1.0, device=device), 1.0, None, 0.0,
                torch.tensor(found, device=device), steps, touched, **health)
             if device == "cuda":
                 torch.cuda.synchronize()
             torch.testing.assert_close(host, health["record"].cpu(), rtol=0, atol=0, equal_nan=True)
+            if spare is not None:
+                assert spare.eq(0).all(), (fn, spare)
             outs.append((steps, health["skip_out"], counters, health["record"]))
         where = (raw_value, found, inv, above)
         for a, b in zip(*outs):

@@ -181,7 +181,7 @@ def test_nonfinite_named_on_one_rank_reported_everywhere(world: int) -> None:
             skips = [m for m in warned if "skipped: non-finite" in m]
             assert len(skips) == 2, warned
             assert "step 3 skipped" in skips[0] and f"rank {world - 1}: b.weight" in skips[0], skips
-            assert "step 6 skipped" in skips[1] and "rank 0: head.bias; rank 1: a.weight" in skips[1], skips
+            assert "step 7 skipped" in skips[1] and "rank 0: head.bias; rank 1: a.weight" in skips[1], skips
             backoffs = [m for m in warned if "backed off" in m]
             assert len(backoffs) == (2 if key == "scaled=True" else 0), warned
         for other in per_rank[1:]:

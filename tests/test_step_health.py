@@ -119,6 +119,40 @@ def test_last_nonfinite_names_and_default_names() -> None:
     assert named.step_stats()["skipped_nonfinite"] == 1
 
 
+@pytest.mark.parametrize("device, backend", [("cpu", "native"), ("cpu", "reference"), pytest.param(
+    "cuda", "native", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+@pytest.mark.parametrize("scaled", [False, True])
+def test_flags_of_an_earlier_round_do_not_come_back(device: str, backend: str, scaled: bool, monkeypatch) -> None:
+    """The round's non-finite flags live in two buffers taking turns (the last step's are kept
+    beside the current ones); the one a round swaps in was zeroed by the last step's scalar
+    launch, not at ``zero_grad``. An inf in the buffer that comes round again every second round
+    neither skips a later finite step nor shows in its report: the params match torch's AdamW
+    over the steps applied, and a NaN in another param four steps later is reported alone. On
+    CUDA the plain step's launch is the one-block head of the step's one call, the scaled step's
+    the scalar launch."""
+    if backend == "reference":
+        set_env(monkeypatch, "SHARDAMP_KERNELS", "reference")
+    torch.manual_seed(0)
+    model = MLP().to(device)
+    ref = copy.deepcopy(model)
+    opt = DistributedFusedAdam(two_groups(model), lr=1e-2)
+    ropt = torch.optim.AdamW(two_groups(ref), lr=1e-2, weight_decay=0.0)
+    scaler = ShardedGradScaler(device, init_scale=2.0**10, growth_interval=1000) if scaled else None
+    _step(model, opt, 0, poison=math.inf, scaler=scaler)
+    assert opt.last_nonfinite() == [(0, "group 0, param 0, shape (20, 12)")]
+    for step in (1, 2, 3):  # step 2's round starts from the buffer step 0 flagged the inf in
+        _step(model, opt, step, scaler=scaler)
+        _step(ref, ropt, step)
+        assert opt.last_nonfinite() == []
+    stats = opt.step_stats()
+    assert stats["steps"] == 3 and stats["skipped_nonfinite"] == 1 and stats["consecutive_skips"] == 0
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    model.head.weight.register_hook(lambda g: g.clone().fill_(math.nan))  # another param's grad, this time
+    _step(model, opt, 4, scaler=scaler)  # that buffer again
+    assert opt.last_nonfinite() == [(0, "group 1, param 3, shape (5, 20)")]
+
+
 def test_scaled_world1_reads_the_device_when_asked() -> None:
     """A scaler at world 1 reads nothing back per step: the report is read from the device
     when asked, and step_stats() reports the scale and the skip (one host read)."""

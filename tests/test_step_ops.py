@@ -159,6 +159,35 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     assert dict(calls) == want
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_zero_grad_after_a_step_issues_no_op(scaled: bool, clip: bool, groups: int) -> None:
+    """``zero_grad`` after a step drops the grads and starts the next round's non-finite flags
+    without an op of its own: the step's scalar launch zeroed the flags buffer that round swaps in
+    (step/health.py), where a ``zero_`` at ``zero_grad`` cost a GPU host a launch (~14 us) every
+    iteration. The flags' values across rounds: test_step_health.py."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
+              else model.parameters())
+    opt = DistributedFusedAdam(params, lr=1e-3, bucket_cap_mb=0.0002)
+    scaler = ShardedGradScaler("cpu") if scaled else None
+    for step in range(3):
+        _iteration(opt, scaler, model, step, clip, count=False)
+    mode = Ops()
+    with mode:
+        opt.zero_grad()
+    assert mode.ops == []
+    # a zero_grad with no step since the last landing still starts the flags over itself
+    loss = model(torch.randn(4, 8)).square().sum()
+    loss.backward()
+    mode = Ops()
+    with mode:
+        opt.zero_grad()
+    assert mode.ops == ["zero_"], mode.ops
+
+
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the CPU kernels")
 def test_tensor_lr_ops_of_one_rank_are_few() -> None:
     """A tensor lr (capturable, CUDA graphs) on one rank: its value is checked (finite, >= 0) in

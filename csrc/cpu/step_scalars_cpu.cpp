@@ -15,6 +15,7 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
   float live = 1.0f - found;
   if (health != nullptr) {
     update_health(*health, found);
+    zero_spare(*health, 0, 1);
     live = 1.0f - *health->skip_out;
   }
   float* s = steps.data_ptr<float>();

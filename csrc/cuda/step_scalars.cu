@@ -19,13 +19,14 @@ constexpr int kThreads = 256;
 
 // The scalars' work of thread ``first`` of ``stride`` threads (step_scalars_kernel: the grid;
 // stats_step_head_kernel: its one block): thread 0 the coefficient and the health, each thread
-// the step counts i = first, first + stride, ...
+// the step counts and the spare flags (with the health) i = first, first + stride, ...
 __device__ __forceinline__ void form_scalars(float* coef_out, const float* base, float scale, const float* norm,
                                              float max_norm, const float* found_inf, float* steps,
                                              const float* touched, int64_t count, const StepHealth& health,
                                              bool with_health, int64_t first, int64_t stride) {
   if (first == 0) *coef_out = grad_coefficient(*base, scale, norm, max_norm);
   if (first == 0 && with_health) update_health(health, *found_inf);
+  if (with_health) zero_spare(health, first, stride);  // nothing in the launch reads it
   // every thread decides the skip itself from the inputs (no barrier between blocks)
   const float live = with_health ? (step_skipped(health, *found_inf) ? 0.0f : 1.0f) : 1.0f - *found_inf;
   for (int64_t i = first; i < count; i += stride) steps[i] += touched[i] * live;
@@ -170,7 +171,7 @@ void step_scalars(at::Tensor& coef_out, const at::Tensor& base, double scale, co
                   const StepHealth* health) {
   const c10::cuda::CUDAGuard guard(coef_out.device());
   const int64_t count = steps.numel();
-  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr, nullptr, false, nullptr};
+  const StepHealth none{nullptr, nullptr, nullptr, 1.0f, 0.0, nullptr, nullptr, nullptr, false, nullptr, nullptr, 0};
   StepHealth h = health != nullptr ? *health : none;
   float* host_record = map_record(h);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

@@ -158,9 +158,9 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
     """``coef_out = base * scale * clip_coef(max_norm, norm)`` (no clip without ``norm``) and
     ``steps += touched * (1 - found_inf)``, in one launch (contract: ``reference.py``). With
     ``health`` (``skip_out``, ``raw_norm``, ``inv_scale``, ``avg``, ``skip_above``, ``counters``,
-    ``record``, ``ranks``, ``record_host``: optim/step/health.py), the same launch decides the
-    step's skip (found-inf or a norm spike), advances the steps by it and updates the health
-    counters and record (and its host copy)."""
+    ``record``, ``ranks``, ``record_host``, ``spare``: optim/step/health.py), the same launch decides the
+    step's skip (found-inf or a norm spike), advances the steps by it, updates the health
+    counters and record (and its host copy) and zeroes ``spare``."""
     ext = _native(coef_out.device)
     h = health or {}
     if scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, h):
@@ -186,7 +186,7 @@ def scalars_native(ext: Optional[Any], coef_out: Tensor, base: Tensor, norm: Opt
     """Whether the compiled ``step_scalars`` takes these arguments (``h``: its health keywords);
     raises on a ``record_host`` it could never take."""
     tensors = [coef_out, base, found_inf, steps, touched] + ([] if norm is None else [norm]) + [
-        h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record", "ranks") if h.get(k) is not None]
+        h[k] for k in ("skip_out", "raw_norm", "inv_scale", "record", "ranks", "spare") if h.get(k) is not None]
     # once per step: the device as its index (-1 the CPU; .device makes a new object per tensor)
     device, f32 = coef_out.get_device(), torch.float32
     host = h.get("record_host")

@@ -70,7 +70,7 @@ def step_launch(coef_out: Tensor, coef_parts: Tuple[Tensor, float, Optional[Tens
             ext.step_launch(coef_out, base, float(scale), norm, float(max_norm), found_inf, steps, touched, skip,
                             h["raw_norm"], h.get("inv_scale"), float(h.get("avg", 1.0)),
                             float(h.get("skip_above", math.inf)), h["counters"], h["record"], h.get("ranks"),
-                            h.get("record_host"), natives, shards, hparams, table, records)
+                            h.get("record_host"), h.get("spare"), natives, shards, hparams, table, records)
             return
     step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, health)
     launch_adam_all(launches, order, grads, hparams, touched, skip, prepare=prepare)
@@ -100,14 +100,15 @@ class _Accepted:
     """Argument sets a check accepted, held weakly and matched by identity: the plain step hands
     :func:`stats_step` the same persistent tensors every step (the grad coefficient, the step
     counts, the health's skip flag, counters and record, one of the two record slots of
-    checks/deferred.py), so ``scalars_native`` checks them once, not at every step (its checks
+    checks/deferred.py, one of its two round flags as the spare), so ``scalars_native`` checks
+    them once per set, not at every step (its checks
     cost microseconds of host time a step; the native call checks its arguments again anyway).
     A tensor freed and another made at its address never matches: its weak reference is dead.
     An absent optional argument is passed as :data:`NONE`."""
 
     NONE = type("_NoTensor", (), {})()  # weakly referenceable, alive as long as the class
 
-    def __init__(self, size: int = 4) -> None:
+    def __init__(self, size: int = 8) -> None:
         self._size = size
         self._sets: List[Tuple[Any, ...]] = []
 
@@ -130,9 +131,9 @@ def _scalars_take(ext: Any, coef_out: Tensor, base: Tensor, skip: Tensor, steps:
     """Whether the compiled ``step_scalars`` takes :func:`stats_step`'s health tensors (``h``),
     asked once per set of tensors (:class:`_Accepted`). The skip flag stands in for the stats'
     views, which the call makes (fp32 on its parts' device)."""
-    inv, host, none = h.get("inv_scale"), h.get("record_host"), _Accepted.NONE
+    inv, host, spare, none = h.get("inv_scale"), h.get("record_host"), h.get("spare"), _Accepted.NONE
     args = (ext, coef_out, base, skip, steps, none if inv is None else inv, h["counters"], h["record"],
-            none if host is None else host)
+            none if host is None else host, none if spare is None else spare)
     if _STATS_STEP_SCALARS.seen(args):
         return True
     if not scalars_native(ext, coef_out, base, None, skip, steps, steps, dict(h, raw_norm=skip, ranks=None)):
@@ -176,8 +177,8 @@ def stats_step(parts: Sequence[Tensor], end: int, norm_type: float, views: Seque
             return ext.stats_step(list(parts), int(end), float(norm_type), list(views), view_of["touched"],
                                   view_of.get("ranks", -1), groups, coef_out, base, float(scale), steps, skip,
                                   h.get("inv_scale"), float(h.get("avg", 1.0)), float(h.get("skip_above", math.inf)),
-                                  h["counters"], h["record"], h.get("record_host"), natives, shards, hparams, table,
-                                  records)
+                                  h["counters"], h["record"], h.get("record_host"), h.get("spare"), natives, shards,
+                                  hparams, table, records)
     out = stats_cat_finish(parts, end, norm_type, views)
     if groups >= 0:
         group_partials_all(launches, order, grads, out[3 + groups], norm_type, n_params)

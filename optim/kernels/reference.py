@@ -62,7 +62,7 @@ grad_coef, found_inf, adam_w_mode, bias_correction)``
     are converted to ``full``'s dtype). Nothing else in ``full`` is written.
 ``step_scalars(coef_out, base, scale, norm, max_norm, found_inf, steps, touched, skip_out=None,
 raw_norm=None, inv_scale=None, avg=1.0, skip_above=inf, counters=None, record=None, ranks=None,
-record_host=None)``
+record_host=None, spare=None)``
     All fp32 on one device (``counters`` fp64). ``coef_out[0] = base * scale`` times, with ``norm`` given,
     ``clip_grad_norm_``'s coefficient ``min(1, max_norm / (norm + 1e-6))`` formed as torch forms
     it (``(norm + 1e-6).reciprocal() * max_norm``), NaN and infinities read as 1; then
@@ -79,6 +79,8 @@ record_host=None)``
     back after the step. ``record_host`` (a CPU fp32 tensor of the record's size): the record is
     written there too, ordered after the launch on its stream (page-locked memory: the native
     kernel writes it through its mapped address, no copy of its own; other memory is copied).
+    ``spare`` (fp32, any size; with ``skip_out`` only): set to zero in the same launch, nothing
+    reading it (the step health's spare round flags, started over for the next round here).
 ``nonfinite_flags(full, rows, flags)``
     ``full``: a flat grad buffer (fp32 / bf16 / fp16); ``rows``: int64 ``[k, 3]`` of ``(start,
     length, index)`` on ``full``'s device, sorted by start, not overlapping; ``flags``: fp32 on
@@ -213,7 +215,7 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
                  raw_norm: Optional[Tensor] = None, inv_scale: Optional[Tensor] = None, avg: float = 1.0,
                  skip_above: float = math.inf, counters: Optional[Tensor] = None,
                  record: Optional[Tensor] = None, ranks: Optional[Tensor] = None,
-                 record_host: Optional[Tensor] = None) -> None:
+                 record_host: Optional[Tensor] = None, spare: Optional[Tensor] = None) -> None:
     if ranks is not None and (record is None or record.numel() != 4):
         raise ValueError("step_scalars: ranks needs a record of 4 elements")
     if record_host is not None and (record is None or record_host.numel() != record.numel()):
@@ -223,8 +225,12 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
         coef = coef * clip_coef(max_norm, norm)
     coef_out.copy_(coef.reshape(coef_out.shape))
     if skip_out is None:
+        if spare is not None:
+            raise ValueError("step_scalars: spare needs skip_out")
         steps.addcmul_(touched, 1.0 - found_inf)
         return
+    if spare is not None:
+        spare.zero_()
     unscaled = raw_norm.reshape(()) * avg
     if inv_scale is not None:
         unscaled = unscaled * inv_scale.reshape(())

@@ -8,9 +8,12 @@ Where each piece lives, and when the host sees it:
   the last entry "any param"): set in backward by ``kernels.nonfinite_flags`` over each bucket's
   buffer just before its reduce-scatter (grad_sync.py calls :meth:`StepHealth.check_landed`), so
   an inf that only the reduction produced (an fp16 sum overflowing) sets none. They follow the
-  grads: zeroed by the first landing after ``zero_grad``, accumulated otherwise. The last step's
-  flags are kept beside the current ones (``last_flags``): on CUDA the host learns that a step
-  was skipped only at the next step's stats, after the next backward landed.
+  grads: started from zero by the first landing after ``zero_grad``, accumulated otherwise. The
+  last step's flags are kept beside the current ones (``last_flags``): on CUDA the host learns
+  that a step was skipped only at the next step's stats, after the next backward landed. The two
+  buffers take turns; the step's scalar launch zeroes the one the next round takes up (no one
+  reads it once the step is launched), so that round starts with no launch of its own: one
+  launch fewer at every ``zero_grad`` (where one process sets its landing plan) or first landing.
 * **In the one stats all-reduce**, after the touched flags (:meth:`entries`): the number of ranks
   whose own grads held inf/NaN (their "any" flags, SUM; MAX for the inf norm: still "any"), then,
   with several param groups, each group's norm partial (the norm type of the step's stats).
@@ -125,6 +128,11 @@ class StepHealth:
         # host side
         self._landed = False  # a bucket was checked since the last step (the flags are the next step's)
         self._reset = False  # zero_grad since: the next landing starts the flags from zero
+        # the spare flags (last_flags before the round's first landing) were zeroed by the last
+        # step's scalar launch (step_args hands them over, stepped confirms): the round's first
+        # landing swaps them in without a launch of its own
+        self._spare_handed = False
+        self._spare_zero = False
         self._round: Optional[_StepNorms] = None  # this round's, from its stats
         self._last: Optional[_StepNorms] = None  # the last step's
         self.steps = 0  # step() calls (and steps a scaler skipped on the host)
@@ -166,12 +174,13 @@ class StepHealth:
             self._landed = True
             if self._reset and not self.capturable:
                 self.flags, self.last_flags = self.last_flags, self.flags
-                self.flags.zero_()
+                if not self._spare_zero:
+                    self.flags.zero_()
             else:
                 self.last_flags.copy_(self.flags)
                 if self._reset:
                     self.flags.zero_()
-            self._reset = False
+            self._reset = self._spare_zero = False
         elif self._reset:
             self.flags.zero_()
             self._reset = False
@@ -220,16 +229,23 @@ class StepHealth:
                   record_host: Optional[Tensor] = None) -> Dict[str, Any]:
         """``kernels.step_scalars``' ``health`` argument: it decides the skip flag (:attr:`skip`)
         and updates the counters and the record in the step's one scalar launch (and writes the
-        record into ``record_host`` too, where the host reads it: deferred.py)."""
+        record into ``record_host`` too, where the host reads it: deferred.py). The same launch
+        zeroes the spare flags (``spare``: the buffer the next round's first landing swaps in, read
+        by no one once this step is launched: the last step's flags were observed before it), so
+        that landing, often at ``zero_grad``, launches nothing for them. Not with CUDA graphs
+        (the flags are copied there, not swapped)."""
+        spare = None if self.capturable else self.last_flags
+        self._spare_handed = spare is not None
         return dict(skip_out=self.skip, raw_norm=raw_norm, inv_scale=inv_scale, avg=float(avg),
                     skip_above=self.skip_above, counters=self.counters, record=self.record,
                     ranks=self._round.nonfinite_ranks if self._round is not None else None,
-                    record_host=record_host)
+                    record_host=record_host, spare=spare)
 
     def stepped(self, inv_scale: Optional[Tensor]) -> None:
         """The step consumed this round: its norms and flags become the last step's."""
         self.steps += 1
         self._landed = False
+        self._spare_zero, self._spare_handed = self._spare_handed, False  # its launch zeroed the spare
         if self._round is not None:
             self._round.inv_scale = inv_scale
         self._last, self._round = self._round, None
@@ -249,6 +265,7 @@ class StepHealth:
         torch's path read found-inf): count it as the kernel counts a found-inf step, and learn
         its outcome at once (every rank: the scaler's found-inf is agreed). A host sync, as the
         scaler's own."""
+        self._spare_handed = False  # nothing launched: the spare is as it was
         self.counters.add_(torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=self.device))
         one = torch.ones((), dtype=torch.float32, device=self.device)
         ranks = self._round.nonfinite_ranks.reshape(()) if self._round is not None else one * 0.0
