@@ -259,8 +259,9 @@ void step_launch(at::Tensor coef_out, const at::Tensor& base, double scale, cons
                  const at::Tensor& skip_out, const at::Tensor& raw_norm, const c10::optional<at::Tensor>& inv_scale,
                  double avg, double skip_above, const at::Tensor& counters, const at::Tensor& record,
                  const c10::optional<at::Tensor>& ranks, const c10::optional<at::Tensor>& record_host,
-                 const c10::optional<at::Tensor>& spare, const std::vector<AdamLaunch*>& launches, const std::vector<at::Tensor>& grads,
-                 const at::Tensor& hparams, const c10::optional<at::Tensor>& prepare,
+                 const c10::optional<at::Tensor>& spare, const std::vector<AdamLaunch*>& launches,
+                 const std::vector<at::Tensor>& grads, const at::Tensor& hparams,
+                 const c10::optional<at::Tensor>& prepare,
                  const c10::optional<at::Tensor>& records) {
   const ReleaseGrads release{launches};  // also where a check or the scalars raise before the launches
   check_step_records("step_launch", launches, hparams, touched, skip_out, prepare, records);

@@ -261,9 +261,9 @@ def test_an_unclipped_step_is_one_call_bit_for_bit(device, monkeypatch):
 def test_the_one_call_checks_its_health_tensors_once_per_set(device, monkeypatch):
     """The plain step hands its one native call the same persistent tensors every step: their
     check (``scalars_native``) runs once per set (the host's record slot and the health's spare
-    flags each alternate between two, together: two sets at most), and the trained values, norms and health are those of checking
-    at every step (an inf in one step's grads), and train as torch.optim.AdamW does (the inf
-    step skipped)."""
+    flags each alternate between two, together: two sets at most), and the trained values,
+    norms and health are those of checking at every step (an inf in one step's grads), and
+    train as torch.optim.AdamW does (the inf step skipped)."""
     from shardamp.optim.kernels import fused_step
 
     def train(memo: bool) -> tuple:
