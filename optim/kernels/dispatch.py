@@ -158,9 +158,9 @@ def step_scalars(coef_out: Tensor, base: Tensor, scale: float, norm: Optional[Te
     """``coef_out = base * scale * clip_coef(max_norm, norm)`` (no clip without ``norm``) and
     ``steps += touched * (1 - found_inf)``, in one launch (contract: ``reference.py``). With
     ``health`` (``skip_out``, ``raw_norm``, ``inv_scale``, ``avg``, ``skip_above``, ``counters``,
-    ``record``, ``ranks``, ``record_host``, ``spare``: optim/step/health.py), the same launch decides the
-    step's skip (found-inf or a norm spike), advances the steps by it, updates the health
-    counters and record (and its host copy) and zeroes ``spare``."""
+    ``record``, ``ranks``, ``record_host``, ``spare``: optim/step/health.py), the same launch
+    decides the step's skip (found-inf or a norm spike), advances the steps by it, updates the
+    health counters and record (and its host copy) and zeroes ``spare``."""
     ext = _native(coef_out.device)
     h = health or {}
     if scalars_native(ext, coef_out, base, norm, found_inf, steps, touched, h):

@@ -101,8 +101,8 @@ class _Accepted:
     :func:`stats_step` the same persistent tensors every step (the grad coefficient, the step
     counts, the health's skip flag, counters and record, one of the two record slots of
     checks/deferred.py, one of its two round flags as the spare), so ``scalars_native`` checks
-    them once per set, not at every step (its checks
-    cost microseconds of host time a step; the native call checks its arguments again anyway).
+    them once per set, not at every step (its checks cost microseconds of host time a step; the
+    native call checks its arguments again anyway).
     A tensor freed and another made at its address never matches: its weak reference is dead.
     An absent optional argument is passed as :data:`NONE`."""
 
