@@ -119,6 +119,20 @@ def _native_calls(opt, scaler, model, clip: bool) -> Counter:
     return calls
 
 
+def _trained_small_buckets(groups: int, scaled: bool, clip: bool):
+    """A two-layer model over buckets of a few params each (``groups`` 2: a group per layer),
+    three iterations in: ``(model, opt, scaler or None)``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
+              else model.parameters())
+    opt = DistributedFusedAdam(params, lr=1e-3, bucket_cap_mb=0.0002)
+    scaler = ShardedGradScaler("cpu") if scaled else None
+    for step in range(3):
+        _iteration(opt, scaler, model, step, clip, count=False)
+    return model, opt, scaler
+
+
 @pytest.mark.skipif(kernels.backend(torch.device("cpu")) != "native", reason="needs the CPU kernels")
 @pytest.mark.parametrize("clip", [True, False])
 @pytest.mark.parametrize("groups", [1, 2])
@@ -138,14 +152,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
     zero-copy path should not make, shows up here."""
     if copy:
         set_env(monkeypatch, "SHARDAMP_COPY_GRADS", "1")
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
-              else model.parameters())
-    opt = DistributedFusedAdam(params, lr=1e-3, bucket_cap_mb=0.0002)
-    scaler = ShardedGradScaler("cpu") if scaled else None
-    for step in range(3):
-        _iteration(opt, scaler, model, step, clip, count=False)
+    model, opt, scaler = _trained_small_buckets(groups, scaled, clip)
     buckets = len(opt._buckets)
     assert buckets >= 2  # the per-bucket counts are told apart from the per-step ones
     want = {"stats_cat_finish": 1, "step_launch": 1} if scaled or clip else {"stats_step": 1}
@@ -167,14 +174,7 @@ def test_zero_grad_after_a_step_issues_no_op(scaled: bool, clip: bool, groups: i
     without an op of its own: the step's scalar launch zeroed the flags buffer that round swaps in
     (step/health.py), where a ``zero_`` at ``zero_grad`` cost a GPU host a launch (~14 us) every
     iteration. The flags' values across rounds: test_step_health.py."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    params = ([{"params": model[0].parameters()}, {"params": model[2].parameters()}] if groups == 2
-              else model.parameters())
-    opt = DistributedFusedAdam(params, lr=1e-3, bucket_cap_mb=0.0002)
-    scaler = ShardedGradScaler("cpu") if scaled else None
-    for step in range(3):
-        _iteration(opt, scaler, model, step, clip, count=False)
+    model, opt, _ = _trained_small_buckets(groups, scaled, clip)
     mode = Ops()
     with mode:
         opt.zero_grad()
