@@ -172,7 +172,7 @@ def test_native_calls_per_iteration_are_pinned(clip: bool, groups: int, scaled: 
 def test_zero_grad_after_a_step_issues_no_op(scaled: bool, clip: bool, groups: int) -> None:
     """``zero_grad`` after a step drops the grads and starts the next round's non-finite flags
     without an op of its own: the step's scalar launch zeroed the flags buffer that round swaps in
-    (step/health.py), where a ``zero_`` at ``zero_grad`` cost a GPU host a launch (~14 us) every
+    (step/health.py), where a ``zero_`` at ``zero_grad`` cost a GPU host a launch every
     iteration. The flags' values across rounds: test_step_health.py."""
     model, opt, _ = _trained_small_buckets(groups, scaled, clip)
     mode = Ops()

@@ -129,9 +129,8 @@ class StepHealth:
         self._landed = False  # a bucket was checked since the last step (the flags are the next step's)
         self._reset = False  # zero_grad since: the next landing starts the flags from zero
         # the spare flags (last_flags before the round's first landing) were zeroed by the last
-        # step's scalar launch (step_args hands them over, stepped confirms): the round's first
-        # landing swaps them in without a launch of its own
-        self._spare_handed = False
+        # step's scalar launch (step_args hands them over): the round's first landing swaps them
+        # in without a launch of its own
         self._spare_zero = False
         self._round: Optional[_StepNorms] = None  # this round's, from its stats
         self._last: Optional[_StepNorms] = None  # the last step's
@@ -235,17 +234,18 @@ class StepHealth:
         that landing, often at ``zero_grad``, launches nothing for them. Not with CUDA graphs
         (the flags are copied there, not swapped)."""
         spare = None if self.capturable else self.last_flags
-        self._spare_handed = spare is not None
         return dict(skip_out=self.skip, raw_norm=raw_norm, inv_scale=inv_scale, avg=float(avg),
                     skip_above=self.skip_above, counters=self.counters, record=self.record,
                     ranks=self._round.nonfinite_ranks if self._round is not None else None,
                     record_host=record_host, spare=spare)
 
-    def stepped(self, inv_scale: Optional[Tensor]) -> None:
-        """The step consumed this round: its norms and flags become the last step's."""
+    def stepped(self, inv_scale: Optional[Tensor], launched: bool = True) -> None:
+        """The step consumed this round: its norms and flags become the last step's.
+        ``launched``: its scalar launch ran with :meth:`step_args` (False: a scaler skipped it on
+        the host), so it zeroed the spare flags."""
         self.steps += 1
         self._landed = False
-        self._spare_zero, self._spare_handed = self._spare_handed, False  # its launch zeroed the spare
+        self._spare_zero = launched and not self.capturable
         if self._round is not None:
             self._round.inv_scale = inv_scale
         self._last, self._round = self._round, None
@@ -265,13 +265,12 @@ class StepHealth:
         torch's path read found-inf): count it as the kernel counts a found-inf step, and learn
         its outcome at once (every rank: the scaler's found-inf is agreed). A host sync, as the
         scaler's own."""
-        self._spare_handed = False  # nothing launched: the spare is as it was
         self.counters.add_(torch.tensor([0.0, 1.0, 0.0, 1.0], dtype=torch.float64, device=self.device))
         one = torch.ones((), dtype=torch.float32, device=self.device)
         ranks = self._round.nonfinite_ranks.reshape(()) if self._round is not None else one * 0.0
         inv = one if inv_scale is None else inv_scale.reshape(()).to(device=self.device, dtype=torch.float32)
         self.record.copy_(torch.stack([one, unscaled_norm.reshape(()).float(), ranks, inv]))
-        self.stepped(inv_scale)
+        self.stepped(inv_scale, launched=False)
         self.observe(self.steps, self.pushed_record().tolist(), scaled=inv_scale is not None)
 
     # ------------------------------------------------------------------ the host learns the outcome
