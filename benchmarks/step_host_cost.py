@@ -189,8 +189,7 @@ def main() -> None:
     if isinstance(args_of[6], int):  # the group partials' view (older builds have none): not timed apart below
         del args_of[6]
     (parts, end, norm_type, views, touched_view, ranks_view, coef_out, base, scale, steps, skip, inv_scale, avg,
-     skip_above, counters, record, record_host, natives, shards, hparams, table, *more) = args_of
-    records = more[0] if more else None  # the records' persistent buffer (a tree before it passed none)
+     skip_above, counters, record, record_host, spare, natives, shards, hparams, table, records) = args_of
     out = real(*captured["stats_step"])
     touched, ranks = out[3 + touched_view], (out[3 + ranks_view] if ranks_view >= 0 else None)
 
@@ -219,7 +218,7 @@ def main() -> None:
         "  stats_cat_finish": (lambda: ext.stats_cat_finish(parts, end, norm_type, views), nothing),
         "  step_scalars": (lambda: ext.step_scalars(coef_out, base, scale, None, 0.0, out[2], steps, touched, skip,
                                                     out[1], inv_scale, avg, skip_above, counters, record, ranks,
-                                                    record_host), nothing),
+                                                    record_host, spare), nothing),
         # where the step's head forms the records (a buffer passed), the launches read them as formed
         "  adam_launch_all": (lambda: ext.adam_launch_all(natives, shards, hparams, touched, skip, records,
                                                           None if records is not None else table), nothing),

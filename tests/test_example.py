@@ -379,6 +379,31 @@ def test_bench_frameworks_two_ranks_cpu_smoke(tmp_path: Path) -> None:
     assert proc.stdout.count("lightning mlp bf16 repeat 0 default") == 1, proc.stdout
 
 
+def test_step_host_cost_cpu_smoke(tmp_path: Path) -> None:
+    """benchmarks/step_host_cost.py on the CPU: it captures the step's one native call from a
+    real step and calls it again, whole and in its parts, so a change to that call's arguments
+    must be followed there; every row timed, both call trees written."""
+    script = BENCHMARKS / "step_host_cost.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    calls = tmp_path / "calls.txt"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cpu", "--rounds", "1", "--iters", "2",
+                           "--groups", "2", "--calls-out", str(calls)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = {}
+    for line in proc.stdout.splitlines():
+        name, _, rest = line.rpartition("  ")
+        if rest.startswith("(rounds"):
+            name, _, value = line.split("(rounds")[0].rstrip().rpartition(" ")
+            rows[name.strip()] = float(value)
+    for row in ("shardamp opt.step()", "torch AdamW(fused).step()", "stats_step (the step's one call)",
+                "stats_cat_finish", "step_scalars", "adam_launch_all", "stats_step, inside opt.step()"):
+        assert rows.get(row, 0.0) > 0.0, (row, proc.stdout)
+    tree = calls.read_text()
+    assert "== shardamp opt.step():" in tree and "DistributedFusedAdam.step" in tree, tree[:2000]
+    assert "== torch AdamW(fused).step():" in tree, tree[-2000:]
+
+
 def test_profile_backward_cpu_smoke(tmp_path: Path) -> None:
     """benchmarks/profile_backward.py on the CPU: both backwards timed, the callbacks counted (the
     first grad and the bucket events, or the end the hook queued: at least one each per backward),
