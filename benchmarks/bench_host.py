@@ -11,8 +11,10 @@ shardamp = ``DistributedFusedAdam`` + ``ShardedGradScaler`` + ``opt.clip_grad_no
 * ``model`` rows: median iteration time (ms) of interleaved repeats (torch, shardamp, shardamp,
   torch, ...; each repeat ``--iters`` iterations, synchronized at its ends; each side built
   ``--builds`` times, pooled), speed ratio torch / shardamp (>= 1.00 means shardamp is no
-  slower) with the geometric mean of the paired repeats' ratios and its 95% t-interval, and
-  peak memory of each alone. Models:
+  slower) with the geometric mean of the paired repeats' ratios and its 95% t-interval, the
+  same over each repeat's median iteration (CUDA events after each iteration, no sync inside a
+  repeat: the few iterations another process on the host slowed do not move it), and peak
+  memory of each alone. Models:
   ResNet-50 channels_last fp16 in five loops, torch.compile(ResNet-18), a diffusion UNet (fp16
   and bf16), GPT-2 124M bf16, the examples' MLP in bf16 (host-bound: the
   fixed cost per step), ``many params`` (1024 x 4096). On the CPU: a small ResNet-like
@@ -78,7 +80,8 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
                         fns[f"{side}#{k}"] = build("torch" if side == "torch" else "shardamp", variant=variant)
                 runs: Dict[str, List[float]] = {}
                 objects: Dict[str, float] = {}
-                interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects)
+                medians: Dict[str, List[float]] = {}
+                interleaved(fns, device, args.warmup, args.iters, args.repeats, runs, objects, medians)
             except Exception as exc:  # noqa: BLE001 - e.g. no compiler for torch.compile
                 print(f"ERROR {name}: {type(exc).__name__}: {exc}", flush=True)
                 rows.append(dict(kind="error", name=name, error=f"{type(exc).__name__}: {exc}"))
@@ -87,12 +90,16 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             # pooled over the builds, in the same order on every side: runs[i] of two sides ran
             # back to back (same build index, same repeat)
             pooled = {side: [t for k in range(builds) for t in runs.get(f"{side}#{k}", [])] for side in sides}
+            pooled_medians = {side: [t for k in range(builds) for t in medians.get(f"{side}#{k}", [])]
+                              for side in sides}
             ms = {side: statistics.median(v) for side, v in pooled.items() if v}
             left = {side: statistics.median([objects[f"{side}#{k}"] for k in range(builds)]) for side in ms}
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)
                    for impl in ("torch", "shardamp")}
             row = dict(kind="model", name=name, builds=builds, torch_ms=ms["torch"], shardamp_ms=ms["shardamp"],
                        speed=ms["torch"] / ms["shardamp"], torch_runs=pooled["torch"], shardamp_runs=pooled["shardamp"],
+                       torch_iteration_medians=pooled_medians["torch"],
+                       shardamp_iteration_medians=pooled_medians["shardamp"],
                        torch_gc_objects=left["torch"], shardamp_gc_objects=left["shardamp"],
                        **{f"{impl}_peak": m and m["peak"] for impl, m in mem.items()},
                        **{f"{impl}_memory": m for impl, m in mem.items()})
@@ -382,6 +389,9 @@ def _fmt(row: dict) -> str:
                      f"median {statistics.median(speeds):.2f}x,"
                      f" geometric mean {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}];"
                      f" objects left to the gc per iteration {row['torch_gc_objects']:.0f} vs {row['shardamp_gc_objects']:.0f})")
+        if row.get("torch_iteration_medians"):  # each repeat's median iteration: what a few slowed ones do not move
+            mean, lo, hi = paired_ratio(row["torch_iteration_medians"], row["shardamp_iteration_medians"])
+            text += f"\n    median iteration, torch / shardamp: geometric mean {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}]"
         for v, got in row.get("variants", {}).items():  # --variants: each against the default build
             mean, lo, hi = paired_ratio(got["runs"], row["shardamp_runs"])
             text += (f"\n    shardamp, {v}: {got['ms']:.2f} ms; variant / default {mean:.3f}x [95% t {lo:.3f}-{hi:.3f}]"

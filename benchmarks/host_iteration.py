@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -136,9 +136,17 @@ def make_iteration(impl: str, model: torch.nn.Module, batch: Callable, loss_fn: 
 
 def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup: int, iters: int,
                 repeats: int, samples: Optional[Dict[str, List[float]]] = None,
-                gc_objects: Optional[Dict[str, float]] = None) -> Dict[str, float]:
+                gc_objects: Optional[Dict[str, float]] = None,
+                iteration_medians: Optional[Dict[str, List[float]]] = None) -> Dict[str, float]:
     """Median ms per call of each fn, repeats interleaved (the order flips every repeat); each
     repeat's ms into ``samples[name]`` if given.
+
+    ``iteration_medians``: each repeat's median call too (ms), into ``iteration_medians[name]``:
+    on CUDA the gaps between events recorded after each call (no sync inside the repeat: on a
+    host-bound loop the GPU waits for the host, so a gap is a call's host time), on the CPU
+    ``perf_counter`` around each call. A repeat's mean moves with the few calls another process
+    on the host slowed; its median does not, so the paired ratios of the medians scatter less
+    on a shared host. Both sides record the same one event a call.
 
     Python's cyclic garbage collector is run between repeats and kept off inside them: a
     full collection over a heap of torch, torchvision and transformers objects takes tens of ms,
@@ -161,11 +169,17 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
                 gc.disable()
                 sync(device)
                 before = gc.get_count()[0]
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fns[name]()
-                sync(device)
-                times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+                fn = fns[name]
+                if iteration_medians is None:
+                    t0 = time.perf_counter()
+                    for _ in range(iters):
+                        fn()
+                    sync(device)
+                    times[name].append((time.perf_counter() - t0) * 1e3 / iters)
+                else:
+                    ms, median = _timed_calls(fn, device, iters)
+                    times[name].append(ms)
+                    iteration_medians.setdefault(name, []).append(median)
                 left[name].append((gc.get_count()[0] - before) / iters)
                 gc.enable()
     finally:
@@ -178,6 +192,27 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
     if gc_objects is not None:
         gc_objects.update({k: statistics.median(v) for k, v in left.items()})
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _timed_calls(fn: Callable[[], None], device: torch.device, iters: int) -> Tuple[float, float]:
+    """``iters`` calls of ``fn``: (mean ms a call from the first call to the last one's end on
+    the device, median ms a call). CUDA: an event before the first call and after each (made
+    before the loop), read after one sync at the end."""
+    if device.type == "cuda":
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        events[0].record()
+        for k in range(iters):
+            fn()
+            events[k + 1].record()
+        sync(device)
+        gaps = [events[k].elapsed_time(events[k + 1]) for k in range(iters)]
+        return sum(gaps) / iters, statistics.median(gaps)
+    gaps = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        gaps.append((time.perf_counter() - t0) * 1e3)
+    return sum(gaps) / iters, statistics.median(gaps)
 
 
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,

@@ -101,6 +101,7 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
            "--threads", "1", "--world2", "--variants", "inline-free,no-overlap", "--profile", str(tmp_path / "prof"), "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "median iteration, torch / shardamp: geometric mean" in proc.stdout, proc.stdout
     result = json.loads((tmp_path / "bench_host.json").read_text())
     rows, names = result["rows"], [r["name"] for r in result["rows"]]
     assert not result["errors"] and not any(r["kind"] == "error" for r in rows), result
@@ -124,6 +125,10 @@ def test_bench_host_cpu_smoke(tmp_path: Path) -> None:
     for r in rows:
         if r["kind"] == "model":
             assert r["torch_ms"] > 0 and r["shardamp_ms"] > 0, r
+            # each repeat's median iteration beside its mean, one per repeat and build
+            for side in ("torch", "shardamp"):
+                medians = r[f"{side}_iteration_medians"]
+                assert len(medians) == len(r[f"{side}_runs"]) and all(m > 0 for m in medians), r
             assert set(r["variants"]) == expected, r  # --variants: each measured
             assert all(v["ms"] > 0 and len(v["runs"]) == len(r["shardamp_runs"]) for v in r["variants"].values()), r
         elif r["kind"] == "backward":
