@@ -195,24 +195,27 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
 
 
 def _timed_calls(fn: Callable[[], None], device: torch.device, iters: int) -> Tuple[float, float]:
-    """``iters`` calls of ``fn``: (mean ms a call from the first call to the last one's end on
-    the device, median ms a call). CUDA: an event before the first call and after each (made
-    before the loop), read after one sync at the end."""
+    """``iters`` calls of ``fn``: (mean ms a call, the repeat timed as without the medians: from
+    before the first call to after the sync that ends it; median ms a call). CUDA: an event
+    before the first call and after each (made before the loop), read after that sync."""
     if device.type == "cuda":
         events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        t0 = time.perf_counter()
         events[0].record()
         for k in range(iters):
             fn()
             events[k + 1].record()
         sync(device)
-        gaps = [events[k].elapsed_time(events[k + 1]) for k in range(iters)]
-        return sum(gaps) / iters, statistics.median(gaps)
+        mean = (time.perf_counter() - t0) * 1e3 / iters
+        return mean, statistics.median(events[k].elapsed_time(events[k + 1]) for k in range(iters))
     gaps = []
+    t0 = time.perf_counter()
     for _ in range(iters):
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         fn()
-        gaps.append((time.perf_counter() - t0) * 1e3)
-    return sum(gaps) / iters, statistics.median(gaps)
+        gaps.append((time.perf_counter() - t1) * 1e3)
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3 / iters, statistics.median(gaps)
 
 
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
