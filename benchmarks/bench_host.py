@@ -89,9 +89,10 @@ def model_rows(args, device: torch.device, wanted: Callable[[str], bool]) -> Lis
             del fns  # every build: not alive through peak_memory and the next row
             # pooled over the builds, in the same order on every side: runs[i] of two sides ran
             # back to back (same build index, same repeat)
-            pooled = {side: [t for k in range(builds) for t in runs.get(f"{side}#{k}", [])] for side in sides}
-            pooled_medians = {side: [t for k in range(builds) for t in medians.get(f"{side}#{k}", [])]
-                              for side in sides}
+            def pool(per_build: Dict[str, List[float]]) -> Dict[str, List[float]]:
+                return {side: [t for k in range(builds) for t in per_build.get(f"{side}#{k}", [])] for side in sides}
+
+            pooled, pooled_medians = pool(runs), pool(medians)
             ms = {side: statistics.median(v) for side, v in pooled.items() if v}
             left = {side: statistics.median([objects[f"{side}#{k}"] for k in range(builds)]) for side in ms}
             mem = {impl: None if compile_ else peak_memory(lambda impl=impl: build(impl), device)

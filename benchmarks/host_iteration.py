@@ -169,16 +169,9 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
                 gc.disable()
                 sync(device)
                 before = gc.get_count()[0]
-                fn = fns[name]
-                if iteration_medians is None:
-                    t0 = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    sync(device)
-                    times[name].append((time.perf_counter() - t0) * 1e3 / iters)
-                else:
-                    ms, median = _timed_calls(fn, device, iters)
-                    times[name].append(ms)
+                ms, median = _timed_repeat(fns[name], device, iters, per_call=iteration_medians is not None)
+                times[name].append(ms)
+                if iteration_medians is not None:
                     iteration_medians.setdefault(name, []).append(median)
                 left[name].append((gc.get_count()[0] - before) / iters)
                 gc.enable()
@@ -194,28 +187,30 @@ def interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, warmup
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def _timed_calls(fn: Callable[[], None], device: torch.device, iters: int) -> Tuple[float, float]:
-    """``iters`` calls of ``fn``: (mean ms a call, the repeat timed as without the medians: from
-    before the first call to after the sync that ends it; median ms a call). CUDA: an event
-    before the first call and after each (made before the loop), read after that sync."""
-    if device.type == "cuda":
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-        t0 = time.perf_counter()
-        events[0].record()
-        for k in range(iters):
-            fn()
-            events[k + 1].record()
-        sync(device)
-        mean = (time.perf_counter() - t0) * 1e3 / iters
-        return mean, statistics.median(events[k].elapsed_time(events[k + 1]) for k in range(iters))
-    gaps = []
+def _timed_repeat(fn: Callable[[], None], device: torch.device, iters: int,
+                  per_call: bool) -> Tuple[float, Optional[float]]:
+    """One repeat of ``iters`` calls of ``fn``: (mean ms a call, from before the first call to
+    after the sync that ends the repeat; with ``per_call``, the median ms a call, else None).
+    Per call on CUDA: an event before the first call and after each (made before the loop), read
+    after that sync; on the CPU ``perf_counter`` around each call."""
+    cuda = per_call and device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)] if cuda else []
+    gaps: List[float] = []
     t0 = time.perf_counter()
-    for _ in range(iters):
-        t1 = time.perf_counter()
+    if cuda:
+        events[0].record()
+    for k in range(iters):
+        t1 = time.perf_counter() if per_call else 0.0
         fn()
-        gaps.append((time.perf_counter() - t1) * 1e3)
+        if cuda:
+            events[k + 1].record()
+        elif per_call:
+            gaps.append((time.perf_counter() - t1) * 1e3)
     sync(device)
-    return (time.perf_counter() - t0) * 1e3 / iters, statistics.median(gaps)
+    mean = (time.perf_counter() - t0) * 1e3 / iters
+    if cuda:
+        gaps = [events[k].elapsed_time(events[k + 1]) for k in range(iters)]
+    return mean, statistics.median(gaps) if per_call else None
 
 
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,

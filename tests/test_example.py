@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -395,12 +396,8 @@ def test_step_host_cost_cpu_smoke(tmp_path: Path) -> None:
                            "--groups", "2", "--calls-out", str(calls)],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = {}
-    for line in proc.stdout.splitlines():
-        name, _, rest = line.rpartition("  ")
-        if rest.startswith("(rounds"):
-            name, _, value = line.split("(rounds")[0].rstrip().rpartition(" ")
-            rows[name.strip()] = float(value)
+    # each timed row: "<name>  <median us>   (rounds <min>-<max>)"
+    rows = {m[1]: float(m[2]) for m in re.finditer(r"^\s*(.+?)\s+([\d.]+)\s+\(rounds", proc.stdout, re.M)}
     for row in ("shardamp opt.step()", "torch AdamW(fused).step()", "stats_step (the step's one call)",
                 "stats_cat_finish", "step_scalars", "adam_launch_all", "stats_step, inside opt.step()"):
         assert rows.get(row, 0.0) > 0.0, (row, proc.stdout)
